@@ -1,0 +1,216 @@
+"""The in-process engine: a manager thread whose loop is admit -> complete -> schedule/submit.
+
+    engine = Engine(["lstm"]); engine.start()
+    result = engine.submit("lstm", {"tokens": [5, 7, 9]}).result()   # Result(outputs, timing)
+"""
+import asyncio
+import copy
+import itertools
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchmaker.errors import BadRequestError, BatchMakerError, CancelledError, EngineStoppedError, UnknownModelError
+from batchmaker.model import DEFAULT_BATCH_SIZES, CellType, Model
+from batchmaker.registry import build_model
+from batchmaker.request import Request, Result
+from batchmaker.request_processor import RequestProcessor
+from batchmaker.scheduler import Scheduler, SchedulerConfig
+from batchmaker.worker import CPUWorker, Worker
+
+log = logging.getLogger("batchmaker")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    devices: tuple[str, ...] = ("cpu",)  # one worker per entry; "cpu" twice gives two CPU workers
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+class Engine:
+    def __init__(self, models: Iterable[Model | str], config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.models = {m.name: m for m in (build_model(m) if isinstance(m, str) else m for m in models)}
+        self.cell_types = _cell_types(self.models.values())  # model -> cell name -> CellType
+        distinct = list({id(ct): ct for cts in self.cell_types.values() for ct in cts.values()}.values())
+        self.scheduler = Scheduler(distinct, config.scheduler)
+        self.workers: list[Worker] = []
+        self.processor = RequestProcessor(self.scheduler, self._read, self._release)
+        self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
+        self.num_tasks = 0
+        self._distinct = distinct
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # public API -----------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        for device in self.config.devices:
+            self.workers.append(self._make_worker(len(self.workers), torch.device(device)))
+        self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop; requests still unfinished fail with EngineStoppedError."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+        for worker in self.workers:
+            worker.close()
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def submit(self, model: str, inputs: dict[str, Any]) -> Future:
+        """Queue one request; the future resolves to a Result or raises a BatchMakerError."""
+        future: Future = Future()
+        future.request_id = next(self._ids)
+        if self._thread is None or self._stopping:
+            future.set_exception(EngineStoppedError("the engine is not running"))
+        elif model not in self.models:
+            future.set_exception(UnknownModelError(model, self.models))
+        elif not isinstance(inputs, dict):
+            future.set_exception(BadRequestError(f"inputs must be a dict, got {type(inputs).__name__}"))
+        else:
+            self._inbox.put(Request(future.request_id, model, inputs, future))
+            self._wake.set()
+        return future
+
+    async def submit_async(self, model: str, inputs: dict[str, Any]) -> Result:
+        return await asyncio.wrap_future(self.submit(model, inputs))
+
+    def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        return self.submit(model, inputs).result(timeout).outputs
+
+    def cancel(self, request_id: int) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for benchmarks and leak checks (read from any thread; approximate while busy)."""
+        return {
+            "num_live_requests": len(self.processor.requests),
+            "num_live_nodes": self.processor.num_live_nodes,
+            "num_ready_nodes": self.scheduler.num_ready,
+            "num_rows_used": [w.memory.num_rows_used for w in self.workers],
+            "num_tasks_in_flight": [w.num_in_flight for w in self.workers],
+            "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
+            "num_tasks": self.num_tasks,
+            "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(self.batch_sizes.items())},
+        }
+
+    # manager thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                progressed = self._admit() | self._complete() | self._schedule()
+            except Exception:  # a bug in the engine: fail what is live rather than hang
+                log.exception("engine loop failed; failing live requests")
+                self._fail_all(BatchMakerError("internal engine error"))
+                progressed = True
+            if self._stopping and not any(w.num_in_flight for w in self.workers):
+                self._admit()
+                self._fail_all(EngineStoppedError("the engine stopped"))
+                return
+            if not progressed and not self._is_spinning():
+                self._wake.wait(0.05)
+
+    def _admit(self) -> bool:
+        admitted = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return admitted
+            admitted = True
+            if isinstance(item, tuple):
+                request = self.processor.requests.get(item[1])
+                if request is not None:
+                    self.processor.fail(request, CancelledError(f"request {item[1]} cancelled"))
+            elif self._stopping:
+                item.future.set_exception(EngineStoppedError("the engine stopped"))
+            else:
+                self.processor.admit(item, self.models[item.model], self.cell_types[item.model])
+
+    def _complete(self) -> bool:
+        progressed = False
+        for worker in self.workers:
+            for task in worker.poll():
+                worker.finish(task)
+                self.scheduler.complete(task)
+                self.processor.complete(task)
+                progressed = True
+        return progressed
+
+    def _schedule(self) -> bool:
+        progressed = False
+        for worker in self.workers:
+            if worker.num_in_flight or self._stopping:
+                continue
+            for task in self.scheduler.schedule(worker.id):
+                worker.submit(task)
+                self.processor.on_submit(task)
+                self.num_tasks += 1
+                self.batch_sizes[(task.cell_type.name, task.num_rows)] += 1
+                progressed = True
+        return progressed
+
+    def _is_spinning(self) -> bool:
+        """CUDA workers are polled, not woken: spin while they have work in flight."""
+        return any(w.num_in_flight and not isinstance(w, CPUWorker) for w in self.workers)
+
+    def _fail_all(self, error: BatchMakerError) -> None:
+        for request in list(self.processor.requests.values()):
+            self.processor.fail(request, error)
+
+    def _read(self, ref):
+        return self.workers[ref.node.worker_id].read(ref)
+
+    def _release(self, node) -> None:
+        self.workers[node.worker_id].release(node)
+
+    def _make_worker(self, worker_id: int, device: torch.device) -> Worker:
+        cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
+        if device.type == "cuda":
+            from batchmaker.cuda_worker import CUDAWorker
+            return CUDAWorker(worker_id, device, cells, self.workers)
+        return CPUWorker(worker_id, device, cells, self.workers, on_done=self._wake.set)
+
+
+def _place(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The cell on `device`, in eval mode; CPU workers share the registered module itself."""
+    cell.eval()
+    if device.type == "cpu":
+        return cell
+    return copy.deepcopy(cell).to(device).eval()
+
+
+def _cell_types(models: Iterable[Model]) -> dict[str, dict[str, CellType]]:
+    """CellTypes per model; one registered Cell object used by two models is one type."""
+    by_cell: dict[int, CellType] = {}
+    out: dict[str, dict[str, CellType]] = {}
+    for model in models:
+        out[model.name] = {}
+        for name, cell in model.cells.items():
+            if id(cell) not in by_cell:
+                by_cell[id(cell)] = CellType(f"{model.name}/{name}", cell, model.priorities.get(name, 0),
+                                             tuple(sorted(model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))))
+            out[model.name][name] = by_cell[id(cell)]
+    return out

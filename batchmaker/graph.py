@@ -1,0 +1,159 @@
+"""A request's cell graph: nodes, the refs between them, and its partition into subgraphs.
+
+Unfolders build the graph through `GraphBuilder.add`; the request processor partitions each batch
+of newly added nodes into subgraphs (connected nodes of one cell type) with a union-find over
+plain lists, and `to_networkx` exports the graph for inspection and tests.
+"""
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import networkx as nx
+import torch
+
+from batchmaker.errors import BadRequestError
+from batchmaker.model import CellType
+
+if TYPE_CHECKING:
+    from batchmaker.request import Request
+
+_node_ids = itertools.count()
+_subgraph_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """One named output of one node; an input of later nodes, or a value the unfolder awaits."""
+
+    node: "Node"
+    output: str
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One cell invocation. Inputs are Refs, host tensors (already validated) or None (zeros)."""
+
+    cell_type: CellType
+    request: "Request"
+    inputs: dict[str, Any]
+    id: int = field(default_factory=lambda: next(_node_ids))
+    num_rows: int = 1  # batch rows this node occupies (a Transformer prompt chunk would take many)
+    num_pending: int = 0  # input refs not yet satisfied (internal: submitted; external: done)
+    subgraph: "Subgraph | None" = None
+    internal_successors: list["Node"] = field(default_factory=list)
+    external_successors: list["Node"] = field(default_factory=list)
+    fetch: set[str] = field(default_factory=set)  # outputs the host needs after the task
+    is_submitted: bool = False
+    is_done: bool = False
+    worker_id: int | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # output name -> row in the worker's pool
+    host_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, output: str) -> Ref:
+        if output not in self.cell_type.cell.signature.outputs:
+            raise KeyError(f"{self.cell_type.name} has no output {output!r}")
+        return Ref(self, output)
+
+    def producers(self):
+        return (v.node for v in self.inputs.values() if isinstance(v, Ref))
+
+
+@dataclass(slots=True, eq=False)
+class Subgraph:
+    """Connected nodes of one cell type whose external inputs are satisfied before it is queued."""
+
+    cell_type: CellType
+    nodes: list[Node]
+    id: int = field(default_factory=lambda: next(_subgraph_ids))
+    ready: deque = field(default_factory=deque)  # nodes with all inputs satisfied, not submitted
+    num_unsubmitted: int = 0
+    num_external_pending: int = 0
+    num_tasks_in_flight: int = 0
+    pinned: int | None = None  # worker id while tasks are in flight
+
+    @property
+    def request(self) -> "Request":
+        return self.nodes[0].request
+
+
+class GraphBuilder:
+    """What an unfolder sees: `add(cell_name, **inputs) -> Node`."""
+
+    def __init__(self, request: "Request", cell_types: dict[str, CellType]):
+        self._request = request
+        self._cell_types = cell_types
+        self.new_nodes: list[Node] = []
+
+    def add(self, cell: str, **inputs) -> Node:
+        if cell not in self._cell_types:
+            raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
+        cell_type = self._cell_types[cell]
+        specs = cell_type.cell.signature.inputs
+        if set(inputs) != set(specs):
+            raise BadRequestError(f"{cell_type.name}: inputs {sorted(inputs)} != expected {sorted(specs)}")
+        checked = {name: _check_input(cell_type, name, spec, inputs[name]) for name, spec in specs.items()}
+        node = Node(cell_type, self._request, checked)
+        self.new_nodes.append(node)
+        self._request.nodes.append(node)
+        return node
+
+
+def _check_input(cell_type: CellType, name: str, spec, value):
+    what = f"{cell_type.name}.{name}"
+    if value is None:
+        return None
+    if isinstance(value, Ref):
+        out = value.node.cell_type.cell.signature.outputs[value.output]
+        if (out.shape, out.dtype) != (spec.shape, spec.dtype):
+            raise TypeError(f"{what}: ref to {value.node.cell_type.name}.{value.output} "
+                            f"{out.shape}/{out.dtype} does not fit {spec.shape}/{spec.dtype}")
+        return value
+    return spec.to_tensor(value, what)
+
+
+def partition(new_nodes: list[Node]) -> list[Subgraph]:
+    """Union same-type nodes joined by an edge among `new_nodes`; wire internal/external deps."""
+    index = {id(n): i for i, n in enumerate(new_nodes)}
+    parent = list(range(len(new_nodes)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, node in enumerate(new_nodes):
+        for p in node.producers():
+            j = index.get(id(p))
+            if j is not None and p.cell_type is node.cell_type:
+                parent[find(i)] = find(j)
+    groups: dict[int, list[Node]] = {}
+    for i, node in enumerate(new_nodes):
+        groups.setdefault(find(i), []).append(node)
+    subgraphs = [Subgraph(nodes[0].cell_type, nodes, num_unsubmitted=len(nodes)) for nodes in groups.values()]
+    for sg in subgraphs:
+        for node in sg.nodes:
+            node.subgraph = sg
+    for node in new_nodes:
+        for p in node.producers():
+            if p.subgraph is node.subgraph:
+                p.internal_successors.append(node)
+                node.num_pending += 1
+            elif not p.is_done:
+                p.external_successors.append(node)
+                node.num_pending += 1
+                node.subgraph.num_external_pending += 1
+    return subgraphs
+
+
+def to_networkx(nodes: list[Node]) -> nx.DiGraph:
+    """The cell graph as a networkx DiGraph: node ids, `cell` attributes, producer->consumer edges."""
+    g = nx.DiGraph()
+    for n in nodes:
+        g.add_node(n.id, cell=n.cell_type.name, subgraph=n.subgraph.id if n.subgraph else None)
+    for n in nodes:
+        for name, v in n.inputs.items():
+            if isinstance(v, Ref):
+                g.add_edge(v.node.id, n.id, input=name, output=v.output)
+    return g

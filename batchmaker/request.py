@@ -1,0 +1,82 @@
+"""A request's state: its unfolder, its nodes, its timing, and the future it resolves."""
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchmaker.graph import Node, Ref
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Host clock (time.perf_counter) instants: arrival, first cell submitted, result ready."""
+
+    arrival: float
+    first_cell: float | None = None
+    finish: float | None = None
+
+    @property
+    def queueing(self) -> float | None:
+        return None if self.first_cell is None else self.first_cell - self.arrival
+
+    @property
+    def computation(self) -> float | None:
+        return None if self.finish is None or self.first_cell is None else self.finish - self.first_cell
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+
+@dataclass(slots=True)
+class Result:
+    outputs: dict[str, Any]
+    timing: RequestTiming
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    id: int
+    model: str
+    inputs: dict[str, Any]
+    future: Future
+    timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.perf_counter()))
+    nodes: list[Node] = field(default_factory=list)
+    unfolder: Any = None  # the running generator, while the unfolder waits for values
+    awaiting: Any = None  # what the generator yielded: a Ref, or a list/tuple of Refs
+    outputs: Any = None  # what the unfolder returned (Refs resolved at the finish)
+    num_partitioned: int = 0  # nodes[:num_partitioned] already belong to subgraphs
+    num_nodes_left: int = 0  # nodes added and not yet done
+    num_in_flight: int = 0  # nodes submitted and not yet done
+    error: BaseException | None = None
+
+    @property
+    def is_unfolding(self) -> bool:
+        return self.unfolder is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.future.done()
+
+
+def refs_in(value) -> list[Ref]:
+    """Every Ref in a value that may be a Ref, or a list/tuple/dict nesting them."""
+    if isinstance(value, Ref):
+        return [value]
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in refs_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [r for v in value for r in refs_in(v)]
+    return []
+
+
+def resolve(value):
+    """Replace every Ref by its fetched host tensor (0-d integer tensors become Python ints)."""
+    if isinstance(value, Ref):
+        t = value.node.host_outputs[value.output]
+        return int(t) if t.ndim == 0 and not t.dtype.is_floating_point else t
+    if isinstance(value, dict):
+        return {k: resolve(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(resolve(v) for v in value)
+    return value

@@ -1,0 +1,144 @@
+"""Algorithm 1 of the thesis: choose a cell type for an idle worker, then form up to
+MaxTasksToSubmit batched tasks of it. Pure Python over Node/Subgraph data; no torch calls.
+
+Starvation guarantee (ours, on top of Algorithm 1): within a cell type, subgraphs are served in
+the order they became ready (FIFO scan); across types, a type with ready nodes that has been
+passed over `max_skips` times in a row is chosen next, whatever the priorities say.
+"""
+from dataclasses import dataclass, field
+
+from batchmaker.graph import Node, Subgraph
+from batchmaker.model import CellType
+from batchmaker.task import Task
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_tasks_to_submit: int = 5  # thesis default: locality without starving other types
+    max_skips: int = 64  # schedule calls a ready type may be passed over before it is forced
+
+
+@dataclass(slots=True, eq=False)
+class CellQueue:
+    cell_type: CellType
+    subgraphs: dict[int, Subgraph] = field(default_factory=dict)  # insertion order = FIFO
+    num_ready: int = 0
+    num_running_tasks: int = 0
+    num_skips: int = 0
+
+
+class Scheduler:
+    def __init__(self, cell_types: list[CellType], config: SchedulerConfig = SchedulerConfig()):
+        self.config = config
+        self.queues = {id(ct): CellQueue(ct) for ct in cell_types}
+
+    def enqueue(self, subgraph: Subgraph) -> None:
+        """A subgraph whose external inputs are all satisfied joins its cell type's queue."""
+        q = self.queues[id(subgraph.cell_type)]
+        subgraph.ready.extend(n for n in subgraph.nodes if n.num_pending == 0 and not n.is_submitted)
+        q.subgraphs[subgraph.id] = subgraph
+        q.num_ready += len(subgraph.ready)
+
+    def schedule(self, worker_id: int) -> list[Task]:
+        """Tasks for an idle worker, in the order it must run them (empty if nothing fits it)."""
+        for q in self._candidates():
+            tasks = self._batch(q, worker_id)
+            if tasks:
+                for other in self.queues.values():
+                    other.num_skips = 0 if other is q or not other.num_ready else other.num_skips + 1
+                return tasks
+        return []
+
+    def complete(self, task: Task) -> None:
+        """The worker finished `task`: unpin subgraphs with no task left in flight."""
+        self.queues[id(task.cell_type)].num_running_tasks -= 1
+        for sg in _distinct_subgraphs(task.nodes):
+            sg.num_tasks_in_flight -= 1
+            if sg.num_tasks_in_flight == 0:
+                sg.pinned = None
+
+    def drop(self, subgraph: Subgraph) -> None:
+        """Forget a subgraph of a failed or cancelled request."""
+        q = self.queues[id(subgraph.cell_type)]
+        if q.subgraphs.pop(subgraph.id, None) is not None:
+            q.num_ready -= len(subgraph.ready)
+        subgraph.ready.clear()
+
+    @property
+    def num_ready(self) -> int:
+        return sum(q.num_ready for q in self.queues.values())
+
+    def _candidates(self) -> list[CellQueue]:
+        """Cell types in the order Algorithm 1 prefers them (lines 5-10), forced ones first."""
+
+        def tier(q: CellQueue) -> int:
+            if q.num_skips >= self.config.max_skips:
+                return 0
+            if q.num_ready >= q.cell_type.max_batch:
+                return 1  # (a) a full batch is waiting
+            if q.num_running_tasks == 0:
+                return 2  # (b) ready nodes and nothing running
+            return 3  # (c) any ready nodes
+
+        active = [q for q in self.queues.values() if q.num_ready]
+        return sorted(active, key=lambda q: (tier(q), -q.cell_type.priority))
+
+    def _batch(self, q: CellQueue, worker_id: int) -> list[Task]:
+        tasks: list[Task] = []
+        while len(tasks) < self.config.max_tasks_to_submit:
+            nodes = self._form_task(q, worker_id)
+            rows = sum(n.num_rows for n in nodes)
+            if rows and (rows >= q.cell_type.min_batch or not tasks):
+                tasks.append(self._submit(q, worker_id, nodes))
+            else:
+                _give_back(nodes)
+                break
+        return tasks
+
+    def _form_task(self, q: CellQueue, worker_id: int) -> list[Node]:
+        """FormBatchedTask: ready nodes of subgraphs not pinned elsewhere, oldest first."""
+        nodes: list[Node] = []
+        rows, limit = 0, q.cell_type.max_batch
+        for sg in q.subgraphs.values():
+            if sg.pinned is not None and sg.pinned != worker_id:
+                continue
+            ready = sg.ready
+            while ready and rows + ready[0].num_rows <= limit:
+                node = ready.popleft()
+                nodes.append(node)
+                rows += node.num_rows
+            if rows == limit:
+                break
+        return nodes
+
+    def _submit(self, q: CellQueue, worker_id: int, nodes: list[Node]) -> Task:
+        """Pin the task's subgraphs and release same-subgraph successors (tasks on one worker
+        run in submission order, so they may go into the next task)."""
+        q.num_ready -= len(nodes)
+        q.num_running_tasks += 1
+        for node in nodes:
+            node.is_submitted = True
+            node.worker_id = worker_id
+            sg = node.subgraph
+            sg.num_unsubmitted -= 1
+            for succ in node.internal_successors:
+                succ.num_pending -= 1
+                if succ.num_pending == 0:
+                    sg.ready.append(succ)
+                    q.num_ready += 1
+        for sg in _distinct_subgraphs(nodes):
+            sg.pinned = worker_id
+            sg.num_tasks_in_flight += 1
+            if sg.num_unsubmitted == 0:
+                del q.subgraphs[sg.id]
+        return Task(q.cell_type, worker_id, nodes)
+
+
+def _give_back(nodes: list[Node]) -> None:
+    """Return nodes of a batch too small to submit to the fronts of their ready queues."""
+    for node in reversed(nodes):
+        node.subgraph.ready.appendleft(node)
+
+
+def _distinct_subgraphs(nodes: list[Node]) -> list[Subgraph]:
+    return list({id(n.subgraph): n.subgraph for n in nodes}.values())

@@ -1,0 +1,208 @@
+"""Workers own a device, its state memory and the tasks in flight on it.
+
+`submit(task)` plans the task on the manager thread (rows for outputs, staging of host values,
+the index array, the gather to skip) and hands it to the execution context; `poll()` returns the
+tasks that finished, in submission order, with fetched outputs moved to their nodes.
+`CPUWorker` executes on a thread of its own; `CUDAWorker` (cuda_worker.py) launches on a stream.
+"""
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from batchmaker.graph import Node, Ref
+from batchmaker.state import RowPool, StateMemory
+from batchmaker.task import Task
+
+
+@dataclass(slots=True)
+class Plan:
+    """What executing one task needs; built at submit time on the manager thread."""
+
+    index: np.ndarray  # int64 [num_slices * B]: every row list of the task, one after another
+    staged: list[tuple[RowPool, int, torch.Tensor]]  # pool, offset into index, host values [n, ...]
+    gathers: list[tuple[str, RowPool, int, str | None]]  # input, pool, offset, last output to reuse
+    scatters: list[tuple[str, RowPool, int]]  # output, pool, offset
+    fetch: dict[str, list[tuple[Node, int]]]  # output -> (node, batch row) the host needs
+    temp_rows: list[tuple[RowPool, int]]  # staging rows, freed when the task completes
+    pools: list[RowPool]
+    fetched: dict[str, torch.Tensor] = field(default_factory=dict)  # output -> host [n, ...]
+    keep: list = field(default_factory=list)  # host buffers an async copy still reads
+
+
+class Worker:
+    def __init__(self, worker_id: int, device: torch.device, cells: dict[int, torch.nn.Module],
+                 peers: list["Worker"]):
+        self.id = worker_id
+        self.device = device
+        self.cells = cells  # id(cell_type) -> the cell module on this device
+        self.memory = StateMemory(device)
+        self.peers = peers  # every worker, indexed by id (for inputs produced elsewhere)
+        self.num_in_flight = 0
+        self.num_gathers_skipped = 0
+        self._last_planned: dict[str, tuple[RowPool, list[int]]] = {}
+        self._last_outputs: dict[str, torch.Tensor] | None = None
+
+    # manager thread -------------------------------------------------------------------------
+    def plan(self, task: Task) -> Plan:
+        sig = task.cell_type.cell.signature
+        rows: list[list[int]] = []
+        staged, gathers, scatters, temp, pools = [], [], [], [], []
+        for name, spec in sig.inputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            input_rows, values, value_rows = [], [], []
+            for node in task.nodes:
+                v = node.inputs[name]
+                if v is None:
+                    input_rows.append(0)
+                elif isinstance(v, Ref) and v.node.worker_id == self.id:
+                    input_rows.append(v.node.rows[v.output])
+                else:  # a host value, or an output held by another worker
+                    row = pool.alloc()
+                    temp.append((pool, row))
+                    input_rows.append(row)
+                    value_rows.append(row)
+                    values.append(self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v)
+            if values:
+                staged.append((pool, _offset(rows), torch.stack(values)))
+                rows.append(value_rows)
+            reuse = next((out for out, (p, r) in self._last_planned.items()
+                          if p is pool and r == input_rows and not values), None)
+            gathers.append((name, pool, _offset(rows), reuse))
+            rows.append(input_rows)
+            pools.append(pool)
+        self._last_planned = {}
+        for name, spec in sig.outputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            out_rows = []
+            for node in task.nodes:
+                node.rows[name] = row = pool.alloc()
+                out_rows.append(row)
+            scatters.append((name, pool, _offset(rows)))
+            rows.append(out_rows)
+            pools.append(pool)
+            self._last_planned[name] = (pool, out_rows)
+        fetch: dict[str, list[tuple[Node, int]]] = {}
+        for b, node in enumerate(task.nodes):
+            for name in node.fetch:
+                fetch.setdefault(name, []).append((node, b))
+        index = np.fromiter((r for rs in rows for r in rs), dtype=np.int64)
+        return Plan(index, staged, gathers, scatters, fetch, temp, pools)
+
+    def finish(self, task: Task) -> None:
+        """Manager thread, after the task completed: hand fetched values to nodes, free staging."""
+        plan: Plan = task.handle
+        for name, targets in plan.fetch.items():
+            values = plan.fetched.get(name)
+            if values is not None:
+                for i, (node, _) in enumerate(targets):
+                    node.host_outputs[name] = values[i]
+        for pool, row in plan.temp_rows:
+            pool.free(row)
+        task.handle = None
+        self.num_in_flight -= 1
+
+    def read(self, ref: Ref) -> torch.Tensor:
+        """A finished node's output as a host tensor (a synchronous copy; off the hot path)."""
+        spec = ref.node.cell_type.cell.signature.outputs[ref.output]
+        pool = self.memory.pool(spec.shape, spec.dtype)
+        return pool.tensor[ref.node.rows[ref.output]].to("cpu", copy=True)
+
+    def release(self, node: Node) -> None:
+        for name, row in node.rows.items():
+            spec = node.cell_type.cell.signature.outputs[name]
+            self.memory.pool(spec.shape, spec.dtype).free(row)
+        node.rows = {}
+
+    # execution context ----------------------------------------------------------------------
+    def execute(self, task: Task) -> None:
+        """gather -> cell -> scatter (and copies of fetched outputs) for one task."""
+        plan: Plan = task.handle
+        for pool in plan.pools:
+            pool.ensure_capacity()
+        index = self._to_device_index(plan)
+        b = len(task.nodes)
+        for pool, off, values in plan.staged:
+            pool.tensor.index_copy_(0, index[off:off + len(values)], self._to_device(values, plan))
+        batch = {}
+        for name, pool, off, reuse in plan.gathers:
+            if reuse is not None and self._last_outputs is not None:
+                batch[name] = self._last_outputs[reuse]
+                self.num_gathers_skipped += 1
+            else:
+                batch[name] = pool.tensor.index_select(0, index[off:off + b])
+        self._last_outputs = None
+        out = self.cells[id(task.cell_type)](**batch)
+        _check_outputs(task, out, b)
+        for name, pool, off in plan.scatters:
+            pool.tensor.index_copy_(0, index[off:off + b], out[name])
+        for name, targets in plan.fetch.items():
+            picked = out[name].index_select(0, torch.as_tensor([i for _, i in targets], device=self.device))
+            plan.fetched[name] = self._to_host(picked, plan)
+        self._last_outputs = out
+
+    def _to_device_index(self, plan: Plan) -> torch.Tensor:
+        return torch.from_numpy(plan.index)
+
+    def _to_device(self, host: torch.Tensor, plan: Plan) -> torch.Tensor:
+        return host
+
+    def _to_host(self, t: torch.Tensor, plan: Plan) -> torch.Tensor:
+        return t
+
+
+class CPUWorker(Worker):
+    """Executes tasks in submission order on a thread of its own (torch releases the GIL)."""
+
+    def __init__(self, worker_id, device, cells, peers, on_done: Callable[[], None]):
+        super().__init__(worker_id, device, cells, peers)
+        self._on_done = on_done
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: deque[Task] = deque()
+        self._thread = threading.Thread(target=self._run, name=f"batchmaker-cpu-{worker_id}", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Task) -> None:
+        task.handle = self.plan(task)
+        self.num_in_flight += 1
+        self._inbox.put(task)
+
+    def poll(self) -> list[Task]:
+        done = []
+        while self._done:
+            done.append(self._done.popleft())
+        return done
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (task := self._inbox.get()) is not None:
+            try:
+                with torch.inference_mode():
+                    self.execute(task)
+            except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
+                task.error = e
+                self._last_outputs = None
+            self._done.append(task)
+            self._on_done()
+
+
+def _offset(rows: list[list[int]]) -> int:
+    return sum(len(r) for r in rows)
+
+
+def _check_outputs(task: Task, out, b: int) -> None:
+    sig = task.cell_type.cell.signature
+    if not isinstance(out, dict):
+        raise TypeError(f"{task.cell_type.name} returned {type(out).__name__}, not a dict")
+    for name, spec in sig.outputs.items():
+        t = out.get(name)
+        if t is None or tuple(t.shape) != (b, *spec.shape) or t.dtype != spec.dtype:
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise TypeError(f"{task.cell_type.name}.{name}: got {got}, declared {(b, *spec.shape)} {spec.dtype}")

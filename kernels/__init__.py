@@ -1,0 +1,1 @@
+"""Device kernels, each with a pure-PyTorch reference twin (installed as batchmaker.kernels)."""
