@@ -1,0 +1,46 @@
+"""Shared by the benchmark scripts: where results go and how they are written.
+
+Every run writes bench/results/<name>-<device>-<date>.json (numbers, the exact command, the device,
+the numeric policy) and, when given a plot function, the matching .png.
+"""
+import datetime
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device)).replace(" ", "-")
+    return f"cpu-{platform.machine()}"
+
+
+def write_results(name: str, device: str, payload: dict, plot=None) -> Path:
+    """Write JSON (+ PNG through `plot(fig)`) and return the JSON path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}-{device_name(device)}-{datetime.date.today().isoformat()}"
+    record = {
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **payload,
+    }
+    path = RESULTS / f"{stem}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    if plot is not None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig = plt.figure(figsize=(7, 4.5))
+        plot(fig)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+    return path

@@ -1,0 +1,183 @@
+"""The engine end to end on CPU with the toy model: results, errors, cancellation, accounting."""
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import Future
+
+import networkx as nx
+import pytest
+import torch
+
+from batchmaker import (BadRequestError, CancelledError, CellError, Engine, EngineConfig, EngineStoppedError,
+                        UnknownModelError)
+from batchmaker.graph import GraphBuilder, partition, to_networkx
+from batchmaker.request import Request
+from test_scheduler import cell_types_of
+from toy import dec_input_peak, toy_model, toy_reference
+
+
+def wait_idle(engine, timeout=10.0):
+    """Accounting is checked once the engine is idle: no live nodes, no rows held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["num_live_nodes"] == 0 and not any(s["num_rows_used"]) and not any(s["num_tasks_in_flight"]):
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def submit_concurrently(engine, model_name, inputs_list, seed, num_threads=4):
+    """Submit from several threads with random gaps so requests join running work mid-flight."""
+    futures: list = [None] * len(inputs_list)
+
+    def run(k):
+        rng = random.Random(seed * 100 + k)
+        for i in range(k, len(inputs_list), num_threads):
+            time.sleep(rng.random() * 0.002)
+            futures[i] = engine.submit(model_name, inputs_list[i])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return futures
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_equals_unbatched(devices, seed):
+    model = toy_model()
+    rng = random.Random(seed)
+    inputs = [{"xs": [rng.randrange(100) for _ in range(rng.randint(1, 30))]} for _ in range(200)]
+    with Engine([model], EngineConfig(devices=devices)) as engine:
+        futures = submit_concurrently(engine, "toy", inputs, seed)
+        for inp, f in zip(inputs, futures):
+            result = f.result(30)
+            h, ys = toy_reference(model, inp["xs"])
+            assert result.outputs["ys"] == ys
+            assert (result.outputs["h"] - h).abs().max() <= 1e-5
+            t = result.timing
+            assert t.arrival <= t.first_cell <= t.finish
+        stats = wait_idle(engine)
+    assert stats["num_tasks"] < sum(len(i["xs"]) for i in inputs)  # it did batch
+    assert stats["num_gathers_skipped"] > 0  # consecutive steps of one batch skipped the gather
+
+
+def test_bad_inputs_get_typed_errors_and_the_engine_keeps_serving():
+    with Engine([toy_model()]) as engine:
+        good = [engine.submit("toy", {"xs": [1, 2, 3]}) for _ in range(5)]
+        cases = [
+            (engine.submit("nope", {"xs": [1]}), UnknownModelError),
+            (engine.submit("toy", [1, 2]), BadRequestError),
+            (engine.submit("toy", {"xs": []}), BadRequestError),
+            (engine.submit("toy", {"xs": [100]}), BadRequestError),  # outside the vocabulary
+            (engine.submit("toy", {"xs": [1.5]}), BadRequestError),
+            (engine.submit("toy", {"xs": ["a"]}), BadRequestError),
+            (engine.submit("toy", {"ys": [1]}), BadRequestError),
+        ]
+        for future, error in cases:
+            with pytest.raises(error) as info:
+                future.result(10)
+            assert str(info.value)
+        assert "registered: toy" in str(cases[0][0].exception())
+        for f in good:
+            assert f.result(10).outputs["ys"]
+        assert engine.infer("toy", {"xs": [4]}, timeout=10)["ys"]
+        wait_idle(engine)
+
+
+def test_a_failing_cell_fails_only_the_requests_in_its_task():
+    model = toy_model(dec_sizes=(1,))  # decoder batches of one: a failure is per request
+    rng = random.Random(3)
+    inputs = [{"xs": [rng.randrange(100) for _ in range(rng.randint(1, 8))]} for _ in range(60)]
+    peaks = [dec_input_peak(model, i["xs"]) for i in inputs]
+    model.cells["dec"].fail_on = sorted(peaks)[len(peaks) // 2]
+    expected = ["failed" if p > model.cells["dec"].fail_on else "ok" for p in peaks]
+    with Engine([model]) as engine:
+        futures = [engine.submit("toy", i) for i in inputs]
+        outcomes = []
+        for f in futures:
+            try:
+                f.result(30)
+                outcomes.append("ok")
+            except CellError as e:
+                assert "planted failure" in str(e)
+                outcomes.append("failed")
+        wait_idle(engine)
+        again = inputs[outcomes.index("ok")]
+        assert engine.infer("toy", again, timeout=10)["ys"] == toy_reference(model, again["xs"])[1]
+    assert outcomes == expected and "ok" in outcomes and "failed" in outcomes
+
+
+def test_cancel_frees_state():
+    model = toy_model(max_dec=6)
+    with Engine([model]) as engine:
+        futures = [engine.submit("toy", {"xs": [7] * 400}) for _ in range(20)]
+        for f in futures[::2]:
+            engine.cancel(f.request_id)
+        cancelled = 0
+        for f in futures:
+            try:
+                f.result(30)
+            except CancelledError:
+                cancelled += 1
+        assert cancelled >= 1  # requests already finished when the cancel arrived just complete
+        wait_idle(engine)
+
+
+def test_asyncio_submission():
+    model = toy_model()
+
+    async def main(engine):
+        results = await asyncio.gather(*(engine.submit_async("toy", {"xs": [i, i + 1]}) for i in range(20)))
+        return [r.outputs["ys"] for r in results]
+
+    with Engine([model]) as engine:
+        got = asyncio.run(main(engine))
+    assert got == [toy_reference(model, [i, i + 1])[1] for i in range(20)]
+
+
+def test_stop_fails_what_is_unfinished():
+    engine = Engine([toy_model()]).start()
+    futures = [engine.submit("toy", {"xs": [3] * 2000}) for _ in range(50)]
+    engine.stop()
+    for f in futures:
+        assert f.done()
+    assert any(isinstance(f.exception(), EngineStoppedError) for f in futures)
+    with pytest.raises(EngineStoppedError):
+        engine.submit("toy", {"xs": [1]}).result(1)
+
+
+def test_partition_matches_networkx_components():
+    model = toy_model()
+    cell_types = cell_types_of(model)
+    request = Request(0, "toy", {}, Future())
+    g = GraphBuilder(request, cell_types)
+    a = g.add("enc", x=1, h=None)
+    b = g.add("enc", x=2, h=a["h"])
+    c = g.add("dec", h=b["h"])
+    d = g.add("dec", h=c["h"])
+    e = g.add("enc", x=3, h=None)  # disconnected: its own subgraph
+    subgraphs = partition(g.new_nodes)
+    graph = to_networkx(g.new_nodes)
+    same_type = graph.edge_subgraph([(u, v) for u, v in graph.edges if graph.nodes[u]["cell"] == graph.nodes[v]["cell"]])
+    expected = {frozenset(c) for c in nx.weakly_connected_components(same_type)} | {frozenset([e.id])}
+    assert {frozenset(n.id for n in sg.nodes) for sg in subgraphs} == expected
+    assert [n.num_pending for n in (a, b, c, d, e)] == [0, 1, 1, 1, 0]
+    assert b in a.internal_successors and c in b.external_successors
+
+
+def test_ref_to_an_output_of_the_wrong_shape_is_rejected():
+    model = toy_model()
+    request = Request(0, "toy", {}, Future())
+    g = GraphBuilder(request, cell_types_of(model))
+    d = g.add("dec", h=None)
+    with pytest.raises(TypeError):
+        g.add("dec", h=d["y"])
+    with pytest.raises(KeyError):
+        d["nope"]
+    with pytest.raises(BadRequestError):
+        g.add("enc", x=torch.zeros(2, dtype=torch.int64), h=None)
