@@ -32,7 +32,8 @@ class Ref:
 
 @dataclass(slots=True, eq=False)
 class Node:
-    """One cell invocation. Inputs are Refs, host tensors (already validated) or None (zeros)."""
+    """One cell invocation. Inputs are Refs, validated host values (tensors, or ints for 0-d
+    integer inputs) or None (zeros)."""
 
     cell_type: CellType
     request: "Request"
@@ -109,7 +110,7 @@ def _check_input(cell_type: CellType, name: str, spec, value):
             raise TypeError(f"{what}: ref to {value.node.cell_type.name}.{value.output} "
                             f"{out.shape}/{out.dtype} does not fit {spec.shape}/{spec.dtype}")
         return value
-    return spec.to_tensor(value, what)
+    return spec.check_host(value, what)
 
 
 def partition(new_nodes: list[Node]) -> list[Subgraph]:

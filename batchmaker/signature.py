@@ -19,6 +19,15 @@ class TensorSpec:
     def is_integer(self) -> bool:
         return not self.dtype.is_floating_point
 
+    def check_host(self, value, what: str):
+        """A validated host value: a Python int for 0-d integer specs (the token fast path:
+        batches of them become one tensor in the worker's plan), else a tensor of this spec."""
+        if self.is_integer and not self.shape and type(value) is int:
+            if value < 0 or (self.high is not None and value >= self.high):
+                raise BadRequestError(f"{what}: value {value} out of range [0, {self.high})")
+            return value
+        return self.to_tensor(value, what)
+
     def to_tensor(self, value, what: str) -> torch.Tensor:
         """Convert one host value (scalar, list, array, tensor) to this spec, or raise BadRequestError."""
         try:

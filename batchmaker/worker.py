@@ -68,7 +68,7 @@ class Worker:
                     value_rows.append(row)
                     values.append(self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v)
             if values:
-                staged.append((pool, _offset(rows), torch.stack(values)))
+                staged.append((pool, _offset(rows), _stack(values, spec.dtype)))
                 rows.append(value_rows)
             reuse = next((out for out, (p, r) in self._last_planned.items()
                           if p is pool and r == input_rows and not values), None)
@@ -191,6 +191,13 @@ class CPUWorker(Worker):
                 self._last_outputs = None
             self._done.append(task)
             self._on_done()
+
+
+def _stack(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """Host values of one input as one [n, ...] tensor (Python ints in one call)."""
+    if all(type(v) is int for v in values):
+        return torch.tensor(values, dtype=dtype)
+    return torch.stack([torch.as_tensor(v, dtype=dtype) for v in values])
 
 
 def _offset(rows: list[list[int]]) -> int:

@@ -1,0 +1,159 @@
+"""Tree parsing (nested lists, SST brackets), rejection of malformed trees, and the TreeLSTM
+unfolder + cells against the recursive reference."""
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchmaker.errors import BadRequestError
+from batchmaker.registry import build_model
+from batchmaker.unfolders.trees import MAX_DEPTH, load_sst_sample, num_leaves, parse_tree, word_id
+from reference import EagerGraph, run_eagerly, treelstm_reference
+
+VOCAB = 100
+SMALL = dict(vocab=VOCAB, embed=12, hidden=16)
+SST_WORD = re.compile(r"\(\S+ ([^()\s]+)\)")  # "(label word)"
+
+
+def w(word: str) -> int:
+    return 3 + zlib.crc32(word.encode()) % (VOCAB - 3)
+
+
+def test_nested_lists():
+    assert parse_tree([[1, 2], 3], VOCAB) == ((1, 2), 3)
+    assert parse_tree((4, (5, [6])), VOCAB) == (4, (5, 6))
+    assert parse_tree([[[7]]], VOCAB) == 7  # one child stands for itself
+    assert parse_tree(9, VOCAB) == 9
+    assert parse_tree([np.int64(1), 2], VOCAB) == (1, 2)
+    assert parse_tree(["It", ["'s", "good"]], VOCAB) == (w("It"), (w("'s"), w("good")))
+
+
+def test_bracket_strings():
+    assert parse_tree("(3 (2 It) (4 (2 's) (2 good)))", VOCAB) == (w("It"), (w("'s"), w("good")))
+    assert parse_tree("(2 good)", VOCAB) == w("good")
+    assert parse_tree(" (S (NP (DT a))\n (VP (VB b)) ) ", VOCAB) == (w("a"), w("b"))
+    assert parse_tree("(1 (2 (3 x)))", VOCAB) == w("x")
+
+
+def test_word_ids_are_stable_and_skip_reserved():
+    assert word_id("good", 30000) == 3 + zlib.crc32(b"good") % 29997
+    assert all(3 <= word_id(s, 4) < 4 for s in ["a", "b", "é", "-LRB-"])
+
+
+def test_sst_sample_parses():
+    lines = load_sst_sample()
+    assert len(lines) == 200
+    shared = Path(__file__).parents[2] / "shared" / "data" / "sst" / "dev.txt"
+    if shared.exists():
+        assert lines == shared.read_text(encoding="utf-8").splitlines()[:200]
+    for line in lines:
+        assert num_leaves(parse_tree(line, 30000)) == len(SST_WORD.findall(line))
+
+
+BAD_TREES = [
+    "", "   ", "(", ")", "(2 a", "(2 a))", "(2 a) (2 b)", "(2)", "()", "( (2 a))", "a",
+    "(2 (2 a) (2 b) (2 c))", "(2 a b)", "(2 a (2 b))",
+    [], [1, 2, 3], [1.5], [None], [-1], [True], [VOCAB], [1, ""], [1, [2, []]], {"a": 1}, None, 2.0,
+]
+
+
+@pytest.mark.parametrize("tree", BAD_TREES, ids=repr)
+def test_malformed_trees_rejected_before_any_node(tree):
+    with pytest.raises(BadRequestError, match="tree"):
+        parse_tree(tree, VOCAB)
+    model = build_model("treelstm", **SMALL)
+    graph = EagerGraph(model)
+    with pytest.raises(BadRequestError):
+        run_eagerly(model, {"tree": tree}, graph)
+    assert graph.num_nodes == 0
+
+
+@pytest.mark.parametrize("inputs", [{}, {"tree": [1, 2], "tokens": [1]}, [1, 2]], ids=repr)
+def test_bad_request_keys(inputs):
+    with pytest.raises(BadRequestError):
+        run_eagerly(build_model("treelstm", **SMALL), inputs)
+
+
+def comb(depth: int):
+    """A left comb: `depth` levels, one leaf per level plus one at the bottom."""
+    tree = 1
+    for _ in range(depth - 1):
+        tree = [tree, 2]
+    return tree
+
+
+def test_depth_limit():
+    model = build_model("treelstm", **SMALL)
+    for form in (comb(MAX_DEPTH), "(1 " * MAX_DEPTH + "a" + ")" * MAX_DEPTH):
+        graph = EagerGraph(model)
+        run_eagerly(model, {"tree": form}, graph)  # the deepest allowed tree unfolds (recursion is fine)
+        assert graph.num_nodes == (2 * MAX_DEPTH - 1 if isinstance(form, list) else 1)
+    for form in (comb(MAX_DEPTH + 1), "(1 " * (MAX_DEPTH + 1) + "a" + ")" * (MAX_DEPTH + 1)):
+        with pytest.raises(BadRequestError, match="deeper"):
+            parse_tree(form, VOCAB)
+
+
+def test_sst_trees_match_reference():
+    model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5)
+    for line in load_sst_sample()[:25]:
+        graph = EagerGraph(model)
+        got = run_eagerly(model, {"tree": line}, graph)
+        n = len(SST_WORD.findall(line))
+        assert graph.count == {"leaf": n, "internal": n - 1}
+        torch.testing.assert_close(got["h"], treelstm_reference(model, {"tree": line})["h"], atol=1e-5, rtol=0)
+
+
+def test_single_leaf_tree():
+    model = build_model("treelstm", **SMALL)
+    got = run_eagerly(model, {"tree": [[7]]})
+    torch.testing.assert_close(got["h"], treelstm_reference(model, {"tree": 7})["h"], atol=1e-5, rtol=0)
+
+
+def trees():
+    return st.recursive(st.integers(0, VOCAB - 1) | st.sampled_from(["a", "b", "good", "'s"]),
+                        lambda sub: st.tuples(sub, sub), max_leaves=24)
+
+
+def to_brackets(tree) -> str:
+    if isinstance(tree, tuple):
+        return f"(0 {to_brackets(tree[0])} {to_brackets(tree[1])})"
+    return f"(0 {tree})"
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees())
+def test_random_trees(tree):
+    model = build_model("treelstm", **SMALL, seed=2)
+    tree = [tree]  # a top-level str is a bracket string; [x] stands for x
+    nested = parse_tree(tree, VOCAB)
+    if all(not isinstance(leaf, int) for leaf in _leaves(tree[0])):
+        assert parse_tree(to_brackets(tree[0]), VOCAB) == nested  # same tree, two spellings
+    graph = EagerGraph(model)
+    got = run_eagerly(model, {"tree": tree}, graph)
+    assert graph.count["leaf"] == num_leaves(nested) and graph.count["internal"] == num_leaves(nested) - 1
+    torch.testing.assert_close(got["h"], treelstm_reference(model, {"tree": tree})["h"], atol=1e-5, rtol=0)
+
+
+def _leaves(tree):
+    return [x for t in tree for x in _leaves(t)] if isinstance(tree, tuple) else [tree]
+
+
+def test_tree_graph_shape_in_the_real_graph_builder():
+    from batchmaker.graph import to_networkx
+
+    from reference import real_graph_builder
+
+    model = build_model("treelstm", **SMALL)
+    assert model.priorities["internal"] > model.priorities["leaf"] and max(model.batch_sizes["leaf"]) == 64
+    g = real_graph_builder(model)
+    out = model.unfold({"tree": [[1, 2], [3, [4, 5]]]}, g)
+    graph = to_networkx(g.new_nodes)
+    cells = [graph.nodes[n]["cell"] for n in graph]
+    assert cells.count("leaf") == 5 and cells.count("internal") == 4
+    assert all(graph.in_degree(n) == (2 if graph.nodes[n]["cell"] == "internal" else 0) for n in graph)
+    assert out["h"].node is g.new_nodes[-1]  # post-order: the root comes last
