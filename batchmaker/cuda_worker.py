@@ -16,15 +16,19 @@ class CUDAWorker(Worker):
     def __init__(self, worker_id, device, cells, peers):
         super().__init__(worker_id, device, cells, peers)
         self.stream = torch.cuda.Stream(device)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), torch.cuda.stream(self.stream):
             self.counter = SignalCounter(device)
+            self.counter.signal()  # the first launch of a kernel may block (lazy module loading)
+        self.stream.synchronize()
         self._in_progress: deque[Task] = deque()  # issued, in stream order
-        self._num_signalled = 0
+        self._num_signalled = self.counter.read()
 
     def submit(self, task: Task) -> None:
-        task.handle = self.plan(task)
-        self.num_in_flight += 1
+        # Planning may create pools (zero-filled tensors): on this stream, so that the allocator
+        # ties their memory to it and the zeros land before any task of this stream reads them.
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
+            task.handle = self.plan(task)
+            self.num_in_flight += 1
             try:
                 self.execute(task)
             except Exception as e:  # raised at launch: the task fails, the FIFO stays in order

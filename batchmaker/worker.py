@@ -27,7 +27,7 @@ class Plan:
     staged: list[tuple[RowPool, int, torch.Tensor]]  # pool, offset into index, host values [n, ...]
     gathers: list[tuple[str, RowPool, int, str | None]]  # input, pool, offset, last output to reuse
     scatters: list[tuple[str, RowPool, int]]  # output, pool, offset
-    fetch: dict[str, list[tuple[Node, int]]]  # output -> (node, batch row) the host needs
+    fetch: dict[str, tuple[int, list[Node]]]  # output -> (offset of its batch rows, nodes) to copy out
     temp_rows: list[tuple[RowPool, int]]  # staging rows, freed when the task completes
     pools: list[RowPool]
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)  # output -> host [n, ...]
@@ -86,21 +86,23 @@ class Worker:
             rows.append(out_rows)
             pools.append(pool)
             self._last_planned[name] = (pool, out_rows)
-        fetch: dict[str, list[tuple[Node, int]]] = {}
-        for b, node in enumerate(task.nodes):
-            for name in node.fetch:
-                fetch.setdefault(name, []).append((node, b))
+        fetch: dict[str, tuple[int, list[Node]]] = {}  # output -> (offset of batch rows, nodes)
+        for name in sig.outputs:
+            picked = [(b, node) for b, node in enumerate(task.nodes) if name in node.fetch]
+            if picked:
+                fetch[name] = (_offset(rows), [node for _, node in picked])
+                rows.append([b for b, _ in picked])
         index = np.fromiter((r for rs in rows for r in rs), dtype=np.int64)
         return Plan(index, staged, gathers, scatters, fetch, temp, pools)
 
     def finish(self, task: Task) -> None:
         """Manager thread, after the task completed: hand fetched values to nodes, free staging."""
         plan: Plan = task.handle
-        for name, targets in plan.fetch.items():
+        for name, (_, nodes) in plan.fetch.items():
             values = plan.fetched.get(name)
             if values is not None:
-                for i, (node, _) in enumerate(targets):
-                    node.host_outputs[name] = values[i]
+                for node, value in zip(nodes, values):
+                    node.host_outputs[name] = value
         for pool, row in plan.temp_rows:
             pool.free(row)
         task.handle = None
@@ -140,8 +142,8 @@ class Worker:
         _check_outputs(task, out, b)
         for name, pool, off in plan.scatters:
             pool.tensor.index_copy_(0, index[off:off + b], out[name])
-        for name, targets in plan.fetch.items():
-            picked = out[name].index_select(0, torch.as_tensor([i for _, i in targets], device=self.device))
+        for name, (off, nodes) in plan.fetch.items():
+            picked = out[name].index_select(0, index[off:off + len(nodes)])
             plan.fetched[name] = self._to_host(picked, plan)
         self._last_outputs = out
 
