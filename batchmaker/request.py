@@ -49,14 +49,11 @@ class Request:
     num_nodes_left: int = 0  # nodes added and not yet done
     num_in_flight: int = 0  # nodes submitted and not yet done
     error: BaseException | None = None
+    is_finished: bool = False  # the future is resolved (a plain flag: Future.done() takes a lock)
 
     @property
     def is_unfolding(self) -> bool:
         return self.unfolder is not None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.future.done()
 
 
 def refs_in(value) -> list[Ref]:

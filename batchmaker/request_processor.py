@@ -90,6 +90,7 @@ class RequestProcessor:
         for sg in {id(n.subgraph): n.subgraph for n in request.nodes if n.subgraph}.values():
             self.scheduler.drop(sg)
         request.timing.finish = time.perf_counter()
+        request.is_finished = True
         request.future.set_exception(error)
         self._release_if_idle(request)
 
@@ -150,6 +151,7 @@ class RequestProcessor:
             self.fail(request, _as_request_error(e))
             return
         request.timing.finish = time.perf_counter()
+        request.is_finished = True
         request.future.set_result(Result(outputs, request.timing))
         self._release_if_idle(request)
 

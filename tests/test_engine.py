@@ -181,3 +181,11 @@ def test_ref_to_an_output_of_the_wrong_shape_is_rejected():
         d["nope"]
     with pytest.raises(BadRequestError):
         g.add("enc", x=torch.zeros(2, dtype=torch.int64), h=None)
+
+
+def test_cancelling_the_future_directly_does_not_break_the_engine():
+    with Engine([toy_model()]) as engine:
+        future = engine.submit("toy", {"xs": [1, 2, 3]})
+        assert not future.cancel()  # running futures are cancelled through engine.cancel
+        assert future.result(10).outputs["ys"]
+        wait_idle(engine)
