@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import glob
 import os
-import statistics
 import sys
 import threading
 import time
