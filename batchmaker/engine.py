@@ -6,22 +6,25 @@
 import asyncio
 import copy
 import gc
+import heapq
 import itertools
 import logging
 import queue
 import threading
-from collections import Counter
-from collections.abc import Iterable
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from batchmaker.errors import BadRequestError, BatchMakerError, CancelledError, EngineStoppedError, UnknownModelError
+from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
+                               EngineStoppedError, OverloadedError, UnknownModelError)
 from batchmaker.model import DEFAULT_BATCH_SIZES, CellType, Model
 from batchmaker.registry import build_model
-from batchmaker.request import Request, Result
+from batchmaker.request import Request, RequestTiming, Result
 from batchmaker.request_processor import RequestProcessor
 from batchmaker.scheduler import Scheduler, SchedulerConfig
 from batchmaker.worker import CPUWorker, Worker
@@ -33,6 +36,11 @@ log = logging.getLogger("batchmaker")
 class EngineConfig:
     devices: tuple[str, ...] = ("cpu",)  # one worker per entry; "cpu" twice gives two CPU workers
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Admission bound: requests accepted and not yet finished. Beyond it `submit` answers
+    # OverloadedError at once, so a flood costs a reply, not memory. 4096 WMT-like requests are
+    # ~100k live nodes, minutes of work for the paper's LSTM on a CPU.
+    max_requests: int = 4096
+    num_latencies_kept: int = 4096  # per model, for the latency percentiles in stats()
 
 
 class Engine:
@@ -46,6 +54,11 @@ class Engine:
         self.processor = RequestProcessor(self.scheduler, self._read, self._release)
         self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
         self.num_tasks = 0
+        self.num_accepted = 0  # written by submitting threads (under _submit_lock)
+        self.num_finished = 0  # written by the thread that resolves futures (the manager)
+        self.latencies = {name: deque(maxlen=config.num_latencies_kept) for name in self.models}
+        self._submit_lock = threading.Lock()
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id); manager only
         self._distinct = distinct
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -81,43 +94,66 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def submit(self, model: str, inputs: dict[str, Any]) -> Future:
-        """Queue one request; the future resolves to a Result or raises a BatchMakerError."""
+    def submit(self, model: str, inputs: dict[str, Any], *, priority: int = 0, deadline: float | None = None,
+               on_partial: Callable[[dict], None] | None = None) -> Future:
+        """Queue one request; the future resolves to a Result or raises a BatchMakerError.
+
+        priority: among requests of one model, higher is scheduled first.
+        deadline: seconds from now; after it the request fails with DeadlineExceededError.
+        on_partial: called on the manager thread with each streamed partial output (Seq2Seq
+            tokens); it must be quick and must not block.
+        """
         future: Future = Future()
         future.set_running_or_notify_cancel()  # cancel through Engine.cancel, which frees state
         future.request_id = next(self._ids)
-        if self._thread is None or self._stopping:
-            future.set_exception(EngineStoppedError("the engine is not running"))
-        elif model not in self.models:
-            future.set_exception(UnknownModelError(model, self.models))
-        elif not isinstance(inputs, dict):
-            future.set_exception(BadRequestError(f"inputs must be a dict, got {type(inputs).__name__}"))
-        else:
-            self._inbox.put(Request(future.request_id, model, inputs, future))
-            self._wake.set()
+        error = self._check_submit(model, inputs, priority, deadline)
+        if error is None:
+            with self._submit_lock:
+                if self.num_accepted - self.num_finished >= self.config.max_requests:
+                    error = OverloadedError(f"{self.config.max_requests} requests queued or running; retry later")
+                else:
+                    self.num_accepted += 1
+        if error is not None:
+            future.set_exception(error)
+            return future
+        request = Request(future.request_id, model, inputs, future, priority, on_partial=on_partial)
+        if deadline is not None:
+            request.deadline = request.timing.arrival + deadline
+        # the callback keeps the timing, not the request: a held future must not pin the graph
+        future.add_done_callback(lambda f, m=model, t=request.timing: self._on_finished(m, t))
+        self._inbox.put(request)
+        self._wake.set()
         return future
 
-    async def submit_async(self, model: str, inputs: dict[str, Any]) -> Result:
-        return await asyncio.wrap_future(self.submit(model, inputs))
+    async def submit_async(self, model: str, inputs: dict[str, Any], **options) -> Result:
+        return await asyncio.wrap_future(self.submit(model, inputs, **options))
 
-    def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        return self.submit(model, inputs).result(timeout).outputs
+    def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None, **options) -> dict[str, Any]:
+        return self.submit(model, inputs, **options).result(timeout).outputs
 
     def cancel(self, request_id: int) -> None:
         self._inbox.put(("cancel", request_id))
         self._wake.set()
 
     def stats(self) -> dict[str, Any]:
-        """Counters for benchmarks and leak checks (read from any thread; approximate while busy)."""
+        """Counters for benchmarks and leak checks (read from any thread; approximate while busy).
+
+        batch_sizes: "model/cell:rows" -> tasks run; latency_ms: per model, p50/p90/p99 over the
+        last `num_latencies_kept` finished requests (failed ones included).
+        """
         return {
             "num_live_requests": len(self.processor.requests),
+            "num_queued_requests": self.num_accepted - self.num_finished,  # accepted, not finished
+            "max_requests": self.config.max_requests,
             "num_live_nodes": self.processor.num_live_nodes,
             "num_ready_nodes": self.scheduler.num_ready,
+            "cell_queues": self.scheduler.queue_lengths(),
             "num_rows_used": [w.memory.num_rows_used for w in self.workers],
             "num_tasks_in_flight": [w.num_in_flight for w in self.workers],
             "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
             "num_tasks": self.num_tasks,
-            "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(self.batch_sizes.items())},
+            "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(self.batch_sizes).items())},
+            "latency_ms": {name: _percentiles(list(lat)) for name, lat in self.latencies.items()},
         }
 
     # manager thread -------------------------------------------------------------------------
@@ -126,6 +162,7 @@ class Engine:
             self._wake.clear()
             try:
                 progressed = self._admit() | self._complete() | self._schedule()
+                self._expire()
             except Exception:  # a bug in the engine: fail what is live rather than hang
                 log.exception("engine loop failed; failing live requests")
                 self._fail_all(BatchMakerError("internal engine error"))
@@ -135,7 +172,7 @@ class Engine:
                 self._fail_all(EngineStoppedError("the engine stopped"))
                 return
             if not progressed and not self._is_spinning():
-                self._wake.wait(0.05)
+                self._wake.wait(self._idle_wait())
 
     def _admit(self) -> bool:
         admitted = False
@@ -152,6 +189,8 @@ class Engine:
             elif self._stopping:
                 item.future.set_exception(EngineStoppedError("the engine stopped"))
             else:
+                if item.deadline is not None:
+                    heapq.heappush(self._deadlines, (item.deadline, item.id))
                 self.processor.admit(item, self.models[item.model], self.cell_types[item.model])
 
     def _complete(self) -> bool:
@@ -177,6 +216,41 @@ class Engine:
                 progressed = True
         return progressed
 
+    def _expire(self) -> None:
+        """Fail requests whose deadline has passed (their queued work is dropped)."""
+        now = time.perf_counter()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            request = self.processor.requests.get(request_id)
+            if request is not None:
+                self.processor.fail(request, DeadlineExceededError(
+                    f"request {request_id} missed its deadline of {request.deadline - request.timing.arrival:.3f} s"))
+
+    def _idle_wait(self) -> float:
+        if not self._deadlines:
+            return 0.05
+        return min(0.05, max(0.0, self._deadlines[0][0] - time.perf_counter()))
+
+    def _check_submit(self, model, inputs, priority, deadline) -> BatchMakerError | None:
+        if self._thread is None or self._stopping:
+            return EngineStoppedError("the engine is not running")
+        if model not in self.models:
+            return UnknownModelError(model, self.models)
+        if not isinstance(inputs, dict):
+            return BadRequestError(f"inputs must be a dict, got {type(inputs).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+            return BadRequestError(f"priority must be a 32-bit integer, got {priority!r}")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or not 0 < deadline < 1e7):
+            return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
+        return None
+
+    def _on_finished(self, model: str, timing: RequestTiming) -> None:
+        """Runs where the future resolves (the manager thread): count it, keep its latency."""
+        self.num_finished += 1
+        if timing.finish is not None:
+            self.latencies[model].append(timing.finish - timing.arrival)
+
     def _is_spinning(self) -> bool:
         """CUDA workers are polled, not woken: spin while they have work in flight."""
         return any(w.num_in_flight and not isinstance(w, CPUWorker) for w in self.workers)
@@ -197,6 +271,14 @@ class Engine:
             from batchmaker.cuda_worker import CUDAWorker
             return CUDAWorker(worker_id, device, cells, self.workers)
         return CPUWorker(worker_id, device, cells, self.workers, on_done=self._wake.set)
+
+
+def _percentiles(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"count": 0}
+    values.sort()
+    at = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3  # noqa: E731
+    return {"count": len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
 def _place(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -33,5 +33,32 @@ class CancelledError(BatchMakerError):
     code = "cancelled"
 
 
+class OverloadedError(BatchMakerError):
+    """The bounded request queue is full; the request was not queued (retry later)."""
+
+    code = "overloaded"
+
+
+class DeadlineExceededError(BatchMakerError, TimeoutError):
+    """The request's deadline passed before its result was ready; its work was dropped."""
+
+    code = "deadline_exceeded"
+
+
+class ServerUnavailableError(BatchMakerError, ConnectionError):
+    """Client side: the server cannot be reached, the connection was lost, or no reply came in time."""
+
+    code = "unavailable"
+
+
 class EngineStoppedError(BatchMakerError, RuntimeError):
     code = "cancelled"
+
+
+def error_from_code(code: str, message: str) -> BatchMakerError:
+    """The typed error for a wire error code (the client's side of the protocol)."""
+    cls = next((c for c in (BadRequestError, UnknownModelError, OverloadedError, CancelledError,
+                            DeadlineExceededError) if c.code == code), BatchMakerError)
+    error = cls.__new__(cls)
+    BatchMakerError.__init__(error, message)
+    return error

@@ -5,6 +5,7 @@ of newly added nodes into subgraphs (connected nodes of one cell type) with a un
 plain lists, and `to_networkx` exports the graph for inspection and tests.
 """
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from batchmaker.model import CellType
 if TYPE_CHECKING:
     from batchmaker.request import Request
 
+log = logging.getLogger("batchmaker")
 _node_ids = itertools.count()
 _subgraph_ids = itertools.count()
 
@@ -77,9 +79,14 @@ class Subgraph:
     def request(self) -> "Request":
         return self.nodes[0].request
 
+    @property
+    def priority(self) -> int:
+        return self.nodes[0].request.priority
+
 
 class GraphBuilder:
-    """What an unfolder sees: `add(cell_name, **inputs) -> Node`."""
+    """What an unfolder sees: `add(cell_name, **inputs) -> Node`, and `stream(partial)` to hand
+    the client a partial output (a dict) before the request finishes."""
 
     def __init__(self, request: "Request", cell_types: dict[str, CellType]):
         self._request = request
@@ -98,6 +105,14 @@ class GraphBuilder:
         self.new_nodes.append(node)
         self._request.nodes.append(node)
         return node
+
+    def stream(self, partial: dict) -> None:
+        on_partial = self._request.on_partial
+        if on_partial is not None:
+            try:
+                on_partial(partial)
+            except Exception:  # a consumer's bug must not fail the request or the engine
+                log.exception("on_partial callback failed for request %s", self._request.id)
 
 
 def _check_input(cell_type: CellType, name: str, spec, value):

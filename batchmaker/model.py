@@ -17,6 +17,7 @@ class Model:
     priorities: dict[str, int] = field(default_factory=dict)  # higher runs first; default 0
     batch_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # default (1, .., 64)
     input_schema: dict[str, str] = field(default_factory=dict)  # name -> description, for clients
+    streamed_outputs: tuple[str, ...] = ()  # outputs the unfolder also streams via g.stream()
 
     def __post_init__(self):
         unknown = (set(self.priorities) | set(self.batch_sizes)) - set(self.cells)

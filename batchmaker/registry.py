@@ -1,4 +1,5 @@
 """Model registry: an extension point is a dict and a decorator."""
+import importlib
 from collections.abc import Callable
 
 from batchmaker.errors import UnknownModelError
@@ -23,6 +24,23 @@ def build_model(name: str, **kwargs) -> Model:
     if name not in _FACTORIES:
         raise UnknownModelError(name, _FACTORIES)
     return _FACTORIES[name](**kwargs)
+
+
+def load_model(spec: str, **kwargs) -> Model:
+    """A registered name (built with `kwargs`), or `module:attribute` naming a user's Model or a
+    factory that returns one (called without arguments; importing the module may also register
+    models by name)."""
+    if ":" not in spec:
+        return build_model(spec, **kwargs)
+    module_name, _, attribute = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load model {spec!r}: {e}") from None
+    model = found() if callable(found) and not isinstance(found, Model) else found
+    if not isinstance(model, Model):
+        raise ValueError(f"{spec!r} is a {type(model).__name__}, not a batchmaker Model")
+    return model
 
 
 def registered_models() -> list[str]:

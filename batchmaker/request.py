@@ -40,6 +40,9 @@ class Request:
     model: str
     inputs: dict[str, Any]
     future: Future
+    priority: int = 0  # among requests of one model, higher goes first (scheduler, per cell type)
+    deadline: float | None = None  # perf_counter instant after which the request fails
+    on_partial: Any = None  # callable(dict) for streamed partial outputs, or None
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.perf_counter()))
     nodes: list[Node] = field(default_factory=list)
     unfolder: Any = None  # the running generator, while the unfolder waits for values

@@ -96,7 +96,7 @@ class RequestProcessor:
 
     @property
     def num_live_nodes(self) -> int:
-        return sum(len(r.nodes) for r in self.requests.values())
+        return sum(len(r.nodes) for r in list(self.requests.values()))  # list(): safe off-thread
 
     def _advance(self, request: Request, value: Any) -> None:
         """Run the unfolder until it waits for a value not yet computed, or returns."""

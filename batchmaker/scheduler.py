@@ -1,9 +1,11 @@
 """Algorithm 1 of the thesis: choose a cell type for an idle worker, then form up to
 MaxTasksToSubmit batched tasks of it. Pure Python over Node/Subgraph data; no torch calls.
 
-Starvation guarantee (ours, on top of Algorithm 1): within a cell type, subgraphs are served in
-the order they became ready (FIFO scan); across types, a type with ready nodes that has been
-passed over `max_skips` times in a row is chosen next, whatever the priorities say.
+Starvation guarantee (ours, on top of Algorithm 1): within a cell type and request priority,
+subgraphs are served in the order they became ready (FIFO scan); across types, a type with ready
+nodes that has been passed over `max_skips` times in a row is chosen next, whatever the
+priorities say. Request priorities (a per-request field) order subgraphs *within* a cell type:
+a task is filled from the highest-priority level first, so a busy high level can delay a low one.
 """
 from dataclasses import dataclass, field
 
@@ -21,7 +23,8 @@ class SchedulerConfig:
 @dataclass(slots=True, eq=False)
 class CellQueue:
     cell_type: CellType
-    subgraphs: dict[int, Subgraph] = field(default_factory=dict)  # insertion order = FIFO
+    # request priority -> {subgraph id: subgraph} in FIFO order; levels kept highest first
+    levels: dict[int, dict[int, Subgraph]] = field(default_factory=dict)
     num_ready: int = 0
     num_running_tasks: int = 0
     num_skips: int = 0
@@ -36,7 +39,11 @@ class Scheduler:
         """A subgraph whose external inputs are all satisfied joins its cell type's queue."""
         q = self.queues[id(subgraph.cell_type)]
         subgraph.ready.extend(n for n in subgraph.nodes if n.num_pending == 0 and not n.is_submitted)
-        q.subgraphs[subgraph.id] = subgraph
+        level = q.levels.get(subgraph.priority)
+        if level is None:
+            level = {}
+            q.levels = dict(sorted({**q.levels, subgraph.priority: level}.items(), reverse=True))
+        level[subgraph.id] = subgraph
         q.num_ready += len(subgraph.ready)
 
     def schedule(self, worker_id: int) -> list[Task]:
@@ -60,13 +67,21 @@ class Scheduler:
     def drop(self, subgraph: Subgraph) -> None:
         """Forget a subgraph of a failed or cancelled request."""
         q = self.queues[id(subgraph.cell_type)]
-        if q.subgraphs.pop(subgraph.id, None) is not None:
+        level = q.levels.get(subgraph.priority)
+        if level is not None and level.pop(subgraph.id, None) is not None:
             q.num_ready -= len(subgraph.ready)
+            _prune(q, subgraph.priority)
         subgraph.ready.clear()
 
     @property
     def num_ready(self) -> int:
         return sum(q.num_ready for q in self.queues.values())
+
+    def queue_lengths(self) -> dict[str, dict[str, int]]:
+        """Per cell type: ready nodes, queued subgraphs, running tasks (approximate off-thread)."""
+        return {q.cell_type.name: {"num_ready": q.num_ready, "num_running_tasks": q.num_running_tasks,
+                                   "num_subgraphs": sum(len(level) for level in list(q.levels.values()))}
+                for q in self.queues.values()}
 
     def _candidates(self) -> list[CellQueue]:
         """Cell types in the order Algorithm 1 prefers them (lines 5-10), forced ones first."""
@@ -99,16 +114,17 @@ class Scheduler:
         """FormBatchedTask: ready nodes of subgraphs not pinned elsewhere, oldest first."""
         nodes: list[Node] = []
         rows, limit = 0, q.cell_type.max_batch
-        for sg in q.subgraphs.values():
-            if sg.pinned is not None and sg.pinned != worker_id:
-                continue
-            ready = sg.ready
-            while ready and rows + ready[0].num_rows <= limit:
-                node = ready.popleft()
-                nodes.append(node)
-                rows += node.num_rows
-            if rows == limit:
-                break
+        for level in q.levels.values():
+            for sg in level.values():
+                if sg.pinned is not None and sg.pinned != worker_id:
+                    continue
+                ready = sg.ready
+                while ready and rows + ready[0].num_rows <= limit:
+                    node = ready.popleft()
+                    nodes.append(node)
+                    rows += node.num_rows
+                if rows == limit:
+                    return nodes
         return nodes
 
     def _submit(self, q: CellQueue, worker_id: int, nodes: list[Node]) -> Task:
@@ -130,8 +146,15 @@ class Scheduler:
             sg.pinned = worker_id
             sg.num_tasks_in_flight += 1
             if sg.num_unsubmitted == 0:
-                del q.subgraphs[sg.id]
+                del q.levels[sg.priority][sg.id]
+                _prune(q, sg.priority)
         return Task(q.cell_type, worker_id, nodes)
+
+
+def _prune(q: CellQueue, priority: int) -> None:
+    """Drop an emptied priority level (the default level 0 stays: it is almost always used)."""
+    if priority != 0 and not q.levels[priority]:
+        del q.levels[priority]
 
 
 def _give_back(nodes: list[Node]) -> None:

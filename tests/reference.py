@@ -80,6 +80,10 @@ class EagerGraph:
         self.cells = model.cells
         self.num_nodes = 0
         self.count = {name: 0 for name in model.cells}
+        self.partials: list[dict] = []
+
+    def stream(self, partial: dict) -> None:
+        self.partials.append(partial)
 
     def add(self, cell: str, **inputs) -> dict[str, torch.Tensor]:
         spec = self.cells[cell].signature.inputs

@@ -11,6 +11,7 @@ import torch
 
 from batchmaker import (BadRequestError, CancelledError, CellError, Engine, EngineConfig, EngineStoppedError,
                         UnknownModelError)
+from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.graph import GraphBuilder, partition, to_networkx
 from batchmaker.request import Request
 from test_scheduler import cell_types_of
@@ -189,3 +190,68 @@ def test_cancelling_the_future_directly_does_not_break_the_engine():
         assert not future.cancel()  # running futures are cancelled through engine.cancel
         assert future.result(10).outputs["ys"]
         wait_idle(engine)
+
+
+def test_streamed_partials_arrive_in_order_before_the_result():
+    model = toy_model(max_dec=6)
+    rng = random.Random(5)
+    inputs = [{"xs": [rng.randrange(100) for _ in range(rng.randint(1, 10))]} for _ in range(40)]
+    seen: dict[int, list] = {i: [] for i in range(len(inputs))}
+    with Engine([model]) as engine:
+        futures = []
+        for i, inp in enumerate(inputs):
+            def on_partial(partial, i=i):
+                assert not futures[i].done()  # partials come before the result
+                seen[i].extend(partial["ys"])
+            futures.append(None)
+            futures[i] = engine.submit("toy", inp, on_partial=on_partial)
+        for i, f in enumerate(futures):
+            assert f.result(30).outputs["ys"] == seen[i] == toy_reference(model, inputs[i]["xs"])[1]
+
+
+def test_deadline_fails_the_request_and_frees_its_state():
+    with Engine([toy_model(enc_delay=0.002)]) as engine:
+        slow = engine.submit("toy", {"xs": [1] * 500}, deadline=0.05)  # ~1 s of work
+        quick = engine.submit("toy", {"xs": [1, 2]}, deadline=30)
+        with pytest.raises(DeadlineExceededError):
+            slow.result(10)
+        assert slow.exception().code == "deadline_exceeded"
+        assert quick.result(10).outputs["ys"]
+        wait_idle(engine)
+        with pytest.raises(BadRequestError):
+            engine.submit("toy", {"xs": [1]}, deadline=-1).result(1)
+
+
+def test_a_flood_beyond_max_requests_is_answered_overloaded_at_once():
+    config = EngineConfig(max_requests=8)
+    with Engine([toy_model(enc_delay=0.002)], config) as engine:
+        futures = [engine.submit("toy", {"xs": [1] * 20}) for _ in range(200)]
+        rejected = [f for f in futures if f.done() and isinstance(f.exception(), OverloadedError)]
+        assert len(rejected) >= 200 - 8 - 5  # at most max_requests accepted (a few may finish meanwhile)
+        accepted = [f for f in futures if f not in rejected]
+        for f in accepted:
+            assert f.result(30).outputs["ys"]  # nothing accepted is lost
+        wait_idle(engine)
+        assert engine.stats()["num_queued_requests"] == 0
+        assert engine.infer("toy", {"xs": [3]}, timeout=10)["ys"]  # serving again once drained
+
+
+def test_request_priority_orders_work_within_a_model():
+    """With one worker kept busy, a high-priority request submitted last finishes first."""
+    model = toy_model(enc_delay=0.001, enc_sizes=(1,), dec_sizes=(1,))  # one node per task
+    with Engine([model]) as engine:
+        low = [engine.submit("toy", {"xs": [1] * 30}) for _ in range(6)]
+        high = engine.submit("toy", {"xs": [1] * 30}, priority=5)
+        finish = {id(f): f.result(30).timing.finish for f in [*low, high]}
+    assert finish[id(high)] < min(finish[id(f)] for f in low[1:])
+
+
+def test_stats_report_queues_histogram_and_latency_percentiles():
+    with Engine([toy_model()]) as engine:
+        for f in [engine.submit("toy", {"xs": [i % 50 + 1] * 5}) for i in range(50)]:
+            f.result(30)
+        stats = wait_idle(engine)
+    assert stats["latency_ms"]["toy"]["count"] == 50
+    assert 0 < stats["latency_ms"]["toy"]["p50"] <= stats["latency_ms"]["toy"]["p90"] <= stats["latency_ms"]["toy"]["p99"]
+    assert set(stats["cell_queues"]) == {"toy/enc", "toy/dec"}
+    assert sum(stats["batch_sizes"].values()) == stats["num_tasks"] > 0

@@ -2,22 +2,29 @@
 
 "enc" (priority 0): h' = 0.5 h + w * x; "dec" (priority 1): h' = tanh(h + v) and y = argmax-ish bit.
 Unfolding: an enc chain over the tokens, then dec steps that continue while y == 1 (dynamic
-growth through `yield`), at most `max_dec` steps. Reference: plain arithmetic on the weights.
+growth through `yield`), at most `max_dec` steps; each y is also streamed as {"ys": [y]}.
+Reference: plain arithmetic on the weights. `enc_delay` (seconds per enc task) makes requests
+slow enough to cancel, expire or pile up mid-flight.
 """
+import time
+
 import torch
 
 from batchmaker import Cell, Model, Signature, TensorSpec
 
 
 class EncCell(Cell):
-    def __init__(self, dim=4, vocab=100, seed=0):
+    def __init__(self, dim=4, vocab=100, seed=0, delay=0.0):
         super().__init__()
+        self.delay = delay
         g = torch.Generator().manual_seed(seed)
         self.signature = Signature({"x": TensorSpec((), torch.int64, high=vocab), "h": TensorSpec((dim,))},
                                    {"h": TensorSpec((dim,))})
         self.w = torch.nn.Parameter(torch.randn(dim, generator=g))
 
     def forward(self, x, h):
+        if self.delay:
+            time.sleep(self.delay)
         return {"h": 0.5 * h + x[:, None].float() / 50.0 * self.w}
 
 
@@ -36,8 +43,8 @@ class DecCell(Cell):
         return {"h": h2, "y": (h2.sum(1) > 0).long()}
 
 
-def toy_model(name="toy", max_dec=6, enc_sizes=(2, 4, 8), dec_sizes=(1, 2, 4), **dec_kwargs) -> Model:
-    enc, dec = EncCell(), DecCell(**dec_kwargs)
+def toy_model(name="toy", max_dec=6, enc_sizes=(2, 4, 8), dec_sizes=(1, 2, 4), enc_delay=0.0, **dec_kwargs) -> Model:
+    enc, dec = EncCell(delay=enc_delay), DecCell(**dec_kwargs)
 
     def unfold(inputs, g):
         xs = inputs["xs"]
@@ -51,13 +58,14 @@ def toy_model(name="toy", max_dec=6, enc_sizes=(2, 4, 8), dec_sizes=(1, 2, 4), *
             node = g.add("dec", h=h)
             y = yield node["y"]
             ys.append(y)
+            g.stream({"ys": [y]})
             h = node["h"]
             if y == 0:
                 break
         return {"h": h, "ys": ys}
 
     return Model(name, {"enc": enc, "dec": dec}, unfold, priorities={"enc": 0, "dec": 1},
-                 batch_sizes={"enc": enc_sizes, "dec": dec_sizes})
+                 batch_sizes={"enc": enc_sizes, "dec": dec_sizes}, streamed_outputs=("ys",))
 
 
 def toy_reference(model: Model, xs: list[int], max_dec=6):

@@ -3,6 +3,7 @@ node at a time until it emits EOS (thesis §2.6: the graph of a decoder is only 
 
 Request: {"tokens": [int, ...], "max_len": int (optional, 1..model max_len)}.
 Reply: {"tokens": [int, ...]} -- the decoded ids, ending with EOS unless max_len cut it short.
+Streamed: {"tokens": [id]} per decoded token, in order (their concatenation is the reply).
 """
 from functools import partial
 
@@ -30,6 +31,7 @@ def unfold(inputs: dict, g, *, vocab: int, max_len: int):
     while len(out) < limit:
         dec = g.add("decoder", token=prev_token, h=h, c=c)
         out.append((yield dec["token"]))
+        g.stream({"tokens": [out[-1]]})
         if out[-1] == EOS:
             break
         prev_token, h, c = dec["token"], dec["h"], dec["c"]  # stays on the device
@@ -57,4 +59,5 @@ def seq2seq_model(vocab: int = 30000, embed: int = 256, hidden: int = 256, seed:
                      "decoder": power_of_two_sizes(max_batch_decoder)},
         input_schema={"tokens": f"list[int]: source token ids in [0, {vocab}), non-empty",
                       "max_len": f"int, optional: most tokens to decode, 1..{max_len} (default {max_len})"},
+        streamed_outputs=("tokens",),
     )

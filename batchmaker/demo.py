@@ -1,0 +1,90 @@
+"""`batchmaker demo`: a server in this process on the shipped models and data, driven over ZeroMQ
+by the client at a Poisson load, then a table per model (latency percentiles, throughput, batch).
+"""
+import random
+import sys
+import time
+from concurrent.futures import wait
+
+import torch
+
+from batchmaker.client import Client
+from batchmaker.data import wmt_sentences
+from batchmaker.engine import Engine, EngineConfig
+from batchmaker.registry import build_model
+from batchmaker.server import Server, ServerConfig
+from batchmaker.unfolders.trees import load_sst_sample
+
+MODELS = ("lstm", "seq2seq", "treelstm")
+# Small enough for a laptop CPU; the paper's sizes (hidden 1024) are what bench/ runs on the GPU.
+DEMO_SIZES = dict(vocab=30000, embed=128, hidden=128)
+
+
+def demo_requests(num: int, seed: int) -> dict[str, list[dict]]:
+    """`num` requests per model: WMT-like sentences (Seq2Seq decodes as many tokens as it read,
+    since its seeded weights never emit EOS) and trees from the shipped SST sample."""
+    rng = random.Random(seed)
+    sentences = wmt_sentences(2 * num, vocab=DEMO_SIZES["vocab"], seed=seed)
+    trees = load_sst_sample()
+    return {
+        "lstm": [{"tokens": s} for s in sentences[:num]],
+        "seq2seq": [{"tokens": s, "max_len": min(len(s), 50)} for s in sentences[num:]],
+        "treelstm": [{"tree": rng.choice(trees)} for _ in range(num)],
+    }
+
+
+def run_demo(duration: float, rate: float, device: str | None, seed: int) -> int:
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    models = [build_model(name, **DEMO_SIZES) for name in MODELS]
+    requests = demo_requests(int(duration * rate * 1.5) + 10, seed)
+    print(f"batchmaker demo: {', '.join(MODELS)} (hidden {DEMO_SIZES['hidden']}) on {device}; "
+          f"Poisson arrivals, {rate:g} requests/s per model for {duration:g} s, over ZeroMQ")
+    with Engine(models, EngineConfig(devices=(device,))) as engine, \
+            Server(engine, ServerConfig("tcp://127.0.0.1:*")) as server, \
+            Client(server.address, timeout=max(60.0, 3 * duration)) as client:
+        print(f"server on {server.address}")
+        sent = drive(client, requests, duration, rate, seed)
+        elapsed = time.perf_counter() - sent["start"]
+        stats = client.stats()
+    print_table(sent["futures"], elapsed, stats)
+    return 0 if all(f.exception() is None for _, f in sent["futures"]) else 1
+
+
+def drive(client: Client, requests: dict[str, list[dict]], duration: float, rate: float, seed: int) -> dict:
+    """Open loop: one Poisson stream of `rate * len(models)` arrivals, each a random model."""
+    rng = random.Random(seed)
+    names, futures, used = list(requests), [], {name: 0 for name in requests}
+    start = time.perf_counter()
+    next_arrival, next_draw = start, start
+    while (now := time.perf_counter()) < start + duration:
+        if now >= next_arrival:
+            name = rng.choice(names)
+            futures.append((name, client.submit(name, requests[name][used[name] % len(requests[name])])))
+            used[name] += 1
+            next_arrival += rng.expovariate(rate * len(names))
+        if now >= next_draw:
+            _progress(now - start, duration, sum(f.done() for _, f in futures), len(futures))
+            next_draw = now + 0.2
+        time.sleep(max(0.0, min(next_arrival, next_draw) - time.perf_counter()))
+    wait([f for _, f in futures])
+    _progress(duration, duration, len(futures), len(futures))
+    print(file=sys.stderr)
+    return {"start": start, "futures": futures}
+
+
+def print_table(futures: list, elapsed: float, stats: dict) -> None:
+    print(f"{'model':10} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+          f"{'req/s':>7} {'mean batch':>10}")
+    for name in MODELS:
+        mine = [f for n, f in futures if n == name]
+        ok = sorted(f.result().timing.latency * 1e3 for f in mine if f.exception() is None)
+        at = lambda q: ok[min(len(ok) - 1, int(q * len(ok)))] if ok else float("nan")  # noqa: E731
+        sizes = {int(k.rsplit(":", 1)[1]): v for k, v in stats["batch_sizes"].items() if k.startswith(name + "/")}
+        mean_batch = sum(s * v for s, v in sizes.items()) / max(1, sum(sizes.values()))
+        print(f"{name:10} {len(mine):8d} {len(mine) - len(ok):6d} {at(0.5):8.1f} {at(0.9):8.1f} {at(0.99):8.1f} "
+              f"{len(ok) / elapsed:7.1f} {mean_batch:10.1f}")
+
+
+def _progress(elapsed: float, duration: float, done: int, sent: int) -> None:
+    bar = "#" * int(40 * min(1.0, elapsed / duration))
+    print(f"\r  [{bar:40}] {elapsed:5.1f}/{duration:g} s  {done}/{sent} done", end="", file=sys.stderr, flush=True)
