@@ -1,4 +1,5 @@
 """The server and client end to end over real loopback sockets (tcp and ipc)."""
+import asyncio
 import json
 import os
 import random
@@ -283,3 +284,26 @@ def test_serve_cli_in_a_subprocess_answers_the_client_cli_and_stops_on_sigterm(c
         assert "serving lstm, toy on ipc://" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_asyncio_submission_over_the_wire(served):
+    engine, server = served
+
+    async def main(client):
+        inputs = [{"xs": [i, i + 1]} for i in range(20)]
+        results = await asyncio.gather(*(client.infer_async("toy", x) for x in inputs))
+        return [r["ys"] for r in results]
+
+    with Client(server.address, timeout=30) as client:
+        got = asyncio.run(main(client))
+    assert got == [toy_reference(engine.models["toy"], [i, i + 1])[1] for i in range(20)]
+
+
+def test_demo_runs_and_prints_a_table_per_model(capsys):
+    from batchmaker.demo import run_demo
+
+    assert run_demo(duration=1.5, rate=4, device="cpu", seed=0) == 0
+    out = capsys.readouterr().out
+    for model in ("lstm", "seq2seq", "treelstm"):
+        assert any(line.split()[:1] == [model] for line in out.splitlines())
+    assert "p90 ms" in out
