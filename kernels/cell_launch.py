@@ -1,0 +1,112 @@
+"""What the fused cell entry points share: loading the Triton kernels on first use, block-shape
+choice per batch size, and the checks done once per call (no device syncs)."""
+import os
+from dataclasses import dataclass
+
+import torch
+
+_kernels = None
+
+
+class KernelUnavailableError(RuntimeError):
+    """The fused kernels need Triton and a CUDA device (or Triton's CPU interpreter)."""
+
+
+def load_kernels():
+    """The module of @triton.jit kernels, imported on first use."""
+    global _kernels
+    if _kernels is None:
+        try:
+            from batchmaker.kernels import triton_cells
+        except ImportError as e:
+            raise KernelUnavailableError(
+                f"fused cell kernels need Triton ({e}); use the reference_* twin on this machine") from e
+        _kernels = triton_cells
+    return _kernels
+
+
+def is_interpreting() -> bool:
+    """Triton's own CPU interpreter switch (used by the tests on machines without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockConfig:
+    bm: int  # batch rows per program
+    bn: int  # hidden units per program (each gate gets its own [bm, bn] accumulator)
+    bk: int  # reduction step
+    num_warps: int
+    num_stages: int
+
+
+# Block shapes per batch size, the fastest of bench/fused_cell.py --sweep on an H200 (h = embed =
+# 1024, fp16; bench/results/fused_cell-sweep-*.json). Small batches are bound by reading the
+# weights and want many programs (narrow bn, deep pipelines); from 256 rows on the MMAs dominate.
+_LARGE = BlockConfig(128, 32, 64, 4, 3)
+LADDERS = {  # cell -> ((largest batch, config), ...)
+    "lstm": ((16, BlockConfig(16, 16, 128, 4, 4)), (64, BlockConfig(64, 16, 64, 4, 6)),
+             (256, BlockConfig(64, 32, 64, 4, 4)), (1 << 62, _LARGE)),
+    "tree": ((16, BlockConfig(16, 32, 64, 4, 6)), (64, BlockConfig(64, 16, 64, 4, 6)),
+             (256, BlockConfig(64, 32, 64, 4, 4)), (1 << 62, _LARGE)),
+}
+MAX_SHARED_BYTES = 200 * 1024  # under the H100/H200's 227 KB per block, with room for the epilogue
+
+
+def pick_config(ladder: str, batch: int, hidden: int, ks: tuple[int, ...], num_gates: int, element_size: int,
+                config: BlockConfig | None = None) -> BlockConfig:
+    """`config` if given, else the ladder's entry for `batch`; then bn and bk shrink until they
+    divide `hidden` and every reduction length in `ks` (the kernels have no masks along n or k),
+    and stages, then bk, until the operand pipeline fits in shared memory (fp32 needs this)."""
+    if config is None:
+        config = next(c for limit, c in LADDERS[ladder] if batch <= limit)
+    bn, bk, stages = config.bn, config.bk, config.num_stages
+    while hidden % bn:
+        bn //= 2
+    while any(k % bk for k in ks):
+        bk //= 2
+    while stages * (config.bm + num_gates * bn) * bk * element_size > MAX_SHARED_BYTES:
+        if stages > 2:
+            stages -= 1
+        else:
+            bk //= 2
+    if bn < 16 or bk < 16:
+        raise ValueError(f"hidden {hidden} and reduction lengths {ks} must be multiples of 16")
+    return BlockConfig(config.bm, bn, bk, config.num_warps, stages)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 dots follow torch's matmul policy (TF32 only when torch allows it)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # ignored for fp16/bf16 operands
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_cuda and not is_interpreting():
+            raise KernelUnavailableError(f"fused cell kernels run on CUDA tensors, got one on {t.device}")
+
+
+def check_index(name: str, index: torch.Tensor, batch: int) -> None:
+    if index.dtype != torch.int64 or index.shape != (batch,) or not index.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous int64 [{batch}] index, got {index.dtype} "
+                         f"{tuple(index.shape)}")
+
+
+def check_pool(name: str, pool: torch.Tensor, hidden: int, dtype: torch.dtype) -> None:
+    if pool.dim() != 2 or pool.shape[1] != hidden or pool.stride(1) != 1 or pool.dtype != dtype:
+        raise ValueError(f"{name}: expected a [rows, {hidden}] {dtype} pool with unit column stride, got "
+                         f"{pool.dtype} {tuple(pool.shape)} strides {pool.stride()}")
+
+
+def combined_bias(*biases: torch.Tensor | None, size: int, device) -> torch.Tensor:
+    """fp32 sum of the given biases (None counts as zeros)."""
+    total = torch.zeros(size, dtype=torch.float32, device=device)
+    for b in biases:
+        if b is not None:
+            total += b.detach().float()
+    return total
+
+
+__all__ = ["LADDERS", "BlockConfig", "KernelUnavailableError", "check_device", "check_index", "check_pool",
+           "combined_bias", "dot_precision", "is_interpreting", "load_kernels", "pick_config"]
