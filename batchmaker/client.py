@@ -53,6 +53,8 @@ class Client:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 0)  # no send limit: a burst of calls queues here, each has a timeout
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         if curve_server_key is not None:
             if curve_secret_key is None:
                 raise ValueError("CurveZMQ needs this client's secret key too (curve_secret_key)")
