@@ -45,13 +45,16 @@ class Node:
     num_pending: int = 0  # input refs not yet satisfied (internal: submitted; external: done)
     subgraph: "Subgraph | None" = None
     internal_successors: list["Node"] = field(default_factory=list)
-    external_successors: list["Node"] = field(default_factory=list)
-    fetch: set[str] = field(default_factory=set)  # outputs the host needs after the task
+    # Rarely used containers start as shared empty immutables and are replaced on first use:
+    # fewer objects per node to build and for the cyclic GC to walk (measured: admission
+    # cost per node is ~40% GC once ~100k nodes are live).
+    external_successors: "list[Node] | tuple" = ()
+    fetch: "set[str] | frozenset" = frozenset()  # outputs the host needs after the task
     is_submitted: bool = False
     is_done: bool = False
     worker_id: int | None = None
     rows: dict[str, int] = field(default_factory=dict)  # output name -> row in the worker's pool
-    host_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    host_outputs: "dict[str, torch.Tensor] | None" = None  # fetched values, once the task is done
 
     def __getitem__(self, output: str) -> Ref:
         if output not in self.cell_type.cell.signature.outputs:
@@ -60,6 +63,19 @@ class Node:
 
     def producers(self):
         return (v.node for v in self.inputs.values() if isinstance(v, Ref))
+
+    def mark_fetch(self, output: str) -> None:
+        if not self.fetch:
+            self.fetch = set()
+        self.fetch.add(output)
+
+    def set_host_output(self, output: str, value: torch.Tensor) -> None:
+        if self.host_outputs is None:
+            self.host_outputs = {}
+        self.host_outputs[output] = value
+
+    def has_host_output(self, output: str) -> bool:
+        return self.host_outputs is not None and output in self.host_outputs
 
 
 @dataclass(slots=True, eq=False)
@@ -98,7 +114,7 @@ class GraphBuilder:
             raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
         cell_type = self._cell_types[cell]
         specs = cell_type.cell.signature.inputs
-        if set(inputs) != set(specs):
+        if inputs.keys() != specs.keys():
             raise BadRequestError(f"{cell_type.name}: inputs {sorted(inputs)} != expected {sorted(specs)}")
         checked = {name: _check_input(cell_type, name, spec, inputs[name]) for name, spec in specs.items()}
         node = Node(cell_type, self._request, checked)
@@ -115,17 +131,24 @@ class GraphBuilder:
                 log.exception("on_partial callback failed for request %s", self._request.id)
 
 
+_FITS: dict[tuple, bool] = {}  # (producer cell type, output, input spec) -> shapes and dtypes agree
+
+
 def _check_input(cell_type: CellType, name: str, spec, value):
-    what = f"{cell_type.name}.{name}"
     if value is None:
         return None
-    if isinstance(value, Ref):
-        out = value.node.cell_type.cell.signature.outputs[value.output]
-        if (out.shape, out.dtype) != (spec.shape, spec.dtype):
-            raise TypeError(f"{what}: ref to {value.node.cell_type.name}.{value.output} "
+    if type(value) is Ref:
+        key = (value.node.cell_type, value.output, spec)
+        fits = _FITS.get(key)
+        if fits is None:
+            out = value.node.cell_type.cell.signature.outputs[value.output]
+            fits = _FITS[key] = (out.shape, out.dtype) == (spec.shape, spec.dtype)
+        if not fits:
+            out = value.node.cell_type.cell.signature.outputs[value.output]
+            raise TypeError(f"{cell_type.name}.{name}: ref to {value.node.cell_type.name}.{value.output} "
                             f"{out.shape}/{out.dtype} does not fit {spec.shape}/{spec.dtype}")
         return value
-    return spec.check_host(value, what)
+    return spec.check_host(value, f"{cell_type.name}.{name}")
 
 
 def partition(new_nodes: list[Node]) -> list[Subgraph]:
@@ -157,7 +180,10 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
                 p.internal_successors.append(node)
                 node.num_pending += 1
             elif not p.is_done:
-                p.external_successors.append(node)
+                if p.external_successors:
+                    p.external_successors.append(node)
+                else:
+                    p.external_successors = [node]
                 node.num_pending += 1
                 node.subgraph.num_external_pending += 1
     return subgraphs

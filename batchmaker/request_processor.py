@@ -120,7 +120,7 @@ class RequestProcessor:
                 return
             if not all(r.node.is_done for r in refs):
                 for r in refs:
-                    r.node.fetch.add(r.output)
+                    r.node.mark_fetch(r.output)
                 request.awaiting = awaited
                 return
             value = self._values(awaited)
@@ -137,7 +137,7 @@ class RequestProcessor:
     def _unfold_done(self, request: Request, outputs: Any) -> None:
         request.outputs = outputs
         for r in refs_in(outputs):
-            r.node.fetch.add(r.output)
+            r.node.mark_fetch(r.output)
         self._finish_if_done(request)
 
     def _finish_if_done(self, request: Request) -> None:
@@ -161,8 +161,8 @@ class RequestProcessor:
         return resolve(awaited)
 
     def _ensure_fetched(self, ref: Ref) -> None:
-        if ref.output not in ref.node.host_outputs:
-            ref.node.host_outputs[ref.output] = self._read(ref)
+        if not ref.node.has_host_output(ref.output):
+            ref.node.set_host_output(ref.output, self._read(ref))
 
     def _release_if_idle(self, request: Request) -> None:
         if request.num_in_flight == 0 and self.requests.pop(request.id, None) is not None:

@@ -102,7 +102,7 @@ class Worker:
             values = plan.fetched.get(name)
             if values is not None:
                 for node, value in zip(nodes, values):
-                    node.host_outputs[name] = value
+                    node.set_host_output(name, value)
         for pool, row in plan.temp_rows:
             pool.free(row)
         task.handle = None
