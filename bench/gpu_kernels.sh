@@ -10,21 +10,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1
 exec > >(tee "$OUT/log.txt") 2>&1
 
-failed=()
-step() {  # step NAME COMMAND...: run, time, and remember failures without stopping the rest
-    local name=$1 start=$SECONDS rc
-    shift
-    echo "== $name: $*"
-    "$@"
-    rc=$?
-    echo "== $name: rc=$rc in $((SECONDS - start)) s"
-    [ "$rc" -eq 0 ] || failed+=("$name")
-}
-
-install() {
-    python3 -m pip install --no-build-isolation --no-deps --no-index -q -e . ||
-        python3 -m pip install --no-build-isolation --no-deps --no-index -q .
-}
+. bench/gpu_lib.sh
 
 xdist() {  # compile kernels in several processes when pytest-xdist is there
     python3 -c "import xdist" 2>/dev/null && echo "-n 6 -p no:benchmark"

@@ -12,12 +12,12 @@ exec > >(tee "$OUT/log.txt") 2>&1
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install --no-build-isolation --no-deps --no-index -q -e . || exit 1
+. bench/gpu_lib.sh
+install || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import sys, torch, zmq; print(sys.version.split()[0], torch.__version__, 'pyzmq', zmq.__version__)"
 
 marker=$(mktemp)
-step() { local name=$1; shift; echo "== $name: $*"; local start=$SECONDS; "$@"; echo "== $name: rc=$? in $((SECONDS - start)) s"; }
 step gpu-tests timeout 200 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider
 step serving-tests timeout 200 python3 -m pytest -q tests/test_server.py tests/test_fuzz.py tests/test_protocol.py -p no:cacheprovider
 step demo timeout 60 batchmaker demo --duration 10

@@ -80,15 +80,22 @@ def engine_system(models, args):
     timers = instrument(engine)
     extra = lambda: {"time_s": time.perf_counter(), **_engine_counters(engine, timers)}  # noqa: E731
     try:
-        if args.mode == "inproc":
-            yield engine.submit, extra
-        else:
-            with zmq_client(engine, args) as submit:
-                yield submit, extra
+        with submitter(engine, args) as submit:
+            yield submit, extra
     finally:
         engine.stop()
         if profiler:
             args.profile_out = _top_functions(profiler)
+
+
+@contextlib.contextmanager
+def submitter(system, args):
+    """`system.submit` in process, or a Client's submit to a Server in front of `system`."""
+    if args.mode == "inproc":
+        yield system.submit
+    else:
+        with zmq_client(system, args) as submit:
+            yield submit
 
 
 @contextlib.contextmanager
@@ -116,11 +123,8 @@ def baseline_system(server, args):
     server.start()
     extra = lambda: {"time_s": time.perf_counter(), **server.stats()}  # noqa: E731
     try:
-        if args.mode == "inproc":
-            yield server.submit, extra
-        else:
-            with zmq_client(server, args) as submit:
-                yield submit, extra
+        with submitter(server, args) as submit:
+            yield submit, extra
     finally:
         server.stop()
 
