@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
+import numpy as np
 import torch
 
+from batchmaker.chain import Chain
 from batchmaker.errors import BadRequestError
 from batchmaker.model import CellType
 
@@ -55,6 +57,7 @@ class Node:
     worker_id: int | None = None
     rows: dict[str, int] = field(default_factory=dict)  # output name -> row in the worker's pool
     host_outputs: "dict[str, torch.Tensor] | None" = None  # fetched values, once the task is done
+    chain: Chain | None = None  # set for a chain node: a run of steps (batchmaker/chain.py)
 
     def __getitem__(self, output: str) -> Ref:
         if output not in self.cell_type.cell.signature.outputs:
@@ -90,6 +93,11 @@ class Subgraph:
     num_external_pending: int = 0
     num_tasks_in_flight: int = 0
     pinned: int | None = None  # worker id while tasks are in flight
+    chain_state: str | None = None  # a chain's: "waiting", "running", "submitted" or "dropped"
+
+    @property
+    def is_chain(self) -> bool:
+        return self.nodes[0].chain is not None
 
     @property
     def request(self) -> "Request":
@@ -122,6 +130,37 @@ class GraphBuilder:
         self._request.nodes.append(node)
         return node
 
+    def add_chain(self, cell: str, steps: dict[str, Any], carry: dict[str, str], **init) -> Node:
+        """A run of L steps of `cell` as ONE node (scheduled by chain groups, batchmaker/chain.py).
+
+        steps: step input -> L integer values (step t gets the t-th); carry: input -> output, the
+        inputs that take the previous step's output; init: each carried input's value at step 0
+        (a Ref, a host value, or None for zeros). node[output] is the last step's output.
+        """
+        if cell not in self._cell_types:
+            raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
+        cell_type = self._cell_types[cell]
+        sig = cell_type.cell.signature
+        if set(steps) | set(carry) != set(sig.inputs) or set(steps) & set(carry) or set(init) != set(carry):
+            raise TypeError(f"{cell_type.name}: a chain's steps {sorted(steps)} and carried inputs "
+                            f"{sorted(carry)} must split its inputs {sorted(sig.inputs)}; init is per carried input")
+        for name, out in carry.items():
+            if out not in sig.outputs or (sig.outputs[out].shape, sig.outputs[out].dtype) != (
+                    sig.inputs[name].shape, sig.inputs[name].dtype):
+                raise TypeError(f"{cell_type.name}: output {out!r} cannot be carried into input {name!r}")
+        if _CARRIES.setdefault(cell_type, dict(carry)) != carry:  # one group layout per cell type
+            raise TypeError(f"{cell_type.name}: every chain of a cell type must carry the same outputs, "
+                            f"{_CARRIES[cell_type]}")
+        values = {name: _check_steps(cell_type, name, sig.inputs[name], v) for name, v in steps.items()}
+        lengths = {len(v) for v in values.values()}
+        if len(lengths) != 1:
+            raise BadRequestError(f"{cell_type.name}: step inputs differ in length {sorted(lengths)}")
+        checked = {name: _check_input(cell_type, name, sig.inputs[name], value) for name, value in init.items()}
+        node = Node(cell_type, self._request, checked, chain=Chain(values, dict(carry), lengths.pop()))
+        self.new_nodes.append(node)
+        self._request.nodes.append(node)
+        return node
+
     def stream(self, partial: dict) -> None:
         on_partial = self._request.on_partial
         if on_partial is not None:
@@ -131,7 +170,26 @@ class GraphBuilder:
                 log.exception("on_partial callback failed for request %s", self._request.id)
 
 
+def _check_steps(cell_type: CellType, name: str, spec, values) -> np.ndarray:
+    """A chain's step values: a non-empty 1-d sequence of integers in the spec's range."""
+    what = f"{cell_type.name}.{name}"
+    if not spec.is_integer or spec.shape != ():
+        raise TypeError(f"{what}: chain step inputs must be integer scalars per step")
+    try:
+        array = np.asarray(values.numpy() if isinstance(values, torch.Tensor) else values)
+    except (TypeError, ValueError) as e:
+        raise BadRequestError(f"{what}: cannot read the step values ({e})") from None
+    if array.ndim != 1 or not len(array):
+        raise BadRequestError(f"{what}: expected a non-empty 1-d sequence of step values")
+    if array.dtype.kind not in "iu":
+        raise BadRequestError(f"{what}: expected integers, got {array.dtype}")
+    if int(array.min()) < 0 or (spec.high is not None and int(array.max()) >= spec.high):
+        raise BadRequestError(f"{what}: value out of range [0, {spec.high})")
+    return array.astype(np.int64)
+
+
 _FITS: dict[tuple, bool] = {}  # (producer cell type, output, input spec) -> shapes and dtypes agree
+_CARRIES: dict[CellType, dict[str, str]] = {}  # cell type -> the carry map of its chains
 
 
 def _check_input(cell_type: CellType, name: str, spec, value):
@@ -153,6 +211,18 @@ def _check_input(cell_type: CellType, name: str, spec, value):
 
 def partition(new_nodes: list[Node]) -> list[Subgraph]:
     """Union same-type nodes joined by an edge among `new_nodes`; wire internal/external deps."""
+    if len(new_nodes) == 1:  # one node (a chain, a decoder step): its own subgraph
+        node = new_nodes[0]
+        node.subgraph = sg = Subgraph(node.cell_type, new_nodes, num_unsubmitted=1)
+        for p in node.producers():
+            if not p.is_done:
+                if p.external_successors:
+                    p.external_successors.append(node)
+                else:
+                    p.external_successors = [node]
+                node.num_pending += 1
+                sg.num_external_pending += 1
+        return [sg]
     index = {id(n): i for i, n in enumerate(new_nodes)}
     parent = list(range(len(new_nodes)))
 
@@ -163,9 +233,11 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
         return i
 
     for i, node in enumerate(new_nodes):
+        if node.chain is not None:
+            continue  # a chain is a subgraph of its own: it runs in a chain group
         for p in node.producers():
             j = index.get(id(p))
-            if j is not None and p.cell_type is node.cell_type:
+            if j is not None and p.cell_type is node.cell_type and p.chain is None:
                 parent[find(i)] = find(j)
     groups: dict[int, list[Node]] = {}
     for i, node in enumerate(new_nodes):

@@ -44,7 +44,7 @@ class RequestProcessor:
 
     def on_submit(self, task: Task) -> None:
         now = time.perf_counter()
-        for node in task.nodes:
+        for node in (task.nodes if task.chain is None else task.chain.started):
             request = node.request
             request.num_in_flight += 1
             if request.timing.first_cell is None:
@@ -54,7 +54,8 @@ class RequestProcessor:
         """Apply a finished task: satisfy dependents, resume unfolders, finish requests."""
         if task.error is not None:
             error = CellError(f"cell {task.cell_type.name} failed: {task.error!r}")
-            for request in {id(n.request): n.request for n in task.nodes}.values():
+            hit = task.nodes if task.chain is None else [*task.nodes, *task.chain.members.tolist()]
+            for request in {id(n.request): n.request for n in hit}.values():
                 self.fail(request, error)
         touched: dict[int, Request] = {}
         for node in task.nodes:

@@ -6,12 +6,24 @@ subgraphs are served in the order they became ready (FIFO scan); across types, a
 nodes that has been passed over `max_skips` times in a row is chosen next, whatever the
 priorities say. Request priorities (a per-request field) order subgraphs *within* a cell type:
 a task is filled from the highest-priority level first, so a busy high level can delay a low one.
+
+Chains (batchmaker/chain.py) count one ready node each while they wait or run; a task of a chain
+cell type is one step of the worker's chain group, which waiting chains join (highest priority
+first) up to the type's max batch. Several steps of an unchanged group are formed at once (up to
+MaxTasksToSubmit, and no further than the first member's last step).
 """
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from batchmaker.chain import ChainGroup, ChainStep
 from batchmaker.graph import Node, Subgraph
 from batchmaker.model import CellType
 from batchmaker.task import Task
+
+_arrivals = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -25,9 +37,13 @@ class CellQueue:
     cell_type: CellType
     # request priority -> {subgraph id: subgraph} in FIFO order; levels kept highest first
     levels: dict[int, dict[int, Subgraph]] = field(default_factory=dict)
-    num_ready: int = 0
+    num_ready: int = 0  # ready nodes, chains included
     num_running_tasks: int = 0
     num_skips: int = 0
+    waiting: list = field(default_factory=list)  # heap of (-priority, arrival, chain subgraph)
+    groups: dict[int, ChainGroup] = field(default_factory=dict)  # worker id -> its chain group
+    num_chains: int = 0  # chains waiting or running (part of num_ready)
+    prefer_chains: bool = True  # alternates when a type has both chains and plain nodes
 
 
 class Scheduler:
@@ -38,6 +54,12 @@ class Scheduler:
     def enqueue(self, subgraph: Subgraph) -> None:
         """A subgraph whose external inputs are all satisfied joins its cell type's queue."""
         q = self.queues[id(subgraph.cell_type)]
+        if subgraph.is_chain:
+            subgraph.chain_state = "waiting"
+            heapq.heappush(q.waiting, (-subgraph.priority, next(_arrivals), subgraph))
+            q.num_ready += 1
+            q.num_chains += 1
+            return
         subgraph.ready.extend(n for n in subgraph.nodes if n.num_pending == 0 and not n.is_submitted)
         level = q.levels.get(subgraph.priority)
         if level is None:
@@ -67,6 +89,14 @@ class Scheduler:
     def drop(self, subgraph: Subgraph) -> None:
         """Forget a subgraph of a failed or cancelled request."""
         q = self.queues[id(subgraph.cell_type)]
+        if subgraph.is_chain:
+            if subgraph.chain_state == "waiting":  # skipped when it reaches the heap's top
+                q.num_ready -= 1
+                q.num_chains -= 1
+            elif subgraph.chain_state == "running":  # counted until its group lets it go
+                q.groups[subgraph.pinned].num_dropped += 1
+            subgraph.chain_state = "dropped"
+            return
         level = q.levels.get(subgraph.priority)
         if level is not None and level.pop(subgraph.id, None) is not None:
             q.num_ready -= len(subgraph.ready)
@@ -80,7 +110,8 @@ class Scheduler:
     def queue_lengths(self) -> dict[str, dict[str, int]]:
         """Per cell type: ready nodes, queued subgraphs, running tasks (approximate off-thread)."""
         return {q.cell_type.name: {"num_ready": q.num_ready, "num_running_tasks": q.num_running_tasks,
-                                   "num_subgraphs": sum(len(level) for level in list(q.levels.values()))}
+                                   "num_subgraphs": sum(len(level) for level in list(q.levels.values())),
+                                   "num_chains": q.num_chains}
                 for q in self.queues.values()}
 
     def _candidates(self) -> list[CellQueue]:
@@ -99,6 +130,57 @@ class Scheduler:
         return sorted(active, key=lambda q: (tier(q), -q.cell_type.priority))
 
     def _batch(self, q: CellQueue, worker_id: int) -> list[Task]:
+        group = q.groups.get(worker_id)
+        has_chains = bool(q.waiting) or (group is not None and (len(group) or group.num_dropped))
+        if has_chains and (q.prefer_chains or q.num_ready == q.num_chains):
+            q.prefer_chains = False
+            tasks = self._chain_steps(q, worker_id)
+            if tasks:
+                return tasks
+        q.prefer_chains = True
+        return self._plain_batch(q, worker_id)
+
+    def _chain_steps(self, q: CellQueue, worker_id: int) -> list[Task]:
+        """Steps of this worker's chain group, after waiting chains join it."""
+        group = q.groups.get(worker_id)
+        if group is None:
+            group = q.groups[worker_id] = ChainGroup(q.cell_type, worker_id)
+        dropped, dropped_rows = group.leave()
+        q.num_ready -= len(dropped)
+        q.num_chains -= len(dropped)
+        joined = []
+        while q.waiting and len(group) + len(joined) < q.cell_type.max_batch:
+            sg = heapq.heappop(q.waiting)[2]
+            if sg.chain_state != "waiting":
+                continue  # dropped while it waited
+            sg.chain_state, sg.pinned, sg.num_tasks_in_flight = "running", worker_id, 1
+            node = sg.nodes[0]
+            node.is_submitted, node.worker_id = True, worker_id
+            joined.append(node)
+        group.join(joined)
+        if not len(group) and not dropped:
+            return []
+        remaining = group.remaining
+        num_steps = min(self.config.max_tasks_to_submit, int(remaining.min())) if len(group) else 1
+        tasks = []
+        for j in range(num_steps):
+            pos = group.arrays["pos"] + j
+            finishing = np.flatnonzero(remaining == j + 1)
+            nodes = group.members[finishing].tolist()
+            step = ChainStep(group, group.members, pos, len(joined) if j == 0 else 0, j == 0, finishing,
+                             dropped_rows if j == 0 else {})
+            if j == 0:
+                nodes += dropped
+            for node in nodes[:len(finishing)]:
+                node.subgraph.chain_state = "submitted"
+            q.num_ready -= len(finishing)
+            q.num_chains -= len(finishing)
+            q.num_running_tasks += 1
+            tasks.append(Task(q.cell_type, worker_id, nodes, chain=step))
+        group.arrays["pos"] = group.arrays["pos"] + num_steps
+        return tasks
+
+    def _plain_batch(self, q: CellQueue, worker_id: int) -> list[Task]:
         tasks: list[Task] = []
         while len(tasks) < self.config.max_tasks_to_submit:
             nodes = self._form_task(q, worker_id)

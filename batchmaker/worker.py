@@ -30,6 +30,8 @@ class Plan:
     fetch: dict[str, tuple[int, list[Node]]]  # output -> (offset of its batch rows, nodes) to copy out
     temp_rows: list[tuple[RowPool, int]]  # staging rows, freed when the task completes
     pools: list[RowPool]
+    batch: int  # rows of the cell's batch
+    direct: list[tuple[str, int, torch.dtype]] = field(default_factory=list)  # input read from the index
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)  # output -> host [n, ...]
     keep: list = field(default_factory=list)  # host buffers an async copy still reads
 
@@ -46,9 +48,13 @@ class Worker:
         self.num_gathers_skipped = 0
         self._last_planned: dict[str, tuple[RowPool, list[int]]] = {}
         self._last_outputs: dict[str, torch.Tensor] | None = None
+        self._last_chain = None  # the chain group of the last planned task, if it was a chain step
 
     # manager thread -------------------------------------------------------------------------
     def plan(self, task: Task) -> Plan:
+        if task.chain is not None:
+            return self._plan_chain(task)
+        self._last_chain = None
         sig = task.cell_type.cell.signature
         rows: list[list[int]] = []
         staged, gathers, scatters, temp, pools = [], [], [], [], []
@@ -93,7 +99,109 @@ class Worker:
                 fetch[name] = (_offset(rows), [node for _, node in picked])
                 rows.append([b for b, _ in picked])
         index = np.fromiter((r for rs in rows for r in rs), dtype=np.int64)
-        return Plan(index, staged, gathers, scatters, fetch, temp, pools)
+        return Plan(index, staged, gathers, scatters, fetch, temp, pools, len(task.nodes))
+
+    def _plan_chain(self, task: Task) -> Plan:
+        """One step of a chain group (batchmaker/chain.py): numpy over the group's arrays, plus
+        Python only for the chains that join, end or were dropped at this step."""
+        step, sig = task.chain, task.cell_type.cell.signature
+        group, a, carry = step.group, step.group.arrays, step.group.carry
+        parts: list[np.ndarray] = []  # the index array, in pieces
+        staged, temp, direct, gathers, scatters, pools = [], [], [], [], [], []
+        for key, rows in step.dropped_rows.items():  # members that left unfinished: their own rows
+            if not key.startswith("init:"):  # (init rows are row 0, a producer's, or also in stage:)
+                pool = self._row_pool(sig, key)
+                temp += [(pool, int(r)) for r in rows if r]
+        self._last_planned, self._last_chain = {}, group
+        if not len(step.members):  # nothing left to step: the task only retires dropped chains
+            return Plan(np.zeros(0, dtype=np.int64), [], [], [], {}, temp, [], 0)
+        if step.num_joined:
+            self._join_chains(step, sig, carry, parts, staged)
+        pos = step.pos
+        even = (pos & 1) == 0
+        # consecutive steps of an unchanged group read exactly what the last step wrote
+        reuse = (not step.num_joined and not step.is_first_of_round and self._last_chain is group)
+        for name, spec in sig.inputs.items():
+            if name in carry:
+                out = carry[name]
+                rows = np.where(pos == 0, a["init:" + name], np.where(even, a["pong:" + out], a["ping:" + out]))
+                pool = self.memory.pool(spec.shape, spec.dtype)
+                gathers.append((name, pool, _length(parts), out if reuse else None))
+                parts.append(rows)
+                pools.append(pool)
+            else:
+                direct.append((name, _length(parts), spec.dtype))
+                parts.append(group.step_values(name, pos))
+        out_rows = {}
+        for name, spec in sig.outputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            out_rows[name] = rows = np.where(even, a["ping:" + name], a["pong:" + name])
+            scatters.append((name, pool, _length(parts)))
+            parts.append(rows)
+            pools.append(pool)
+        fetch = self._finish_chains(step, sig, out_rows, even, temp, parts)
+        index = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return Plan(index, staged, gathers, scatters, fetch, temp, pools, len(step.members), direct)
+
+    def _join_chains(self, step, sig, carry, parts, staged) -> None:
+        """Rows for the chains that start at this step: two per output, and their initial inputs."""
+        a, n, joined = step.group.arrays, len(step.members), step.started
+        first = n - len(joined)
+        for name, spec in sig.outputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            for key in ("ping:" + name, "pong:" + name):
+                rows = a.setdefault(key, np.zeros(n, dtype=np.int64))
+                rows[first:] = [pool.alloc() for _ in joined]
+        for name in carry:
+            spec = sig.inputs[name]
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            init = a.setdefault("init:" + name, np.zeros(n, dtype=np.int64))
+            stage = a.setdefault("stage:" + name, np.zeros(n, dtype=np.int64))
+            values, value_rows = [], []
+            for i, node in enumerate(joined, first):
+                v = node.inputs[name]
+                if v is None:
+                    init[i] = 0
+                elif isinstance(v, Ref) and v.node.worker_id == self.id:
+                    init[i] = v.node.rows[v.output]
+                else:  # a host value, or an output held by another worker
+                    init[i] = stage[i] = row = pool.alloc()
+                    value_rows.append(row)
+                    values.append(self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v)
+            if values:
+                staged.append((pool, _length(parts), _stack(values, spec.dtype)))
+                parts.append(np.asarray(value_rows, dtype=np.int64))
+
+    def _finish_chains(self, step, sig, out_rows, even, temp, parts) -> dict:
+        """Chains whose last step this is: their output rows, the rows to free, what to fetch."""
+        fetch: dict[str, tuple[int, list[Node]]] = {}
+        if not len(step.finishing):
+            return fetch
+        a, ends = step.group.arrays, step.finishing
+        nodes = step.members[ends].tolist()
+        for name, spec in sig.outputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            final = out_rows[name][ends].tolist()
+            spare = np.where(even[ends], a["pong:" + name][ends], a["ping:" + name][ends]).tolist()
+            for node, row in zip(nodes, final):
+                node.rows[name] = row
+            temp += [(pool, r) for r in spare]
+        for key, values in a.items():
+            if key.startswith("stage:"):
+                pool = self._row_pool(sig, key)
+                temp += [(pool, int(r)) for r in values[ends] if r]
+        for name in sig.outputs:
+            picked = [(int(b), node) for b, node in zip(ends, nodes) if name in node.fetch]
+            if picked:
+                fetch[name] = (_length(parts), [node for _, node in picked])
+                parts.append(np.asarray([b for b, _ in picked], dtype=np.int64))
+        return fetch
+
+    def _row_pool(self, sig, key: str) -> RowPool:
+        """The pool behind a chain row array ("ping:h", "init:c", ...)."""
+        kind, name = key.split(":", 1)
+        spec = sig.outputs[name] if kind in ("ping", "pong") else sig.inputs[name]
+        return self.memory.pool(spec.shape, spec.dtype)
 
     def finish(self, task: Task) -> None:
         """Manager thread, after the task completed: hand fetched values to nodes, free staging."""
@@ -127,10 +235,13 @@ class Worker:
         for pool in plan.pools:
             pool.ensure_capacity()
         index = self._to_device_index(plan)
-        b = len(task.nodes)
+        b = plan.batch
         for pool, off, values in plan.staged:
             pool.tensor.index_copy_(0, index[off:off + len(values)], self._to_device(values, plan))
-        batch = {}
+        if b == 0:  # a chain step that only retires dropped chains
+            self._last_outputs = None
+            return
+        batch = {name: index[off:off + b].to(dtype) for name, off, dtype in plan.direct}
         for name, pool, off, reuse in plan.gathers:
             if reuse is not None and self._last_outputs is not None:
                 batch[name] = self._last_outputs[reuse]
@@ -204,6 +315,10 @@ def _stack(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 def _offset(rows: list[list[int]]) -> int:
     return sum(len(r) for r in rows)
+
+
+def _length(parts: list[np.ndarray]) -> int:
+    return sum(len(p) for p in parts)
 
 
 def _check_outputs(task: Task, out, b: int) -> None:

@@ -3,6 +3,9 @@
 The cell returns its state unchanged, so what is measured is the engine, not arithmetic. Requests are
 chains of L nodes (LSTM-like: the state h flows from step to step, one host token per step).
 
+With --chains each request is one chain node (`g.add_chain`, batchmaker/chain.py) instead of L
+nodes: the same cell steps, bookkept per chain group step instead of per node.
+
 (a) end to end: an Engine with one CPU worker runs R = k*B requests submitted at once; wall time over
     engine.stats()["num_tasks"] and over the number of nodes.
 (b) breakdown: the engine's pieces driven from one thread (no worker thread), each phase timed:
@@ -57,13 +60,22 @@ def chain_unfold(inputs: dict, g) -> dict:
     return {"h": node["h"]}
 
 
+def chain_group_unfold(inputs: dict, g) -> dict:
+    node = g.add_chain("noop", steps={"token": inputs["tokens"]}, carry={"h": "h"}, h=None)
+    return {"h": node["h"]}
+
+
 def batch_sizes(b: int) -> tuple[int, ...]:
     """(1, 2, 4, .., b): every power of two below b, then b."""
     return tuple(1 << i for i in range((b - 1).bit_length())) + (b,)
 
 
+CHAINS = False  # set by --chains
+
+
 def make_model(b: int) -> Model:
-    return Model("noop", {"noop": NoOpCell()}, chain_unfold, batch_sizes={"noop": batch_sizes(b)})
+    unfold = chain_group_unfold if CHAINS else chain_unfold
+    return Model("noop", {"noop": NoOpCell()}, unfold, batch_sizes={"noop": batch_sizes(b)})
 
 
 def make_inputs(num_requests: int, length: int, seed: int = 0) -> list[dict]:
@@ -214,7 +226,10 @@ def main() -> None:
     parser.add_argument("--no-gc", action="store_true", help="disable Python's cyclic GC (its share)")
     parser.add_argument("--no-save", action="store_true", help="print only (e.g. under cProfile)")
     parser.add_argument("--quick", action="store_true", help="B = 64, 512; L = 8; R = B; 1 repeat")
+    parser.add_argument("--chains", action="store_true", help="one chain node per request (chain groups)")
     args = parser.parse_args()
+    global CHAINS
+    CHAINS = args.chains
     if args.quick:
         args.sizes, args.length, args.requests_per_batch, args.repeats = [64, 512], 8, 1, 1
     torch.set_num_threads(1)  # the worker runs tiny ops; intra-op threads only add noise
@@ -230,9 +245,11 @@ def main() -> None:
         return
     config = {"length": args.length, "requests_per_batch": args.requests_per_batch, "repeats": args.repeats,
               "cell": "no-op (h -> h), token int64 high=1000, h float32 (1,)", "torch_threads": 1,
-              "gc": "disabled" if args.no_gc else "enabled", "git": git_state()}
-    name = "overhead-nogc" if args.no_gc else "overhead"
-    title = f"BatchMaker overhead: no-op cell, one CPU worker, Python GC {config['gc']}"
+              "gc": "disabled" if args.no_gc else "enabled", "git": git_state(),
+              "requests": "one chain node each (chain groups)" if args.chains else "one node per step"}
+    name = "overhead" + ("-chains" if args.chains else "") + ("-nogc" if args.no_gc else "")
+    title = (f"BatchMaker overhead: no-op cell, one CPU worker, Python GC {config['gc']}"
+             + (", chain groups" if args.chains else ""))
     path = write_results(name, "cpu", {"config": config, "rows": rows}, plot(rows, title))
     print(f"wrote {path} (+ .png)")
 

@@ -85,6 +85,15 @@ class EagerGraph:
     def stream(self, partial: dict) -> None:
         self.partials.append(partial)
 
+    def add_chain(self, cell: str, steps: dict, carry: dict, **init) -> dict[str, torch.Tensor]:
+        """A chain run eagerly one step at a time (the engine batches it as one chain node)."""
+        length = len(next(iter(steps.values())))
+        state, out = dict(init), {}
+        for t in range(length):
+            out = self.add(cell, **{name: int(values[t]) for name, values in steps.items()}, **state)
+            state = {name: out[output] for name, output in carry.items()}
+        return out
+
     def add(self, cell: str, **inputs) -> dict[str, torch.Tensor]:
         spec = self.cells[cell].signature.inputs
         assert set(inputs) == set(spec), (cell, sorted(inputs))

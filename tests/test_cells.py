@@ -193,14 +193,16 @@ def test_unfolders_fit_the_real_graph_builder():
     g = real_graph_builder(lstm)
     out = lstm.unfold({"tokens": [3, 4, 5]}, g)
     graph = to_networkx(g.new_nodes)
-    assert out["h"].node is g.new_nodes[-1] and graph.number_of_edges() == 2
+    (chain,) = g.new_nodes  # one chain node for the whole sequence
+    assert out["h"].node is chain and chain.chain.length == 3 and graph.number_of_edges() == 0
+    assert chain.chain.steps["token"].tolist() == [3, 4, 5] and chain.chain.carry == {"h": "h", "c": "c"}
 
     s2s = build_model("seq2seq", **SMALL)
     g = real_graph_builder(s2s)
     steps = s2s.unfold({"tokens": [3, 4]}, g)
     ref = steps.send(None)  # the first decoder token
-    assert [n.cell_type.name for n in g.new_nodes] == ["encoder", "encoder", "decoder"]
-    assert ref.node is g.new_nodes[-1] and ref.output == "token"
+    assert [n.cell_type.name for n in g.new_nodes] == ["encoder", "decoder"]  # encoder: one chain
+    assert g.new_nodes[0].chain.length == 2 and ref.node is g.new_nodes[-1] and ref.output == "token"
     assert steps.send(7).node.inputs["token"].node is ref.node  # the next step reads the token on the device
     with pytest.raises(StopIteration) as stop:
         steps.send(EOS)

@@ -16,9 +16,8 @@ from batchmaker.unfolders.common import as_dtype, check_keys, check_tokens, powe
 def unfold(inputs: dict, g, *, vocab: int) -> dict:
     check_keys(inputs, required=["tokens"])
     tokens = check_tokens(inputs["tokens"], vocab)
-    node = g.add("lstm", token=tokens[0], h=None, c=None)  # None: zero initial state
-    for token in tokens[1:]:
-        node = g.add("lstm", token=token, h=node["h"], c=node["c"])
+    # one chain node for the whole sequence (batchmaker/chain.py); None: zero initial state
+    node = g.add_chain("lstm", steps={"token": tokens}, carry={"h": "h", "c": "c"}, h=None, c=None)
     return {"h": node["h"]}
 
 

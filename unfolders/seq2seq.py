@@ -23,9 +23,7 @@ def unfold(inputs: dict, g, *, vocab: int, max_len: int):
     check_keys(inputs, required=["tokens"], optional=["max_len"])
     tokens = check_tokens(inputs["tokens"], vocab)
     limit = check_limit(inputs.get("max_len", max_len), max_len, "max_len")
-    enc = g.add("encoder", token=tokens[0], h=None, c=None)
-    for token in tokens[1:]:
-        enc = g.add("encoder", token=token, h=enc["h"], c=enc["c"])
+    enc = g.add_chain("encoder", steps={"token": tokens}, carry={"h": "h", "c": "c"}, h=None, c=None)
     out: list[int] = []
     prev_token, h, c = BOS, enc["h"], enc["c"]
     while len(out) < limit:
