@@ -5,7 +5,8 @@ LSTM over its tokens, a Seq2Seq encoder). The unfolder adds it as ONE node (`g.a
 admission costs O(1) Python per request instead of O(L). The scheduler runs chains of a cell type
 in a chain group per worker: the members step in lockstep, new chains join at a step boundary and
 finished ones leave after their last step (cellular batching), and a step costs O(1) Python plus
-numpy over the group's aligned arrays instead of O(batch) Python.
+numpy over the group's aligned arrays instead of O(batch) Python. A round of up to
+MaxTasksToSubmit steps is formed at once; chains that end inside it drop out of its later steps.
 
 Rows (planned by the worker): each output has two rows per member, written on even ("ping") and
 odd ("pong") steps; step 0 reads the member's initial rows (row 0 for a zero state, a producer's
@@ -99,9 +100,6 @@ class ChainGroup:
         self.arrays = {k: v[keep] for k, v in self.arrays.items()}
         return gone_nodes, gone_rows
 
-    def step_values(self, name: str, pos: np.ndarray) -> np.ndarray:
-        return self.flat[name][self.arrays["base"] + pos]
-
 
 @dataclass(slots=True, eq=False)
 class ChainStep:
@@ -111,13 +109,19 @@ class ChainStep:
     members: np.ndarray  # the group's members at this step (object array, shared by a round)
     pos: np.ndarray  # each member's step index [n]
     num_joined: int = 0  # the last num_joined members start at this step
-    is_first_of_round: bool = False  # steps after the first repeat the previous step's members
     finishing: np.ndarray = field(default_factory=lambda: EMPTY)  # positions of members ending here
     dropped_rows: dict[str, np.ndarray] = field(default_factory=dict)  # rows of members that left
+    active: np.ndarray | None = None  # group positions stepping here (None: every member)
+    same_members: bool = False  # the same members, in order, as the previous step of the round
 
     @property
     def started(self) -> list["Node"]:
         return self.members[len(self.members) - self.num_joined:].tolist() if self.num_joined else []
+
+    def rows(self, key: str) -> np.ndarray:
+        """The group's row array `key` for the members stepping here."""
+        values = self.group.arrays[key]
+        return values if self.active is None else values[self.active]
 
 
 def _object_array(items: list) -> np.ndarray:

@@ -161,23 +161,28 @@ class Scheduler:
         if not len(group) and not dropped:
             return []
         remaining = group.remaining
-        num_steps = min(self.config.max_tasks_to_submit, int(remaining.min())) if len(group) else 1
+        num_steps = min(self.config.max_tasks_to_submit, int(remaining.max())) if len(group) else 1
         tasks = []
         for j in range(num_steps):
-            pos = group.arrays["pos"] + j
-            finishing = np.flatnonzero(remaining == j + 1)
-            nodes = group.members[finishing].tolist()
-            step = ChainStep(group, group.members, pos, len(joined) if j == 0 else 0, j == 0, finishing,
-                             dropped_rows if j == 0 else {})
+            # members with steps left at step j; chains that end early drop out of later steps
+            active = np.flatnonzero(remaining > j) if j and remaining.min() <= j else None
+            members = group.members if active is None else group.members[active]
+            left = remaining if active is None else remaining[active]
+            finishing = np.flatnonzero(left == j + 1)
+            nodes = members[finishing].tolist()
+            for node in nodes:
+                node.subgraph.chain_state = "submitted"
+            pos = (group.arrays["pos"] if active is None else group.arrays["pos"][active]) + j
+            step = ChainStep(group, members, pos, len(joined) if j == 0 else 0, finishing,
+                             dropped_rows if j == 0 else {}, active,
+                             same_members=j > 0 and not (remaining == j).any())  # nobody ended at j - 1
             if j == 0:
                 nodes += dropped
-            for node in nodes[:len(finishing)]:
-                node.subgraph.chain_state = "submitted"
             q.num_ready -= len(finishing)
             q.num_chains -= len(finishing)
             q.num_running_tasks += 1
             tasks.append(Task(q.cell_type, worker_id, nodes, chain=step))
-        group.arrays["pos"] = group.arrays["pos"] + num_steps
+        group.arrays["pos"] = group.arrays["pos"] + np.minimum(remaining, num_steps)
         return tasks
 
     def _plain_batch(self, q: CellQueue, worker_id: int) -> list[Task]:

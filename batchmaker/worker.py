@@ -119,23 +119,24 @@ class Worker:
             self._join_chains(step, sig, carry, parts, staged)
         pos = step.pos
         even = (pos & 1) == 0
-        # consecutive steps of an unchanged group read exactly what the last step wrote
-        reuse = (not step.num_joined and not step.is_first_of_round and self._last_chain is group)
+        # consecutive steps of the same members read exactly what the last step wrote
+        reuse = step.same_members and self._last_chain is group
         for name, spec in sig.inputs.items():
             if name in carry:
                 out = carry[name]
-                rows = np.where(pos == 0, a["init:" + name], np.where(even, a["pong:" + out], a["ping:" + out]))
+                rows = np.where(pos == 0, step.rows("init:" + name),
+                                np.where(even, step.rows("pong:" + out), step.rows("ping:" + out)))
                 pool = self.memory.pool(spec.shape, spec.dtype)
                 gathers.append((name, pool, _length(parts), out if reuse else None))
                 parts.append(rows)
                 pools.append(pool)
             else:
                 direct.append((name, _length(parts), spec.dtype))
-                parts.append(group.step_values(name, pos))
+                parts.append(group.flat[name][step.rows("base") + pos])
         out_rows = {}
         for name, spec in sig.outputs.items():
             pool = self.memory.pool(spec.shape, spec.dtype)
-            out_rows[name] = rows = np.where(even, a["ping:" + name], a["pong:" + name])
+            out_rows[name] = rows = np.where(even, step.rows("ping:" + name), step.rows("pong:" + name))
             scatters.append((name, pool, _length(parts)))
             parts.append(rows)
             pools.append(pool)
@@ -177,19 +178,19 @@ class Worker:
         fetch: dict[str, tuple[int, list[Node]]] = {}
         if not len(step.finishing):
             return fetch
-        a, ends = step.group.arrays, step.finishing
+        ends = step.finishing
         nodes = step.members[ends].tolist()
         for name, spec in sig.outputs.items():
             pool = self.memory.pool(spec.shape, spec.dtype)
             final = out_rows[name][ends].tolist()
-            spare = np.where(even[ends], a["pong:" + name][ends], a["ping:" + name][ends]).tolist()
+            spare = np.where(even[ends], step.rows("pong:" + name)[ends], step.rows("ping:" + name)[ends]).tolist()
             for node, row in zip(nodes, final):
                 node.rows[name] = row
             temp += [(pool, r) for r in spare]
-        for key, values in a.items():
+        for key in step.group.arrays:
             if key.startswith("stage:"):
                 pool = self._row_pool(sig, key)
-                temp += [(pool, int(r)) for r in values[ends] if r]
+                temp += [(pool, int(r)) for r in step.rows(key)[ends] if r]
         for name in sig.outputs:
             picked = [(int(b), node) for b, node in zip(ends, nodes) if name in node.fetch]
             if picked:

@@ -253,7 +253,7 @@ def profile_run(engine: Engine, sentences, device) -> dict:
 
 
 def engine_throughput(model, args, device) -> dict:
-    engine = Engine([model], EngineConfig(devices=(str(device),))).start()
+    engine = Engine([model], EngineConfig(devices=(str(device),), max_requests=1 << 20)).start()
     try:
         warm = wmt_sentences(args.warmup, args.vocab, seed=args.seed + 1)
         run_requests(engine, warm)

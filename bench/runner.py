@@ -68,7 +68,7 @@ def load_config(args) -> LoadConfig:
 def engine_system(models, args):
     """Yields (submit, extra): an engine in process, or behind a ZeroMQ server on loopback."""
     devices = tuple((args.devices or args.device).split(","))
-    engine = Engine(models, EngineConfig(devices=devices))
+    engine = Engine(models, EngineConfig(devices=devices, max_requests=1 << 20))  # open loop: no admission bound
     profiler = cProfile.Profile() if args.cprofile else None
     if profiler:
         loop = engine._loop  # the manager thread's body, looked up when the thread starts
