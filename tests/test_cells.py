@@ -201,8 +201,8 @@ def test_unfolders_fit_the_real_graph_builder():
     g = real_graph_builder(s2s)
     steps = s2s.unfold({"tokens": [3, 4]}, g)
     ref = steps.send(None)  # the first decoder token
-    assert [n.cell_type.name for n in g.new_nodes] == ["encoder", "decoder"]  # encoder: one chain
-    assert g.new_nodes[0].chain.length == 2 and ref.node is g.new_nodes[-1] and ref.output == "token"
+    assert [n.cell_type.name for n in g.new_nodes] == ["encoder", "encoder", "decoder"]
+    assert ref.node is g.new_nodes[-1] and ref.output == "token"
     assert steps.send(7).node.inputs["token"].node is ref.node  # the next step reads the token on the device
     with pytest.raises(StopIteration) as stop:
         steps.send(EOS)
