@@ -216,12 +216,7 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
         node.subgraph = sg = Subgraph(node.cell_type, new_nodes, num_unsubmitted=1)
         for p in node.producers():
             if not p.is_done:
-                if p.external_successors:
-                    p.external_successors.append(node)
-                else:
-                    p.external_successors = [node]
-                node.num_pending += 1
-                sg.num_external_pending += 1
+                _wait_for(p, node)
         return [sg]
     index = {id(n): i for i, n in enumerate(new_nodes)}
     parent = list(range(len(new_nodes)))
@@ -252,13 +247,18 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
                 p.internal_successors.append(node)
                 node.num_pending += 1
             elif not p.is_done:
-                if p.external_successors:
-                    p.external_successors.append(node)
-                else:
-                    p.external_successors = [node]
-                node.num_pending += 1
-                node.subgraph.num_external_pending += 1
+                _wait_for(p, node)
     return subgraphs
+
+
+def _wait_for(producer: Node, node: Node) -> None:
+    """`node` waits for `producer` (another subgraph's, not done yet) to complete."""
+    if producer.external_successors:
+        producer.external_successors.append(node)
+    else:
+        producer.external_successors = [node]
+    node.num_pending += 1
+    node.subgraph.num_external_pending += 1
 
 
 def to_networkx(nodes: list[Node]) -> nx.DiGraph:
