@@ -141,16 +141,10 @@ class GraphBuilder:
             raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
         cell_type = self._cell_types[cell]
         sig = cell_type.cell.signature
-        if set(steps) | set(carry) != set(sig.inputs) or set(steps) & set(carry) or set(init) != set(carry):
-            raise TypeError(f"{cell_type.name}: a chain's steps {sorted(steps)} and carried inputs "
-                            f"{sorted(carry)} must split its inputs {sorted(sig.inputs)}; init is per carried input")
-        for name, out in carry.items():
-            if out not in sig.outputs or (sig.outputs[out].shape, sig.outputs[out].dtype) != (
-                    sig.inputs[name].shape, sig.inputs[name].dtype):
-                raise TypeError(f"{cell_type.name}: output {out!r} cannot be carried into input {name!r}")
-        if _CARRIES.setdefault(cell_type, dict(carry)) != carry:  # one group layout per cell type
-            raise TypeError(f"{cell_type.name}: every chain of a cell type must carry the same outputs, "
-                            f"{_CARRIES[cell_type]}")
+        layout = (cell_type, tuple(steps), tuple(carry.items()), tuple(init))
+        if layout not in _CHAIN_LAYOUTS:  # checked once per layout, not per request
+            _check_chain_layout(cell_type, steps, carry, init)
+            _CHAIN_LAYOUTS.add(layout)
         values = {name: _check_steps(cell_type, name, sig.inputs[name], v) for name, v in steps.items()}
         lengths = {len(v) for v in values.values()}
         if len(lengths) != 1:
@@ -188,8 +182,23 @@ def _check_steps(cell_type: CellType, name: str, spec, values) -> np.ndarray:
     return array.astype(np.int64)
 
 
+def _check_chain_layout(cell_type: CellType, steps, carry: dict[str, str], init) -> None:
+    sig = cell_type.cell.signature
+    if set(steps) | set(carry) != set(sig.inputs) or set(steps) & set(carry) or set(init) != set(carry):
+        raise TypeError(f"{cell_type.name}: a chain's steps {sorted(steps)} and carried inputs "
+                        f"{sorted(carry)} must split its inputs {sorted(sig.inputs)}; init is per carried input")
+    for name, out in carry.items():
+        if out not in sig.outputs or (sig.outputs[out].shape, sig.outputs[out].dtype) != (
+                sig.inputs[name].shape, sig.inputs[name].dtype):
+            raise TypeError(f"{cell_type.name}: output {out!r} cannot be carried into input {name!r}")
+    if _CARRIES.setdefault(cell_type, dict(carry)) != carry:  # one group layout per cell type
+        raise TypeError(f"{cell_type.name}: every chain of a cell type must carry the same outputs, "
+                        f"{_CARRIES[cell_type]}")
+
+
 _FITS: dict[tuple, bool] = {}  # (producer cell type, output, input spec) -> shapes and dtypes agree
 _CARRIES: dict[CellType, dict[str, str]] = {}  # cell type -> the carry map of its chains
+_CHAIN_LAYOUTS: set[tuple] = set()  # (cell type, step inputs, carry items, init names) already checked
 
 
 def _check_input(cell_type: CellType, name: str, spec, value):

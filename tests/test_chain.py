@@ -157,3 +157,20 @@ def test_bad_chains_are_rejected_as_a_whole():
             with pytest.raises(BadRequestError):
                 engine.infer("chain", {"tokens": tokens}, timeout=10)
         wait_idle(engine)
+
+
+def test_chain_layouts_are_checked_once_and_still_refuse_bad_ones():
+    from reference import real_graph_builder
+
+    model = chain_model()
+    g = real_graph_builder(model)
+    with pytest.raises(TypeError, match="split its inputs"):
+        g.add_chain("mix", steps={"token": [1]}, carry={}, h=None)  # h neither a step nor carried
+    with pytest.raises(TypeError, match="cannot be carried"):
+        g.add_chain("mix", steps={"token": [1]}, carry={"h": "nope"}, h=None)
+    node = g.add_chain("mix", steps={"token": [1, 2]}, carry={"h": "h"}, h=None)
+    assert node.chain.length == 2
+    again = g.add_chain("mix", steps={"token": [3]}, carry={"h": "h"}, h=None)  # cached layout
+    assert again.chain.steps["token"].tolist() == [3]
+    with pytest.raises(BadRequestError):  # values are still checked on the cached path
+        g.add_chain("mix", steps={"token": [VOCAB]}, carry={"h": "h"}, h=None)
