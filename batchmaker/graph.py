@@ -141,10 +141,10 @@ class GraphBuilder:
             raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
         cell_type = self._cell_types[cell]
         sig = cell_type.cell.signature
-        layout = (cell_type, tuple(steps), tuple(carry.items()), tuple(init))
-        if layout not in _CHAIN_LAYOUTS:  # checked once per layout, not per request
+        layout = ("layout", tuple(steps), tuple(carry.items()), tuple(init))
+        if layout not in cell_type.checked:  # checked once per layout, not per request
             _check_chain_layout(cell_type, steps, carry, init)
-            _CHAIN_LAYOUTS.add(layout)
+            cell_type.checked[layout] = True
         values = {name: _check_steps(cell_type, name, sig.inputs[name], v) for name, v in steps.items()}
         lengths = {len(v) for v in values.values()}
         if len(lengths) != 1:
@@ -191,25 +191,20 @@ def _check_chain_layout(cell_type: CellType, steps, carry: dict[str, str], init)
         if out not in sig.outputs or (sig.outputs[out].shape, sig.outputs[out].dtype) != (
                 sig.inputs[name].shape, sig.inputs[name].dtype):
             raise TypeError(f"{cell_type.name}: output {out!r} cannot be carried into input {name!r}")
-    if _CARRIES.setdefault(cell_type, dict(carry)) != carry:  # one group layout per cell type
+    if cell_type.checked.setdefault("carry", dict(carry)) != carry:  # one group layout per cell type
         raise TypeError(f"{cell_type.name}: every chain of a cell type must carry the same outputs, "
-                        f"{_CARRIES[cell_type]}")
-
-
-_FITS: dict[tuple, bool] = {}  # (producer cell type, output, input spec) -> shapes and dtypes agree
-_CARRIES: dict[CellType, dict[str, str]] = {}  # cell type -> the carry map of its chains
-_CHAIN_LAYOUTS: set[tuple] = set()  # (cell type, step inputs, carry items, init names) already checked
+                        f"{cell_type.checked['carry']}")
 
 
 def _check_input(cell_type: CellType, name: str, spec, value):
     if value is None:
         return None
     if type(value) is Ref:
-        key = (value.node.cell_type, value.output, spec)
-        fits = _FITS.get(key)
+        key = ("fits", id(value.node.cell_type), value.output, name)  # the producer type outlives it
+        fits = cell_type.checked.get(key)
         if fits is None:
             out = value.node.cell_type.cell.signature.outputs[value.output]
-            fits = _FITS[key] = (out.shape, out.dtype) == (spec.shape, spec.dtype)
+            fits = cell_type.checked[key] = (out.shape, out.dtype) == (spec.shape, spec.dtype)
         if not fits:
             out = value.node.cell_type.cell.signature.outputs[value.output]
             raise TypeError(f"{cell_type.name}.{name}: ref to {value.node.cell_type.name}.{value.output} "
@@ -236,13 +231,42 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
             i = parent[i]
         return i
 
-    for i, node in enumerate(new_nodes):
-        if node.chain is not None:
-            continue  # a chain is a subgraph of its own: it runs in a chain group
+    # root -> roots of the subgraphs it waits for directly (edges between subgraphs, in this batch)
+    after: dict[int, set[int]] = {}
+
+    def waits_for(a: int, b: int) -> bool:
+        """Does subgraph `a` wait, through other subgraphs, for subgraph `b`?"""
+        seen, stack = {a}, [a]
+        while stack:
+            for x in after.get(find(stack.pop()), ()):
+                x = find(x)
+                if x == b:
+                    return True
+                if x not in seen:
+                    seen.add(x)
+                    stack.append(x)
+        return False
+
+    for i, node in enumerate(new_nodes):  # in dependency order: a Ref names an existing node
+        joinable = []
         for p in node.producers():
             j = index.get(id(p))
-            if j is not None and p.cell_type is node.cell_type and p.chain is None:
-                parent[find(i)] = find(j)
+            if j is None:
+                continue
+            if node.chain is None and p.chain is None and p.cell_type is node.cell_type:
+                joinable.append(j)  # a chain is a subgraph of its own: it runs in a chain group
+            else:
+                after.setdefault(i, set()).add(find(j))
+        for j in joinable:
+            root, other = find(i), find(j)
+            if root == other:
+                continue
+            if waits_for(root, other) or waits_for(other, root):  # joining would close a cycle
+                after.setdefault(root, set()).add(other)
+                continue
+            parent[other] = root
+            if other in after:
+                after.setdefault(root, set()).update(after.pop(other))
     groups: dict[int, list[Node]] = {}
     for i, node in enumerate(new_nodes):
         groups.setdefault(find(i), []).append(node)

@@ -39,6 +39,9 @@ class CellType:
     cell: Cell
     priority: int
     batch_sizes: tuple[int, ...]
+    # what admission has checked about this type already (ref fits, chain layouts, the chain
+    # carry map): it lives and dies with the type, not in a module-level cache
+    checked: dict = field(default_factory=dict)
 
     @property
     def max_batch(self) -> int:

@@ -9,8 +9,8 @@ a task is filled from the highest-priority level first, so a busy high level can
 
 Chains (batchmaker/chain.py) count one ready node each while they wait or run; a task of a chain
 cell type is one step of the worker's chain group, which waiting chains join (highest priority
-first) up to the type's max batch. Several steps of an unchanged group are formed at once (up to
-MaxTasksToSubmit, and no further than the first member's last step).
+first) up to the type's max batch. A round of up to MaxTasksToSubmit steps is formed at once;
+chains that end inside it drop out of its later steps.
 """
 import heapq
 import itertools
@@ -43,6 +43,7 @@ class CellQueue:
     waiting: list = field(default_factory=list)  # heap of (-priority, arrival, chain subgraph)
     groups: dict[int, ChainGroup] = field(default_factory=dict)  # worker id -> its chain group
     num_chains: int = 0  # chains waiting or running (part of num_ready)
+    num_dead: int = 0  # entries of `waiting` whose chain was dropped (purged when they are half)
     prefer_chains: bool = True  # alternates when a type has both chains and plain nodes
 
 
@@ -90,9 +91,15 @@ class Scheduler:
         """Forget a subgraph of a failed or cancelled request."""
         q = self.queues[id(subgraph.cell_type)]
         if subgraph.is_chain:
-            if subgraph.chain_state == "waiting":  # skipped when it reaches the heap's top
+            if subgraph.chain_state == "waiting":
                 q.num_ready -= 1
                 q.num_chains -= 1
+                q.num_dead += 1
+                if 2 * q.num_dead > len(q.waiting):  # dead entries would keep their requests alive
+                    subgraph.chain_state = "dropped"
+                    q.waiting = [e for e in q.waiting if e[2].chain_state == "waiting"]
+                    heapq.heapify(q.waiting)
+                    q.num_dead = 0
             elif subgraph.chain_state == "running":  # counted until its group lets it go
                 q.groups[subgraph.pinned].num_dropped += 1
             subgraph.chain_state = "dropped"
@@ -152,7 +159,8 @@ class Scheduler:
         while q.waiting and len(group) + len(joined) < q.cell_type.max_batch:
             sg = heapq.heappop(q.waiting)[2]
             if sg.chain_state != "waiting":
-                continue  # dropped while it waited
+                q.num_dead -= 1  # dropped while it waited
+                continue
             sg.chain_state, sg.pinned, sg.num_tasks_in_flight = "running", worker_id, 1
             node = sg.nodes[0]
             node.is_submitted, node.worker_id = True, worker_id

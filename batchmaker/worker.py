@@ -112,7 +112,7 @@ class Worker:
             if not key.startswith("init:"):  # (init rows are row 0, a producer's, or also in stage:)
                 pool = self._row_pool(sig, key)
                 temp += [(pool, int(r)) for r in rows if r]
-        self._last_planned, self._last_chain = {}, group
+        previous, self._last_planned, self._last_chain = self._last_chain, {}, group
         if not len(step.members):  # nothing left to step: the task only retires dropped chains
             return Plan(np.zeros(0, dtype=np.int64), [], [], [], {}, temp, [], 0)
         if step.num_joined:
@@ -120,7 +120,7 @@ class Worker:
         pos = step.pos
         even = (pos & 1) == 0
         # consecutive steps of the same members read exactly what the last step wrote
-        reuse = step.same_members and self._last_chain is group
+        reuse = step.same_members and previous is group
         for name, spec in sig.inputs.items():
             if name in carry:
                 out = carry[name]
