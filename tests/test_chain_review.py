@@ -11,9 +11,11 @@ import torch
 
 from batchmaker import CancelledError, Cell, CellError, Engine, EngineConfig, Model, Signature, TensorSpec
 from batchmaker.scheduler import SchedulerConfig
+from test_chain import DIM as CHAIN_DIM, VOCAB as CHAIN_VOCAB, StartCell
 from test_engine import wait_idle
 
 DIM, VOCAB, GATE, FAIL = 3, 50, 49, 13
+assert (DIM, VOCAB) == (CHAIN_DIM, CHAIN_VOCAB)  # StartCell comes from test_chain
 
 
 class GateCell(Cell):
@@ -37,16 +39,6 @@ class GateCell(Cell):
         if bool((token == FAIL).any()):
             raise RuntimeError("planted failure")
         return {"h": torch.tanh(0.7 * h + self.w[token])}
-
-
-class StartCell(Cell):
-    def __init__(self):
-        super().__init__()
-        self.signature = Signature({"token": TensorSpec((), torch.int64, high=VOCAB)}, {"h": TensorSpec((DIM,))})
-        self.w = torch.nn.Parameter(torch.linspace(-1, 1, VOCAB * DIM).reshape(VOCAB, DIM))
-
-    def forward(self, token):
-        return {"h": self.w[token]}
 
 
 def review_model(max_batch=4) -> Model:

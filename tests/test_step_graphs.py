@@ -9,19 +9,12 @@ replay must equal the eager launches bit for bit, and `reference_lstm_step` appl
 (unpadded) within the tolerance; rows that are no step's output must stay as they were, except
 the scratch row, which absorbs the padded lanes' writes.
 """
-import os
-
 import pytest
 import torch
 
 from batchmaker.kernels.fused_lstm import LSTMWeights, reference_lstm_step
 from batchmaker.kernels.step_graphs import LSTMStepGraphs
-
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from test_kernels import interpreter, needs_gpu, no_tf32  # noqa: F401 (no_tf32: an autouse fixture)
 
 VOCAB = 1000
 TOLERANCE = {  # (rtol, atol) after up to 8 chained steps: a few ulps of the output dtype near 1
@@ -31,19 +24,6 @@ TOLERANCE = {  # (rtol, atol) after up to 8 chained steps: a few ulps of the out
 }
 BATCHES = (1, 3, 64, 200, 512)
 NUM_STEPS = (1, 3, 8)
-
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and triton")
-interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
-                                 reason="set TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
 
 # cases ------------------------------------------------------------------------------------------
 
