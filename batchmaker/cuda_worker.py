@@ -13,8 +13,11 @@ from batchmaker.worker import Plan, Worker
 
 
 class CUDAWorker(Worker):
-    def __init__(self, worker_id, device, cells, peers):
+    def __init__(self, worker_id, device, cells, peers, use_graphs: bool = True):
         super().__init__(worker_id, device, cells, peers)
+        self.use_graphs = use_graphs
+        # materialized: begin (plain tasks as CUDA graphs; batchmaker/materialized.py)
+        # materialized: end
         self.stream = torch.cuda.Stream(device)
         with torch.cuda.device(device), torch.cuda.stream(self.stream):
             self.counter = SignalCounter(device)

@@ -41,6 +41,9 @@ class EngineConfig:
     # ~100k live nodes, minutes of work for the paper's LSTM on a CPU.
     max_requests: int = 4096
     num_latencies_kept: int = 4096  # per model, for the latency percentiles in stats()
+    # CUDA workers: run cells as materialized CUDA graphs (per cell type and padded batch bucket)
+    # where a cell has them; False runs every task with eager launches (the fallback).
+    cuda_graphs: bool = True
 
 
 class Engine:
@@ -269,7 +272,7 @@ class Engine:
         cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
         if device.type == "cuda":
             from batchmaker.cuda_worker import CUDAWorker
-            return CUDAWorker(worker_id, device, cells, self.workers)
+            return CUDAWorker(worker_id, device, cells, self.workers, use_graphs=self.config.cuda_graphs)
         return CPUWorker(worker_id, device, cells, self.workers, on_done=self._wake.set)
 
 
