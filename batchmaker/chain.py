@@ -113,6 +113,7 @@ class ChainStep:
     dropped_rows: dict[str, np.ndarray] = field(default_factory=dict)  # rows of members that left
     active: np.ndarray | None = None  # group positions stepping here (None: every member)
     same_members: bool = False  # the same members, in order, as the previous step of the round
+    last_in_round: bool = True  # the round's last step: a worker may launch the round's steps at once
 
     @property
     def started(self) -> list["Node"]:

@@ -183,7 +183,8 @@ class Scheduler:
             pos = (group.arrays["pos"] if active is None else group.arrays["pos"][active]) + j
             step = ChainStep(group, members, pos, len(joined) if j == 0 else 0, finishing,
                              dropped_rows if j == 0 else {}, active,
-                             same_members=j > 0 and not (remaining == j).any())  # nobody ended at j - 1
+                             same_members=j > 0 and not (remaining == j).any(),  # nobody ended at j - 1
+                             last_in_round=j == num_steps - 1)
             if j == 0:
                 nodes += dropped
             q.num_ready -= len(finishing)

@@ -3,7 +3,7 @@
 Row bookkeeping (alloc/free) happens on the manager thread; the tensor itself is grown only by
 the worker's execution context (`ensure_capacity`), so a task running on a worker thread never
 sees its pool swapped underneath it. Row 0 is all zeros and never handed out: a None input
-(zero state) gathers row 0.
+(zero state) gathers row 0. A scratch row, taken on first use, absorbs the writes of padded lanes.
 """
 import torch
 
@@ -14,6 +14,7 @@ class RowPool:
         self.tensor = torch.zeros((capacity, *shape), dtype=dtype, device=device)
         self.capacity = capacity  # rows handed out may reach this; tensor catches up in ensure_capacity
         self._free = list(range(capacity - 1, 0, -1))
+        self._scratch: int | None = None
 
     def alloc(self) -> int:
         if not self._free:
@@ -21,12 +22,38 @@ class RowPool:
             self.capacity *= 2
         return self._free.pop()
 
+    def alloc_many(self, n: int) -> list[int]:
+        """n rows at once (a list slice instead of n pops)."""
+        if n > len(self._free):
+            self.reserve(max(2 * self.capacity, self.capacity + n - len(self._free)))
+        rows = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return rows
+
+    def free_many(self, rows: list[int]) -> None:
+        self._free += rows
+
+    def reserve(self, capacity: int) -> None:
+        """Hand out rows up to `capacity` without growing again (growing moves the tensor, which
+        makes CUDA graphs that baked in its address capture again)."""
+        if capacity > self.capacity:
+            self._free[:0] = range(capacity - 1, self.capacity - 1, -1)  # taken after the older rows
+            self.capacity = capacity
+
     def free(self, row: int) -> None:
         self._free.append(row)
 
     @property
+    def scratch_row(self) -> int:
+        """A row that padded lanes of fused launches write and nothing reads; taken on first use,
+        held for the pool's lifetime, not counted in `num_used`."""
+        if self._scratch is None:
+            self._scratch = self.alloc()
+        return self._scratch
+
+    @property
     def num_used(self) -> int:
-        return self.capacity - 1 - len(self._free)
+        return self.capacity - 1 - len(self._free) - (self._scratch is not None)
 
     def ensure_capacity(self) -> None:
         """Grow the tensor to `capacity` rows (worker execution context only)."""

@@ -28,10 +28,13 @@ class Plan:
     gathers: list[tuple[str, RowPool, int, str | None]]  # input, pool, offset, last output to reuse
     scatters: list[tuple[str, RowPool, int]]  # output, pool, offset
     fetch: dict[str, tuple[int, list[Node]]]  # output -> (offset of its batch rows, nodes) to copy out
-    temp_rows: list[tuple[RowPool, int]]  # staging rows, freed when the task completes
+    temp_rows: list[tuple[RowPool, list[int]]]  # staging and spare rows, freed when the task completes
     pools: list[RowPool]
     batch: int  # rows of the cell's batch
     direct: list[tuple[str, int, torch.dtype]] = field(default_factory=list)  # input read from the index
+    # a materialized task (batchmaker/materialized.py): its padded batch, and `index` is the
+    # [num_slices, bucket] layout its graph reads; 0: gathers and scatters run as listed above
+    bucket: int = 0
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)  # output -> host [n, ...]
     keep: list = field(default_factory=list)  # host buffers an async copy still reads
 
@@ -49,13 +52,22 @@ class Worker:
         self._last_planned: dict[str, tuple[RowPool, list[int]]] = {}
         self._last_outputs: dict[str, torch.Tensor] | None = None
         self._last_chain = None  # the chain group of the last planned task, if it was a chain step
+        self.materialized = None  # MaterializedCells: plain tasks as one graph per padded batch
 
     # manager thread -------------------------------------------------------------------------
+    @property
+    def accepts_work(self) -> bool:
+        """Whether the scheduler may hand this worker tasks now (Algorithm 1: when it is idle)."""
+        return self.num_in_flight == 0
+
     def plan(self, task: Task) -> Plan:
         if task.chain is not None:
             return self._plan_chain(task)
         self._last_chain = None
         sig = task.cell_type.cell.signature
+        bucket = self.materialized.bucket(task.cell_type, len(task.nodes)) if self.materialized is not None else 0
+        if bucket:
+            return self._plan_materialized(task, sig, bucket)
         rows: list[list[int]] = []
         staged, gathers, scatters, temp, pools = [], [], [], [], []
         for name, spec in sig.inputs.items():
@@ -69,10 +81,10 @@ class Worker:
                     input_rows.append(v.node.rows[v.output])
                 else:  # a host value, or an output held by another worker
                     row = pool.alloc()
-                    temp.append((pool, row))
+                    temp.append((pool, [row]))
                     input_rows.append(row)
                     value_rows.append(row)
-                    values.append(self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v)
+                    values.append(self._foreign_value(v))
             if values:
                 staged.append((pool, _offset(rows), _stack(values, spec.dtype)))
                 rows.append(value_rows)
@@ -101,6 +113,61 @@ class Worker:
         index = np.fromiter((r for rs in rows for r in rs), dtype=np.int64)
         return Plan(index, staged, gathers, scatters, fetch, temp, pools, len(task.nodes))
 
+    def _plan_materialized(self, task: Task, sig, bucket: int) -> Plan:
+        """The rows of a plain task laid out as its graph reads them, [num_slices, bucket] (slices
+        in batchmaker/materialized.py); padded lanes read row 0 and token 0, write scratch rows."""
+        s = self.materialized.slices(task.cell_type)
+        index = self.materialized.host_index(task.cell_type, bucket)
+        n = len(task.nodes)
+        staged, temp, pools = [], [], []
+        for name, spec in sig.inputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            is_value = name in s.values
+            rows, values, value_rows = [], [], []
+            for node in task.nodes:
+                v = node.inputs[name]
+                if v is None:
+                    rows.append(0)
+                    if is_value:
+                        values.append(0)
+                elif isinstance(v, Ref) and v.node.worker_id == self.id:
+                    rows.append(v.node.rows[v.output])
+                    if is_value:
+                        values.append(0)
+                else:  # a host value, or an output held by another worker
+                    v = self._foreign_value(v)
+                    if is_value:  # a token: in the index itself
+                        rows.append(0)
+                        values.append(int(v))
+                    else:
+                        rows.append(row := pool.alloc())
+                        temp.append((pool, [row]))
+                        value_rows.append(row)
+                        values.append(v)
+            index[s.reads[name], :n] = rows
+            if is_value:
+                index[s.values[name], :n] = values
+            elif values:
+                index[s.staged[name], :len(value_rows)] = value_rows
+                staged.append((pool, s.staged[name] * bucket, _stack(values, spec.dtype)))
+            pools.append(pool)
+        self._last_planned = {}  # a graph gathers every input: nothing to reuse after it
+        for name, spec in sig.outputs.items():
+            pool = self.memory.pool(spec.shape, spec.dtype)
+            out_rows = [pool.alloc() for _ in task.nodes]
+            for node, row in zip(task.nodes, out_rows):
+                node.rows[name] = row
+            index[s.writes[name], :n] = out_rows
+            index[s.writes[name], n:] = pool.scratch_row
+            pools.append(pool)
+        fetch: dict[str, tuple[int, list[Node]]] = {}  # output -> (offset of batch lanes, nodes)
+        for name in sig.outputs:
+            picked = [(b, node) for b, node in enumerate(task.nodes) if name in node.fetch]
+            if picked:
+                index[s.fetch[name], :len(picked)] = [b for b, _ in picked]
+                fetch[name] = (s.fetch[name] * bucket, [node for _, node in picked])
+        return Plan(index, staged, [], [], fetch, temp, pools, n, bucket=bucket)
+
     def _plan_chain(self, task: Task) -> Plan:
         """One step of a chain group (batchmaker/chain.py): numpy over the group's arrays, plus
         Python only for the chains that join, end or were dropped at this step."""
@@ -111,7 +178,7 @@ class Worker:
         for key, rows in step.dropped_rows.items():  # members that left unfinished: their own rows
             if not key.startswith("init:"):  # (init rows are row 0, a producer's, or also in stage:)
                 pool = self._row_pool(sig, key)
-                temp += [(pool, int(r)) for r in rows if r]
+                temp.append((pool, rows[rows != 0].tolist()))
         previous, self._last_planned, self._last_chain = self._last_chain, {}, group
         if not len(step.members):  # nothing left to step: the task only retires dropped chains
             return Plan(np.zeros(0, dtype=np.int64), [], [], [], {}, temp, [], 0)
@@ -152,7 +219,7 @@ class Worker:
             pool = self.memory.pool(spec.shape, spec.dtype)
             for key in ("ping:" + name, "pong:" + name):
                 rows = a.setdefault(key, np.zeros(n, dtype=np.int64))
-                rows[first:] = [pool.alloc() for _ in joined]
+                rows[first:] = pool.alloc_many(len(joined))
         for name in carry:
             spec = sig.inputs[name]
             pool = self.memory.pool(spec.shape, spec.dtype)
@@ -168,7 +235,7 @@ class Worker:
                 else:  # a host value, or an output held by another worker
                     init[i] = stage[i] = row = pool.alloc()
                     value_rows.append(row)
-                    values.append(self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v)
+                    values.append(self._foreign_value(v))
             if values:
                 staged.append((pool, _length(parts), _stack(values, spec.dtype)))
                 parts.append(np.asarray(value_rows, dtype=np.int64))
@@ -186,11 +253,11 @@ class Worker:
             spare = np.where(even[ends], step.rows("pong:" + name)[ends], step.rows("ping:" + name)[ends]).tolist()
             for node, row in zip(nodes, final):
                 node.rows[name] = row
-            temp += [(pool, r) for r in spare]
+            temp.append((pool, spare))
         for key in step.group.arrays:
             if key.startswith("stage:"):
-                pool = self._row_pool(sig, key)
-                temp += [(pool, int(r)) for r in step.rows(key)[ends] if r]
+                rows = step.rows(key)[ends]
+                temp.append((self._row_pool(sig, key), rows[rows != 0].tolist()))
         for name in sig.outputs:
             picked = [(int(b), node) for b, node in zip(ends, nodes) if name in node.fetch]
             if picked:
@@ -212,10 +279,15 @@ class Worker:
             if values is not None:
                 for node, value in zip(nodes, values):
                     node.set_host_output(name, value)
-        for pool, row in plan.temp_rows:
-            pool.free(row)
+        for pool, rows in plan.temp_rows:
+            pool.free_many(rows)
         task.handle = None
         self.num_in_flight -= 1
+
+    def _foreign_value(self, v):
+        """An input this worker does not hold: a host value, or a finished output of another worker
+        (read to the host here; CUDA workers copy between devices instead)."""
+        return self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v
 
     def read(self, ref: Ref) -> torch.Tensor:
         """A finished node's output as a host tensor (a synchronous copy; off the hot path)."""
@@ -235,6 +307,9 @@ class Worker:
         plan: Plan = task.handle
         for pool in plan.pools:
             pool.ensure_capacity()
+        if plan.bucket:
+            self._execute_materialized(task, plan)
+            return
         index = self._to_device_index(plan)
         b = plan.batch
         for pool, off, values in plan.staged:
@@ -258,6 +333,18 @@ class Worker:
             picked = out[name].index_select(0, index[off:off + len(nodes)])
             plan.fetched[name] = self._to_host(picked, plan)
         self._last_outputs = out
+
+    def _execute_materialized(self, task: Task, plan: Plan) -> None:
+        """Staged host values into their rows, one index copy, one graph replay, then the fetches."""
+        self._last_outputs = None
+        index = self.materialized.load(task.cell_type, plan.bucket, plan.index)
+        for pool, off, values in plan.staged:
+            pool.tensor.index_copy_(0, index[off:off + len(values)], self._to_device(values, plan))
+        out = self.materialized.run(task.cell_type, plan.bucket)
+        _check_outputs(task, out, plan.bucket)
+        for name, (off, nodes) in plan.fetch.items():
+            picked = out[name].index_select(0, index[off:off + len(nodes)])
+            plan.fetched[name] = self._to_host(picked, plan)
 
     def _to_device_index(self, plan: Plan) -> torch.Tensor:
         return torch.from_numpy(plan.index)
@@ -308,10 +395,12 @@ class CPUWorker(Worker):
 
 
 def _stack(values: list, dtype: torch.dtype) -> torch.Tensor:
-    """Host values of one input as one [n, ...] tensor (Python ints in one call)."""
+    """Values of one input as one [n, ...] tensor (Python ints in one call); on the device of a
+    value copied from another GPU, if there is one."""
     if all(type(v) is int for v in values):
         return torch.tensor(values, dtype=dtype)
-    return torch.stack([torch.as_tensor(v, dtype=dtype) for v in values])
+    device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.is_cuda), None)
+    return torch.stack([torch.as_tensor(v, dtype=dtype, device=device) for v in values])
 
 
 def _offset(rows: list[list[int]]) -> int:

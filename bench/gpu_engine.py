@@ -184,6 +184,8 @@ def instrument(engine: Engine) -> Timers:
     timers.wrap(engine.processor, "complete", "processor.complete")
     timers.wrap(engine.processor, "on_submit", "processor.on_submit")
     for worker in engine.workers:
+        if getattr(worker, "rounds", None) is not None:
+            timers.wrap(worker.rounds, "launch", "rounds.launch (fused chain rounds)")
         timers.wrap(worker, "plan", "worker.plan")
         timers.wrap(worker, "execute", "worker.execute (launch)")
         timers.wrap(worker, "poll", "worker.poll")
@@ -252,13 +254,21 @@ def profile_run(engine: Engine, sentences, device) -> dict:
             "cuda_api": api, "top_self_cpu": [r for r in rows if not r["on_gpu"]][:30], "top_gpu": top_gpu}
 
 
-def engine_throughput(model, args, device) -> dict:
-    engine = Engine([model], EngineConfig(devices=(str(device),), max_requests=1 << 20)).start()
+def sentences_for(args, n: int, seed: int) -> list[list[int]]:
+    """WMT-like lengths, or all of --fixed-length (long chains amortize the per-request work)."""
+    if not args.fixed_length:
+        return wmt_sentences(n, args.vocab, seed=seed)
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, args.vocab, size=(n, args.fixed_length)).tolist()
+
+
+def engine_throughput(model, args, device, graphs: bool) -> dict:
+    engine = Engine([model], EngineConfig(devices=(str(device),), max_requests=1 << 20, cuda_graphs=graphs)).start()
     try:
-        warm = wmt_sentences(args.warmup, args.vocab, seed=args.seed + 1)
+        warm = sentences_for(args, args.warmup, seed=args.seed + 1)
         run_requests(engine, warm)
         timers = instrument(engine)
-        sentences = wmt_sentences(args.requests, args.vocab, seed=args.seed)
+        sentences = sentences_for(args, args.requests, seed=args.seed)
         before = engine.stats()
         timers.reset()
         run = run_requests(engine, sentences)
@@ -276,7 +286,9 @@ def engine_throughput(model, args, device) -> dict:
             "max_abs_diff_vs_unbatched_8_requests": check_against_unbatched(
                 model, device, sentences[:8], run["results"][:8]),
         }
-        print(f"engine: {tokens} tokens in {run['wall_s']:.2f} s = {out['cell_steps_per_s']:.3g} cell-steps/s, "
+        rounds = getattr(engine.workers[0], "rounds", None)
+        out["num_fused_rounds"] = rounds.num_rounds if rounds is not None else 0
+        print(f"engine (graphs {'on' if graphs else 'off'}, {out['num_fused_rounds']} fused rounds): {tokens} tokens in {run['wall_s']:.2f} s = {out['cell_steps_per_s']:.3g} cell-steps/s, "
               f"{num_tasks} tasks, mean batch {out['mean_batch']:.1f}", flush=True)
         for key, t in out["time_in_stages"].items():
             print(f"  {key:45s} {t['total_ms']:9.1f} ms  {t['share_of_wall']:6.1%}  {t['calls']:7d} calls  "
@@ -317,6 +329,11 @@ def main(argv=None) -> int:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--eager-iters", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fixed-length", type=int, default=0,
+                        help="every request this many tokens instead of WMT-like lengths (0: WMT-like)")
+    parser.add_argument("--tag", default="", help="appended to the result name")
+    parser.add_argument("--graphs", choices=("both", "on", "off"), default="both",
+                        help="EngineConfig.cuda_graphs for the engine run(s); both: on, then off, in one run")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -328,30 +345,37 @@ def main(argv=None) -> int:
                         dtype=dtype, max_batch=args.max_batch)
     settings = {**vars(args), "dtype": str(dtype), "tf32": False}
     limits = cell_limits(model, args, device)
-    write_results("gpu_engine", str(device), {"settings": settings, "cell_limits": limits, "engine": "not run yet"})
-    try:
-        engine = engine_throughput(model, args, device)
-    except Exception as e:  # keep the limits already measured
-        write_results("gpu_engine", str(device), {"settings": settings, "cell_limits": limits,
-                                                  "engine": {"error": f"{type(e).__name__}: {e}"}})
-        raise
+    name = "gpu_engine" + args.tag
+    write_results(name, str(device), {"settings": settings, "cell_limits": limits, "engine": "not run yet"})
+    runs = {}
+    for graphs in {"both": (True, False), "on": (True,), "off": (False,)}[args.graphs]:
+        key = "graphs_on" if graphs else "graphs_off"
+        try:
+            runs[key] = engine_throughput(model, args, device, graphs)
+        except Exception as e:  # keep what was already measured
+            runs[key] = {"error": f"{type(e).__name__}: {e}"}
+            write_results(name, str(device), {"settings": settings, "cell_limits": limits, "engine": runs})
+            raise
+    engine = runs[next(iter(runs))]  # the first configuration run (graphs on, unless --graphs off)
     mode = "graph" if device.type == "cuda" else "eager"
     limit = limits["lstmcell"][mode]["cell_steps_per_s"]
     payload = {
         "settings": settings,
         "cell_limits": limits,
         "engine": engine,
+        "engine_runs": runs,
         "ratios": {
             "engine_over_lstmcell": engine["cell_steps_per_s"] / limit,
             "engine_over_cell_with_embedding":
                 engine["cell_steps_per_s"] / limits["cell_with_embedding"][mode]["cell_steps_per_s"],
             "engine_over_eager_gather_scatter":
                 engine["cell_steps_per_s"] / limits["cell_with_gather_scatter"]["eager"]["cell_steps_per_s"],
+            **{f"{key}_over_lstmcell": run["cell_steps_per_s"] / limit for key, run in runs.items()},
         },
         "limit_mode": mode,
     }
     print("ratios:", {k: round(v, 3) for k, v in payload["ratios"].items()})
-    path = write_results("gpu_engine", str(device), payload, plot=lambda fig: _plot(fig, limits, engine, mode))
+    path = write_results(name, str(device), payload, plot=lambda fig: _plot(fig, limits, engine, mode))
     print(f"wrote {path}")
     return 0
 

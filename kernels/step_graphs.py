@@ -2,15 +2,18 @@
 all their indices and one CUDA graph replay (issue 5, multi-step tasks on materialized cells).
 
     steps = LSTMStepGraphs(LSTMWeights.from_cell(cell))       # once per cell type and device
-    steps.launch(pool, index, num_steps, batch, scratch_row)  # index: pinned int64 [k, 5, batch]
+    steps.launch(pool, index, num_steps, batch, scratch_row)  # index: int64 [k, 5, batch], host
 
 Graphs are captured lazily per (bucket, num_steps): the batch is padded up to the smallest bucket
 that holds it. Padded lanes read token 0 and row 0 and write `scratch_row`. A graph's kernels
 read their indices from a static device buffer per bucket, [max_steps, 5, bucket], and the pool
 pointer is baked in: when the pool is reallocated, the graph is captured again on its next use.
+The index goes through a pinned staging buffer of the bucket (a ring, each slot reused once its
+copy is done), so the caller's array is free again as soon as `launch` returns.
 """
 import bisect
 
+import numpy as np
 import torch
 
 from batchmaker.kernels.fused_lstm import LSTMWeights, fused_lstm_step
@@ -31,7 +34,7 @@ class _Staging:
         self.events = [torch.cuda.Event() if pinned else None for _ in range(STAGING_DEPTH)]
         self.next = 0
 
-    def fill(self, index: torch.Tensor, num_steps: int, batch: int, scratch_row: int):
+    def fill(self, index: np.ndarray, num_steps: int, batch: int, scratch_row: int):
         """The padded copy of `index` [k, 5, batch] -> ([k, 5, bucket] pinned view, its event)."""
         i = self.next
         self.next = (i + 1) % STAGING_DEPTH
@@ -39,7 +42,7 @@ class _Staging:
         if event is not None:
             event.synchronize()  # returns at once unless the host ran STAGING_DEPTH copies ahead
         a = self.arrays[i][:num_steps]
-        a[:, :, :batch] = index.numpy()
+        a[:, :, :batch] = index
         a[:, :NUM_READS, batch:] = 0
         a[:, NUM_READS:, batch:] = scratch_row
         return self.buffers[i][:num_steps], event
@@ -79,25 +82,29 @@ class LSTMStepGraphs:
     def bucket(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def launch(self, pool: torch.Tensor, index: torch.Tensor, num_steps: int, batch: int, scratch_row: int,
-               stream: torch.cuda.Stream | None = None) -> None:
+    def launch(self, pool: torch.Tensor, index: np.ndarray | torch.Tensor, num_steps: int, batch: int,
+               scratch_row: int, stream: torch.cuda.Stream | None = None) -> None:
         """Run `num_steps` fused LSTM steps on `pool` [num_rows, hidden] (h and c rows; row 0 zeros).
 
-        index: int64 [num_steps, 5, batch] in pinned host memory; index[j] holds step j's tokens,
-          h_rows, c_rows, h_out_rows, c_out_rows. Step j may read the rows step j - 1 wrote. Within
-          a step the kernel's contract holds: output rows distinct and not read by the same step.
+        index: int64 [num_steps, 5, batch] on the host (numpy, or a CPU tensor); index[j] holds step
+          j's tokens, h_rows, c_rows, h_out_rows, c_out_rows. Step j may read the rows step j - 1
+          wrote. Within a step the kernel's contract holds: output rows distinct and not read by
+          the same step.
         scratch_row: a row the caller reserved and never reads; padded lanes write it.
 
         Asynchronous, on `stream` (default: the current stream): returns once the copy and the
-        replay are queued. The copy reads `index` later, so the caller may refill or free it only
-        after this work completed (e.g. after its completion signal). The first use of a
-        (bucket, num_steps) pair, and the first after the pool moved, runs the steps eagerly (which
-        compiles the kernel), then captures them: a device sync, once.
+        replay are queued; `index` is copied into pinned staging first, so the caller may reuse it
+        at once. The first use of a (bucket, num_steps) pair, and the first after the pool moved,
+        runs the steps eagerly (which compiles the kernel), then captures them: a device sync, once.
         """
+        if isinstance(index, torch.Tensor):
+            if index.dtype != torch.int64 or index.device.type != "cpu":
+                raise ValueError(f"index: expected a host int64 array, got {index.dtype} on {index.device}")
+            index = index.numpy()
         if not 1 <= num_steps <= self.max_steps or not 1 <= batch <= self.max_batch:
             raise ValueError(f"num_steps must be in [1, {self.max_steps}] and batch in [1, {self.max_batch}], "
                              f"got {num_steps}, {batch}")
-        if index.dtype != torch.int64 or index.shape != (num_steps, NUM_INDICES, batch):
+        if index.dtype != np.int64 or index.shape != (num_steps, NUM_INDICES, batch):
             raise ValueError(f"index: expected int64 [{num_steps}, {NUM_INDICES}, {batch}], got {index.dtype} "
                              f"{tuple(index.shape)}")
         if stream is None:
@@ -109,10 +116,8 @@ class LSTMStepGraphs:
     def _launch(self, pool, index, num_steps, batch, scratch_row) -> None:
         bucket = self.bucket(batch)
         device_index = self._device_index(bucket, pool.device)[num_steps]
-        event = None
-        if batch != bucket:
-            index, event = self._staging_for(bucket, pool.device).fill(index, num_steps, batch, scratch_row)
-        device_index.copy_(index, non_blocking=True)
+        staged, event = self._staging_for(bucket, pool.device).fill(index, num_steps, batch, scratch_row)
+        device_index.copy_(staged, non_blocking=True)
         if event is not None:
             event.record()
         if not self.use_graphs:
