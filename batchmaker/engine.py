@@ -9,7 +9,6 @@ import gc
 import heapq
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import Counter, deque
@@ -24,7 +23,7 @@ from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError,
                                EngineStoppedError, OverloadedError, UnknownModelError)
 from batchmaker.model import DEFAULT_BATCH_SIZES, CellType, Model
 from batchmaker.registry import build_model
-from batchmaker.request import Request, RequestTiming, Result
+from batchmaker.request import Request, Result
 from batchmaker.request_processor import RequestProcessor
 from batchmaker.scheduler import Scheduler, SchedulerConfig
 from batchmaker.worker import CPUWorker, Worker
@@ -54,7 +53,7 @@ class Engine:
         distinct = list({id(ct): ct for cts in self.cell_types.values() for ct in cts.values()}.values())
         self.scheduler = Scheduler(distinct, config.scheduler)
         self.workers: list[Worker] = []
-        self.processor = RequestProcessor(self.scheduler, self._read, self._release)
+        self.processor = RequestProcessor(self.scheduler, self._read, self._release, self._on_finished)
         self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
         self.num_tasks = 0
         self.num_accepted = 0  # written by submitting threads (under _submit_lock)
@@ -64,7 +63,9 @@ class Engine:
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id); manager only
         self._distinct = distinct
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # requests and ("cancel", id) from any thread; deque appends and pops are thread-safe, and
+        # the manager (its one consumer) drains it without SimpleQueue's per-item Empty exception
+        self._inbox: deque = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -108,7 +109,7 @@ class Engine:
         """
         future: Future = Future()
         future.set_running_or_notify_cancel()  # cancel through Engine.cancel, which frees state
-        future.request_id = next(self._ids)
+        future.request_id = request_id = next(self._ids)
         error = self._check_submit(model, inputs, priority, deadline)
         if error is None:
             with self._submit_lock:
@@ -119,13 +120,11 @@ class Engine:
         if error is not None:
             future.set_exception(error)
             return future
-        request = Request(future.request_id, model, inputs, future, priority, on_partial=on_partial)
+        request = Request(request_id, model, inputs, future, priority, on_partial=on_partial)
         if deadline is not None:
             request.deadline = request.timing.arrival + deadline
-        # the callback keeps the timing, not the request: a held future must not pin the graph
-        future.add_done_callback(lambda f, m=model, t=request.timing: self._on_finished(m, t))
-        self._inbox.put(request)
-        self._wake.set()
+        self._inbox.append(request)
+        self._notify()
         return future
 
     async def submit_async(self, model: str, inputs: dict[str, Any], **options) -> Result:
@@ -135,8 +134,8 @@ class Engine:
         return self.submit(model, inputs, **options).result(timeout).outputs
 
     def cancel(self, request_id: int) -> None:
-        self._inbox.put(("cancel", request_id))
-        self._wake.set()
+        self._inbox.append(("cancel", request_id))
+        self._notify()
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks and leak checks (read from any thread; approximate while busy).
@@ -178,23 +177,22 @@ class Engine:
                 self._wake.wait(self._idle_wait())
 
     def _admit(self) -> bool:
-        admitted = False
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return admitted
-            admitted = True
+        inbox, processor = self._inbox, self.processor
+        admitted = bool(inbox)
+        while inbox:
+            item = inbox.popleft()
             if isinstance(item, tuple):
-                request = self.processor.requests.get(item[1])
+                request = processor.requests.get(item[1])
                 if request is not None:
-                    self.processor.fail(request, CancelledError(f"request {item[1]} cancelled"))
+                    processor.fail(request, CancelledError(f"request {item[1]} cancelled"))
             elif self._stopping:
+                self._on_finished(item)
                 item.future.set_exception(EngineStoppedError("the engine stopped"))
             else:
                 if item.deadline is not None:
                     heapq.heappush(self._deadlines, (item.deadline, item.id))
-                self.processor.admit(item, self.models[item.model], self.cell_types[item.model])
+                processor.admit(item, self.models[item.model], self.cell_types[item.model])
+        return admitted
 
     def _complete(self) -> bool:
         progressed = False
@@ -209,7 +207,7 @@ class Engine:
     def _schedule(self) -> bool:
         progressed = False
         for worker in self.workers:
-            if worker.num_in_flight or self._stopping:
+            if not worker.accepts_work or self._stopping:
                 continue
             for task in self.scheduler.schedule(worker.id):
                 worker.submit(task)
@@ -248,11 +246,18 @@ class Engine:
             return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
         return None
 
-    def _on_finished(self, model: str, timing: RequestTiming) -> None:
-        """Runs where the future resolves (the manager thread): count it, keep its latency."""
+    def _notify(self) -> None:
+        """Wake the manager. Event.set takes a lock; skip it while the flag is still up: the
+        manager clears it before it drains the inbox, so what was appended before is seen."""
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _on_finished(self, request: Request) -> None:
+        """The manager thread, just before it resolves an accepted request's future: count it,
+        keep its latency (a direct call: a done callback per future costs a closure and a lock)."""
         self.num_finished += 1
-        if timing.finish is not None:
-            self.latencies[model].append(timing.finish - timing.arrival)
+        if request.timing.finish is not None:
+            self.latencies[request.model].append(request.timing.finish - request.timing.arrival)
 
     def _is_spinning(self) -> bool:
         """CUDA workers are polled, not woken: spin while they have work in flight."""
@@ -272,7 +277,8 @@ class Engine:
         cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
         if device.type == "cuda":
             from batchmaker.cuda_worker import CUDAWorker
-            return CUDAWorker(worker_id, device, cells, self.workers, use_graphs=self.config.cuda_graphs)
+            return CUDAWorker(worker_id, device, cells, self.workers, use_graphs=self.config.cuda_graphs,
+                              cell_types=self._distinct, max_steps=self.config.scheduler.max_tasks_to_submit)
         return CPUWorker(worker_id, device, cells, self.workers, on_done=self._wake.set)
 
 

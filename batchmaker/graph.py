@@ -17,6 +17,7 @@ import torch
 from batchmaker.chain import Chain
 from batchmaker.errors import BadRequestError
 from batchmaker.model import CellType
+from batchmaker.signature import in_range
 
 if TYPE_CHECKING:
     from batchmaker.request import Request
@@ -42,14 +43,14 @@ class Node:
     cell_type: CellType
     request: "Request"
     inputs: dict[str, Any]
-    id: int = field(default_factory=lambda: next(_node_ids))
+    id: int = field(default_factory=_node_ids.__next__)
     num_rows: int = 1  # batch rows this node occupies (a Transformer prompt chunk would take many)
     num_pending: int = 0  # input refs not yet satisfied (internal: submitted; external: done)
     subgraph: "Subgraph | None" = None
-    internal_successors: list["Node"] = field(default_factory=list)
-    # Rarely used containers start as shared empty immutables and are replaced on first use:
-    # fewer objects per node to build and for the cyclic GC to walk (measured: admission
-    # cost per node is ~40% GC once ~100k nodes are live).
+    # Containers that many nodes never use (a chain has no successors) start as shared empty
+    # immutables and are replaced on first use: fewer objects per node to build and for the
+    # cyclic GC to walk (measured: admission cost per node is ~40% GC once ~100k nodes are live).
+    internal_successors: "list[Node] | tuple" = ()
     external_successors: "list[Node] | tuple" = ()
     fetch: "set[str] | frozenset" = frozenset()  # outputs the host needs after the task
     is_submitted: bool = False
@@ -87,7 +88,7 @@ class Subgraph:
 
     cell_type: CellType
     nodes: list[Node]
-    id: int = field(default_factory=lambda: next(_subgraph_ids))
+    id: int = field(default_factory=_subgraph_ids.__next__)
     ready: deque = field(default_factory=deque)  # nodes with all inputs satisfied, not submitted
     num_unsubmitted: int = 0
     num_external_pending: int = 0
@@ -112,10 +113,16 @@ class GraphBuilder:
     """What an unfolder sees: `add(cell_name, **inputs) -> Node`, and `stream(partial)` to hand
     the client a partial output (a dict) before the request finishes."""
 
+    __slots__ = ("_request", "_cell_types", "_first")
+
     def __init__(self, request: "Request", cell_types: dict[str, CellType]):
         self._request = request
         self._cell_types = cell_types
-        self.new_nodes: list[Node] = []
+        self._first = len(request.nodes)  # the nodes this builder adds follow the request's others
+
+    @property
+    def new_nodes(self) -> list[Node]:
+        return self._request.nodes[self._first:]
 
     def add(self, cell: str, **inputs) -> Node:
         if cell not in self._cell_types:
@@ -126,7 +133,6 @@ class GraphBuilder:
             raise BadRequestError(f"{cell_type.name}: inputs {sorted(inputs)} != expected {sorted(specs)}")
         checked = {name: _check_input(cell_type, name, spec, inputs[name]) for name, spec in specs.items()}
         node = Node(cell_type, self._request, checked)
-        self.new_nodes.append(node)
         self._request.nodes.append(node)
         return node
 
@@ -140,18 +146,20 @@ class GraphBuilder:
         if cell not in self._cell_types:
             raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
         cell_type = self._cell_types[cell]
-        sig = cell_type.cell.signature
+        specs = cell_type.cell.signature.inputs
         layout = ("layout", tuple(steps), tuple(carry.items()), tuple(init))
         if layout not in cell_type.checked:  # checked once per layout, not per request
             _check_chain_layout(cell_type, steps, carry, init)
             cell_type.checked[layout] = True
-        values = {name: _check_steps(cell_type, name, sig.inputs[name], v) for name, v in steps.items()}
+        values = {name: _check_steps(cell_type, name, specs[name], v) for name, v in steps.items()}
         lengths = {len(v) for v in values.values()}
         if len(lengths) != 1:
             raise BadRequestError(f"{cell_type.name}: step inputs differ in length {sorted(lengths)}")
-        checked = {name: _check_input(cell_type, name, sig.inputs[name], value) for name, value in init.items()}
-        node = Node(cell_type, self._request, checked, chain=Chain(values, dict(carry), lengths.pop()))
-        self.new_nodes.append(node)
+        for name, value in init.items():  # `init` is this call's own dict (**init): checked in place
+            if value is not None:
+                init[name] = _check_input(cell_type, name, specs[name], value)
+        # every chain of a type carries the same outputs (checked): they share one carry dict
+        node = Node(cell_type, self._request, init, chain=Chain(values, cell_type.checked["carry"], lengths.pop()))
         self._request.nodes.append(node)
         return node
 
@@ -165,21 +173,20 @@ class GraphBuilder:
 
 
 def _check_steps(cell_type: CellType, name: str, spec, values) -> np.ndarray:
-    """A chain's step values: a non-empty 1-d sequence of integers in the spec's range."""
-    what = f"{cell_type.name}.{name}"
-    if not spec.is_integer or spec.shape != ():
-        raise TypeError(f"{what}: chain step inputs must be integer scalars per step")
+    """A chain's step values: a non-empty 1-d sequence of integers in the spec's range (the
+    spec is an integer scalar: checked with the layout)."""
     try:
         array = np.asarray(values.numpy() if isinstance(values, torch.Tensor) else values)
-    except (TypeError, ValueError) as e:
-        raise BadRequestError(f"{what}: cannot read the step values ({e})") from None
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # (a tensor that requires grad)
+        raise BadRequestError(f"{cell_type.name}.{name}: cannot read the step values ({e})") from None
     if array.ndim != 1 or not len(array):
-        raise BadRequestError(f"{what}: expected a non-empty 1-d sequence of step values")
+        raise BadRequestError(f"{cell_type.name}.{name}: expected a non-empty 1-d sequence of step values")
     if array.dtype.kind not in "iu":
-        raise BadRequestError(f"{what}: expected integers, got {array.dtype}")
-    if int(array.min()) < 0 or (spec.high is not None and int(array.max()) >= spec.high):
-        raise BadRequestError(f"{what}: value out of range [0, {spec.high})")
-    return array.astype(np.int64)
+        raise BadRequestError(f"{cell_type.name}.{name}: expected integers, got {array.dtype}")
+    if not in_range(array, spec.high):
+        raise BadRequestError(f"{cell_type.name}.{name}: value out of range [0, {spec.high})")
+    # the array made from a list is already our own; the caller's array or tensor is copied
+    return array.astype(np.int64, copy=not isinstance(values, (list, tuple)))
 
 
 def _check_chain_layout(cell_type: CellType, steps, carry: dict[str, str], init) -> None:
@@ -187,6 +194,9 @@ def _check_chain_layout(cell_type: CellType, steps, carry: dict[str, str], init)
     if set(steps) | set(carry) != set(sig.inputs) or set(steps) & set(carry) or set(init) != set(carry):
         raise TypeError(f"{cell_type.name}: a chain's steps {sorted(steps)} and carried inputs "
                         f"{sorted(carry)} must split its inputs {sorted(sig.inputs)}; init is per carried input")
+    for name in steps:
+        if not sig.inputs[name].is_integer or sig.inputs[name].shape != ():
+            raise TypeError(f"{cell_type.name}.{name}: chain step inputs must be integer scalars per step")
     for name, out in carry.items():
         if out not in sig.outputs or (sig.outputs[out].shape, sig.outputs[out].dtype) != (
                 sig.inputs[name].shape, sig.inputs[name].dtype):
@@ -218,9 +228,9 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
     if len(new_nodes) == 1:  # one node (a chain, a decoder step): its own subgraph
         node = new_nodes[0]
         node.subgraph = sg = Subgraph(node.cell_type, new_nodes, num_unsubmitted=1)
-        for p in node.producers():
-            if not p.is_done:
-                _wait_for(p, node)
+        for v in node.inputs.values():
+            if isinstance(v, Ref) and not v.node.is_done:
+                _wait_for(v.node, node)
         return [sg]
     index = {id(n): i for i, n in enumerate(new_nodes)}
     parent = list(range(len(new_nodes)))
@@ -277,7 +287,10 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
     for node in new_nodes:
         for p in node.producers():
             if p.subgraph is node.subgraph:
-                p.internal_successors.append(node)
+                if p.internal_successors:
+                    p.internal_successors.append(node)
+                else:
+                    p.internal_successors = [node]
                 node.num_pending += 1
             elif not p.is_done:
                 _wait_for(p, node)

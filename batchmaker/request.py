@@ -48,6 +48,7 @@ class Request:
     unfolder: Any = None  # the running generator, while the unfolder waits for values
     awaiting: Any = None  # what the generator yielded: a Ref, or a list/tuple of Refs
     outputs: Any = None  # what the unfolder returned (Refs resolved at the finish)
+    output_refs: list[Ref] | tuple = ()  # the Refs in `outputs`, fetched at the finish
     num_partitioned: int = 0  # nodes[:num_partitioned] already belong to subgraphs
     num_nodes_left: int = 0  # nodes added and not yet done
     num_in_flight: int = 0  # nodes submitted and not yet done
@@ -64,19 +65,29 @@ def refs_in(value) -> list[Ref]:
     if isinstance(value, Ref):
         return [value]
     if isinstance(value, dict):
-        return [r for v in value.values() for r in refs_in(v)]
-    if isinstance(value, (list, tuple)):
-        return [r for v in value for r in refs_in(v)]
-    return []
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return []
+    refs = []
+    for v in value:
+        if isinstance(v, Ref):  # the common case ({"h": ref}) without a call per item
+            refs.append(v)
+        else:
+            refs += refs_in(v)
+    return refs
 
 
 def resolve(value):
     """Replace every Ref by its fetched host tensor (0-d integer tensors become Python ints)."""
     if isinstance(value, Ref):
-        t = value.node.host_outputs[value.output]
-        return int(t) if t.ndim == 0 and not t.dtype.is_floating_point else t
-    if isinstance(value, dict):
-        return {k: resolve(v) for k, v in value.items()}
+        return _host_value(value)
+    if isinstance(value, dict):  # ({"h": ref}: no call per item)
+        return {k: _host_value(v) if isinstance(v, Ref) else resolve(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(resolve(v) for v in value)
     return value
+
+
+def _host_value(ref: Ref):
+    t = ref.node.host_outputs[ref.output]
+    return int(t) if t.ndim == 0 and not t.dtype.is_floating_point else t

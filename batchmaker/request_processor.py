@@ -5,9 +5,9 @@ Runs on the engine's manager thread only. Worker memory is reached through two c
 `read(ref)` (a synchronous fetch, used only when an unfolder asks for a value that was not marked
 for fetching before its task ran) and `release(node)` (free the node's rows).
 """
-import inspect
 import time
 from collections.abc import Callable
+from types import GeneratorType
 from typing import Any
 
 import torch
@@ -22,10 +22,11 @@ from batchmaker.task import Task
 
 class RequestProcessor:
     def __init__(self, scheduler: Scheduler, read: Callable[[Ref], torch.Tensor],
-                 release: Callable[[Node], None]):
+                 release: Callable[[Node], None], on_finished: Callable[[Request], None] = lambda request: None):
         self.scheduler = scheduler
         self._read = read
         self._release = release
+        self._on_finished = on_finished  # called just before a request's future resolves
         self.requests: dict[int, Request] = {}  # live: unfinished, or finished with nodes in flight
 
     def admit(self, request: Request, model: Model, cell_types: dict[str, CellType]) -> None:
@@ -35,7 +36,7 @@ class RequestProcessor:
         except Exception as e:  # the unfolder rejected the request (or has a bug)
             self.fail(request, _as_request_error(e))
             return
-        if inspect.isgenerator(result):
+        if isinstance(result, GeneratorType):
             request.unfolder = result
             self._advance(request, None)
         else:
@@ -92,6 +93,7 @@ class RequestProcessor:
             self.scheduler.drop(sg)
         request.timing.finish = time.perf_counter()
         request.is_finished = True
+        self._on_finished(request)
         request.future.set_exception(error)
         self._release_if_idle(request)
 
@@ -137,7 +139,8 @@ class RequestProcessor:
 
     def _unfold_done(self, request: Request, outputs: Any) -> None:
         request.outputs = outputs
-        for r in refs_in(outputs):
+        request.output_refs = refs_in(outputs)
+        for r in request.output_refs:
             r.node.mark_fetch(r.output)
         self._finish_if_done(request)
 
@@ -145,7 +148,7 @@ class RequestProcessor:
         if request.is_unfolding or request.num_nodes_left or request.is_finished:
             return
         try:
-            for r in refs_in(request.outputs):
+            for r in request.output_refs:
                 self._ensure_fetched(r)
             outputs = resolve(request.outputs)
         except Exception as e:
@@ -153,6 +156,7 @@ class RequestProcessor:
             return
         request.timing.finish = time.perf_counter()
         request.is_finished = True
+        self._on_finished(request)
         request.future.set_result(Result(outputs, request.timing))
         self._release_if_idle(request)
 

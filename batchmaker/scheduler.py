@@ -155,8 +155,8 @@ class Scheduler:
         dropped, dropped_rows = group.leave()
         q.num_ready -= len(dropped)
         q.num_chains -= len(dropped)
-        joined = []
-        while q.waiting and len(group) + len(joined) < q.cell_type.max_batch:
+        joined, room = [], q.cell_type.max_batch - len(group)
+        while q.waiting and len(joined) < room:
             sg = heapq.heappop(q.waiting)[2]
             if sg.chain_state != "waiting":
                 q.num_dead -= 1  # dropped while it waited

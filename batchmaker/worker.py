@@ -53,6 +53,7 @@ class Worker:
         self._last_outputs: dict[str, torch.Tensor] | None = None
         self._last_chain = None  # the chain group of the last planned task, if it was a chain step
         self.materialized = None  # MaterializedCells: plain tasks as one graph per padded batch
+        self._output_pools: dict[int, dict[str, RowPool]] = {}  # id(cell type) -> output -> its pool
 
     # manager thread -------------------------------------------------------------------------
     @property
@@ -296,9 +297,12 @@ class Worker:
         return pool.tensor[ref.node.rows[ref.output]].to("cpu", copy=True)
 
     def release(self, node: Node) -> None:
+        pools = self._output_pools.get(id(node.cell_type))
+        if pools is None:  # once per cell type: the pool of each output
+            outputs = node.cell_type.cell.signature.outputs.items()
+            pools = self._output_pools[id(node.cell_type)] = {n: self.memory.pool(s.shape, s.dtype) for n, s in outputs}
         for name, row in node.rows.items():
-            spec = node.cell_type.cell.signature.outputs[name]
-            self.memory.pool(spec.shape, spec.dtype).free(row)
+            pools[name].free(row)
         node.rows = {}
 
     # execution context ----------------------------------------------------------------------

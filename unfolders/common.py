@@ -10,11 +10,14 @@ import numpy as np
 import torch
 
 from batchmaker.errors import BadRequestError
+from batchmaker.signature import in_range
 
 
 def check_keys(inputs, required: Collection[str], optional: Collection[str] = ()) -> None:
     if not isinstance(inputs, dict):
         raise BadRequestError(f"inputs must be a dict, got {type(inputs).__name__}")
+    if len(inputs) == len(required) and all(k in inputs for k in required):
+        return  # exactly the required keys (the common case: no sets to build)
     missing = sorted(set(required) - set(inputs))
     extra = sorted(set(inputs) - set(required) - set(optional))
     if missing:
@@ -43,8 +46,7 @@ def check_tokens(value, vocab: int, what: str = "tokens") -> np.ndarray:
         raise BadRequestError(f"{what}: expected a 1-d sequence of integer token ids, got {bad!r:.60}")
     if not len(array):
         raise BadRequestError(f"{what}: empty sequence")
-    low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= vocab:
+    if not in_range(array, vocab):
         pos = int(np.flatnonzero((array < 0) | (array >= vocab))[0])
         raise BadRequestError(f"{what}[{pos}]: token id {int(array[pos])} out of the vocabulary [0, {vocab})")
     return array.astype(np.int64, copy=False)
