@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fused chain rounds on the GPU, in one go: their GPU tests (and the older CUDA engine, step-graph
 # and kernel tests), the engine vs the GPU-bound limit with graphs on and off (LSTM h=1024 fp16
-# B=512), and the WMT LSTM runner in process vs bucketing.
+# B=512, WMT-like lengths and 2000-token chains), TreeLSTM on SST vs its cells' limit, and the WMT
+# LSTM runner in process vs bucketing.
 #   OUT=/tmp/rounds bash bench/gpu_rounds.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -17,6 +18,7 @@ step gpu-tests timeout 300 python3 -m pytest -q -m gpu tests/test_chain_rounds.p
 step gpu-engine timeout 200 python3 bench/gpu_engine.py --requests 8000 --graphs both --tag=-rounds
 step gpu-engine-long timeout 200 python3 bench/gpu_engine.py --requests 1024 --warmup 512 --fixed-length 2000 \
   --graphs both --profile-requests 0 --tag=-rounds-long2000
+step gpu-treelstm timeout 240 python3 bench/gpu_treelstm.py --trees 4000
 if [ -z "$SKIP_WMT" ]; then
   step wmt-lstm timeout 150 python3 bench/wmt.py --device cuda:0 --dtype fp16 --duration 2 --min-requests 150 \
     --warmup 300 --model lstm --sweep 1600:204800:2 --tag rounds
