@@ -25,7 +25,6 @@ log = logging.getLogger("batchmaker")
 class CUDAWorker(Worker):
     def __init__(self, worker_id, device, cells, peers, use_graphs: bool = True, cell_types=(), max_steps: int = 5):
         super().__init__(worker_id, device, cells, peers)
-        self.use_graphs = use_graphs
         self.stream = torch.cuda.Stream(device)
         with torch.cuda.device(device), torch.cuda.stream(self.stream):
             self.counter = SignalCounter(device)

@@ -173,7 +173,7 @@ class Worker:
         """One step of a chain group (batchmaker/chain.py): numpy over the group's arrays, plus
         Python only for the chains that join, end or were dropped at this step."""
         step, sig = task.chain, task.cell_type.cell.signature
-        group, a, carry = step.group, step.group.arrays, step.group.carry
+        group, carry = step.group, step.group.carry
         parts: list[np.ndarray] = []  # the index array, in pieces
         staged, temp, direct, gathers, scatters, pools = [], [], [], [], [], []
         for key, rows in step.dropped_rows.items():  # members that left unfinished: their own rows
