@@ -15,6 +15,23 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def replay_windows(graph: "torch.cuda.CUDAGraph", calls_per_graph: int, replays: int, warm: int = 5) -> list[float]:
+    """µs per call (graph time / calls_per_graph) in five timed windows of `replays` back-to-back
+    replays, after `warm` untimed ones; callers take the median."""
+    for _ in range(warm):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_graph))
+    return samples
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device)).replace(" ", "-")

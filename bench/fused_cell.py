@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import replay_windows, write_results  # noqa: E402
 
 from batchmaker.cells.lstm import LSTMCell  # noqa: E402
 from batchmaker.cells.treelstm import TreeInternalCell, TreeLeafCell  # noqa: E402
@@ -67,18 +67,7 @@ def graph_us(step, steps: int, replays: int, device) -> float:
     with torch.cuda.graph(graph):
         for _ in range(steps):
             step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * steps))
-    return statistics.median(samples)
+    return statistics.median(replay_windows(graph, steps, replays, warm=3))
 
 
 def eager_us(step, iters: int, device) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import replay_windows, write_results  # noqa: E402
 
 from batchmaker import Engine, EngineConfig, build_model  # noqa: E402
 from batchmaker.data import wmt_sentences  # noqa: E402
@@ -76,17 +76,7 @@ def time_graph(loop: StepLoop, replays: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         loop.run()
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(5):  # five timed windows; median
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * loop.steps))
+    samples = replay_windows(graph, loop.steps, replays)
     step_us = float(np.median(samples))
     return {"step_us": step_us, "step_us_windows": samples, "steps_per_graph": loop.steps}
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import replay_windows, write_results  # noqa: E402
 from gpu_engine import batch_histogram, instrument  # noqa: E402
 
 from batchmaker import Engine, EngineConfig, build_model  # noqa: E402
@@ -39,18 +39,7 @@ from batchmaker.unfolders.trees import load_sst_sample, num_leaves, parse_tree  
 
 def time_replays(graph: torch.cuda.CUDAGraph, calls_per_graph: int, replays: int) -> float:
     """Median µs per call over five windows of `replays` back-to-back replays."""
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_graph))
-    return float(np.median(samples))
+    return float(np.median(replay_windows(graph, calls_per_graph, replays)))
 
 
 def cell_alone_us(cell, inputs: dict, steps: int, replays: int) -> float:
