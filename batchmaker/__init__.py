@@ -1,29 +1,37 @@
-"""BatchMaker: cellular batching for serving recurrent, tree and decoder models."""
-from batchmaker.cell import Cell
-from batchmaker.engine import Engine, EngineConfig
-from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, CellError, DeadlineExceededError,
-                               EngineStoppedError, OverloadedError, ServerUnavailableError, UnknownModelError)
-from batchmaker.graph import GraphBuilder, Ref
-from batchmaker.model import Model
-from batchmaker.registry import build_model, register_model, registered_models
-from batchmaker.request import Result, RequestTiming
-from batchmaker.scheduler import SchedulerConfig
-from batchmaker.signature import Signature, TensorSpec
+"""BatchMaker: cellular batching for serving recurrent, tree and decoder models.
 
-__all__ = [
-    "BadRequestError", "BatchMakerError", "CancelledError", "Cell", "CellError", "Client", "DeadlineExceededError",
-    "Engine", "EngineConfig", "EngineStoppedError", "GraphBuilder", "Model", "OverloadedError", "Ref",
-    "RequestTiming", "Result", "SchedulerConfig", "Server", "ServerConfig", "ServerUnavailableError", "Signature",
-    "TensorSpec", "UnknownModelError", "build_model", "register_model", "registered_models",
-]
+Names load on first use, so that `batchmaker.core` (the scheduler and the request arrays) and the
+command line's client side import without torch, and the engine without pyzmq.
+"""
+import importlib
+
+_EXPORTS = {
+    "Cell": "batchmaker.cell", "Engine": "batchmaker.engine", "EngineConfig": "batchmaker.engine",
+    "BadRequestError": "batchmaker.errors", "BatchMakerError": "batchmaker.errors",
+    "CancelledError": "batchmaker.errors", "CellError": "batchmaker.errors",
+    "DeadlineExceededError": "batchmaker.errors", "EngineStoppedError": "batchmaker.errors",
+    "OverloadedError": "batchmaker.errors", "ServerUnavailableError": "batchmaker.errors",
+    "UnknownModelError": "batchmaker.errors", "Chain": "batchmaker.forms", "DecodeLoop": "batchmaker.forms",
+    "Tree": "batchmaker.forms", "RequestFuture": "batchmaker.future", "GraphBuilder": "batchmaker.core.graph",
+    "Ref": "batchmaker.core.graph", "Model": "batchmaker.model", "build_model": "batchmaker.registry",
+    "register_model": "batchmaker.registry", "registered_models": "batchmaker.registry",
+    "Result": "batchmaker.request", "RequestTiming": "batchmaker.request",
+    "SchedulerConfig": "batchmaker.core.scheduler", "Signature": "batchmaker.signature",
+    "TensorSpec": "batchmaker.signature", "Client": "batchmaker.client", "Server": "batchmaker.server",
+    "ServerConfig": "batchmaker.server",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    """Client and Server load pyzmq on first use, so the engine alone imports without it."""
-    if name == "Client":
-        from batchmaker.client import Client
-        return Client
-    if name in ("Server", "ServerConfig"):
-        from batchmaker import server
-        return getattr(server, name)
-    raise AttributeError(f"module 'batchmaker' has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchmaker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

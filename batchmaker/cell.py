@@ -4,7 +4,6 @@ The cell's *type* (what may batch together) is the module object itself -- its d
 weights -- together with its input shapes (thesis §2.4.2). Two models that register the same
 Cell object share one cell type and batch together.
 """
-import torch
 from torch import nn
 
 from batchmaker.signature import Signature
@@ -20,5 +19,12 @@ class Cell(nn.Module):
 
     signature: Signature
 
-    def forward(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:  # pragma: no cover
+    def forward(self, **inputs):  # pragma: no cover
         raise NotImplementedError
+
+    def fused_step(self, layout, buckets: tuple[int, ...]):
+        """What the cell can fuse: a function step(index, pools) that runs one step reading its
+        inputs from, and writing its outputs to, pool rows named by a task's index
+        (batchmaker/core/cell_type.Layout), for every batch size in `buckets` on the device the
+        cell is on; or None (the default): the engine gathers, calls forward and scatters."""
+        return None

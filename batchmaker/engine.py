@@ -1,7 +1,11 @@
-"""The in-process engine: a manager thread whose loop is admit -> complete -> schedule/submit.
+"""The in-process engine. Its loop is three calls, `Engine.step()`: admit what arrived, complete
+what the workers finished, schedule and submit new tasks.
 
-    engine = Engine(["lstm"]); engine.start()
-    result = engine.submit("lstm", {"tokens": [5, 7, 9]}).result()   # Result(outputs, timing)
+    with Engine(["lstm"]) as engine:
+        result = engine.submit("lstm", {"tokens": [5, 7, 9]}).result()   # Result(outputs, timing)
+
+A manager thread runs `step()` in a loop; with `start(thread=False)` the caller drives it (tests,
+benchmarks): the same sequence either way.
 """
 import asyncio
 import copy
@@ -9,24 +13,28 @@ import gc
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from batchmaker.core.cell_type import CellType, Layout
+from batchmaker.core.nodes import NodeQueue
+from batchmaker.core.processor import RequestProcessor
+from batchmaker.core.scheduler import Scheduler, SchedulerConfig
 from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, OverloadedError, UnknownModelError)
-from batchmaker.model import DEFAULT_BATCH_SIZES, CellType, Model
+from batchmaker.exec.worker import Worker, make_worker
+from batchmaker.future import RequestFuture
+from batchmaker.model import DEFAULT_BATCH_SIZES, Model
 from batchmaker.registry import build_model
 from batchmaker.request import Request, Result
-from batchmaker.request_processor import RequestProcessor
-from batchmaker.scheduler import Scheduler, SchedulerConfig
-from batchmaker.worker import CPUWorker, Worker
+from batchmaker.structured import Accounting, StructuredModel
 
 log = logging.getLogger("batchmaker")
 
@@ -36,13 +44,15 @@ class EngineConfig:
     devices: tuple[str, ...] = ("cpu",)  # one worker per entry; "cpu" twice gives two CPU workers
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Admission bound: requests accepted and not yet finished. Beyond it `submit` answers
-    # OverloadedError at once, so a flood costs a reply, not memory. 4096 WMT-like requests are
-    # ~100k live nodes, minutes of work for the paper's LSTM on a CPU.
+    # OverloadedError at once, so a flood costs a reply, not memory.
     max_requests: int = 4096
     num_latencies_kept: int = 4096  # per model, for the latency percentiles in stats()
-    # CUDA workers: run cells as materialized CUDA graphs (per cell type and padded batch bucket)
-    # where a cell has them; False runs every task with eager launches (the fallback).
+    # CUDA workers: run tasks as CUDA graphs (per cell type and padded batch bucket, captured at
+    # start-up); False runs every task with eager launches.
     cuda_graphs: bool = True
+    # torch's CPU threads: None lets the engine choose (CPU workers: the cores left after the
+    # manager thread, shared among them; else torch's default); a number sets it.
+    cpu_threads: int | None = None
 
 
 class Engine:
@@ -50,45 +60,62 @@ class Engine:
         self.config = config
         self.models = {m.name: m for m in (build_model(m) if isinstance(m, str) else m for m in models)}
         self.cell_types = _cell_types(self.models.values())  # model -> cell name -> CellType
-        distinct = list({id(ct): ct for cts in self.cell_types.values() for ct in cts.values()}.values())
-        self.scheduler = Scheduler(distinct, config.scheduler)
+        self._distinct = list({id(ct): ct for cts in self.cell_types.values() for ct in cts.values()}.values())
+        self.accounting = Accounting(self.models, config.num_latencies_kept)
+        self.structured = {name: StructuredModel(m, self.cell_types[name], self.accounting)
+                           for name, m in self.models.items() if m.forms}
+        _check_cell_sharing(self.models, self.cell_types)
         self.workers: list[Worker] = []
-        self.processor = RequestProcessor(self.scheduler, self._read, self._release, self._on_finished)
+        self.scheduler: Scheduler | None = None
+        self.processor: RequestProcessor | None = None
         self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
         self.num_tasks = 0
         self.num_accepted = 0  # written by submitting threads (under _submit_lock)
-        self.num_finished = 0  # written by the thread that resolves futures (the manager)
-        self.latencies = {name: deque(maxlen=config.num_latencies_kept) for name in self.models}
         self._submit_lock = threading.Lock()
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id); manager only
-        self._distinct = distinct
         self._ids = itertools.count()
-        # requests and ("cancel", id) from any thread; deque appends and pops are thread-safe, and
-        # the manager (its one consumer) drains it without SimpleQueue's per-item Empty exception
-        self._inbox: deque = deque()
+        self._inbox: deque = deque()  # futures and ("cancel", id), from any thread; drained by step()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._running = False
         self._stopping = False
 
     # public API -----------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self, thread: bool = True) -> "Engine":
+        """Create the workers (CUDA graphs are captured now) and, with `thread`, the manager thread
+        that runs step() in a loop; without it, the caller calls step()."""
+        self._set_cpu_threads()
+        warm = [w for s in self.structured.values() for w in s.warm_list()]
+        warm += [("step", ct) for ct in self._distinct if not any(w[1] is ct for w in warm)]
         for device in self.config.devices:
-            self.workers.append(self._make_worker(len(self.workers), torch.device(device)))
+            device = torch.device(device)
+            cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
+            self.workers.append(make_worker(len(self.workers), device, cells, self._distinct, self.workers,
+                                            use_graphs=self.config.cuda_graphs,
+                                            max_steps=self.config.scheduler.max_tasks_to_submit,
+                                            on_done=self._wake.set, warm=warm))
+        self._build_queues()
         # Long-lived objects (torch, models) leave the collector's view: full collections would
-        # otherwise walk them while thousands of nodes are live (measured: ~2x per-node cost).
+        # otherwise walk them while many requests are live.
         gc.freeze()
-        self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
-        self._thread.start()
+        self._running = True
+        if thread:
+            self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
+            self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop the loop; requests still unfinished fail with EngineStoppedError."""
-        if self._thread is None:
+        """Stop; requests still unfinished fail with EngineStoppedError."""
+        if not self._running:
             return
         self._stopping = True
-        self._wake.set()
-        self._thread.join()
-        self._thread = None
+        if self._thread is not None:
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+        else:
+            self._drain_and_fail()
+        self._running = False
         for worker in self.workers:
             worker.close()
 
@@ -99,43 +126,56 @@ class Engine:
         self.stop()
 
     def submit(self, model: str, inputs: dict[str, Any], *, priority: int = 0, deadline: float | None = None,
-               on_partial: Callable[[dict], None] | None = None) -> Future:
+               on_partial: Callable[[dict], None] | None = None) -> RequestFuture:
         """Queue one request; the future resolves to a Result or raises a BatchMakerError.
 
         priority: among requests of one model, higher is scheduled first.
         deadline: seconds from now; after it the request fails with DeadlineExceededError.
         on_partial: called on the manager thread with each streamed partial output (Seq2Seq
-            tokens); it must be quick and must not block.
+            tokens, once per decode round); it must be quick and must not block.
         """
-        future: Future = Future()
-        future.set_running_or_notify_cancel()  # cancel through Engine.cancel, which frees state
-        future.request_id = request_id = next(self._ids)
+        future = RequestFuture(next(self._ids), model, inputs, priority, None, on_partial)
         error = self._check_submit(model, inputs, priority, deadline)
         if error is None:
             with self._submit_lock:
-                if self.num_accepted - self.num_finished >= self.config.max_requests:
+                if self.num_accepted - self.accounting.num_finished >= self.config.max_requests:
                     error = OverloadedError(f"{self.config.max_requests} requests queued or running; retry later")
                 else:
                     self.num_accepted += 1
         if error is not None:
             future.set_exception(error)
             return future
-        request = Request(request_id, model, inputs, future, priority, on_partial=on_partial)
         if deadline is not None:
-            request.deadline = request.timing.arrival + deadline
-        self._inbox.append(request)
-        self._notify()
+            future.deadline = future.arrival + deadline
+        self.accounting.live[future.request_id] = future
+        self._inbox.append(future)
+        if not self._wake.is_set():  # (Event.set takes a lock; the manager clears it before draining)
+            self._wake.set()
         return future
 
     async def submit_async(self, model: str, inputs: dict[str, Any], **options) -> Result:
-        return await asyncio.wrap_future(self.submit(model, inputs, **options))
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def done(f: RequestFuture) -> None:
+            loop.call_soon_threadsafe(_copy_state, f, waiter)
+        self.submit(model, inputs, **options).add_done_callback(done)
+        return await waiter
 
     def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None, **options) -> dict[str, Any]:
         return self.submit(model, inputs, **options).result(timeout).outputs
 
     def cancel(self, request_id: int) -> None:
         self._inbox.append(("cancel", request_id))
-        self._notify()
+        self._wake.set()
+
+    def step(self) -> bool:
+        """One turn of the manager: admit -> complete -> schedule. True if anything happened."""
+        progressed = self._admit()
+        progressed |= self._complete()
+        progressed |= self._schedule()
+        self._expire()
+        return progressed
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks and leak checks (read from any thread; approximate while busy).
@@ -143,129 +183,176 @@ class Engine:
         batch_sizes: "model/cell:rows" -> tasks run; latency_ms: per model, p50/p90/p99 over the
         last `num_latencies_kept` finished requests (failed ones included).
         """
+        processor = self.processor
         return {
-            "num_live_requests": len(self.processor.requests),
-            "num_queued_requests": self.num_accepted - self.num_finished,  # accepted, not finished
+            "num_live_requests": len(self.accounting.live),
+            "num_queued_requests": self.num_accepted - self.accounting.num_finished,  # accepted, not finished
             "max_requests": self.config.max_requests,
-            "num_live_nodes": self.processor.num_live_nodes,
-            "num_ready_nodes": self.scheduler.num_ready,
-            "cell_queues": self.scheduler.queue_lengths(),
+            "num_live_nodes": (processor.num_live_nodes if processor else 0) + self._num_live_structured(),
+            "num_ready_nodes": self.scheduler.num_ready if self.scheduler else 0,
+            "cell_queues": self.scheduler.queue_lengths() if self.scheduler else {},
             "num_rows_used": [w.memory.num_rows_used for w in self.workers],
             "num_tasks_in_flight": [w.num_in_flight for w in self.workers],
             "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
             "num_tasks": self.num_tasks,
             "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(self.batch_sizes).items())},
-            "latency_ms": {name: _percentiles(list(lat)) for name, lat in self.latencies.items()},
+            "latency_ms": {name: _percentiles(list(lat)) for name, lat in self.accounting.latencies.items()},
         }
 
-    # manager thread -------------------------------------------------------------------------
+    # the manager ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             self._wake.clear()
             try:
-                progressed = self._admit() | self._complete() | self._schedule()
-                self._expire()
+                progressed = self.step()
             except Exception:  # a bug in the engine: fail what is live rather than hang
                 log.exception("engine loop failed; failing live requests")
                 self._fail_all(BatchMakerError("internal engine error"))
                 progressed = True
             if self._stopping and not any(w.num_in_flight for w in self.workers):
-                self._admit()
-                self._fail_all(EngineStoppedError("the engine stopped"))
+                self._drain_and_fail()
                 return
-            if not progressed and not self._is_spinning():
-                self._wake.wait(self._idle_wait())
+            if not progressed:
+                if any(w.num_in_flight and hasattr(w, "stream") for w in self.workers):
+                    time.sleep(0)  # CUDA workers are polled: let other threads run, then look again
+                else:
+                    self._wake.wait(self._idle_wait())
 
     def _admit(self) -> bool:
-        inbox, processor = self._inbox, self.processor
-        admitted = bool(inbox)
+        inbox = self._inbox
+        if not inbox:
+            return False
+        arrivals: dict[str, list] = {}
         while inbox:
             item = inbox.popleft()
-            if isinstance(item, tuple):
-                request = processor.requests.get(item[1])
-                if request is not None:
-                    processor.fail(request, CancelledError(f"request {item[1]} cancelled"))
+            if type(item) is tuple:
+                self._cancel(item[1], CancelledError(f"request {item[1]} cancelled"))
             elif self._stopping:
-                self._on_finished(item)
-                item.future.set_exception(EngineStoppedError("the engine stopped"))
+                self._resolve_failed(item, EngineStoppedError("the engine stopped"))
             else:
                 if item.deadline is not None:
-                    heapq.heappush(self._deadlines, (item.deadline, item.id))
-                processor.admit(item, self.models[item.model], self.cell_types[item.model])
-        return admitted
+                    heapq.heappush(self._deadlines, (item.deadline, item.request_id))
+                arrivals.setdefault(item.model, []).append(item)
+        for name, futures in arrivals.items():
+            futures = [f for f in futures if not f._done]  # (cancelled before they were admitted)
+            structured = self.structured.get(name)
+            if structured is not None:
+                structured.admit(futures)
+            else:
+                for f in futures:
+                    self.processor.admit(Request.of(f), self.models[name], self.cell_types[name])
+        return True
 
     def _complete(self) -> bool:
         progressed = False
         for worker in self.workers:
             for task in worker.poll():
-                worker.finish(task)
                 self.scheduler.complete(task)
-                self.processor.complete(task)
                 progressed = True
         return progressed
 
     def _schedule(self) -> bool:
         progressed = False
+        scheduler = self.scheduler
+        scheduler.cancel_epoch = self.accounting.cancel_epoch
         for worker in self.workers:
             if not worker.accepts_work or self._stopping:
                 continue
-            for task in self.scheduler.schedule(worker.id):
+            for task in scheduler.schedule(worker.id):
                 worker.submit(task)
-                self.processor.on_submit(task)
-                self.num_tasks += 1
-                self.batch_sizes[(task.cell_type.name, task.num_rows)] += 1
+                self.num_tasks += task.num_steps
+                self.batch_sizes[(task.cell_type.name, task.batch)] += task.num_steps
                 progressed = True
         return progressed
 
     def _expire(self) -> None:
         """Fail requests whose deadline has passed (their queued work is dropped)."""
+        if not self._deadlines:
+            return
         now = time.perf_counter()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, request_id = heapq.heappop(self._deadlines)
-            request = self.processor.requests.get(request_id)
-            if request is not None:
-                self.processor.fail(request, DeadlineExceededError(
-                    f"request {request_id} missed its deadline of {request.deadline - request.timing.arrival:.3f} s"))
+            future = self.accounting.live.get(request_id)
+            if future is not None:
+                self._cancel(request_id, DeadlineExceededError(
+                    f"request {request_id} missed its deadline of {future.deadline - future.arrival:.3f} s"))
+
+    def _cancel(self, request_id: int, error: BatchMakerError) -> None:
+        future = self.accounting.live.get(request_id)
+        if future is None or future.done():
+            return
+        request = self.processor.requests.get(request_id)
+        if request is not None:  # the general path frees its nodes itself
+            self.processor.fail(request, error)
+        else:
+            self._resolve_failed(future, error)
+            self.accounting.cancel_epoch += 1  # its queue drops it and frees its rows at its next turn
+
+    def _resolve_failed(self, future: RequestFuture, error: BaseException) -> None:
+        self.accounting.finished(future, time.perf_counter() - future.arrival)
+        future.set_exception(error)
 
     def _idle_wait(self) -> float:
         if not self._deadlines:
             return 0.05
         return min(0.05, max(0.0, self._deadlines[0][0] - time.perf_counter()))
 
+    def _drain_and_fail(self) -> None:
+        self._admit()
+        self._fail_all(EngineStoppedError("the engine stopped"))
+
+    def _fail_all(self, error: BatchMakerError) -> None:
+        for request in list(self.processor.requests.values()):
+            self.processor.fail(request, error)
+        for future in list(self.accounting.live.values()):
+            if not future.done():
+                self._resolve_failed(future, error)
+        self.accounting.cancel_epoch += 1
+
     def _check_submit(self, model, inputs, priority, deadline) -> BatchMakerError | None:
-        if self._thread is None or self._stopping:
+        if not self._running or self._stopping:
             return EngineStoppedError("the engine is not running")
         if model not in self.models:
             return UnknownModelError(model, self.models)
-        if not isinstance(inputs, dict):
-            return BadRequestError(f"inputs must be a dict, got {type(inputs).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+        if type(priority) is not int or not -(2**31) <= priority < 2**31:
             return BadRequestError(f"priority must be a 32-bit integer, got {priority!r}")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or not 0 < deadline < 1e7):
             return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
         return None
 
-    def _notify(self) -> None:
-        """Wake the manager. Event.set takes a lock; skip it while the flag is still up: the
-        manager clears it before it drains the inbox, so what was appended before is seen."""
-        if not self._wake.is_set():
-            self._wake.set()
+    # start-up -------------------------------------------------------------------------------
+    def _build_queues(self) -> None:
+        """The scheduler's cell queues: structured models' stage queues, NodeQueues for the rest."""
+        pools = {name: {w.id: {cell: w.cells[id(ct)].pools for cell, ct in self.cell_types[name].items()}
+                        for w in self.workers} for name in self.structured}
+        queues = [q for name, s in self.structured.items() for q in s.build(pools[name])]
+        covered = {id(q.cell_type) for q in queues}
+        node_queues = {id(ct): NodeQueue(ct) for ct in self._distinct if id(ct) not in covered}
+        self.processor = RequestProcessor(node_queues, self._read, self._release, self._on_general_finished)
+        for q in node_queues.values():
+            q.processor = self.processor
+        self.scheduler = Scheduler(queues + list(node_queues.values()), self.config.scheduler)
 
-    def _on_finished(self, request: Request) -> None:
-        """The manager thread, just before it resolves an accepted request's future: count it,
-        keep its latency (a direct call: a done callback per future costs a closure and a lock)."""
-        self.num_finished += 1
-        if request.timing.finish is not None:
-            self.latencies[request.model].append(request.timing.finish - request.timing.arrival)
+    def _set_cpu_threads(self) -> None:
+        """CPU workers share the cores the manager thread leaves: one torch thread pool for all."""
+        if self.config.cpu_threads is not None:
+            torch.set_num_threads(self.config.cpu_threads)
+            return
+        num_cpu = sum(torch.device(d).type == "cpu" for d in self.config.devices)
+        if num_cpu:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            torch.set_num_threads(max(1, (cores - 1) // num_cpu))
 
-    def _is_spinning(self) -> bool:
-        """CUDA workers are polled, not woken: spin while they have work in flight."""
-        return any(w.num_in_flight and not isinstance(w, CPUWorker) for w in self.workers)
+    def _num_live_structured(self) -> int:
+        processor = self.processor
+        general = len(processor.requests) if processor else 0
+        return max(0, len(self.accounting.live) - general)
 
-    def _fail_all(self, error: BatchMakerError) -> None:
-        for request in list(self.processor.requests.values()):
-            self.processor.fail(request, error)
+    def _on_general_finished(self, request: Request) -> None:
+        """The general path, just before it resolves a request's future."""
+        timing = request.timing
+        self.accounting.finished(request.future, None if timing.finish is None else timing.finish - timing.arrival)
 
     def _read(self, ref):
         return self.workers[ref.node.worker_id].read(ref)
@@ -273,13 +360,15 @@ class Engine:
     def _release(self, node) -> None:
         self.workers[node.worker_id].release(node)
 
-    def _make_worker(self, worker_id: int, device: torch.device) -> Worker:
-        cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
-        if device.type == "cuda":
-            from batchmaker.cuda_worker import CUDAWorker
-            return CUDAWorker(worker_id, device, cells, self.workers, use_graphs=self.config.cuda_graphs,
-                              cell_types=self._distinct, max_steps=self.config.scheduler.max_tasks_to_submit)
-        return CPUWorker(worker_id, device, cells, self.workers, on_done=self._wake.set)
+
+def _copy_state(source: RequestFuture, waiter: asyncio.Future) -> None:
+    if waiter.cancelled():
+        return
+    error = source.exception()
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(source.result())
 
 
 def _percentiles(values: list[float]) -> dict[str, float | int]:
@@ -307,6 +396,18 @@ def _cell_types(models: Iterable[Model]) -> dict[str, dict[str, CellType]]:
         for name, cell in model.cells.items():
             if id(cell) not in by_cell:
                 by_cell[id(cell)] = CellType(f"{model.name}/{name}", cell, model.priorities.get(name, 0),
-                                             tuple(sorted(model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))))
+                                             tuple(sorted(model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))),
+                                             Layout.of_signature(cell.signature))
             out[model.name][name] = by_cell[id(cell)]
     return out
+
+
+def _check_cell_sharing(models: dict[str, Model], cell_types: dict) -> None:
+    """A cell type is run by one form's queue or by the general path, not both."""
+    owner: dict[int, str] = {}
+    for name, model in models.items():
+        for cell, ct in cell_types[name].items():
+            kind = f"{name}:{'form' if model.forms else 'unfolder'}"
+            if owner.setdefault(id(ct), kind) != kind and (model.forms or owner[id(ct)].endswith(":form")):
+                raise ValueError(f"cell {ct.name!r} is shared by a structured model and another model; "
+                                 "register a copy of the cell for each")

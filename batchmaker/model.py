@@ -1,9 +1,12 @@
-"""A model bundles cells, an unfolder, and per-cell-type priorities and batch sizes."""
+"""A model bundles cells, an unfolder (a function, or structured forms), and per-cell-type
+priorities and batch sizes."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchmaker.cell import Cell
+from batchmaker.core.cell_type import CellType  # noqa: F401  (re-exported: its old home)
+from batchmaker.forms import Chain, DecodeLoop, Form, Tree, check_forms
 
 # unfold(inputs, graph) -> outputs, or a generator that yields Refs and receives their host values
 Unfolder = Callable[[dict[str, Any], Any], Any]
@@ -13,7 +16,7 @@ Unfolder = Callable[[dict[str, Any], Any], Any]
 class Model:
     name: str
     cells: dict[str, Cell]
-    unfold: Unfolder
+    unfold: Unfolder | Form | tuple[Form, ...]  # a function (general path) or forms (batchmaker/forms.py)
     priorities: dict[str, int] = field(default_factory=dict)  # higher runs first; default 0
     batch_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # default (1, .., 64)
     input_schema: dict[str, str] = field(default_factory=dict)  # name -> description, for clients
@@ -26,27 +29,20 @@ class Model:
         for name, sizes in self.batch_sizes.items():
             if not sizes or min(sizes) < 1:
                 raise ValueError(f"model {self.name!r}: cell {name!r} needs positive batch sizes")
+        if self.forms:
+            try:
+                check_forms(self.forms, {name: cell.signature for name, cell in self.cells.items()})
+            except TypeError as e:
+                raise TypeError(f"model {self.name!r}: {e}") from None
+
+    @property
+    def forms(self) -> tuple[Form, ...]:
+        """The structured stages, or () for an unfolder function."""
+        if isinstance(self.unfold, (Chain, DecodeLoop, Tree)):
+            return (self.unfold,)
+        if isinstance(self.unfold, tuple):
+            return self.unfold
+        return ()
 
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-@dataclass(slots=True, eq=False)
-class CellType:
-    """What the scheduler batches by: one cell (definition + weights + input shapes)."""
-
-    name: str
-    cell: Cell
-    priority: int
-    batch_sizes: tuple[int, ...]
-    # what admission has checked about this type already (ref fits, chain layouts, the chain
-    # carry map): it lives and dies with the type, not in a module-level cache
-    checked: dict = field(default_factory=dict)
-
-    @property
-    def max_batch(self) -> int:
-        return max(self.batch_sizes)
-
-    @property
-    def min_batch(self) -> int:
-        return min(self.batch_sizes)

@@ -1,10 +1,13 @@
-"""A request's state: its unfolder, its nodes, its timing, and the future it resolves."""
+"""A request's timing and result, and the general path's request state (its unfolder, its nodes).
+
+Requests of structured models (batchmaker/forms.py) have no such object: their state is rows of
+their groups' arrays, and their future (batchmaker/future.py) is their handle.
+"""
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchmaker.graph import Node, Ref
+from batchmaker.core.graph import Node, Ref
 
 
 @dataclass(slots=True)
@@ -36,10 +39,12 @@ class Result:
 
 @dataclass(slots=True, eq=False)
 class Request:
+    """A general-path request: unfolded node by node (batchmaker/core/processor.py)."""
+
     id: int
     model: str
     inputs: dict[str, Any]
-    future: Future
+    future: Any  # RequestFuture (or any object with set_result / set_exception)
     priority: int = 0  # among requests of one model, higher goes first (scheduler, per cell type)
     deadline: float | None = None  # perf_counter instant after which the request fails
     on_partial: Any = None  # callable(dict) for streamed partial outputs, or None
@@ -58,6 +63,12 @@ class Request:
     @property
     def is_unfolding(self) -> bool:
         return self.unfolder is not None
+
+    @classmethod
+    def of(cls, future) -> "Request":
+        """The general path's state for a submitted request (its RequestFuture)."""
+        return cls(future.request_id, future.model, future.inputs, future, future.priority, future.deadline,
+                   future.on_partial, RequestTiming(future.arrival))
 
 
 def refs_in(value) -> list[Ref]:

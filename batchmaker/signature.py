@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from batchmaker.core.admission import in_range  # noqa: F401  (re-exported: its old home)
 from batchmaker.errors import BadRequestError
 
 
@@ -61,16 +62,3 @@ class Signature:
 
     def key(self) -> tuple:
         return tuple((n, s.shape, s.dtype) for n, s in self.inputs.items())
-
-
-_INT64, _UINT64, _max = np.dtype(np.int64), np.dtype(np.uint64), np.maximum.reduce
-
-
-def in_range(array: np.ndarray, high: int | None) -> bool:
-    """Are all values of a non-empty integer array in [0, high) (high None: no upper bound)?"""
-    if high is None:
-        return int(array.min()) >= 0
-    if array.dtype == _INT64 and high <= 2**63:  # one reduction, not two (~1 µs each): as uint64
-        # a negative value is >= 2**63
-        return bool(_max(array.view(_UINT64)) < high)
-    return int(array.min()) >= 0 and int(array.max()) < high

@@ -26,3 +26,7 @@ class LSTMCell(Cell):
         # token: [B] int64; h, c: [B, hidden]
         h, c = self.lstm(self.embedding(token), (h, c))
         return {"h": h, "c": c}
+
+    def fused_step(self, layout, buckets):
+        from batchmaker.kernels.fused_steps import lstm_step  # (Triton is imported only on CUDA)
+        return lstm_step(self, layout, buckets)

@@ -33,6 +33,10 @@ class TreeLeafCell(Cell):
         h = torch.sigmoid(o) * torch.tanh(c)
         return {"h": h, "c": c}
 
+    def fused_step(self, layout, buckets):
+        from batchmaker.kernels.fused_steps import tree_leaf_step
+        return tree_leaf_step(self, layout, buckets)
+
 
 class TreeInternalCell(Cell):
     """(h_l, c_l, h_r, c_r) -> (h, c): i, f_l, f_r, o, u = U [h_l; h_r] + b;
@@ -55,3 +59,7 @@ class TreeInternalCell(Cell):
         c = torch.sigmoid(i) * torch.tanh(u) + torch.sigmoid(f_l) * c_l + torch.sigmoid(f_r) * c_r
         h = torch.sigmoid(o) * torch.tanh(c)
         return {"h": h, "c": c}
+
+    def fused_step(self, layout, buckets):
+        from batchmaker.kernels.fused_steps import tree_internal_step
+        return tree_internal_step(self, layout, buckets)

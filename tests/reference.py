@@ -1,11 +1,14 @@
 """Plain-PyTorch references for the built-in models, one request at a time, and a by-hand runner.
 
 The references read only the models' weight tensors: no cell forward(), no unfolder, no engine.
-`run_eagerly` is the other side of the comparison: it walks the model's own unfolder with a fake
-graph builder that runs each node as soon as it is added (batch of one), so tests can check
-cells + unfolders against the references without the engine.
+`run_eagerly` is the other side of the comparison: it walks the model's general-path unfolder (a
+built-in model served by forms has one too: `general`) with a fake graph builder that runs each
+node as soon as it is added (batch of one), so tests can check cells + unfolders against the
+references without the engine.
 """
+import dataclasses
 import inspect
+from functools import partial
 
 import torch
 from torch import nn
@@ -85,15 +88,6 @@ class EagerGraph:
     def stream(self, partial: dict) -> None:
         self.partials.append(partial)
 
-    def add_chain(self, cell: str, steps: dict, carry: dict, **init) -> dict[str, torch.Tensor]:
-        """A chain run eagerly one step at a time (the engine batches it as one chain node)."""
-        length = len(next(iter(steps.values())))
-        state, out = dict(init), {}
-        for t in range(length):
-            out = self.add(cell, **{name: int(values[t]) for name, values in steps.items()}, **state)
-            state = {name: out[output] for name, output in carry.items()}
-        return out
-
     def add(self, cell: str, **inputs) -> dict[str, torch.Tensor]:
         spec = self.cells[cell].signature.inputs
         assert set(inputs) == set(spec), (cell, sorted(inputs))
@@ -106,10 +100,24 @@ class EagerGraph:
         return {n: t[0] for n, t in out.items()}
 
 
+def general(model):
+    """A built-in model served by forms, with its general-path unfolder instead (same cells)."""
+    if not model.forms:
+        return model
+    from batchmaker.unfolders import lstm, seq2seq, treelstm
+    first = next(iter(model.cells.values()))
+    vocab = first.embedding.num_embeddings
+    if model.name == "seq2seq":
+        unfold = partial(seq2seq.unfold, vocab=vocab, max_len=model.forms[-1].max_len)
+    else:
+        unfold = partial({"lstm": lstm, "treelstm": treelstm}[model.name].unfold, vocab=vocab)
+    return dataclasses.replace(model, unfold=unfold)
+
+
 def run_eagerly(model, inputs: dict, graph: EagerGraph | None = None):
-    """Drive model.unfold as the engine would (plain or generator) and resolve the outputs."""
+    """Drive the model's unfolder as the engine would (plain or generator) and resolve the outputs."""
     g = graph or EagerGraph(model)
-    result = model.unfold(inputs, g)
+    result = general(model).unfold(inputs, g)
     if inspect.isgenerator(result):
         value = None
         try:
@@ -132,13 +140,13 @@ def _host(value):
 
 def real_graph_builder(model):
     """The engine's own GraphBuilder over a throwaway request: checks refs and values like the engine."""
-    from concurrent.futures import Future
-
-    from batchmaker.graph import GraphBuilder
-    from batchmaker.model import DEFAULT_BATCH_SIZES, CellType
+    from batchmaker.core.cell_type import CellType
+    from batchmaker.core.graph import GraphBuilder
+    from batchmaker.future import RequestFuture
+    from batchmaker.model import DEFAULT_BATCH_SIZES
     from batchmaker.request import Request
 
     cell_types = {name: CellType(name, cell, model.priorities.get(name, 0),
-                                 model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))
+                                 tuple(sorted(model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))))
                   for name, cell in model.cells.items()}
-    return GraphBuilder(Request(0, model.name, {}, Future()), cell_types)
+    return GraphBuilder(Request.of(RequestFuture(0, model.name, {})), cell_types)

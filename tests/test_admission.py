@@ -1,22 +1,25 @@
-"""The per-request fast paths (bench/admission.py): they give the same results and the same typed
-failures as the plain checks, and the engine's request accounting stays exact."""
+"""Admission in bulk (batchmaker/core/admission.py, core/tree_input.py, batchmaker/structured.py)
+gives the same results and the same typed failures as the one-request checks; the engine's
+request accounting stays exact; the light future keeps concurrent.futures' reading contract."""
+import concurrent.futures
 import random
 import threading
 import time
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchmaker import BadRequestError, CancelledError, Engine, EngineConfig, EngineStoppedError, build_model
+from batchmaker.core.admission import check_token_lists, check_tokens, in_range
+from batchmaker.core.tree_input import _tree_to_arrays, parse_tree, parse_trees
 from batchmaker.errors import DeadlineExceededError, OverloadedError
-from batchmaker.request import Request, refs_in, resolve
-from batchmaker.signature import in_range
-from batchmaker.unfolders.common import check_keys, check_tokens
-from reference import lstm_reference, real_graph_builder
-from test_chain import chain_model
-from test_engine import wait_idle
+from batchmaker.future import RequestFuture
+from helpers import wait_idle
+from reference import lstm_reference
+from test_chains import chain_model
 
 VOCAB = 100
 SMALL = dict(vocab=VOCAB, embed=8, hidden=8)
@@ -31,86 +34,99 @@ def test_in_range_equals_min_and_max(dtype):
         low, high = max(int(info.min), -5), min(int(info.max), 300)
         array = rng.integers(low, high, size=n, endpoint=True).astype(dtype)
         for bound in (1, 7, 100, 256, 2**63, 2**70):
-            expected = int(array.min()) >= 0 and int(array.max()) < bound
-            assert in_range(array, bound) == expected, (array, bound)
+            assert in_range(array, bound) == (int(array.min()) >= 0 and int(array.max()) < bound), (array, bound)
         assert in_range(array, None) == (int(array.min()) >= 0)
-    extremes = np.array([np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max], dtype=np.int64)
-    for a in extremes:
+    for a in np.array([np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max], dtype=np.int64):
         assert in_range(np.array([a]), 2**63) == (a >= 0)
         assert in_range(np.array([a]), 10) == (0 <= a < 10)
 
 
-def test_check_keys_fast_path_and_errors():
-    check_keys({"tokens": [1]}, required=["tokens"])
-    check_keys({"tokens": [1], "max_len": 3}, required=["tokens"], optional=["max_len"])
-    for bad in ({}, {"token": [1]}, {"tokens": [1], "extra": 1}, [1]):
-        with pytest.raises(BadRequestError):
-            check_keys(bad, required=["tokens"])
-
-
 GOOD_TOKENS = [[5], [0, VOCAB - 1, 3], (4, 5), np.array([1, 2, 3]), np.array([7], dtype=np.int32),
-               torch.tensor([9, 8, 7]), [np.int64(3), 4]]
-BAD_TOKENS = [[], [VOCAB], [-1], [1, 2, VOCAB + 5], [1.5], [True, False], ["a"], [[1, 2]], "abc", 5, None,
-              {"a": 1}, [2**70], torch.tensor([1.0, 2.0]), np.array([2**63], dtype=np.uint64), np.array([], dtype=int)]
+               torch.tensor([9, 8, 7]), [np.int64(3), 4], [0, 1, 1, 0]]
+BAD_TOKENS = [[], [VOCAB], [-1], [1, 2, VOCAB + 5], [1.5], [True, False], [True, 5], [5, 1, False], ["a"], [[1, 2]],
+              "abc", 5, None, {"a": 1}, [2**70], torch.tensor([1.0, 2.0]), np.array([2**63], dtype=np.uint64),
+              np.array([], dtype=int), [1, None]]
+token_values = st.one_of(st.integers(-3, VOCAB + 3), st.booleans(), st.floats(allow_nan=False), st.text(max_size=2),
+                         st.none(), st.integers(2**62, 2**70))
+token_lists = st.one_of(st.lists(st.integers(0, VOCAB - 1), max_size=6), st.lists(token_values, max_size=6),
+                        st.sampled_from(GOOD_TOKENS + BAD_TOKENS))
 
 
-@pytest.mark.parametrize("tokens", GOOD_TOKENS, ids=range(len(GOOD_TOKENS)))
-def test_lstm_unfold_takes_what_check_tokens_takes(tokens):
-    model = build_model("lstm", **SMALL)
-    g = real_graph_builder(model)
-    out = model.unfold({"tokens": tokens}, g)
-    (node,) = g.new_nodes
-    expected = check_tokens(tokens, VOCAB)
-    assert node.chain.steps["token"].dtype == np.int64
-    assert node.chain.steps["token"].tolist() == expected.tolist() and node.chain.length == len(expected)
-    assert out["h"].node is node
+@settings(max_examples=200, deadline=None)
+@given(st.lists(token_lists, min_size=1, max_size=12))
+def test_checking_many_token_lists_equals_checking_each(values):
+    flat, lengths, errors = check_token_lists(values, VOCAB, "tokens")
+    good = []
+    for i, v in enumerate(values):
+        try:
+            good.append(check_tokens(v, VOCAB))
+            assert i not in errors
+        except BadRequestError as e:
+            assert str(errors[i]) == str(e)  # the same message as the one-request check
+    assert lengths.tolist() == [len(g) for g in good]
+    assert flat.dtype == np.int64 and flat.tolist() == [t for g in good for t in g.tolist()]
 
 
-@pytest.mark.parametrize("tokens", BAD_TOKENS, ids=range(len(BAD_TOKENS)))
-def test_lstm_unfold_rejects_what_check_tokens_rejects_with_its_message(tokens):
-    model = build_model("lstm", **SMALL)
-    g = real_graph_builder(model)
-    with pytest.raises(BadRequestError) as expected:
-        check_tokens(tokens, VOCAB)
-    with pytest.raises(BadRequestError) as got:
-        model.unfold({"tokens": tokens}, g)
-    assert str(got.value) == str(expected.value)
-    assert not g.new_nodes  # rejected as a whole
+def trees():
+    return st.recursive(st.integers(0, VOCAB - 1) | st.sampled_from(["a", "b", "good", "'s", "é", "8\xa01"]),
+                        lambda sub: st.tuples(sub, sub), max_leaves=24)
 
 
-def test_chain_step_values_are_checked_on_every_call():
-    model = chain_model()
-    g = real_graph_builder(model)
-    for bad in ([], [-1], [50], [1.5], "ab", [[1]], [2**70], torch.tensor([1.5])):
-        for _ in range(2):  # the layout is cached after the first good call; values never are
-            with pytest.raises(BadRequestError):
-                g.add_chain("mix", steps={"token": bad}, carry={"h": "h"}, h=None)
-        g.add_chain("mix", steps={"token": [1]}, carry={"h": "h"}, h=None)
-    node = g.add_chain("mix", steps={"token": np.array([3, 4], dtype=np.int32)}, carry={"h": "h"}, h=None)
-    assert node.chain.steps["token"].dtype == np.int64 and node.chain.steps["token"].tolist() == [3, 4]
-    for own in (np.array([5, 6]), torch.tensor([5, 6]), [5, 6]):  # the caller's values are copied
-        node = g.add_chain("mix", steps={"token": own}, carry={"h": "h"}, h=None)
-        own[0] = 7
-        assert node.chain.steps["token"].tolist() == [5, 6]
-    with pytest.raises(TypeError, match="integer scalars"):  # a step input must be a token-like scalar
-        g.add_chain("mix", steps={"h": [1]}, carry={"token": "h"}, token=None)
+def to_brackets(tree) -> str:
+    if isinstance(tree, tuple):
+        return f"(0 {to_brackets(tree[0])} {to_brackets(tree[1])})"
+    return f"(0 {tree})"
 
 
-def test_refs_in_and_resolve_on_nested_outputs():
-    model = chain_model()
-    g = real_graph_builder(model)
-    a, b, c = (g.add_chain("mix", steps={"token": [i + 1]}, carry={"h": "h"}, h=None) for i in range(3))
-    outputs = {"x": a["h"], "y": [b["h"], (c["h"], 5)], "z": 7, "w": {"deep": [a["h"]]}}
-    assert refs_in(outputs) == [a["h"], b["h"], c["h"], a["h"]]
-    assert refs_in(a["h"]) == [a["h"]] and refs_in(3) == [] and refs_in([]) == []
-    a.set_host_output("h", torch.ones(3))
-    b.set_host_output("h", torch.tensor(4))  # 0-d integer -> int
-    c.set_host_output("h", torch.tensor(0.5))  # 0-d float stays a tensor
-    got = resolve(outputs)
-    assert torch.equal(got["x"], torch.ones(3)) and got["z"] == 7
-    assert got["y"][0] == 4 and type(got["y"][0]) is int
-    assert type(got["y"][1]) is tuple and torch.equal(got["y"][1][0], torch.tensor(0.5)) and got["y"][1][1] == 5
-    assert torch.equal(got["w"]["deep"][0], torch.ones(3))
+def mutate(rng: random.Random, text: str) -> str:
+    s = list(text)
+    for _ in range(rng.randint(0, 3)):
+        i = rng.randrange(len(s) + 1)
+        if rng.random() < 0.4 and s:
+            del s[min(i, len(s) - 1)]
+        else:
+            s.insert(i, rng.choice(["(", ")", " ", "a", "\t", "(2 x)", ")("]))
+    return "".join(s)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(trees(), min_size=1, max_size=8), st.integers(0, 2**16))
+def test_parsing_many_trees_equals_parsing_each(batch, seed):
+    rng = random.Random(seed)
+    values = []
+    for tree in batch:
+        words_only = all(isinstance(x, str) for x in _leaves(tree))
+        values.append(mutate(rng, to_brackets(tree)) if words_only and rng.random() < 0.7 else tree)
+    arrays, good, errors = parse_trees(values, VOCAB)
+    k = 0
+    for i, value in enumerate(values):
+        try:
+            want = _tree_to_arrays(parse_tree(value, VOCAB))
+        except BadRequestError as e:
+            assert str(errors[i]) == str(e)
+            continue
+        assert good[k] == i
+        n, tokens, children = arrays.tree(k)
+        assert n == want[0] and tokens.tolist() == want[1].tolist() and children.tolist() == want[2].tolist()
+        k += 1
+    assert k == len(good)
+
+
+def _leaves(tree):
+    return [x for t in tree for x in _leaves(t)] if isinstance(tree, tuple) else [tree]
+
+
+def test_nesting_far_below_the_recursion_limit_is_a_bad_request():
+    deep = 7
+    for _ in range(5000):
+        deep = [deep, 1]
+    for value in (deep, "(1 " * 5000 + "a" + ")" * 5000):
+        with pytest.raises(BadRequestError, match="deeper"):
+            parse_tree(value, VOCAB)
+        assert "deeper" in str(parse_trees([value], VOCAB)[2][0])
+    with Engine([build_model("treelstm", **SMALL)]) as engine:
+        with pytest.raises(BadRequestError, match="deeper"):
+            engine.infer("treelstm", {"tree": deep}, timeout=10)
 
 
 def test_counts_and_latencies_are_exact_after_results_failures_cancels_and_deadlines():
@@ -134,7 +150,7 @@ def test_counts_and_latencies_are_exact_after_results_failures_cancels_and_deadl
             late.result(30)
         slow[1].result(30)
         stats = wait_idle(engine)
-    assert stats["num_queued_requests"] == 0
+    assert stats["num_queued_requests"] == 0 and stats["num_live_requests"] == 0
     assert stats["latency_ms"]["lstm"]["count"] == len(good) + len(bad)
     assert stats["latency_ms"]["chain"]["count"] == 3
 
@@ -194,19 +210,44 @@ def test_stop_fails_requests_still_in_the_inbox_and_counts_them():
         assert f.done()
         if f.exception() is not None:
             assert isinstance(f.exception(), EngineStoppedError)
-    assert engine.num_accepted == engine.num_finished == 30
+    assert engine.num_accepted == engine.accounting.num_finished == 30
 
 
-def test_processor_without_an_on_finished_callback_still_resolves():
-    """RequestProcessor's on_finished is optional (tests and benchmarks drive it directly)."""
-    from batchmaker.model import CellType
-    from batchmaker.request_processor import RequestProcessor
-    from batchmaker.scheduler import Scheduler
+def test_the_caller_can_drive_the_engine_with_step():
+    model = build_model("lstm", **SMALL)
+    engine = Engine([model]).start(thread=False)
+    futures = [engine.submit("lstm", {"tokens": [i % VOCAB] * (i % 7 + 1)}) for i in range(50)]
+    for _ in range(10_000):
+        if all(f.done() for f in futures):
+            break
+        engine.step()
+    for i, f in enumerate(futures):
+        want = lstm_reference(model, {"tokens": [i % VOCAB] * (i % 7 + 1)})["h"]
+        assert torch.allclose(f.result(0).outputs["h"], want, atol=1e-5)
+    assert engine.stats()["num_rows_used"] == [0]
+    engine.stop()
 
-    model = chain_model()
-    cell_types = {n: CellType(n, c, 0, (1, 2)) for n, c in model.cells.items()}
-    processor = RequestProcessor(Scheduler(list(cell_types.values())), lambda ref: None, lambda node: None)
-    request = Request(0, "chain", {"tokens": []}, Future())
-    processor.admit(request, model, cell_types)
-    assert isinstance(request.future.exception(0), BadRequestError)
-    assert not processor.requests
+
+def test_the_request_future_reads_like_a_concurrent_future():
+    f = RequestFuture(7, "m", {})
+    seen, order = [], []
+    f.add_done_callback(lambda x: seen.append(x.result()))
+    assert not f.done() and f.running() and not f.cancel() and not f.cancelled()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        f.result(timeout=0.01)
+    waiter = threading.Thread(target=lambda: order.append(f.result(timeout=10)))
+    waiter.start()
+    time.sleep(0.02)
+    f.set_result(42)
+    waiter.join(5)
+    assert f.done() and f.result() == 42 and f.exception() is None and seen == [42] and order == [42]
+    f.add_done_callback(lambda x: seen.append("late"))  # runs at once on a done future
+    assert seen == [42, "late"]
+    g = RequestFuture(8, "m", {})
+    g.add_done_callback(lambda x: 1 / 0)  # a consumer's bug is logged, not raised
+    g.set_exception(BadRequestError("no"))
+    with pytest.raises(BadRequestError):
+        g.result()
+    assert isinstance(g.exception(), BadRequestError)
+    with pytest.raises(RuntimeError, match="twice"):
+        g.set_result(1)

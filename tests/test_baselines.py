@@ -10,7 +10,7 @@ from batchmaker import BadRequestError, Engine, build_model
 from batchmaker.data import complete_trees
 from batchmaker.unfolders.trees import load_sst_sample, parse_tree
 from reference import lstm_reference, seq2seq_reference, treelstm_reference
-from test_cells import sharp_seq2seq
+from helpers import sharp_seq2seq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from baselines import (BucketingLSTM, BucketingSeq2Seq, Buckets, FixedTreeIdeal,  # noqa: E402

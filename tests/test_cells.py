@@ -6,6 +6,7 @@ from batchmaker.cells import DecoderCell, LSTMCell, TreeInternalCell, TreeLeafCe
 from batchmaker.errors import BadRequestError
 from batchmaker.registry import build_model, registered_models
 from batchmaker.unfolders.seq2seq import BOS, EOS
+from helpers import sharp_seq2seq
 from reference import EagerGraph, lstm_reference, run_eagerly, seq2seq_reference
 
 SMALL = dict(vocab=50, embed=12, hidden=16)
@@ -116,16 +117,6 @@ def test_lstm_matches_reference(length):
     torch.testing.assert_close(got["h"], lstm_reference(model, {"tokens": tokens})["h"], atol=TOL, rtol=0)
 
 
-def sharp_seq2seq(seed: int):
-    """uniform(-0.1, 0.1) weights decode one repeated token; x20 makes decoding vary and hit EOS."""
-    model = build_model("seq2seq", vocab=8, embed=12, hidden=16, seed=seed, max_len=20)  # small vocab: EOS happens
-    with torch.no_grad():
-        for cell in model.cells.values():
-            for p in cell.parameters():
-                p.mul_(20)
-    return model
-
-
 def test_seq2seq_matches_reference():
     num_early_eos = 0
     for seed in range(8):
@@ -185,19 +176,19 @@ def test_bad_max_len(max_len):
 
 
 def test_unfolders_fit_the_real_graph_builder():
-    from batchmaker.graph import to_networkx
+    from batchmaker.core.graph import to_networkx
 
     from reference import real_graph_builder
 
-    lstm = build_model("lstm", **SMALL)
+    lstm = build_model("lstm", **SMALL, structured=False)
     g = real_graph_builder(lstm)
     out = lstm.unfold({"tokens": [3, 4, 5]}, g)
     graph = to_networkx(g.new_nodes)
-    (chain,) = g.new_nodes  # one chain node for the whole sequence
-    assert out["h"].node is chain and chain.chain.length == 3 and graph.number_of_edges() == 0
-    assert chain.chain.steps["token"].tolist() == [3, 4, 5] and chain.chain.carry == {"h": "h", "c": "c"}
+    assert len(g.new_nodes) == 3 and out["h"].node is g.new_nodes[-1]  # one node per token, in a chain
+    assert list(graph.edges) == [(g.new_nodes[0].id, g.new_nodes[1].id), (g.new_nodes[1].id, g.new_nodes[2].id)]
+    assert [n.inputs["token"] for n in g.new_nodes] == [3, 4, 5]
 
-    s2s = build_model("seq2seq", **SMALL)
+    s2s = build_model("seq2seq", **SMALL, structured=False)
     g = real_graph_builder(s2s)
     steps = s2s.unfold({"tokens": [3, 4]}, g)
     ref = steps.send(None)  # the first decoder token

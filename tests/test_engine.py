@@ -1,9 +1,6 @@
 """The engine end to end on CPU with the toy model: results, errors, cancellation, accounting."""
 import asyncio
 import random
-import threading
-import time
-from concurrent.futures import Future
 
 import networkx as nx
 import pytest
@@ -11,40 +8,13 @@ import torch
 
 from batchmaker import (BadRequestError, CancelledError, CellError, Engine, EngineConfig, EngineStoppedError,
                         UnknownModelError)
+from batchmaker.core.graph import GraphBuilder, partition, to_networkx
 from batchmaker.errors import DeadlineExceededError, OverloadedError
-from batchmaker.graph import GraphBuilder, partition, to_networkx
+from batchmaker.future import RequestFuture
 from batchmaker.request import Request
+from helpers import submit_concurrently, wait_idle  # noqa: F401 (test_server and test_fuzz import them from here)
 from test_scheduler import cell_types_of
 from toy import dec_input_peak, toy_model, toy_reference
-
-
-def wait_idle(engine, timeout=10.0):
-    """Accounting is checked once the engine is idle: no live nodes, no rows held."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["num_live_nodes"] == 0 and not any(s["num_rows_used"]) and not any(s["num_tasks_in_flight"]):
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"engine not idle: {engine.stats()}")
-
-
-def submit_concurrently(engine, model_name, inputs_list, seed, num_threads=4):
-    """Submit from several threads with random gaps so requests join running work mid-flight."""
-    futures: list = [None] * len(inputs_list)
-
-    def run(k):
-        rng = random.Random(seed * 100 + k)
-        for i in range(k, len(inputs_list), num_threads):
-            time.sleep(rng.random() * 0.002)
-            futures[i] = engine.submit(model_name, inputs_list[i])
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(num_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return futures
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
@@ -155,7 +125,7 @@ def test_stop_fails_what_is_unfinished():
 def test_partition_matches_networkx_components():
     model = toy_model()
     cell_types = cell_types_of(model)
-    request = Request(0, "toy", {}, Future())
+    request = Request.of(RequestFuture(0, "toy", {}))
     g = GraphBuilder(request, cell_types)
     a = g.add("enc", x=1, h=None)
     b = g.add("enc", x=2, h=a["h"])
@@ -173,7 +143,7 @@ def test_partition_matches_networkx_components():
 
 def test_ref_to_an_output_of_the_wrong_shape_is_rejected():
     model = toy_model()
-    request = Request(0, "toy", {}, Future())
+    request = Request.of(RequestFuture(0, "toy", {}))
     g = GraphBuilder(request, cell_types_of(model))
     d = g.add("dec", h=None)
     with pytest.raises(TypeError):

@@ -8,8 +8,7 @@ import torch
 from batchmaker import BadRequestError, Engine, EngineConfig, build_model
 from batchmaker.unfolders.trees import load_sst_sample
 from reference import lstm_reference, seq2seq_reference, treelstm_reference
-from test_cells import sharp_seq2seq
-from test_engine import submit_concurrently, wait_idle
+from helpers import sharp_seq2seq, submit_concurrently, wait_idle
 
 SMALL = dict(vocab=500, embed=24, hidden=32)
 

@@ -1,21 +1,25 @@
-"""Scheduler properties through the public API, with fake workers that "complete" tasks without
-running any cell (the values an unfolder awaits come from the processor's read callback)."""
+"""Scheduler properties (Algorithm 1 over the general path's NodeQueues) through the public API,
+with fake workers that "complete" tasks without running any cell (the values an unfolder awaits
+come from the processor's read callback). No torch is needed by the scheduler itself; the toy
+model's cells are torch modules."""
 import random
 from concurrent.futures import Future
 
 import pytest
 import torch
 
-from batchmaker.model import CellType, Model
+from batchmaker.core.cell_type import CellType
+from batchmaker.core.nodes import NodeQueue
+from batchmaker.core.processor import RequestProcessor
+from batchmaker.core.scheduler import Scheduler, SchedulerConfig
+from batchmaker.model import Model
 from batchmaker.request import Request
-from batchmaker.request_processor import RequestProcessor
-from batchmaker.scheduler import Scheduler, SchedulerConfig
 from toy import EncCell, toy_model
 
 
 def cell_types_of(model: Model) -> dict[str, CellType]:
-    return {name: CellType(f"{model.name}/{name}", cell, model.priorities.get(name, 0), model.batch_sizes[name])
-            for name, cell in model.cells.items()}
+    return {name: CellType(f"{model.name}/{name}", cell, model.priorities.get(name, 0),
+                           tuple(sorted(model.batch_sizes[name]))) for name, cell in model.cells.items()}
 
 
 class Harness:
@@ -24,9 +28,11 @@ class Harness:
     def __init__(self, model: Model, config=SchedulerConfig(), seed=0):
         self.model, self.rng = model, random.Random(seed)
         self.cell_types = cell_types_of(model)
-        self.scheduler = Scheduler(list(self.cell_types.values()), config)
-        self.processor = RequestProcessor(self.scheduler, lambda ref: torch.tensor(self.rng.randint(0, 1)),
-                                          lambda node: None)
+        queues = {id(ct): NodeQueue(ct) for ct in self.cell_types.values()}
+        self.processor = RequestProcessor(queues, lambda ref: torch.tensor(self.rng.randint(0, 1)), lambda node: None)
+        for q in queues.values():
+            q.processor = self.processor
+        self.scheduler = Scheduler(list(queues.values()), config)
         self.num_requests = 0
         self.resolved: dict[int, int] = {}
 
@@ -69,11 +75,10 @@ def test_random_schedules_keep_every_invariant(num_workers, seed):
             tasks = h.scheduler.schedule(w)
             assert len(tasks) <= config.max_tasks_to_submit
             for i, task in enumerate(tasks):
-                assert 0 < task.num_rows <= task.cell_type.max_batch
-                assert i == 0 or task.num_rows >= task.cell_type.min_batch
+                assert 0 < task.batch <= task.cell_type.max_batch
+                assert i == 0 or task.batch >= task.cell_type.min_batch
                 assert len({t.cell_type.name for t in tasks}) == 1
                 check_task_dependencies(task, w)
-                h.processor.on_submit(task)
                 for sg in {id(n.subgraph): n.subgraph for n in task.nodes}.values():
                     on_worker.setdefault(sg.id, set()).add(w)
                     assert on_worker[sg.id] == {w}, "subgraph in flight on two workers"
@@ -89,19 +94,14 @@ def test_random_schedules_keep_every_invariant(num_workers, seed):
                 if sg.num_tasks_in_flight == 0:
                     on_worker[sg.id].discard(w)
                     assert sg.pinned is None
-            h.processor.complete(task)
     # drain: one worker finishes everything
     while True:
         for w in in_flight:
             while in_flight[w]:
-                task = in_flight[w].pop(0)
-                h.scheduler.complete(task)
-                h.processor.complete(task)
+                h.scheduler.complete(in_flight[w].pop(0))
         tasks = h.scheduler.schedule(0)
         if not tasks:
             break
-        for task in tasks:
-            h.processor.on_submit(task)
         in_flight[0].extend(tasks)
     assert all(f.done() and f.exception() is None for f in futures)
     assert all(h.resolved[i] == 1 for i in range(len(futures))), "a request completed more than once"
@@ -153,11 +153,11 @@ def test_max_tasks_and_min_batch():
     h = Harness(two_independent_types(sizes=(2, 4)), SchedulerConfig(max_tasks_to_submit=2))
     h.admit({"a": 0, "b": 13})
     _, tasks = chosen(h)
-    assert [t.num_rows for t in tasks] == [4, 4]  # capped at two tasks
+    assert [t.batch for t in tasks] == [4, 4]  # capped at two tasks
     _, tasks = chosen(h)
-    assert [t.num_rows for t in tasks] == [4]  # the second would hold 1 < min(Bsizes): not submitted
+    assert [t.batch for t in tasks] == [4]  # the second would hold 1 < min(Bsizes): not submitted
     _, tasks = chosen(h)
-    assert [t.num_rows for t in tasks] == [1]  # but a first task is always submitted
+    assert [t.batch for t in tasks] == [1]  # but a first task is always submitted
 
 
 def test_low_priority_type_is_not_starved():
@@ -169,7 +169,6 @@ def test_low_priority_type_is_not_starved():
         name, tasks = chosen(h)
         for t in tasks:
             h.scheduler.complete(t)
-            h.processor.complete(t)
         picks.append(name)
     assert picks[:4] == ["b", "b", "b", "a"]
 
@@ -181,5 +180,4 @@ def test_fifo_within_a_cell_type():
     assert {n.request.id for n in tasks[0].nodes} == {0}
     for t in tasks:
         h.scheduler.complete(t)
-        h.processor.complete(t)
     assert first.done() and not second.done()

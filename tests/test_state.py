@@ -1,11 +1,11 @@
-"""RowPool (batchmaker/state.py): rows handed out one at a time or many at once are distinct and
+"""RowPool (batchmaker/exec/state.py, rows from core/rows.py): rows handed out one at a time or many at once are distinct and
 never row 0; freed rows come back; reserve() grows without moving what was handed out; the
 scratch row is never handed out and never counted as used."""
 import random
 
 import torch
 
-from batchmaker.state import RowPool
+from batchmaker.exec.state import RowPool
 
 
 def test_rows_are_distinct_and_come_back():

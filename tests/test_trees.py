@@ -26,8 +26,7 @@ def w(word: str) -> int:
 
 def test_nested_lists():
     assert parse_tree([[1, 2], 3], VOCAB) == ((1, 2), 3)
-    assert parse_tree((4, (5, [6])), VOCAB) == (4, (5, 6))
-    assert parse_tree([[[7]]], VOCAB) == 7  # one child stands for itself
+    assert parse_tree((4, (5, 6)), VOCAB) == (4, (5, 6))
     assert parse_tree(9, VOCAB) == 9
     assert parse_tree([np.int64(1), 2], VOCAB) == (1, 2)
     assert parse_tree(["It", ["'s", "good"]], VOCAB) == (w("It"), (w("'s"), w("good")))
@@ -59,6 +58,7 @@ BAD_TREES = [
     "", "   ", "(", ")", "(2 a", "(2 a))", "(2 a) (2 b)", "(2)", "()", "( (2 a))", "a",
     "(2 (2 a) (2 b) (2 c))", "(2 a b)", "(2 a (2 b))",
     [], [1, 2, 3], [1.5], [None], [-1], [True], [VOCAB], [1, ""], [1, [2, []]], {"a": 1}, None, 2.0,
+    [[5, 6]], [[5, 6], [7]], [[[7]]], [True, 5], [5, False],  # binary only: no 1-element lists, no bools
 ]
 
 
@@ -110,7 +110,7 @@ def test_sst_trees_match_reference():
 
 def test_single_leaf_tree():
     model = build_model("treelstm", **SMALL)
-    got = run_eagerly(model, {"tree": [[7]]})
+    got = run_eagerly(model, {"tree": 7})
     torch.testing.assert_close(got["h"], treelstm_reference(model, {"tree": 7})["h"], atol=1e-5, rtol=0)
 
 
@@ -129,10 +129,11 @@ def to_brackets(tree) -> str:
 @given(trees())
 def test_random_trees(tree):
     model = build_model("treelstm", **SMALL, seed=2)
-    tree = [tree]  # a top-level str is a bracket string; [x] stands for x
+    if isinstance(tree, str):
+        tree = (tree, tree)  # a top-level str is a bracket string
     nested = parse_tree(tree, VOCAB)
-    if all(not isinstance(leaf, int) for leaf in _leaves(tree[0])):
-        assert parse_tree(to_brackets(tree[0]), VOCAB) == nested  # same tree, two spellings
+    if all(not isinstance(leaf, int) for leaf in _leaves(tree)):
+        assert parse_tree(to_brackets(tree), VOCAB) == nested  # same tree, two spellings
     graph = EagerGraph(model)
     got = run_eagerly(model, {"tree": tree}, graph)
     assert graph.count["leaf"] == num_leaves(nested) and graph.count["internal"] == num_leaves(nested) - 1
@@ -144,11 +145,11 @@ def _leaves(tree):
 
 
 def test_tree_graph_shape_in_the_real_graph_builder():
-    from batchmaker.graph import to_networkx
+    from batchmaker.core.graph import to_networkx
 
     from reference import real_graph_builder
 
-    model = build_model("treelstm", **SMALL)
+    model = build_model("treelstm", **SMALL, structured=False)
     assert model.priorities["internal"] > model.priorities["leaf"] and max(model.batch_sizes["leaf"]) == 64
     g = real_graph_builder(model)
     out = model.unfold({"tree": [[1, 2], [3, [4, 5]]]}, g)

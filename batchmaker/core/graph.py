@@ -10,14 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import networkx as nx
-import numpy as np
-import torch
-
-from batchmaker.chain import Chain
+from batchmaker.core.cell_type import CellType
 from batchmaker.errors import BadRequestError
-from batchmaker.model import CellType
-from batchmaker.signature import in_range
 
 if TYPE_CHECKING:
     from batchmaker.request import Request
@@ -47,7 +41,7 @@ class Node:
     num_rows: int = 1  # batch rows this node occupies (a Transformer prompt chunk would take many)
     num_pending: int = 0  # input refs not yet satisfied (internal: submitted; external: done)
     subgraph: "Subgraph | None" = None
-    # Containers that many nodes never use (a chain has no successors) start as shared empty
+    # Containers that many nodes never use (a decoder step has none) start as shared empty
     # immutables and are replaced on first use: fewer objects per node to build and for the
     # cyclic GC to walk (measured: admission cost per node is ~40% GC once ~100k nodes are live).
     internal_successors: "list[Node] | tuple" = ()
@@ -57,8 +51,7 @@ class Node:
     is_done: bool = False
     worker_id: int | None = None
     rows: dict[str, int] = field(default_factory=dict)  # output name -> row in the worker's pool
-    host_outputs: "dict[str, torch.Tensor] | None" = None  # fetched values, once the task is done
-    chain: Chain | None = None  # set for a chain node: a run of steps (batchmaker/chain.py)
+    host_outputs: "dict[str, Any] | None" = None  # fetched values (tensors), once the task is done
 
     def __getitem__(self, output: str) -> Ref:
         if output not in self.cell_type.cell.signature.outputs:
@@ -73,7 +66,7 @@ class Node:
             self.fetch = set()
         self.fetch.add(output)
 
-    def set_host_output(self, output: str, value: torch.Tensor) -> None:
+    def set_host_output(self, output: str, value) -> None:
         if self.host_outputs is None:
             self.host_outputs = {}
         self.host_outputs[output] = value
@@ -94,11 +87,6 @@ class Subgraph:
     num_external_pending: int = 0
     num_tasks_in_flight: int = 0
     pinned: int | None = None  # worker id while tasks are in flight
-    chain_state: str | None = None  # a chain's: "waiting", "running", "submitted" or "dropped"
-
-    @property
-    def is_chain(self) -> bool:
-        return self.nodes[0].chain is not None
 
     @property
     def request(self) -> "Request":
@@ -136,33 +124,6 @@ class GraphBuilder:
         self._request.nodes.append(node)
         return node
 
-    def add_chain(self, cell: str, steps: dict[str, Any], carry: dict[str, str], **init) -> Node:
-        """A run of L steps of `cell` as ONE node (scheduled by chain groups, batchmaker/chain.py).
-
-        steps: step input -> L integer values (step t gets the t-th); carry: input -> output, the
-        inputs that take the previous step's output; init: each carried input's value at step 0
-        (a Ref, a host value, or None for zeros). node[output] is the last step's output.
-        """
-        if cell not in self._cell_types:
-            raise KeyError(f"model has no cell {cell!r}; cells: {sorted(self._cell_types)}")
-        cell_type = self._cell_types[cell]
-        specs = cell_type.cell.signature.inputs
-        layout = ("layout", tuple(steps), tuple(carry.items()), tuple(init))
-        if layout not in cell_type.checked:  # checked once per layout, not per request
-            _check_chain_layout(cell_type, steps, carry, init)
-            cell_type.checked[layout] = True
-        values = {name: _check_steps(cell_type, name, specs[name], v) for name, v in steps.items()}
-        lengths = {len(v) for v in values.values()}
-        if len(lengths) != 1:
-            raise BadRequestError(f"{cell_type.name}: step inputs differ in length {sorted(lengths)}")
-        for name, value in init.items():  # `init` is this call's own dict (**init): checked in place
-            if value is not None:
-                init[name] = _check_input(cell_type, name, specs[name], value)
-        # every chain of a type carries the same outputs (checked): they share one carry dict
-        node = Node(cell_type, self._request, init, chain=Chain(values, cell_type.checked["carry"], lengths.pop()))
-        self._request.nodes.append(node)
-        return node
-
     def stream(self, partial: dict) -> None:
         on_partial = self._request.on_partial
         if on_partial is not None:
@@ -170,40 +131,6 @@ class GraphBuilder:
                 on_partial(partial)
             except Exception:  # a consumer's bug must not fail the request or the engine
                 log.exception("on_partial callback failed for request %s", self._request.id)
-
-
-def _check_steps(cell_type: CellType, name: str, spec, values) -> np.ndarray:
-    """A chain's step values: a non-empty 1-d sequence of integers in the spec's range (the
-    spec is an integer scalar: checked with the layout)."""
-    try:
-        array = np.asarray(values.numpy() if isinstance(values, torch.Tensor) else values)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # (a tensor that requires grad)
-        raise BadRequestError(f"{cell_type.name}.{name}: cannot read the step values ({e})") from None
-    if array.ndim != 1 or not len(array):
-        raise BadRequestError(f"{cell_type.name}.{name}: expected a non-empty 1-d sequence of step values")
-    if array.dtype.kind not in "iu":
-        raise BadRequestError(f"{cell_type.name}.{name}: expected integers, got {array.dtype}")
-    if not in_range(array, spec.high):
-        raise BadRequestError(f"{cell_type.name}.{name}: value out of range [0, {spec.high})")
-    # the array made from a list is already our own; the caller's array or tensor is copied
-    return array.astype(np.int64, copy=not isinstance(values, (list, tuple)))
-
-
-def _check_chain_layout(cell_type: CellType, steps, carry: dict[str, str], init) -> None:
-    sig = cell_type.cell.signature
-    if set(steps) | set(carry) != set(sig.inputs) or set(steps) & set(carry) or set(init) != set(carry):
-        raise TypeError(f"{cell_type.name}: a chain's steps {sorted(steps)} and carried inputs "
-                        f"{sorted(carry)} must split its inputs {sorted(sig.inputs)}; init is per carried input")
-    for name in steps:
-        if not sig.inputs[name].is_integer or sig.inputs[name].shape != ():
-            raise TypeError(f"{cell_type.name}.{name}: chain step inputs must be integer scalars per step")
-    for name, out in carry.items():
-        if out not in sig.outputs or (sig.outputs[out].shape, sig.outputs[out].dtype) != (
-                sig.inputs[name].shape, sig.inputs[name].dtype):
-            raise TypeError(f"{cell_type.name}: output {out!r} cannot be carried into input {name!r}")
-    if cell_type.checked.setdefault("carry", dict(carry)) != carry:  # one group layout per cell type
-        raise TypeError(f"{cell_type.name}: every chain of a cell type must carry the same outputs, "
-                        f"{cell_type.checked['carry']}")
 
 
 def _check_input(cell_type: CellType, name: str, spec, value):
@@ -225,7 +152,7 @@ def _check_input(cell_type: CellType, name: str, spec, value):
 
 def partition(new_nodes: list[Node]) -> list[Subgraph]:
     """Union same-type nodes joined by an edge among `new_nodes`; wire internal/external deps."""
-    if len(new_nodes) == 1:  # one node (a chain, a decoder step): its own subgraph
+    if len(new_nodes) == 1:  # one node (a decoder step): its own subgraph
         node = new_nodes[0]
         node.subgraph = sg = Subgraph(node.cell_type, new_nodes, num_unsubmitted=1)
         for v in node.inputs.values():
@@ -263,8 +190,8 @@ def partition(new_nodes: list[Node]) -> list[Subgraph]:
             j = index.get(id(p))
             if j is None:
                 continue
-            if node.chain is None and p.chain is None and p.cell_type is node.cell_type:
-                joinable.append(j)  # a chain is a subgraph of its own: it runs in a chain group
+            if p.cell_type is node.cell_type:
+                joinable.append(j)
             else:
                 after.setdefault(i, set()).add(find(j))
         for j in joinable:
@@ -307,8 +234,9 @@ def _wait_for(producer: Node, node: Node) -> None:
     node.subgraph.num_external_pending += 1
 
 
-def to_networkx(nodes: list[Node]) -> nx.DiGraph:
+def to_networkx(nodes: list[Node]):
     """The cell graph as a networkx DiGraph: node ids, `cell` attributes, producer->consumer edges."""
+    import networkx as nx  # (only for inspection and tests)
     g = nx.DiGraph()
     for n in nodes:
         g.add_node(n.id, cell=n.cell_type.name, subgraph=n.subgraph.id if n.subgraph else None)

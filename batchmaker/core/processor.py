@@ -1,5 +1,7 @@
-"""Request processor (thesis §2.4.2): unfold requests into cell graphs, hand subgraphs whose inputs
-are satisfied to the scheduler, apply completed tasks, resume dynamic unfolding, finish requests.
+"""Request processor of the general path (thesis §2.4.2): unfold requests into cell graphs, hand
+subgraphs whose inputs are satisfied to their cell types' queues, apply completed tasks, resume
+dynamic unfolding, finish requests. (Structured forms skip all of this: batchmaker/core/chains.py
+and trees.py admit and finish their requests in bulk.)
 
 Runs on the engine's manager thread only. Worker memory is reached through two callbacks:
 `read(ref)` (a synchronous fetch, used only when an unfolder asks for a value that was not marked
@@ -10,26 +12,23 @@ from collections.abc import Callable
 from types import GeneratorType
 from typing import Any
 
-import torch
-
+from batchmaker.core.cell_type import CellType
+from batchmaker.core.graph import GraphBuilder, Node, Ref, partition
+from batchmaker.core.task import NodeTask
 from batchmaker.errors import BadRequestError, BatchMakerError, CellError
-from batchmaker.graph import GraphBuilder, Node, Ref, partition
-from batchmaker.model import CellType, Model
 from batchmaker.request import Request, Result, refs_in, resolve
-from batchmaker.scheduler import Scheduler
-from batchmaker.task import Task
 
 
 class RequestProcessor:
-    def __init__(self, scheduler: Scheduler, read: Callable[[Ref], torch.Tensor],
-                 release: Callable[[Node], None], on_finished: Callable[[Request], None] = lambda request: None):
-        self.scheduler = scheduler
+    def __init__(self, queues: dict, read: Callable[[Ref], Any], release: Callable[[Node], None],
+                 on_finished: Callable[[Request], None] = lambda request: None):
+        self.queues = queues  # id(cell type) -> its NodeQueue
         self._read = read
         self._release = release
         self._on_finished = on_finished  # called just before a request's future resolves
         self.requests: dict[int, Request] = {}  # live: unfinished, or finished with nodes in flight
 
-    def admit(self, request: Request, model: Model, cell_types: dict[str, CellType]) -> None:
+    def admit(self, request: Request, model, cell_types: dict[str, CellType]) -> None:
         self.requests[request.id] = request
         try:
             result = model.unfold(request.inputs, GraphBuilder(request, cell_types))
@@ -43,20 +42,19 @@ class RequestProcessor:
             self._grow(request)
             self._unfold_done(request, result)
 
-    def on_submit(self, task: Task) -> None:
+    def on_submit(self, task: NodeTask) -> None:
         now = time.perf_counter()
-        for node in (task.nodes if task.chain is None else task.chain.started):
+        for node in task.nodes:
             request = node.request
             request.num_in_flight += 1
             if request.timing.first_cell is None:
                 request.timing.first_cell = now
 
-    def complete(self, task: Task) -> None:
+    def complete(self, task: NodeTask) -> None:
         """Apply a finished task: satisfy dependents, resume unfolders, finish requests."""
         if task.error is not None:
             error = CellError(f"cell {task.cell_type.name} failed: {task.error!r}")
-            hit = task.nodes if task.chain is None else [*task.nodes, *task.chain.members.tolist()]
-            for request in {id(n.request): n.request for n in hit}.values():
+            for request in {id(n.request): n.request for n in task.nodes}.values():
                 self.fail(request, error)
         touched: dict[int, Request] = {}
         for node in task.nodes:
@@ -72,7 +70,7 @@ class RequestProcessor:
                 sg = succ.subgraph
                 sg.num_external_pending -= 1
                 if sg.num_external_pending == 0:
-                    self.scheduler.enqueue(sg)
+                    self.queues[id(sg.cell_type)].enqueue(sg)
         for request in touched.values():
             if request.is_finished:
                 self._release_if_idle(request)
@@ -90,7 +88,7 @@ class RequestProcessor:
             request.unfolder.close()
             request.unfolder = None
         for sg in {id(n.subgraph): n.subgraph for n in request.nodes if n.subgraph}.values():
-            self.scheduler.drop(sg)
+            self.queues[id(sg.cell_type)].drop(sg)
         request.timing.finish = time.perf_counter()
         request.is_finished = True
         self._on_finished(request)
@@ -135,7 +133,7 @@ class RequestProcessor:
         request.num_nodes_left += len(new_nodes)
         for sg in partition(new_nodes):
             if sg.num_external_pending == 0:
-                self.scheduler.enqueue(sg)
+                self.queues[id(sg.cell_type)].enqueue(sg)
 
     def _unfold_done(self, request: Request, outputs: Any) -> None:
         request.outputs = outputs

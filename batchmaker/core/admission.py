@@ -1,0 +1,98 @@
+"""Checking many requests' inputs at once: what structured models admit in one vectorized pass.
+
+The fast path assumes well-formed inputs (lists of Python ints) and checks all requests of an
+admission batch with a few numpy calls; if anything in the batch is off, each request is checked
+on its own (the slow path), so every bad request gets its own precise BadRequestError and the
+good ones go ahead.
+"""
+import itertools
+from numbers import Integral
+
+import numpy as np
+
+from batchmaker.errors import BadRequestError
+
+_INT64, _UINT64 = np.dtype(np.int64), np.dtype(np.uint64)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)  # numpy ints count, bools do not
+
+
+def in_range(array: np.ndarray, high: int | None) -> bool:
+    """Are all values of a non-empty integer array in [0, high) (high None: no upper bound)?"""
+    if high is None:
+        return int(array.min()) >= 0
+    if array.dtype == _INT64 and high <= 2**63:  # one reduction, not two: as uint64 a negative is >= 2**63
+        return bool(np.maximum.reduce(array.view(_UINT64)) < high)
+    return int(array.min()) >= 0 and int(array.max()) < high
+
+
+def check_tokens(value, high: int | None, what: str = "tokens") -> np.ndarray:
+    """One request's non-empty sequence of integer ids in [0, high) -> int64 array."""
+    if hasattr(value, "numpy") and hasattr(value, "is_floating_point"):  # a torch tensor, without importing torch
+        value = value.tolist() if value.is_floating_point() else value.numpy()
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise BadRequestError(f"{what}: expected a list of integer ids, got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):
+        array = None
+    if array is None or array.ndim != 1 or (array.dtype.kind not in "iu" and len(array)):
+        bad = next((t for t in value if not is_int(t)), value) if array is None or array.ndim == 1 else value
+        raise BadRequestError(f"{what}: expected a 1-d sequence of integer ids, got {bad!r:.60}")
+    if not len(array):
+        raise BadRequestError(f"{what}: empty sequence")
+    if isinstance(value, (list, tuple)) and array.dtype.kind == "i" and (array <= 1).any():
+        bad = next((i for i, t in enumerate(value) if isinstance(t, bool)), None)  # [True, 5] reads as [1, 5]
+        if bad is not None:
+            raise BadRequestError(f"{what}[{bad}]: expected an integer id, got {value[bad]!r}")
+    if not in_range(array, high):
+        pos = int(np.flatnonzero((array < 0) | (array >= (high if high is not None else np.inf)))[0])
+        raise BadRequestError(f"{what}[{pos}]: id {int(array[pos])} out of range [0, {high})")
+    return array.astype(np.int64, copy=False)
+
+
+def check_token_lists(values: list, high: int | None, what: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Many requests' token sequences at once -> (the good ones' tokens, concatenated, int64;
+    their lengths; {position in `values`: BadRequestError} for the bad ones)."""
+    if all(type(v) is list for v in values):
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        flat_list = list(itertools.chain.from_iterable(values))
+        try:  # ints -> int64; a float, str, None, huge int or nested list -> another dtype or shape
+            flat = np.array(flat_list)
+        except (ValueError, TypeError, OverflowError):
+            flat = None
+        if (flat is not None and flat.dtype == _INT64 and flat.ndim == 1 and lengths.all() and in_range(flat, high)
+                and not any(type(flat_list[i]) is bool for i in np.flatnonzero(flat <= 1).tolist())):
+            return flat, lengths, {}
+    good, errors = [], {}
+    for i, v in enumerate(values):
+        try:
+            good.append(check_tokens(v, high, what))
+        except BadRequestError as e:
+            errors[i] = e
+    lengths = np.fromiter(map(len, good), dtype=np.int64, count=len(good))
+    flat = np.concatenate(good) if good else np.zeros(0, dtype=np.int64)
+    return flat, lengths, errors
+
+
+def check_keys(inputs, required, optional=()) -> None:
+    """The request's inputs are a dict with every required key and nothing else but optional ones."""
+    if not isinstance(inputs, dict):
+        raise BadRequestError(f"inputs must be a dict, got {type(inputs).__name__}")
+    if len(inputs) == len(required) and all(k in inputs for k in required):
+        return  # exactly the required keys (the common case: no sets to build)
+    missing = sorted(set(required) - set(inputs))
+    extra = sorted(set(inputs) - set(required) - set(optional))
+    if missing:
+        raise BadRequestError(f"missing input(s) {missing}; expected {sorted(required)}")
+    if extra:
+        raise BadRequestError(f"unexpected input(s) {extra}; allowed {sorted(set(required) | set(optional))}")
+
+
+def check_limit(value, limit: int, what: str) -> int:
+    """An integer in [1, limit]."""
+    if not is_int(value) or not 1 <= value <= limit:
+        raise BadRequestError(f"{what}: expected an integer in [1, {limit}], got {value!r}")
+    return int(value)

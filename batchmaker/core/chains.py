@@ -1,0 +1,363 @@
+"""Chains and decode loops as rows of arrays (the Chain and DecodeLoop forms, batchmaker/forms.py).
+
+Requests of a stage wait in a `Waiting` queue (shared, or pinned to the worker that holds their
+state from the previous stage). Per worker, a `ChainGroup` holds up to max_batch running
+requests in slots: aligned arrays of positions, lengths, step values and state rows. A round of
+k <= MaxTasksToSubmit steps is formed at once with numpy over those arrays: waiting requests join
+at its start, chains that end inside it drop out of its later steps, and its index says, per step
+and lane, which rows to read and write (every kept output has two rows per request, written on
+even and odd steps, so that a step never writes what it reads).
+
+A chain's end is known when its round is formed: its final rows are handed to the next stage (on
+the same worker) or fetched to the host in the same launch, so the next stage may start in the
+very next round. A decode loop's end (its `stop` value) is learned when a round completes, from
+the values it recorded: one numpy pass over [k, batch]. Rounds formed meanwhile carry the lane
+along and their results for it are dropped (a slot's serial tells a new occupant from an old one).
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from batchmaker.core.cell_type import CellType
+from batchmaker.core.rows import RowAllocator
+from batchmaker.core.task import RoundTask
+from batchmaker.core.waiting import Chunk, Waiting
+from batchmaker.errors import CellError
+
+
+class Finisher(Protocol):
+    """The engine's side of a last stage: resolves requests (manager thread)."""
+
+    def resolve(self, owners: np.ndarray, outputs: dict[str, Any], first_cell: np.ndarray) -> None: ...
+
+    def fail(self, owners: list, error: BaseException) -> None: ...
+
+    def stream(self, owner, partial: dict) -> None: ...
+
+
+@dataclass(eq=False)
+class Stage:
+    """One Chain or DecodeLoop of a model, as the manager runs it."""
+
+    cell_type: CellType
+    position: int  # among the model's stages
+    carry: dict[str, str]  # input -> the previous step's output it takes
+    step_inputs: tuple[str, ...] = ()  # chain: inputs taking one host value per step
+    start: dict[str, int] = field(default_factory=dict)  # decode: carried input -> value at step 0
+    stop: tuple[str, int] | None = None  # decode: (output, value) that ends a row
+    collect: dict[str, str] = field(default_factory=dict)  # decode: result key -> output
+    outputs: dict[str, str] = field(default_factory=dict)  # chain, last stage: result key -> output
+    init: dict[str, str] = field(default_factory=dict)  # carried input -> previous stage's output
+    next: "ChainQueue | None" = None  # the next stage's queue
+    finisher: Finisher | None = None  # the last stage's
+
+    @property
+    def is_decode(self) -> bool:
+        return self.stop is not None
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """Outputs that get rows: carried ones, fetched ones, those the next stage starts from."""
+        out = [*self.carry.values(), *self.outputs.values()]
+        if self.next is not None:
+            out += self.next.stage.init.values()
+        return tuple(dict.fromkeys(out))
+
+
+class ChainQueue:
+    """A stage's cell type as the scheduler sees it: waiting requests and a group per worker."""
+
+    def __init__(self, stage: Stage, pools: dict[int, dict[str, RowAllocator]]):
+        self.stage = stage
+        self.cell_type = stage.cell_type
+        self.shared = Waiting()  # first stage: any worker may take them
+        self.pinned = {w: Waiting() for w in pools}  # later stages: their state is on that worker
+        self.groups = {w: ChainGroup(stage, w, p) for w, p in pools.items()}
+        self.num_running_tasks = 0
+        self.num_skips = 0
+        self.cancel_epoch = 0
+
+    @property
+    def num_ready(self) -> int:
+        """Requests waiting or running with steps left (each counts as one ready node)."""
+        return len(self.shared) + sum(len(p) for p in self.pinned.values()) + sum(
+            g.num_stepping for g in self.groups.values())
+
+    def add(self, priorities: np.ndarray, chunk: Chunk, worker_id: int | None = None) -> None:
+        (self.shared if worker_id is None else self.pinned[worker_id]).add(priorities, chunk)
+
+    def form(self, worker_id: int, max_tasks: int, epoch: int) -> list[RoundTask]:
+        if epoch != self.cancel_epoch:  # requests were cancelled or failed: drop them, free their rows
+            self.cancel_epoch = epoch
+            self.purge()
+        task = self.groups[worker_id].form((self.pinned[worker_id], self.shared), max_tasks)
+        return [] if task is None else [task]
+
+    def complete(self, task: RoundTask) -> None:
+        self.groups[task.worker_id].complete(task)
+
+    def purge(self) -> None:
+        for worker_id, group in self.groups.items():
+            group.purge()
+            for chunk in self.pinned[worker_id].purge():
+                group.free_init(chunk)
+        self.shared.purge()
+
+    @property
+    def num_rows_held(self) -> int:
+        return sum(g.num_live for g in self.groups.values())
+
+
+class ChainGroup:
+    """The running requests of one stage on one worker, in slots [0, max_batch). Manager thread only."""
+
+    def __init__(self, stage: Stage, worker_id: int, pools: dict[str, RowAllocator]):
+        self.stage = stage
+        self.worker_id = worker_id
+        self.pools = pools  # output -> its pool's rows (a carried input reads its output's pool)
+        cap = stage.cell_type.max_batch
+        self.serial = np.zeros(cap, dtype=np.int64)  # 0: a free slot
+        self.owner = np.empty(cap, dtype=object)
+        self.pos = np.zeros(cap, dtype=np.int64)  # steps formed so far
+        self.length = np.zeros(cap, dtype=np.int64)  # chain: its steps; decode: at most this many
+        self.lengths = np.zeros((cap, 1), dtype=np.int64)  # every stage's length (handed on)
+        self.priority = np.zeros(cap, dtype=np.int64)
+        self.first_cell = np.zeros(cap)
+        self.streams = np.zeros(cap, dtype=bool)
+        self.rows = {(parity, out): np.zeros(cap, dtype=np.int64) for out in stage.kept for parity in (0, 1)}
+        self.rows_of = set(stage.kept)
+        self.init = {x: np.zeros(cap, dtype=np.int64) for x in stage.carry}  # read at step 0 (0: zeros)
+        self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
+        self.values = np.zeros((0, len(stage.step_inputs)), dtype=np.int64)
+        self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
+        self._free_slots = list(range(cap - 1, -1, -1))
+        self._next_serial = 1
+
+    @property
+    def num_live(self) -> int:
+        return len(self.serial) - len(self._free_slots)
+
+    @property
+    def num_stepping(self) -> int:
+        return int(np.count_nonzero((self.serial > 0) & (self.pos < self.length)))
+
+    # forming a round ------------------------------------------------------------------------
+    def form(self, queues: tuple[Waiting, ...], max_steps: int) -> RoundTask | None:
+        for queue in queues:
+            if self._free_slots and len(queue):
+                chunk = queue.take(len(self._free_slots))
+                if chunk is not None and len(chunk):
+                    self._join(chunk)
+        stepping = np.flatnonzero((self.serial > 0) & (self.pos < self.length))
+        if not len(stepping):
+            return None
+        stage, layout = self.stage, self.stage.cell_type.layout
+        steps = self.length[stepping] - self.pos[stepping]
+        k = int(min(max_steps, steps.max()))
+        order = np.argsort(-steps, kind="stable")  # lanes stepping at step j are a prefix
+        lanes, steps = stepping[order], np.minimum(steps[order], k)
+        j = np.arange(k)[:, None]
+        p = self.pos[lanes][None, :] + j  # [k, B]: each lane's position at each step
+        active = j < steps[None, :]
+        even = (p & 1) == 0
+        index = np.zeros((k, layout.num_slices, len(lanes)), dtype=np.int64)
+        for i, name in enumerate(stage.step_inputs):  # host values per step (tokens)
+            at = np.where(active, self.base[lanes][None, :] + p, 0)
+            index[:, layout.values[name]] = np.where(active, self.values[at, i], 0)
+        for name, value in stage.start.items():  # decode: the first step's token
+            index[:, layout.values[name]] = np.where(active & (p == 0), value, 0)
+        for name, out in stage.carry.items():
+            written = np.where(even, self.rows[(1, out)][lanes], self.rows[(0, out)][lanes])  # at p - 1
+            index[:, layout.reads[name]] = np.where(active, np.where(p == 0, self.init[name][lanes], written), 0)
+        for out, slot in layout.writes.items():
+            if out in self.rows_of:
+                rows = np.where(even, self.rows[(0, out)][lanes], self.rows[(1, out)][lanes])
+                index[:, slot] = np.where(active, rows, self.pools[out].scratch_row)
+            else:  # an output nobody reads: written to scratch (runners that scatter skip it)
+                index[:, slot] = self.pools[out].scratch_row
+        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=index,
+                         num_active=active.sum(axis=1), last=steps - 1, carry=stage.carry, saved=stage.kept,
+                         record=tuple(stage.collect.values()), owners=self.owner[lanes])
+        self._free_init(lanes[self.pos[lanes] == 0])  # read at this round's first step: done with
+        if stage.is_decode:
+            task.info = _DecodeLanes(lanes, self.serial[lanes], self.pos[lanes].copy(), steps)
+        self.pos[lanes] += steps
+        if not stage.is_decode:
+            self._end_chains(task, lanes, p[steps - 1, np.arange(len(lanes))])
+        return task
+
+    def _join(self, chunk: Chunk) -> None:
+        n, stage = len(chunk), self.stage
+        slots = np.array(self._free_slots[len(self._free_slots) - n:][::-1], dtype=np.int64)
+        del self._free_slots[len(self._free_slots) - n:]
+        self.serial[slots] = np.arange(self._next_serial, self._next_serial + n)
+        self._next_serial += n
+        self.owner[slots] = chunk.owners
+        self.pos[slots] = 0
+        lengths = chunk.columns["lengths"]
+        if self.lengths.shape[1] != lengths.shape[1]:
+            self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
+        self.lengths[slots] = lengths
+        self.length[slots] = lengths[:, stage.position]
+        self.priority[slots] = chunk.columns["priority"]
+        first = chunk.columns["first_cell"]
+        self.first_cell[slots] = np.where(np.isnan(first), time.perf_counter(), first)
+        self.streams[slots] = chunk.columns["streams"]
+        for out in stage.kept:
+            rows = self.pools[out].alloc_many(2 * n)
+            self.rows[(0, out)][slots] = rows[:n]
+            self.rows[(1, out)][slots] = rows[n:]
+        for name in stage.carry:
+            self.init[name][slots] = chunk.columns.get("init:" + name, 0)
+        if stage.step_inputs:
+            self._append_values(slots, chunk)
+        longest = int(self.length[slots].max())
+        for out, buf in self.collected.items():
+            if buf.shape[1] < longest:
+                grown = np.zeros((len(buf), longest), dtype=np.int64)
+                grown[:, :buf.shape[1]] = buf
+                self.collected[out] = grown
+
+    def _append_values(self, slots: np.ndarray, chunk: Chunk) -> None:
+        """The new chains' step values after the others' (repacked once mostly stale)."""
+        others = np.flatnonzero(self.serial > 0)
+        others = others[~np.isin(others, slots)]
+        lengths = self.length[others]
+        used = int(lengths.sum())
+        if len(self.values) > 2 * used + 4096:
+            starts = np.cumsum(lengths) - lengths
+            self.values = self.values[np.repeat(self.base[others] - starts, lengths) + np.arange(used)]
+            self.base[others] = starts
+        self.base[slots] = len(self.values) + np.cumsum(chunk.lengths) - chunk.lengths
+        self.values = np.concatenate([self.values, chunk.steps.reshape(len(chunk.steps), -1)])
+
+    def _end_chains(self, task: RoundTask, lanes: np.ndarray, last_pos: np.ndarray) -> None:
+        """Chains whose last step is in this round: their final rows go to the next stage or to
+        the host; their other rows are freed (later launches run after this one)."""
+        ending = np.flatnonzero(self.pos[lanes] >= self.length[lanes])
+        if not len(ending):
+            return
+        stage, slots = self.stage, lanes[ending]
+        final_even = (last_pos[ending] & 1) == 0
+        final = {out: np.where(final_even, self.rows[(0, out)][slots], self.rows[(1, out)][slots]) for out in stage.kept}
+        spare = {out: np.where(final_even, self.rows[(1, out)][slots], self.rows[(0, out)][slots]) for out in stage.kept}
+        handed: set[str] = set()
+        if stage.next is not None:
+            columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
+                       "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
+            for name, out in stage.next.stage.init.items():
+                columns["init:" + name] = final[out]
+                handed.add(out)
+            stage.next.add(self.priority[slots], Chunk(self.owner[slots], columns), self.worker_id)
+        else:
+            task.fetch = {out: final[out] for out in stage.outputs.values()}
+            task.info = _Ending(self.owner[slots], self.first_cell[slots])
+        for out in stage.kept:
+            self.pools[out].free_many(spare[out].tolist())
+            if out not in handed:
+                self.pools[out].free_many(final[out].tolist())
+        self._release(slots)
+
+    # completion -----------------------------------------------------------------------------
+    def complete(self, task: RoundTask) -> None:
+        if task.error is not None:
+            error = CellError(f"cell {self.stage.cell_type.name} failed: {task.error!r}")
+            self.stage_finisher.fail([o for o in task.owners if not o._done], error)
+            self.purge()  # (the next stage purges those handed on: the engine's cancel epoch moves)
+        elif self.stage.is_decode:
+            self._complete_decode(task, task.info)
+        elif isinstance(task.info, _Ending):
+            outputs = {key: task.fetched[out] for key, out in self.stage.outputs.items()}
+            self.stage_finisher.resolve(task.info.owners, outputs, task.info.first_cell)
+
+    @property
+    def stage_finisher(self) -> Finisher:
+        stage = self.stage
+        while stage.next is not None:  # a failure anywhere is reported by the last stage's finisher
+            stage = stage.next.stage
+        return stage.finisher
+
+    def _complete_decode(self, task: RoundTask, lanes: "_DecodeLanes") -> None:
+        stage, k = self.stage, task.num_steps
+        current = self.serial[lanes.slots] == lanes.serials  # not dropped or refilled since
+        j = np.arange(k)[:, None]
+        active = (j < lanes.steps[None, :]) & current[None, :]
+        out, value = stage.stop
+        hit = (task.recorded[out] == value) & active
+        stopped = hit.any(axis=0)
+        produced = np.where(stopped, hit.argmax(axis=0) + 1, lanes.steps)  # values kept this round
+        keep = active & (j < produced[None, :])
+        at_slot = np.broadcast_to(lanes.slots[None, :], keep.shape)[keep]
+        at_pos = (lanes.pos0[None, :] + j)[keep]
+        for o in stage.collect.values():
+            self.collected[o][at_slot, at_pos] = task.recorded[o][keep]
+        ends = lanes.pos0 + produced
+        for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():  # once per round
+            slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
+            stage.finisher.stream(self.owner[slot], {key: self.collected[o][slot, a:b].tolist()
+                                                     for key, o in stage.collect.items()})
+        done = current & (stopped | (ends >= self.length[lanes.slots]))
+        if done.any():
+            slots, ends = lanes.slots[done], ends[done].tolist()
+            outputs = {key: [self.collected[o][s, :e].tolist() for s, e in zip(slots.tolist(), ends)]
+                       for key, o in stage.collect.items()}
+            stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
+            self._drop(slots)
+
+    # dropping -------------------------------------------------------------------------------
+    def purge(self) -> None:
+        """Drop running requests whose future is done (cancelled, expired or failed)."""
+        live = np.flatnonzero(self.serial > 0)
+        if len(live):
+            done = np.fromiter((o._done for o in self.owner[live]), dtype=bool, count=len(live))
+            if done.any():
+                self._drop(live[done])
+
+    def free_init(self, chunk: Chunk) -> None:
+        """Rows that dropped waiting requests held from the previous stage."""
+        for name, out in self.stage.carry.items():
+            rows = chunk.columns.get("init:" + name)
+            if rows is not None:
+                self.pools[out].free_many(rows[rows != 0].tolist())
+
+    def _drop(self, slots: np.ndarray) -> None:
+        """Free the slots and every row they hold (later launches run after those in flight)."""
+        self._free_init(slots)
+        for out in self.stage.kept:
+            self.pools[out].free_many(self.rows[(0, out)][slots].tolist() + self.rows[(1, out)][slots].tolist())
+        self._release(slots)
+
+    def _free_init(self, slots: np.ndarray) -> None:
+        for name, out in self.stage.carry.items():
+            rows = self.init[name][slots]
+            self.pools[out].free_many(rows[rows != 0].tolist())
+            self.init[name][slots] = 0
+
+    def _release(self, slots: np.ndarray) -> None:
+        self.serial[slots] = 0
+        self.owner[slots] = None
+        self.length[slots] = 0
+        self.pos[slots] = 0
+        self._free_slots += slots.tolist()
+
+
+@dataclass(slots=True)
+class _DecodeLanes:
+    """What a decode round's completion needs: its lanes' slots and occupants, first positions."""
+
+    slots: np.ndarray
+    serials: np.ndarray
+    pos0: np.ndarray
+    steps: np.ndarray
+
+
+@dataclass(slots=True)
+class _Ending:
+    """Chains of the last stage that end in a round: resolved once its fetched rows arrive."""
+
+    owners: np.ndarray
+    first_cell: np.ndarray
+
+

@@ -1,0 +1,328 @@
+"""Trees as rows of arrays (the Tree form, batchmaker/forms.py): one node table per worker.
+
+Trees wait whole, as parsed arrays (batchmaker/core/tree_input.TreeArrays), until a worker's
+leaf task needs more leaves; then all their nodes join that worker's `TreeGroup` (a tree never
+moves: its internal nodes read their children's rows in place). A node is ready when its
+children are submitted (tasks on one worker run in order), so each task releases its parents
+with one numpy pass; leaves and internal nodes wait in FIFOs per request priority. A task's
+index comes straight from the node arrays; the rows of children are freed once their parent is
+submitted, a root's outputs are copied to the host in its own task's launch.
+"""
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchmaker.core.cell_type import CellType
+from batchmaker.core.chains import Finisher
+from batchmaker.core.rows import RowAllocator
+from batchmaker.core.task import StepTask
+from batchmaker.core.waiting import Chunk, Waiting
+from batchmaker.errors import CellError
+
+LEAF, INTERNAL = 0, 1
+
+
+@dataclass(eq=False)
+class TreeSpec:
+    leaf: CellType
+    internal: CellType
+    token: str  # the leaf cell's integer input
+    left: dict[str, str]  # internal input -> child output
+    right: dict[str, str]
+    outputs: dict[str, str]  # result key -> root output
+    finisher: Finisher | None = None
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """Outputs every node keeps in rows: what parents read and what the root hands back."""
+        return tuple(dict.fromkeys([*self.left.values(), *self.right.values(), *self.outputs.values()]))
+
+
+class TreeQueue:
+    """One of the two cell types of a Tree form, as the scheduler sees it; the two share a Forest."""
+
+    def __init__(self, forest: "Forest", kind: int):
+        self.forest, self.kind = forest, kind
+        self.cell_type = forest.spec.internal if kind == INTERNAL else forest.spec.leaf
+        self.num_running_tasks = 0
+        self.num_skips = 0
+
+    @property
+    def num_ready(self) -> int:
+        f = self.forest
+        ready = sum(g.num_ready[self.kind] for g in f.groups.values())
+        return ready + (f.num_waiting_leaves if self.kind == LEAF else 0)
+
+    def form(self, worker_id: int, max_tasks: int, epoch: int) -> list[StepTask]:
+        return self.forest.form(self.kind, worker_id, max_tasks, epoch)
+
+    def complete(self, task: StepTask) -> None:
+        self.forest.groups[task.worker_id].complete(task)
+
+
+class Forest:
+    """Trees waiting to start, and a TreeGroup per worker."""
+
+    def __init__(self, spec: TreeSpec, pools: dict[int, dict[str, RowAllocator]]):
+        self.spec = spec
+        self.waiting = Waiting()
+        self.num_waiting_leaves = 0
+        self.groups = {w: TreeGroup(spec, w, p) for w, p in pools.items()}
+        self.queues = (TreeQueue(self, LEAF), TreeQueue(self, INTERNAL))
+        self.cancel_epoch = 0
+
+    def add(self, priorities: np.ndarray, chunk: Chunk) -> None:
+        """Parsed trees: chunk.steps holds per tree its nodes [2n - 1, 3] (token, left, right)."""
+        self.waiting.add(priorities, chunk)
+        self.num_waiting_leaves += int(chunk.columns["leaves"].sum())
+
+    def form(self, kind: int, worker_id: int, max_tasks: int, epoch: int) -> list[StepTask]:
+        if epoch != self.cancel_epoch:
+            self.cancel_epoch = epoch
+            for group in self.groups.values():
+                group.purge()
+            for chunk in self.waiting.purge():
+                self.num_waiting_leaves -= int(chunk.columns["leaves"].sum())
+        group = self.groups[worker_id]
+        cell_type = self.spec.leaf if kind == LEAF else self.spec.internal
+        tasks = []
+        while len(tasks) < max_tasks:
+            if kind == LEAF and group.num_ready[LEAF] < cell_type.max_batch and len(self.waiting):
+                self._start_trees(group, cell_type.max_batch - group.num_ready[LEAF])
+            if not group.num_ready[kind] or (tasks and group.num_ready[kind] < cell_type.min_batch):
+                break
+            tasks.append(group.form(kind))
+        return tasks
+
+    def _start_trees(self, group: "TreeGroup", leaves_wanted: int) -> None:
+        """Move waiting trees into the group until it has enough leaves for a full task."""
+        while leaves_wanted > 0 and len(self.waiting):
+            chunk = self.waiting.take(max(1, leaves_wanted // 16))  # ~16 leaves a tree: a few at a time
+            leaves = int(chunk.columns["leaves"].sum())
+            self.num_waiting_leaves -= leaves
+            leaves_wanted -= leaves
+            group.join(chunk)
+
+
+class TreeGroup:
+    """The nodes of the trees one worker runs. Node arrays grow by doubling and are compacted
+    when more than half are dead; a task's plan never keeps node ids past its formation."""
+
+    def __init__(self, spec: TreeSpec, worker_id: int, pools: dict[str, RowAllocator]):
+        self.spec = spec
+        self.worker_id = worker_id
+        self.pools = pools
+        self.num_nodes = 0  # used prefix of the node arrays
+        cap = 1024
+        self.token = np.zeros(cap, dtype=np.int64)
+        self.left = np.full(cap, -1, dtype=np.int64)
+        self.right = np.full(cap, -1, dtype=np.int64)
+        self.parent = np.full(cap, -1, dtype=np.int64)
+        self.pending = np.zeros(cap, dtype=np.int64)  # children not yet submitted
+        self.tree = np.zeros(cap, dtype=np.int64)  # index into the tree table
+        self.ready = np.zeros(cap, dtype=bool)  # in a ready FIFO
+        self.rows = {out: np.zeros(cap, dtype=np.int64) for out in spec.kept}  # 0: none held
+        self.owner = np.empty(64, dtype=object)  # the tree table: its request,
+        self.first_cell = np.zeros(64)  # when its first node joined,
+        self.priority = np.zeros(64, dtype=np.int64)  # its request's priority,
+        self.size = np.zeros(64, dtype=np.int64)  # its nodes
+        self.live = np.zeros(64, dtype=bool)
+        self._free_trees = list(range(63, -1, -1))
+        self.num_dead = 0  # nodes of finished or dropped trees
+        self.fifos = ({}, {})  # kind -> priority -> deque of node-id arrays
+        self.num_ready = [0, 0]
+
+    # admission ------------------------------------------------------------------------------
+    def join(self, chunk: Chunk) -> None:
+        n_trees = len(chunk)
+        sizes = chunk.lengths  # 2n - 1 nodes per tree
+        total = int(sizes.sum())
+        self._reserve_nodes(total)
+        trees = self._tree_slots(n_trees)
+        self.owner[trees] = chunk.owners
+        self.first_cell[trees] = time.perf_counter()
+        self.priority[trees] = chunk.columns["priority"]
+        self.size[trees] = sizes
+        self.live[trees] = True
+        first = self.num_nodes + np.cumsum(sizes) - sizes  # each tree's first node id
+        ids = np.arange(self.num_nodes, self.num_nodes + total)
+        base = np.repeat(first, sizes)
+        nodes = chunk.steps.reshape(-1, 3)  # (token, left, right); children as numbers within the tree
+        internal = nodes[:, 1] >= 0
+        self.token[ids] = np.where(internal, 0, nodes[:, 0])
+        self.left[ids] = np.where(internal, base + nodes[:, 1], -1)
+        self.right[ids] = np.where(internal, base + nodes[:, 2], -1)
+        self.parent[ids] = -1
+        self.parent[self.left[ids[internal]]] = ids[internal]
+        self.parent[self.right[ids[internal]]] = ids[internal]
+        self.pending[ids] = np.where(internal, 2, 0)
+        self.tree[ids] = np.repeat(trees, sizes)
+        for out in self.spec.kept:
+            self.rows[out][ids] = 0
+        self.num_nodes += total
+        priorities = np.repeat(chunk.columns["priority"], sizes)
+        self._enqueue(LEAF, ids[~internal], priorities[~internal])
+
+    def _tree_slots(self, n: int) -> np.ndarray:
+        while len(self._free_trees) < n:
+            cap = len(self.live)
+            self._free_trees[:0] = range(2 * cap - 1, cap - 1, -1)
+            self.owner = np.concatenate([self.owner, np.empty(cap, dtype=object)])
+            for name in ("first_cell", "priority", "size", "live"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros(cap, dtype=old.dtype)]))
+        slots = self._free_trees[len(self._free_trees) - n:]
+        del self._free_trees[len(self._free_trees) - n:]
+        return np.asarray(slots, dtype=np.int64)
+
+    def _reserve_nodes(self, more: int) -> None:
+        if self.num_dead > max(4096, self.num_nodes - self.num_dead):
+            self._compact()
+        need = self.num_nodes + more
+        if need <= len(self.token):
+            return
+        cap = max(need, 2 * len(self.token))
+        for name in ("token", "left", "right", "parent", "pending", "tree", "ready"):
+            old = getattr(self, name)
+            grown = np.zeros(cap, dtype=old.dtype)
+            grown[:len(old)] = old
+            setattr(self, name, grown)
+        for out, old in self.rows.items():
+            grown = np.zeros(cap, dtype=np.int64)
+            grown[:len(old)] = old
+            self.rows[out] = grown
+
+    def _compact(self) -> None:
+        """Drop the nodes of finished trees: renumber the live ones and what refers to them."""
+        n = self.num_nodes
+        keep = self.live[self.tree[:n]]
+        new_id = np.cumsum(keep) - 1
+        remap = lambda a: np.where(a >= 0, new_id[np.maximum(a, 0)], -1)  # noqa: E731
+        for name in ("token", "pending", "tree", "ready"):
+            arr = getattr(self, name)
+            arr[:int(keep.sum())] = arr[:n][keep]
+        for name in ("left", "right", "parent"):
+            arr = getattr(self, name)
+            arr[:int(keep.sum())] = remap(arr[:n][keep])
+        for arr in self.rows.values():
+            arr[:int(keep.sum())] = arr[:n][keep]
+        for fifos in self.fifos:
+            for level, queue in fifos.items():
+                ids = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
+                ids = ids[keep[ids]]
+                fifos[level] = deque([new_id[ids]] if len(ids) else [])
+        self.num_nodes = int(keep.sum())
+        self.num_dead = 0
+
+    # forming a task -------------------------------------------------------------------------
+    def form(self, kind: int) -> StepTask:
+        spec = self.spec
+        cell_type = spec.internal if kind == INTERNAL else spec.leaf
+        ids = self._take(kind, cell_type.max_batch)
+        n, layout = len(ids), cell_type.layout
+        index = np.zeros((layout.num_slices, n), dtype=np.int64)
+        if kind == LEAF:
+            index[layout.values[spec.token]] = self.token[ids]
+        else:
+            for side, children in ((spec.left, self.left[ids]), (spec.right, self.right[ids])):
+                for name, out in side.items():
+                    index[layout.reads[name]] = self.rows[out][children]
+        for out, slot in layout.writes.items():
+            if out in self.rows:
+                self.rows[out][ids] = rows = self.pools[out].alloc_many(n)
+                index[slot] = rows
+            else:
+                index[slot] = self.pools[out].scratch_row  # an output no one reads
+        task = StepTask(self, cell_type, self.worker_id, n, index=index, owners=self.owner[self.tree[ids]])
+        if kind == INTERNAL:
+            self._free_rows(np.concatenate([self.left[ids], self.right[ids]]))
+        parents = self.parent[ids]
+        roots = ids[parents < 0]
+        parents = parents[parents >= 0]
+        np.subtract.at(self.pending, parents, 1)
+        ready = np.unique(parents[self.pending[parents] == 0])
+        if len(ready):
+            self._enqueue(INTERNAL, ready, self.priority[self.tree[ready]])
+        if len(roots):
+            lanes = np.flatnonzero(self.parent[ids] < 0)
+            task.fetch = {out: lanes for out in spec.outputs.values()}
+            trees = self.tree[roots]
+            task.info = (self.owner[trees], self.first_cell[trees].copy())
+            self._free_rows(roots)
+            self._finish_trees(trees)
+        return task
+
+    def _take(self, kind: int, limit: int) -> np.ndarray:
+        """Up to `limit` ready node ids of `kind`, highest priority first, FIFO within."""
+        fifos, parts, want = self.fifos[kind], [], limit
+        for level, queue in list(fifos.items()):
+            while queue and want:
+                ids = queue.popleft()
+                ids = ids[self.ready[ids]]  # nodes of dropped trees were un-readied
+                if len(ids) > want:
+                    queue.appendleft(ids[want:])
+                    ids = ids[:want]
+                parts.append(ids)
+                want -= len(ids)
+            if not queue and level != 0:
+                del fifos[level]
+            if not want:
+                break
+        ids = np.concatenate(parts) if len(parts) != 1 else parts[0]
+        self.ready[ids] = False
+        self.num_ready[kind] -= len(ids)
+        return ids
+
+    def _enqueue(self, kind: int, ids: np.ndarray, priorities: np.ndarray) -> None:
+        fifos = self.fifos[kind]
+        for level in np.unique(priorities).tolist():
+            part = ids if len(priorities) and (priorities == level).all() else ids[priorities == level]
+            if level not in fifos:
+                fifos[level] = deque()
+                self.fifos = tuple(dict(sorted(f.items(), reverse=True)) if f is fifos else f for f in self.fifos)
+                fifos = self.fifos[kind]
+            fifos[level].append(part)
+        self.ready[ids] = True
+        self.num_ready[kind] += len(ids)
+
+    def _free_rows(self, ids: np.ndarray) -> None:
+        for out, rows in self.rows.items():
+            held = rows[ids]
+            self.pools[out].free_many(held[held != 0].tolist())
+            rows[ids] = 0
+
+    def _finish_trees(self, trees: np.ndarray) -> None:
+        self.live[trees] = False
+        self.owner[trees] = None
+        self.num_dead += int(self.size[trees].sum())
+        self._free_trees += trees.tolist()
+
+    # completion and dropping ----------------------------------------------------------------
+    def complete(self, task: StepTask) -> None:
+        finisher = self.spec.finisher
+        if task.error is not None:
+            error = CellError(f"cell {task.cell_type.name} failed: {task.error!r}")
+            finisher.fail(list({id(o): o for o in task.owners if not o._done}.values()), error)
+            return
+        if task.info is not None:
+            owners, first_cell = task.info
+            finisher.resolve(owners, {key: task.fetched[out] for key, out in self.spec.outputs.items()}, first_cell)
+
+    def purge(self) -> None:
+        """Drop the trees whose future is done (cancelled, expired, failed): free their rows."""
+        trees = np.flatnonzero(self.live)
+        if not len(trees):
+            return
+        done = np.fromiter((o._done for o in self.owner[trees]), dtype=bool, count=len(trees))
+        if not done.any():
+            return
+        dropped = np.isin(self.tree[:self.num_nodes], trees[done]) & self.live[self.tree[:self.num_nodes]]
+        ids = np.flatnonzero(dropped)
+        for kind in (LEAF, INTERNAL):
+            is_kind = (self.left[ids] >= 0) if kind == INTERNAL else (self.left[ids] < 0)
+            self.num_ready[kind] -= int(np.count_nonzero(self.ready[ids] & is_kind))
+        self.ready[ids] = False
+        self._free_rows(ids)
+        self._finish_trees(trees[done])

@@ -1,0 +1,91 @@
+"""The one CUDA-graph capture helper that every runner of a worker uses (thesis §2.6: materialize
+each cell per supported batch size at start-up, reuse it for every step).
+
+A *body* is a function that launches a task's work reading only static buffers (index buffers
+the runner fills with one copy before each run) and returns its static outputs. `run(key, body,
+pools)` runs it eagerly the first time (its warm-up: Triton compiles, lazy modules load), captures
+it, and replays it from then on. A graph bakes in the addresses of the pools it touches: when one
+moved (it grew), the body runs eagerly once more and is captured again. A body that cannot be
+captured (a host sync inside, say) runs eagerly from then on, with one warning. Graphs share one
+memory pool (they never run concurrently: one stream) and are captured on a side stream with the
+device idle, as torch.cuda.graph does, without its empty_cache.
+"""
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Hashable
+
+import torch
+
+log = logging.getLogger("batchmaker")
+
+
+class Graphs:
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self.num_captures = 0  # re-captures after a pool moved included
+        self.num_replays = 0
+        self.capture_s = 0.0  # wall time spent capturing (device syncs and warm-up runs included)
+        self._graphs: dict[Hashable, tuple] = {}  # key -> (graph, static outputs, pool addresses)
+        self._eager: set[Hashable] = set()  # keys whose body cannot be captured
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def run(self, key: Hashable, body: Callable[[], object], pools: list) -> object:
+        """The body's outputs: a replay (static outputs, valid until the next replay of `key`),
+        or an eager run (this one's work; the graph serves the next runs)."""
+        if not self.enabled or key in self._eager:
+            return body()
+        entry = self._graphs.get(key)
+        if entry is not None and entry[2] == _addresses(pools):
+            entry[0].replay()
+            self.num_replays += 1
+            return entry[1]
+        out = body()
+        self.capture(key, body, pools)
+        return out
+
+    def capture(self, key: Hashable, body: Callable[[], object], pools: list, warm: bool = False) -> bool:
+        """(Re-)capture `body` on the pools as they are now; with `warm`, run it once first (at
+        start-up: with every lane padding, it writes only scratch rows). False if it cannot be."""
+        if not self.enabled or key in self._eager:
+            return False
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)  # the graph dropped below may still be replaying
+        self._graphs.pop(key, None)  # its memory returns to the shared pool
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                if warm:
+                    body()
+                    torch.cuda.current_stream().synchronize()
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    static = body()
+                except Exception:
+                    with contextlib.suppress(Exception):
+                        graph.capture_end()  # leave capture mode; the capture itself has failed
+                    raise
+                graph.capture_end()
+        except Exception as e:
+            log.warning("%s: not captured as a CUDA graph, running eagerly (%s: %s)", key, type(e).__name__, e)
+            self._eager.add(key)
+            self._stream = torch.cuda.Stream(self.device)  # the failed capture's stream is left behind
+            return False
+        self._graphs[key] = (graph, static, _addresses(pools))
+        self.num_captures += 1
+        self.capture_s += time.perf_counter() - start
+        return True
+
+    def graph(self, key: Hashable) -> "torch.cuda.CUDAGraph | None":
+        """The captured graph of `key`, if any (benchmarks replay it by itself)."""
+        entry = self._graphs.get(key)
+        return entry[0] if entry is not None else None
+
+
+def _addresses(pools: list) -> tuple:
+    return tuple((p.tensor.data_ptr(), p.tensor.shape[0]) for p in pools)

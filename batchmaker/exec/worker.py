@@ -1,0 +1,227 @@
+"""Workers: one device each, a thin queue in front of the runners (one runner per kind of task).
+
+`submit(task)` hands a task to its runner: a CUDA worker queues the launch on its stream at once
+(the manager thread) and ends it with the signaling kernel; a CPU worker runs it on a thread of
+its own. `poll()` returns finished tasks in submission order, their host values in place.
+The general path's node tasks are planned into step tasks here (batchmaker/exec/nodes.py).
+"""
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from batchmaker.core.graph import Node, Ref
+from batchmaker.core.task import NodeTask, RoundTask, StepTask, Task
+from batchmaker.exec.cells import cell_runners
+from batchmaker.exec.graphs import Graphs
+from batchmaker.exec.nodes import NodePlanner
+from batchmaker.exec.rounds import RoundRunner
+from batchmaker.exec.state import StateMemory
+from batchmaker.exec.steps import StepRunner
+
+log = logging.getLogger("batchmaker")
+
+
+class Worker:
+    def __init__(self, worker_id: int, device: torch.device, cells: dict, cell_types: list, peers: list,
+                 use_graphs: bool, max_steps: int):
+        self.id = worker_id
+        self.device = device
+        self.peers = peers  # every worker, indexed by id (for inputs produced elsewhere)
+        self.memory = StateMemory(device)
+        self.cells = cell_runners(cell_types, cells, self.memory, use_fused=device.type == "cuda")
+        self.graphs = Graphs(device, use_graphs)
+        self.steps = StepRunner(self.cells, self.graphs)
+        self.rounds = RoundRunner(self.cells, self.graphs, max_steps)
+        self.nodes = NodePlanner(self, self.cells)
+        self.num_in_flight = 0
+        self.num_tasks = 0
+
+    @property
+    def accepts_work(self) -> bool:
+        """With at most one task running: the manager plans the next while the device runs it
+        (tasks run in submission order, so the next may read what the running one writes)."""
+        return self.num_in_flight <= 1
+
+    @property
+    def num_gathers_skipped(self) -> int:
+        return self.steps.num_gathers_skipped
+
+    def _prepare(self, task: Task) -> Task:
+        """The task a runner runs: a node task's plan, or the task itself."""
+        if isinstance(task, NodeTask):
+            task.handle = self.nodes.plan(task)
+            return task.handle
+        self.nodes.forget()
+        return task
+
+    def _finish(self, task: Task) -> None:
+        """Manager thread, once the task completed: its host values to where they belong."""
+        if isinstance(task, NodeTask):
+            step = task.handle
+            self.steps.finish(step)
+            task.error = step.error
+            if step.error is None:
+                self.nodes.finish(task, step)
+            else:
+                for pool, rows in step.info:
+                    pool.free_many(rows)
+            task.handle = None
+        elif isinstance(task, RoundTask):
+            self.rounds.finish(task)
+        else:
+            self.steps.finish(task)
+        self.num_in_flight -= 1
+
+    # the general path's host values ---------------------------------------------------------
+    def foreign_value(self, v):
+        """An input this worker does not hold: a host value, or a finished output of another
+        worker (read to the host; CUDA workers copy between devices instead)."""
+        return self.peers[v.node.worker_id].read(v) if isinstance(v, Ref) else v
+
+    def read(self, ref: Ref) -> torch.Tensor:
+        """A finished node's output as a host tensor (a synchronous copy; off the hot path)."""
+        spec = ref.node.cell_type.cell.signature.outputs[ref.output]
+        return self.memory.pool_of(spec).tensor[ref.node.rows[ref.output]].to("cpu", copy=True)
+
+    def release(self, node: Node) -> None:
+        pools = self.cells[id(node.cell_type)].pools
+        for name, row in node.rows.items():
+            pools[name].free(row)
+        node.rows = {}
+
+    def close(self) -> None:
+        pass
+
+
+class CPUWorker(Worker):
+    """Runs tasks in submission order on a thread of its own (torch releases the GIL)."""
+
+    def __init__(self, *args, on_done: Callable[[], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_done = on_done
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: deque[Task] = deque()
+        self._thread = threading.Thread(target=self._run, name=f"batchmaker-cpu-{self.id}", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Task) -> None:
+        self._inbox.put((task, self._prepare(task)))
+        self.num_in_flight += 1
+        self.num_tasks += 1
+
+    def poll(self) -> list[Task]:
+        done = []
+        while self._done:
+            task = self._done.popleft()
+            self._finish(task)
+            done.append(task)
+        return done
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._inbox.get()) is not None:
+            task, runnable = item
+            try:
+                with torch.inference_mode():
+                    (self.rounds if isinstance(runnable, RoundTask) else self.steps).execute(runnable)
+            except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
+                runnable.error = e
+                self.steps.forget_outputs()
+            self._done.append(task)
+            self._on_done()
+
+
+class CUDAWorker(Worker):
+    """Launches every task, and consecutive tasks, on its own stream without waiting, ends each
+    with the signaling kernel, and learns of completions by reading the signal counter (thesis
+    §2.5). The only host<->device transfers are pinned, non-blocking copies."""
+
+    def __init__(self, *args, warm: list = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        from batchmaker.kernels.signal import SignalCounter
+        self.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.counter = SignalCounter(self.device)
+            self.counter.signal()  # the first launch of a kernel may block (lazy module loading)
+        self.stream.synchronize()
+        self._in_progress: deque[Task] = deque()  # launched, in stream order; one signal each
+        self._num_signalled = self.counter.read()
+        self.num_peer_copies = 0
+        if self.graphs.enabled:
+            self._capture(warm)
+
+    def _capture(self, warm: list) -> None:
+        """Capture every (bucket[, k]) graph of the cell types `warm` names, now, not at a first request:
+        ("step", cell_type) or ("round", cell_type, record, saved, carry)."""
+        start = time.perf_counter()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
+            for kind, cell_type, *rest in warm:
+                if kind == "step":
+                    self.steps.warm_up(cell_type)
+                else:
+                    self.rounds.warm_up(cell_type, *rest)
+        self.stream.synchronize()
+        log.info("worker %d: %d CUDA graphs captured in %.2f s", self.id, self.graphs.num_captures,
+                 time.perf_counter() - start)
+
+    def submit(self, task: Task) -> None:
+        # Planning may create pools (zero-filled tensors): on this stream, so that the allocator
+        # ties their memory to it and the zeros land before any task of this stream reads them.
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
+            runnable = self._prepare(task)
+            try:
+                (self.rounds if isinstance(runnable, RoundTask) else self.steps).launch(runnable)
+            except Exception as e:  # raised at launch: the task fails, the FIFO stays in order
+                runnable.error = e
+            self.counter.signal()
+        self._in_progress.append(task)
+        self.num_in_flight += 1
+        self.num_tasks += 1
+
+    def poll(self) -> list[Task]:
+        done = []
+        signalled = self.counter.read()
+        while self._num_signalled < signalled:
+            self._num_signalled += 1
+            task = self._in_progress.popleft()
+            self._finish(task)
+            done.append(task)
+        return done
+
+    def read(self, ref):
+        self.stream.synchronize()  # off the hot path: a value nobody marked for fetching
+        return super().read(ref)
+
+    def foreign_value(self, v):
+        """An output held by another CUDA worker comes device to device, not through the host."""
+        peer = self.peers[v.node.worker_id] if isinstance(v, Ref) else None
+        if not isinstance(peer, CUDAWorker):
+            return super().foreign_value(v)
+        self.num_peer_copies += 1
+        return peer.device_value(v).to(self.device, non_blocking=True)
+
+    def device_value(self, ref) -> torch.Tensor:
+        """A finished output of this worker as a view of its row. The producing task completed
+        (its signal was seen), so any stream may read it; the reading stream is recorded on the
+        pool's tensor, so that a pool that grows meanwhile does not hand that memory out early."""
+        pool = self.memory.pool_of(ref.node.cell_type.cell.signature.outputs[ref.output])
+        pool.tensor.record_stream(torch.cuda.current_stream(self.device))
+        return pool.tensor[ref.node.rows[ref.output]]
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_worker(worker_id: int, device: torch.device, cells: dict, cell_types: list, peers: list, *,
+                use_graphs: bool, max_steps: int, on_done: Callable[[], None], warm: list) -> Worker:
+    if device.type == "cuda":
+        return CUDAWorker(worker_id, device, cells, cell_types, peers, use_graphs, max_steps, warm=warm)
+    return CPUWorker(worker_id, device, cells, cell_types, peers, False, max_steps, on_done=on_done)

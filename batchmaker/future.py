@@ -1,0 +1,122 @@
+"""The future of one submitted request, and the engine's handle of it.
+
+`concurrent.futures.Future` costs about 4 µs over its life (a Condition and its lock per future),
+a third of the host budget of one LSTM request on the GPU. `RequestFuture` keeps its reading side
+(result, exception, done, add_done_callback; cancel returns False: cancel with Engine.cancel) at
+a fraction of that: plain slots, one lock shared by all futures, and a waiter lock made only when
+a thread blocks in result() before the value is there.
+
+It also carries what the manager needs to admit the request (model, inputs, priority, deadline,
+streaming callback, arrival instant): one object per request from submit to result.
+"""
+import concurrent.futures
+import logging
+import threading
+import time
+
+log = logging.getLogger("batchmaker")
+_lock = threading.Lock()  # guards the done flag against callbacks and waiters being added
+
+
+class RequestFuture:
+    __slots__ = ("request_id", "model", "inputs", "priority", "deadline", "on_partial", "arrival",
+                 "_done", "_value", "_error", "_callbacks", "_waiters", "__weakref__")
+
+    def __init__(self, request_id: int, model: str = "", inputs=None, priority: int = 0,
+                 deadline: float | None = None, on_partial=None):
+        self.request_id = request_id
+        self.model = model
+        self.inputs = inputs
+        self.priority = priority
+        self.arrival = time.perf_counter()
+        self.deadline = None if deadline is None else self.arrival + deadline  # perf_counter instant
+        self.on_partial = on_partial
+        self._done = False
+        self._value = None
+        self._error: BaseException | None = None
+        self._callbacks: list | None = None
+        self._waiters: list | None = None
+
+    # the reading side (any thread) ----------------------------------------------------------
+    def done(self) -> bool:
+        return self._done
+
+    def running(self) -> bool:
+        return not self._done
+
+    def cancel(self) -> bool:
+        """Always False, as for a running concurrent future: cancel with Engine.cancel."""
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None):
+        if not self._done:
+            self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done:
+            self._wait(timeout)
+        return self._error
+
+    def add_done_callback(self, fn) -> None:
+        """fn(future) once done: at once if it is, else on the thread that resolves it."""
+        with _lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
+    # the resolving side (the engine's manager thread) ----------------------------------------
+    def set_result(self, value) -> None:
+        self._value = value
+        self._finish()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._finish()
+
+    def _finish(self) -> None:
+        with _lock:
+            if self._done:
+                raise RuntimeError(f"request {self.request_id} resolved twice")
+            self._done = True
+            callbacks, waiters = self._callbacks, self._waiters
+        self.inputs = self.on_partial = None  # nothing the request no longer needs stays alive
+        if waiters is not None:
+            for waiter in waiters:
+                waiter.release()
+        if callbacks is not None:
+            for fn in callbacks:
+                _call(fn, self)
+
+    def _wait(self, timeout: float | None) -> None:
+        with _lock:
+            if self._done:
+                return
+            waiter = threading.Lock()
+            waiter.acquire()
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+        if not waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise concurrent.futures.TimeoutError(f"request {self.request_id} not done after {timeout} s")
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else ("failed" if self._error is not None else "done")
+        return f"<RequestFuture {self.request_id} {self.model} {state}>"
+
+
+def _call(fn, future: RequestFuture) -> None:
+    try:
+        fn(future)
+    except Exception:  # a consumer's bug must not break the engine
+        log.exception("done callback of request %s failed", future.request_id)

@@ -1,0 +1,230 @@
+"""Models declared with forms (batchmaker/forms.py), as the engine runs them: their stages'
+queues, their admission in one vectorized pass per batch of arrivals, and the resolution of their
+requests once their last stage hands back outputs.
+
+Admission checks every request of the batch with numpy (batchmaker/core/admission.py; trees:
+core/tree_input.py), answers the bad ones with their own BadRequestError, and appends the good
+ones to the first stage's waiting queue as one chunk of arrays. Nothing per request survives
+admission but its future and its rows in those arrays.
+"""
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from batchmaker.core.admission import check_keys, check_limit, check_token_lists
+from batchmaker.core.chains import ChainQueue, Stage
+from batchmaker.core.tree_input import MAX_DEPTH, parse_trees
+from batchmaker.core.trees import Forest, TreeSpec
+from batchmaker.core.waiting import Chunk
+from batchmaker.errors import BadRequestError
+from batchmaker.forms import Chain, DecodeLoop, Tree
+from batchmaker.request import RequestTiming, Result
+
+
+class Accounting:
+    """What the engine counts as requests finish (manager thread; read from any thread)."""
+
+    def __init__(self, models, num_latencies_kept: int):
+        self.num_finished = 0
+        self.latencies = {name: deque(maxlen=num_latencies_kept) for name in models}
+        self.live: dict[int, object] = {}  # request id -> future, accepted and not finished
+        self.cancel_epoch = 0  # moved when requests fail or are cancelled: queues purge their rows
+
+    def finished(self, future, latency: float | None) -> None:
+        self.num_finished += 1
+        self.live.pop(future.request_id, None)
+        if latency is not None:
+            self.latencies[future.model].append(latency)
+
+
+class StructuredModel:
+    def __init__(self, model, cell_types: dict, accounting: Accounting):
+        self.model = model
+        self.name = model.name
+        self.accounting = accounting
+        self.forms = model.forms
+        self.cell_types = cell_types  # cell name -> CellType
+        first = self.forms[0]
+        if isinstance(first, Tree):
+            self.required = [first.input]
+            self.optional = []
+        else:
+            self.required = list(first.steps.values()) if isinstance(first, Chain) else []
+            last = self.forms[-1]
+            self.optional = [last.max_len_input] if isinstance(last, DecodeLoop) and last.max_len_input else []
+        self.queues: list = []
+        self.forest: Forest | None = None
+        self.first: ChainQueue | None = None
+
+    # start-up -------------------------------------------------------------------------------
+    def build(self, pools: dict[int, dict[str, dict]]) -> list:
+        """The scheduler's queues, given each worker's pools: worker -> cell name -> name -> rows."""
+        if isinstance(self.forms[0], Tree):
+            form = self.forms[0]
+            spec = TreeSpec(self.cell_types[form.leaf], self.cell_types[form.internal], form.token, form.left,
+                            form.right, form.outputs, finisher=self)
+            joint = {w: {**by_cell[form.leaf], **by_cell[form.internal]} for w, by_cell in pools.items()}
+            self.forest = Forest(spec, joint)
+            self.queues = list(self.forest.queues)
+            return self.queues
+        queues, previous = [], None
+        for position, form in enumerate(self.forms):
+            stage = Stage(self.cell_types[form.cell], position, dict(form.carry), init=dict(form.init))
+            if isinstance(form, Chain):
+                stage.step_inputs, stage.outputs = tuple(form.steps), dict(form.outputs)
+            else:
+                stage.start, stage.stop, stage.collect = dict(form.start), tuple(form.stop), dict(form.collect)
+            queue = ChainQueue(stage, {w: by_cell[form.cell] for w, by_cell in pools.items()})
+            if previous is not None:
+                previous.stage.next = queue
+            queues.append(queue)
+            previous = queue
+        previous.stage.finisher = self
+        self.first = queues[0]
+        self.queues = queues
+        return queues
+
+    def warm_list(self) -> list:
+        """What CUDA workers capture at start: ("step", cell type) or ("round", cell type, ...)."""
+        if isinstance(self.forms[0], Tree):
+            return [("step", self.cell_types[self.forms[0].leaf]), ("step", self.cell_types[self.forms[0].internal])]
+        warm = []
+        for i, form in enumerate(self.forms):
+            nxt = self.forms[i + 1] if i + 1 < len(self.forms) else None
+            saved = [*form.carry.values(), *(getattr(form, "outputs", {}) or {}).values(),
+                     *(nxt.init.values() if nxt is not None else ())]
+            record = tuple(form.collect.values()) if isinstance(form, DecodeLoop) else ()
+            warm.append(("round", self.cell_types[form.cell], record, tuple(dict.fromkeys(saved)), dict(form.carry)))
+        return warm
+
+    # admission ------------------------------------------------------------------------------
+    def admit(self, futures: list) -> None:
+        """Check a batch of arrivals at once; queue the good ones as one chunk, fail the others."""
+        errors: dict[int, BaseException] = {}
+        for i, f in enumerate(futures):
+            inputs = f.inputs
+            if not (type(inputs) is dict and len(inputs) == len(self.required) and all(k in inputs for k in self.required)):
+                try:
+                    check_keys(inputs, self.required, self.optional)
+                except BadRequestError as e:
+                    errors[i] = e
+        good = [f for i, f in enumerate(futures) if i not in errors]
+        if isinstance(self.forms[0], Tree):
+            chunk, good = self._trees(good, errors, futures)
+        else:
+            chunk, good = self._chains(good, errors, futures)
+        for i, error in errors.items():
+            self.fail([futures[i]], error)
+        if good:
+            priorities = np.fromiter((f.priority for f in good), dtype=np.int64, count=len(good))
+            chunk.columns["priority"] = priorities
+            chunk.columns["first_cell"] = np.full(len(good), np.nan)
+            chunk.columns["streams"] = np.fromiter((f.on_partial is not None for f in good), dtype=bool, count=len(good))
+            (self.forest or self.first).add(priorities, chunk)
+
+    def _chains(self, good: list, errors: dict, futures: list) -> tuple[Chunk | None, list]:
+        """Step values and decode lengths of every good request; the bad ones move to `errors`."""
+        position = {id(f): i for i, f in enumerate(futures)}
+        while good:
+            bad, result = self._check_chains(good)
+            if not bad:
+                return result
+            for j, error in bad.items():
+                errors[position[id(good[j])]] = error
+            good = [f for j, f in enumerate(good) if j not in bad]
+        return None, []
+
+    def _check_chains(self, good: list) -> tuple[dict, tuple]:
+        forms, bad = self.forms, {}
+        first, last = forms[0], forms[-1]
+        steps, lengths = [], np.zeros(0, dtype=np.int64)
+        if isinstance(first, Chain):
+            for name, key in first.steps.items():
+                high = self.cell_types[first.cell].cell.signature.inputs[name].high
+                flat, lens, errors = check_token_lists([f.inputs[key] for f in good], high, key)
+                if errors:
+                    return errors, None
+                if steps and not np.array_equal(lens, lengths):
+                    return {j: BadRequestError(f"step inputs {sorted(first.steps.values())} differ in length")
+                            for j in np.flatnonzero(lens != lengths).tolist()}, None
+                steps.append(flat)
+                lengths = lens
+        n = len(good)
+        stage_lengths = np.zeros((n, len(forms)), dtype=np.int64)
+        stage_lengths[:, 0] = lengths if len(lengths) else 0
+        if isinstance(last, DecodeLoop):
+            stage_lengths[:, -1] = last.max_len
+            key = last.max_len_input
+            for j, f in enumerate(good):
+                if key and f.inputs.get(key) is not None:
+                    try:
+                        stage_lengths[j, -1] = check_limit(f.inputs[key], last.max_len, key)
+                    except BadRequestError as e:
+                        bad[j] = e
+        if bad:
+            return bad, None
+        owners = np.empty(n, dtype=object)
+        owners[:] = good
+        values = np.stack(steps, axis=1) if steps else np.zeros((0, 0), dtype=np.int64)
+        return {}, (Chunk(owners, {"lengths": stage_lengths}, values, lengths), good)
+
+    def _trees(self, good: list, errors: dict, futures: list) -> tuple[Chunk | None, list]:
+        form = self.forms[0]
+        high = self.cell_types[form.leaf].cell.signature.inputs[form.token].high
+        arrays, ok, bad = parse_trees([f.inputs[form.input] for f in good], high, MAX_DEPTH)
+        position = {id(f): i for i, f in enumerate(futures)}
+        for j, error in bad.items():
+            errors[position[id(good[j])]] = error
+        good = [good[j] for j in ok]
+        if not good:
+            return None, []
+        n = arrays.num_leaves
+        sizes = 2 * n - 1
+        offsets = np.cumsum(sizes) - sizes
+        nodes = np.full((int(sizes.sum()), 3), -1, dtype=np.int64)
+        leaf_at = np.repeat(offsets, n) + _within(n)
+        nodes[leaf_at, 0] = arrays.tokens
+        inner_at = np.repeat(offsets + n, n - 1) + _within(n - 1)
+        nodes[inner_at, 1:] = arrays.children
+        owners = np.empty(len(good), dtype=object)
+        owners[:] = good
+        return Chunk(owners, {"leaves": n}, nodes, sizes), good
+
+    # the Finisher side (manager thread) --------------------------------------------------------
+    def resolve(self, owners, outputs: dict, first_cell: np.ndarray) -> None:
+        now = time.perf_counter()
+        rows = {key: v.unbind(0) if isinstance(v, torch.Tensor) else v for key, v in outputs.items()}
+        firsts = first_cell.tolist()
+        accounting = self.accounting
+        for i, owner in enumerate(owners.tolist() if isinstance(owners, np.ndarray) else owners):
+            if owner._done:  # cancelled or expired meanwhile
+                continue
+            timing = RequestTiming(owner.arrival, firsts[i], now)
+            owner.set_result(Result({key: values[i] for key, values in rows.items()}, timing))
+            accounting.finished(owner, now - owner.arrival)
+
+    def fail(self, owners: list, error: BaseException) -> None:
+        now = time.perf_counter()
+        for owner in owners:
+            if not owner._done:
+                owner.set_exception(error)
+                self.accounting.finished(owner, now - owner.arrival)
+        self.accounting.cancel_epoch += 1
+
+    def stream(self, owner, partial: dict) -> None:
+        callback = owner.on_partial
+        if callback is not None and not owner._done:
+            try:
+                callback(partial)
+            except Exception:  # a consumer's bug must not fail the request or the engine
+                import logging
+                logging.getLogger("batchmaker").exception("on_partial callback failed for request %s",
+                                                          owner.request_id)
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each count c, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -1,0 +1,84 @@
+"""What several test files share: waiting for an idle engine, concurrent submitters, small model
+settings, the Seq2Seq weights that make decoding vary, and the GPU/Triton markers."""
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from batchmaker import build_model
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and triton")
+interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="set TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
+
+
+def wait_idle(engine, timeout=10.0):
+    """Accounting is checked once the engine is idle: no live nodes, no rows held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["num_live_nodes"] == 0 and not any(s["num_rows_used"]) and not any(s["num_tasks_in_flight"]):
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
+def submit_concurrently(engine, model_name, inputs_list, seed, num_threads=4):
+    """Submit from several threads with random gaps so requests join running work mid-flight."""
+    futures: list = [None] * len(inputs_list)
+
+    def run(k):
+        rng = random.Random(seed * 100 + k)
+        for i in range(k, len(inputs_list), num_threads):
+            time.sleep(rng.random() * 0.002)
+            futures[i] = engine.submit(model_name, inputs_list[i])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return futures
+
+
+def assert_rows_unique(engine) -> None:
+    """After stop: every row of every pool can be handed out exactly once (no double free that a
+    leak elsewhere would hide from num_rows_used)."""
+    for worker in engine.workers:
+        for pool in worker.memory.pools.values():
+            rows = [pool.alloc() for _ in range(pool.capacity - 1 - (pool._scratch is not None))]
+            assert len(set(rows)) == len(rows) and 0 not in rows and pool._scratch not in rows
+
+
+def sharp_seq2seq(seed: int, structured: bool = True, scale: float = 20.0):
+    """uniform(-0.1, 0.1) weights decode one repeated token; x20 makes decoding vary and hit EOS."""
+    model = build_model("seq2seq", vocab=8, embed=12, hidden=16, seed=seed, max_len=20, structured=structured)
+    with torch.no_grad():
+        for cell in model.cells.values():
+            for p in cell.parameters():
+                p.mul_(scale)
+    return model
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
