@@ -15,7 +15,6 @@ from dataclasses import asdict
 import torch
 
 from batchmaker import Engine, EngineConfig
-from gpu_engine import instrument
 from loadgen import LoadConfig, geometric_rates, p90_at, peak, sweep
 
 ENGINE = "batchmaker"
@@ -77,8 +76,7 @@ def engine_system(models, args):
             profiler.runcall(loop)
         engine._loop = profiled_loop
     engine.start()
-    timers = instrument(engine)
-    extra = lambda: {"time_s": time.perf_counter(), **_engine_counters(engine, timers)}  # noqa: E731
+    extra = lambda: {"time_s": time.perf_counter(), **_engine_counters(engine)}  # noqa: E731
     try:
         with submitter(engine, args) as submit:
             yield submit, extra
@@ -235,10 +233,9 @@ def summary_lines(results: dict) -> list[str]:
     return lines
 
 
-def _engine_counters(engine, timers) -> dict:
+def _engine_counters(engine) -> dict:
     stats = engine.stats()
-    return {"batch_sizes": stats["batch_sizes"], "num_tasks": stats["num_tasks"],
-            "stage_ms": {k: v / 1e6 for k, v in timers.ns.items()}}
+    return {"batch_sizes": stats["batch_sizes"], "num_tasks": stats["num_tasks"], "stage_ms": stats["stage_ms"]}
 
 
 def _top_functions(profiler: cProfile.Profile, limit: int = 25) -> list[dict]:
