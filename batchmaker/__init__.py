@@ -21,9 +21,9 @@ __all__ = [
 def __getattr__(name: str):
     """Client and Server load pyzmq on first use, so the engine alone imports without it."""
     if name == "Client":
-        from batchmaker.client import Client
+        from batchmaker.serving.client import Client
         return Client
     if name in ("Server", "ServerConfig"):
-        from batchmaker import server
+        from batchmaker.serving import server
         return getattr(server, name)
     raise AttributeError(f"module 'batchmaker' has no attribute {name!r}")

@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from batchmaker.client import Client  # noqa: E402
-from batchmaker.demo import DEMO_SIZES, MODELS, demo_requests  # noqa: E402
+from batchmaker.serving.client import Client  # noqa: E402
+from batchmaker.serving.demo import DEMO_SIZES, MODELS, demo_requests  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -39,7 +39,7 @@ def rss_bytes(pid: int) -> int:
 
 def start_server(address: str) -> subprocess.Popen:
     sizes = [arg for k, v in DEMO_SIZES.items() for arg in ("--set", f"{k}={v}")]
-    return subprocess.Popen([sys.executable, "-m", "batchmaker.cli", "--log-level", "warning", "serve",
+    return subprocess.Popen([sys.executable, "-m", "batchmaker.serving.cli", "--log-level", "warning", "serve",
                              "--address", address, "--models", ",".join(MODELS), *sizes])
 
 

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchmaker import Engine, build_model
-from batchmaker.client import Client
-from batchmaker.server import Server, ServerConfig
+from batchmaker.serving.client import Client
+from batchmaker.serving.server import Server, ServerConfig
 from test_engine import wait_idle
 from toy import toy_model
 

@@ -3,8 +3,8 @@ import msgpack
 import pytest
 import torch
 
-from batchmaker import protocol
 from batchmaker.errors import BadRequestError
+from batchmaker.serving import protocol
 
 
 @pytest.mark.parametrize("dtype", list(protocol.ARRAY_DTYPES.values()))

@@ -17,10 +17,10 @@ import torch
 import zmq
 
 from batchmaker import Engine, EngineConfig, build_model
-from batchmaker.client import Client
 from batchmaker.errors import (BadRequestError, CancelledError, DeadlineExceededError, OverloadedError,
                                ServerUnavailableError, UnknownModelError)
-from batchmaker.server import Server, ServerConfig
+from batchmaker.serving.client import Client
+from batchmaker.serving.server import Server, ServerConfig
 from test_engine import wait_idle
 from toy import toy_model, toy_reference
 
@@ -264,11 +264,11 @@ def test_models_query_lists_input_schemas(served):
 
 
 def test_serve_cli_in_a_subprocess_answers_the_client_cli_and_stops_on_sigterm(capsys):
-    from batchmaker.cli import main
+    from batchmaker.serving.cli import main
 
     address = short_ipc_address()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "batchmaker.cli", "serve", "--address", address,
+    proc = subprocess.Popen([sys.executable, "-m", "batchmaker.serving.cli", "serve", "--address", address,
                              "--models", "lstm,toy:toy_model", "--set", "hidden=8", "--set", "embed=8",
                              "--set", "vocab=50"], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -300,7 +300,7 @@ def test_asyncio_submission_over_the_wire(served):
 
 
 def test_demo_runs_and_prints_a_table_per_model(capsys):
-    from batchmaker.demo import run_demo
+    from batchmaker.serving.demo import run_demo
 
     assert run_demo(duration=1.5, rate=4, device="cpu", seed=0) == 0
     out = capsys.readouterr().out

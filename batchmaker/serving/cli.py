@@ -72,14 +72,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _demo(args) -> int:
-    from batchmaker.demo import run_demo
+    from batchmaker.serving.demo import run_demo
     return run_demo(args.duration, args.rate, args.device, args.seed)
 
 
 def _serve(args) -> int:
     from batchmaker.engine import Engine, EngineConfig
     from batchmaker.registry import load_model
-    from batchmaker.server import Server, ServerConfig
+    from batchmaker.serving.server import Server, ServerConfig
 
     sizes = dict(_key_value(item) for item in args.set)
     models = [load_model(spec.strip(), **sizes) for spec in args.models.split(",") if spec.strip()]
@@ -104,7 +104,7 @@ def _serve(args) -> int:
 
 
 def _client(args) -> int:
-    from batchmaker.client import Client
+    from batchmaker.serving.client import Client
     from batchmaker.errors import BatchMakerError
 
     keys = {}

@@ -25,10 +25,10 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from batchmaker import protocol
 from batchmaker.errors import ServerUnavailableError, error_from_code
-from batchmaker.mailbox import Mailbox
 from batchmaker.request import RequestTiming, Result
+from batchmaker.serving import protocol
+from batchmaker.serving.mailbox import Mailbox
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 log = logging.getLogger("batchmaker.client")

@@ -8,11 +8,11 @@ from concurrent.futures import wait
 
 import torch
 
-from batchmaker.client import Client
 from batchmaker.data import wmt_sentences
 from batchmaker.engine import Engine, EngineConfig
 from batchmaker.registry import build_model
-from batchmaker.server import Server, ServerConfig
+from batchmaker.serving.client import Client
+from batchmaker.serving.server import Server, ServerConfig
 from batchmaker.unfolders.trees import load_sst_sample
 
 MODELS = ("lstm", "seq2seq", "treelstm")
