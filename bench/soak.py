@@ -13,6 +13,7 @@ Reported: requests sent / answered / failed (by code), resident memory at the en
 at the end with the growth between, latency percentiles per minute.
 """
 import argparse
+import importlib.util
 import os
 import random
 import subprocess
@@ -173,6 +174,10 @@ def main() -> None:
                      f"{result['lost']} lost, growth {result['rss_growth_after_warmup']:+.1%}")
         ax.legend()
 
+    if importlib.util.find_spec("matplotlib") is None:  # a bench extra: the numbers matter more than the plot
+        print("matplotlib is not installed (pip install -e '.[bench]'): writing the JSON without the plot",
+              file=sys.stderr)
+        plot = None
     path = write_results("soak", "cpu", result, plot)
     print(f"wrote {path}")
 
