@@ -17,8 +17,8 @@ _EXPORTS = {
     "register_model": "batchmaker.registry", "registered_models": "batchmaker.registry",
     "Result": "batchmaker.request", "RequestTiming": "batchmaker.request",
     "SchedulerConfig": "batchmaker.core.scheduler", "Signature": "batchmaker.signature",
-    "TensorSpec": "batchmaker.signature", "Client": "batchmaker.client", "Server": "batchmaker.server",
-    "ServerConfig": "batchmaker.server",
+    "TensorSpec": "batchmaker.signature", "Client": "batchmaker.serving.client", "Server": "batchmaker.serving.server",
+    "ServerConfig": "batchmaker.serving.server",
 }
 
 __all__ = sorted(_EXPORTS)

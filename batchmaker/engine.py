@@ -70,6 +70,9 @@ class Engine:
         self.processor: RequestProcessor | None = None
         self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
         self.num_tasks = 0
+        # manager wall time per stage (turns that did something): admit, complete, schedule (=
+        # form + launch: the scheduler's forming, the workers' planning and launching)
+        self.stage_ns = {"admit": 0, "complete": 0, "schedule": 0, "form": 0, "launch": 0}
         self.num_accepted = 0  # written by submitting threads (under _submit_lock)
         self._submit_lock = threading.Lock()
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id); manager only
@@ -171,10 +174,19 @@ class Engine:
 
     def step(self) -> bool:
         """One turn of the manager: admit -> complete -> schedule. True if anything happened."""
+        clock, ns = time.perf_counter_ns, self.stage_ns
+        t0 = clock()
         progressed = self._admit()
+        t1 = clock()
         progressed |= self._complete()
+        t2 = clock()
         progressed |= self._schedule()
         self._expire()
+        t3 = clock()
+        if progressed:  # (idle turns are not a stage's cost)
+            ns["admit"] += t1 - t0
+            ns["complete"] += t2 - t1
+            ns["schedule"] += t3 - t2
         return progressed
 
     def stats(self) -> dict[str, Any]:
@@ -196,6 +208,7 @@ class Engine:
             "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
             "num_tasks": self.num_tasks,
             "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(self.batch_sizes).items())},
+            "stage_ms": {k: v / 1e6 for k, v in self.stage_ns.items()},
             "latency_ms": {name: _percentiles(list(lat)) for name, lat in self.accounting.latencies.items()},
         }
 
@@ -255,14 +268,20 @@ class Engine:
         progressed = False
         scheduler = self.scheduler
         scheduler.cancel_epoch = self.accounting.cancel_epoch
+        clock, ns = time.perf_counter_ns, self.stage_ns
         for worker in self.workers:
             if not worker.accepts_work or self._stopping:
                 continue
-            for task in scheduler.schedule(worker.id):
+            start = clock()
+            tasks = scheduler.schedule(worker.id)
+            formed = clock()
+            ns["form"] += formed - start
+            for task in tasks:
                 worker.submit(task)
                 self.num_tasks += task.num_steps
                 self.batch_sizes[(task.cell_type.name, task.batch)] += task.num_steps
                 progressed = True
+            ns["launch"] += clock() - formed
         return progressed
 
     def _expire(self) -> None:

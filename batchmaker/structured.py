@@ -167,8 +167,9 @@ class StructuredModel:
             return bad, None
         owners = np.empty(n, dtype=object)
         owners[:] = good
-        values = np.stack(steps, axis=1) if steps else np.zeros((0, 0), dtype=np.int64)
-        return {}, (Chunk(owners, {"lengths": stage_lengths}, values, lengths), good)
+        columns = {"lengths": stage_lengths}
+        chunk = Chunk.of(owners, columns, np.stack(steps, axis=1), lengths) if steps else Chunk.of(owners, columns)
+        return {}, (chunk, good)
 
     def _trees(self, good: list, errors: dict, futures: list) -> tuple[Chunk | None, list]:
         form = self.forms[0]
@@ -190,7 +191,7 @@ class StructuredModel:
         nodes[inner_at, 1:] = arrays.children
         owners = np.empty(len(good), dtype=object)
         owners[:] = good
-        return Chunk(owners, {"leaves": n}, nodes, sizes), good
+        return Chunk.of(owners, {"leaves": n}, nodes, sizes), good
 
     # the Finisher side (manager thread) --------------------------------------------------------
     def resolve(self, owners, outputs: dict, first_cell: np.ndarray) -> None:

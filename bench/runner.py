@@ -101,10 +101,10 @@ def zmq_client(engine, args):
     """The lead's Server (issue 3) in front of `engine` (or a baseline: it only needs submit and
     cancel) on loopback, and a Client's submit."""
     try:
-        from batchmaker.client import Client
-        from batchmaker.server import Server, ServerConfig
+        from batchmaker.serving.client import Client
+        from batchmaker.serving.server import Server, ServerConfig
     except ImportError as e:
-        raise SystemExit(f"--mode zmq needs batchmaker.server and batchmaker.client (issue 3): {e}")
+        raise SystemExit(f"--mode zmq needs batchmaker.serving (pyzmq): {e}")
     server = Server(engine, ServerConfig(address=args.address))
     server.start()
     client = Client(args.address)

@@ -13,6 +13,7 @@ Reported: requests sent / answered / failed (by code), resident memory at the en
 at the end with the growth between, latency percentiles per minute.
 """
 import argparse
+import importlib.util
 import os
 import random
 import subprocess
@@ -26,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
-from batchmaker.client import Client  # noqa: E402
-from batchmaker.demo import DEMO_SIZES, MODELS, demo_requests  # noqa: E402
+from batchmaker.serving.client import Client  # noqa: E402
+from batchmaker.serving.demo import DEMO_SIZES, MODELS, demo_requests  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -39,7 +40,7 @@ def rss_bytes(pid: int) -> int:
 
 def start_server(address: str) -> subprocess.Popen:
     sizes = [arg for k, v in DEMO_SIZES.items() for arg in ("--set", f"{k}={v}")]
-    return subprocess.Popen([sys.executable, "-m", "batchmaker.cli", "--log-level", "warning", "serve",
+    return subprocess.Popen([sys.executable, "-m", "batchmaker.serving.cli", "--log-level", "warning", "serve",
                              "--address", address, "--models", ",".join(MODELS), *sizes])
 
 
@@ -173,6 +174,10 @@ def main() -> None:
                      f"{result['lost']} lost, growth {result['rss_growth_after_warmup']:+.1%}")
         ax.legend()
 
+    if importlib.util.find_spec("matplotlib") is None:  # a bench extra: the numbers matter more than the plot
+        print("matplotlib is not installed (pip install -e '.[bench]'): writing the JSON without the plot",
+              file=sys.stderr)
+        plot = None
     path = write_results("soak", "cpu", result, plot)
     print(f"wrote {path}")
 

@@ -69,3 +69,34 @@ def test_forms_equal_the_general_path(name, devices):
         else:
             assert g.keys() == w.keys() and (g["h"] - w["h"]).abs().max() <= 1e-5
     assert sum(isinstance(w, type) for w in want) >= 5
+
+
+def test_a_failing_tree_cell_fails_the_trees_of_its_task_and_the_engine_goes_on():
+    model = build_model("treelstm", **SMALL, max_batch=8)
+    leaf = model.cells["leaf"]
+    forward = leaf.forward
+
+    def failing(token):
+        if bool((token == 7).any()):
+            raise RuntimeError("planted failure")
+        return forward(token)
+
+    leaf.forward = failing
+    rng = random.Random(4)
+    trees = [[[rng.randrange(8, 300), rng.randrange(8, 300)], rng.randrange(8, 300)] for _ in range(40)]
+    for t in trees[::5]:
+        t[1] = 7
+    with Engine([model]) as engine:
+        futures = [engine.submit("treelstm", {"tree": t}) for t in trees]
+        outcomes = [type(f.exception(30)).__name__ if f.exception(30) else "ok" for f in futures]
+        assert all(o == "CellError" for o, t in zip(outcomes, trees) if t[1] == 7)
+        assert "ok" in outcomes
+        wait_idle(engine)
+        leaf.forward = forward
+        general = build_model("treelstm", **SMALL, max_batch=8, structured=False)
+        with Engine([general]) as reference:
+            for t, o, f in zip(trees, outcomes, futures):
+                if o == "ok":
+                    want = reference.infer("treelstm", {"tree": t}, timeout=30)["h"]
+                    assert (f.result().outputs["h"] - want).abs().max() <= 1e-5
+        assert engine.infer("treelstm", {"tree": [1, 2]}, timeout=30)["h"].shape == (SMALL["hidden"],)

@@ -69,9 +69,9 @@ def lstm_rounds(seed: int, k: int = 3):
         if n:
             owners = np.array([Done() for _ in range(n)], dtype=object)
             steps = np.array([rng.randrange(50) for _ in range(int(lengths.sum()))], dtype=np.int64)[:, None]
-            queue.add(np.zeros(n, dtype=np.int64), Chunk(owners, {"lengths": lengths[:, None], "priority": np.zeros(n),
-                                                                   "first_cell": np.full(n, np.nan),
-                                                                   "streams": np.zeros(n, bool)}, steps, lengths))
+            queue.add(np.zeros(n, dtype=np.int64), Chunk.of(owners, {"lengths": lengths[:, None], "priority": np.zeros(n),
+                                                                      "first_cell": np.full(n, np.nan),
+                                                                      "streams": np.zeros(n, bool)}, steps, lengths))
         tasks += queue.form(0, k, 0)
     random_pools(memory, gen)
     return runner, tasks
@@ -144,8 +144,8 @@ def test_fused_tree_steps_leave_the_pools_as_unfused_steps_do():
         nodes[starts[t]:starts[t] + count, 0] = tokens
         nodes[starts[t] + count:starts[t] + sizes[t], 1:] = children
     owners = np.array([Done() for _ in good], dtype=object)
-    forest.add(np.zeros(len(good), dtype=np.int64), Chunk(owners, {"leaves": n, "priority": np.zeros(len(good))},
-                                                          nodes, sizes))
+    forest.add(np.zeros(len(good), dtype=np.int64), Chunk.of(owners, {"leaves": n, "priority": np.zeros(len(good))},
+                                                             nodes, sizes))
     tasks = []
     while forest.queues[LEAF].num_ready or forest.queues[INTERNAL].num_ready:
         kind = INTERNAL if forest.queues[INTERNAL].num_ready else LEAF

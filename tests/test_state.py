@@ -38,7 +38,7 @@ def test_reserve_grows_once_and_keeps_the_rows_handed_out():
     assert pool.capacity == 100
     rest = pool.alloc_many(96)
     assert pool.capacity == 100  # exactly the reserved rows: no growth
-    assert sorted(first + rest) == list(range(1, 100))
+    assert sorted([*first, *rest]) == list(range(1, 100))
     pool.reserve(10)  # never shrinks
     assert pool.capacity == 100
 

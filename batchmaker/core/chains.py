@@ -130,7 +130,8 @@ class ChainGroup:
         self.rows_of = set(stage.kept)
         self.init = {x: np.zeros(cap, dtype=np.int64) for x in stage.carry}  # read at step 0 (0: zeros)
         self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
-        self.values = np.zeros((0, len(stage.step_inputs)), dtype=np.int64)
+        self.values = np.zeros((4096, len(stage.step_inputs)), dtype=np.int64)  # [:num_values] in use
+        self.num_values = 0
         self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
         self._free_slots = list(range(cap - 1, -1, -1))
         self._next_serial = 1
@@ -180,7 +181,8 @@ class ChainGroup:
         task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=index,
                          num_active=active.sum(axis=1), last=steps - 1, carry=stage.carry, saved=stage.kept,
                          record=tuple(stage.collect.values()), owners=self.owner[lanes])
-        self._free_init(lanes[self.pos[lanes] == 0])  # read at this round's first step: done with
+        if stage.init:  # rows handed over by the previous stage: read at this round's first step
+            self._free_init(lanes[self.pos[lanes] == 0])
         if stage.is_decode:
             task.info = _DecodeLanes(lanes, self.serial[lanes], self.pos[lanes].copy(), steps)
         self.pos[lanes] += steps
@@ -190,6 +192,8 @@ class ChainGroup:
 
     def _join(self, chunk: Chunk) -> None:
         n, stage = len(chunk), self.stage
+        if stage.step_inputs:
+            self._append_values(np.flatnonzero(self.serial > 0), chunk)
         slots = np.array(self._free_slots[len(self._free_slots) - n:][::-1], dtype=np.int64)
         del self._free_slots[len(self._free_slots) - n:]
         self.serial[slots] = np.arange(self._next_serial, self._next_serial + n)
@@ -212,7 +216,7 @@ class ChainGroup:
         for name in stage.carry:
             self.init[name][slots] = chunk.columns.get("init:" + name, 0)
         if stage.step_inputs:
-            self._append_values(slots, chunk)
+            self.base[slots] = self._next_base
         longest = int(self.length[slots].max())
         for out, buf in self.collected.items():
             if buf.shape[1] < longest:
@@ -220,18 +224,22 @@ class ChainGroup:
                 grown[:, :buf.shape[1]] = buf
                 self.collected[out] = grown
 
-    def _append_values(self, slots: np.ndarray, chunk: Chunk) -> None:
-        """The new chains' step values after the others' (repacked once mostly stale)."""
-        others = np.flatnonzero(self.serial > 0)
-        others = others[~np.isin(others, slots)]
-        lengths = self.length[others]
-        used = int(lengths.sum())
-        if len(self.values) > 2 * used + 4096:
+    def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
+        """The joining chains' step values after those of the `others` (the live chains), which
+        are repacked first once the buffer is mostly stale; `_next_base`: where each new one starts."""
+        values = chunk.values.reshape(len(chunk.values), -1)
+        if self.num_values + len(values) > len(self.values):
+            lengths = self.length[others]
+            used = int(lengths.sum())
             starts = np.cumsum(lengths) - lengths
-            self.values = self.values[np.repeat(self.base[others] - starts, lengths) + np.arange(used)]
+            kept = self.values[np.repeat(self.base[others] - starts, lengths) + np.arange(used)]
+            self.values = np.zeros((max(len(self.values), 2 * (used + len(values))), values.shape[1]), dtype=np.int64)
+            self.values[:used] = kept
             self.base[others] = starts
-        self.base[slots] = len(self.values) + np.cumsum(chunk.lengths) - chunk.lengths
-        self.values = np.concatenate([self.values, chunk.steps.reshape(len(chunk.steps), -1)])
+            self.num_values = used
+        self._next_base = self.num_values + chunk.bounds[:-1] - chunk.bounds[0]
+        self.values[self.num_values:self.num_values + len(values)] = values
+        self.num_values += len(values)
 
     def _end_chains(self, task: RoundTask, lanes: np.ndarray, last_pos: np.ndarray) -> None:
         """Chains whose last step is in this round: their final rows go to the next stage or to
@@ -250,25 +258,26 @@ class ChainGroup:
             for name, out in stage.next.stage.init.items():
                 columns["init:" + name] = final[out]
                 handed.add(out)
-            stage.next.add(self.priority[slots], Chunk(self.owner[slots], columns), self.worker_id)
+            stage.next.add(self.priority[slots], Chunk.of(self.owner[slots], columns), self.worker_id)
+            task.info = _Ending(self.owner[slots], self.first_cell[slots], handed_on=True)
         else:
             task.fetch = {out: final[out] for out in stage.outputs.values()}
             task.info = _Ending(self.owner[slots], self.first_cell[slots])
         for out in stage.kept:
-            self.pools[out].free_many(spare[out].tolist())
+            self.pools[out].free_many(spare[out])
             if out not in handed:
-                self.pools[out].free_many(final[out].tolist())
+                self.pools[out].free_many(final[out])
         self._release(slots)
 
     # completion -----------------------------------------------------------------------------
     def complete(self, task: RoundTask) -> None:
-        if task.error is not None:
+        if task.error is not None:  # every request of the round fails (wherever it went since)
             error = CellError(f"cell {self.stage.cell_type.name} failed: {task.error!r}")
             self.stage_finisher.fail([o for o in task.owners if not o._done], error)
             self.purge()  # (the next stage purges those handed on: the engine's cancel epoch moves)
         elif self.stage.is_decode:
             self._complete_decode(task, task.info)
-        elif isinstance(task.info, _Ending):
+        elif isinstance(task.info, _Ending) and not task.info.handed_on:
             outputs = {key: task.fetched[out] for key, out in self.stage.outputs.items()}
             self.stage_finisher.resolve(task.info.owners, outputs, task.info.first_cell)
 
@@ -359,5 +368,6 @@ class _Ending:
 
     owners: np.ndarray
     first_cell: np.ndarray
+    handed_on: bool = False  # to the next stage (then nothing to resolve here)
 
 

@@ -38,7 +38,7 @@ class StepTask(Task):
     index: np.ndarray = None
     fetch: dict[str, np.ndarray] = field(default_factory=dict)
     fetched: dict[str, Any] = field(default_factory=dict)  # output -> host values [len(lanes), ...]
-    owners: np.ndarray = None  # object [batch]: each lane's request (those a failure fails)
+    owners: Any = None  # who a failure fails: the source's record of each lane's request
     info: Any = None  # what the source needs back at completion
     value_only: tuple[str, ...] = ()  # integer inputs whose rows are all 0: their values suffice
     staged: list = field(default_factory=list)  # general path: (input, rows, host values) copied in first

@@ -98,11 +98,9 @@ class Forest:
 
     def _start_trees(self, group: "TreeGroup", leaves_wanted: int) -> None:
         """Move waiting trees into the group until it has enough leaves for a full task."""
-        while leaves_wanted > 0 and len(self.waiting):
-            chunk = self.waiting.take(max(1, leaves_wanted // 16))  # ~16 leaves a tree: a few at a time
-            leaves = int(chunk.columns["leaves"].sum())
-            self.num_waiting_leaves -= leaves
-            leaves_wanted -= leaves
+        chunk = self.waiting.take(leaves_wanted, weights="leaves")
+        if chunk is not None:
+            self.num_waiting_leaves -= int(chunk.columns["leaves"].sum())
             group.join(chunk)
 
 
@@ -129,6 +127,7 @@ class TreeGroup:
         self.priority = np.zeros(64, dtype=np.int64)  # its request's priority,
         self.size = np.zeros(64, dtype=np.int64)  # its nodes
         self.live = np.zeros(64, dtype=bool)
+        self.num_prioritized = 0  # live trees of a priority other than 0
         self._free_trees = list(range(63, -1, -1))
         self.num_dead = 0  # nodes of finished or dropped trees
         self.fifos = ({}, {})  # kind -> priority -> deque of node-id arrays
@@ -144,12 +143,13 @@ class TreeGroup:
         self.owner[trees] = chunk.owners
         self.first_cell[trees] = time.perf_counter()
         self.priority[trees] = chunk.columns["priority"]
+        self.num_prioritized += int(np.count_nonzero(self.priority[trees]))
         self.size[trees] = sizes
         self.live[trees] = True
         first = self.num_nodes + np.cumsum(sizes) - sizes  # each tree's first node id
         ids = np.arange(self.num_nodes, self.num_nodes + total)
         base = np.repeat(first, sizes)
-        nodes = chunk.steps.reshape(-1, 3)  # (token, left, right); children as numbers within the tree
+        nodes = chunk.values.reshape(-1, 3)  # (token, left, right); children as numbers within the tree
         internal = nodes[:, 1] >= 0
         self.token[ids] = np.where(internal, 0, nodes[:, 0])
         self.left[ids] = np.where(internal, base + nodes[:, 1], -1)
@@ -162,8 +162,8 @@ class TreeGroup:
         for out in self.spec.kept:
             self.rows[out][ids] = 0
         self.num_nodes += total
-        priorities = np.repeat(chunk.columns["priority"], sizes)
-        self._enqueue(LEAF, ids[~internal], priorities[~internal])
+        leaves = ids[~internal]
+        self._enqueue(LEAF, leaves, self.priority[self.tree[leaves]])
 
     def _tree_slots(self, n: int) -> np.ndarray:
         while len(self._free_trees) < n:
@@ -178,7 +178,7 @@ class TreeGroup:
         return np.asarray(slots, dtype=np.int64)
 
     def _reserve_nodes(self, more: int) -> None:
-        if self.num_dead > max(4096, self.num_nodes - self.num_dead):
+        if self.num_dead > max(16384, 2 * (self.num_nodes - self.num_dead)):
             self._compact()
         need = self.num_nodes + more
         if need <= len(self.token):
@@ -235,23 +235,27 @@ class TreeGroup:
                 index[slot] = rows
             else:
                 index[slot] = self.pools[out].scratch_row  # an output no one reads
-        task = StepTask(self, cell_type, self.worker_id, n, index=index, owners=self.owner[self.tree[ids]])
+        trees = self.tree[ids]
+        task = StepTask(self, cell_type, self.worker_id, n, index=index, owners=self.owner[trees])
         if kind == INTERNAL:
             self._free_rows(np.concatenate([self.left[ids], self.right[ids]]))
         parents = self.parent[ids]
-        roots = ids[parents < 0]
-        parents = parents[parents >= 0]
+        is_root = parents < 0
+        parents = parents[~is_root]
         np.subtract.at(self.pending, parents, 1)
-        ready = np.unique(parents[self.pending[parents] == 0])
+        ready = parents[self.pending[parents] == 0]  # twice if both children are in this task
+        if len(ready) > 1:
+            ready.sort()
+            ready = ready[np.concatenate(([True], ready[1:] != ready[:-1]))]
         if len(ready):
             self._enqueue(INTERNAL, ready, self.priority[self.tree[ready]])
-        if len(roots):
-            lanes = np.flatnonzero(self.parent[ids] < 0)
+        if is_root.any():
+            lanes = np.flatnonzero(is_root)
             task.fetch = {out: lanes for out in spec.outputs.values()}
-            trees = self.tree[roots]
-            task.info = (self.owner[trees], self.first_cell[trees].copy())
-            self._free_rows(roots)
-            self._finish_trees(trees)
+            finished = trees[lanes]
+            task.info = (self.owner[finished], self.first_cell[finished])
+            self._free_rows(ids[lanes])
+            self._finish_trees(finished)
         return task
 
     def _take(self, kind: int, limit: int) -> np.ndarray:
@@ -277,8 +281,9 @@ class TreeGroup:
 
     def _enqueue(self, kind: int, ids: np.ndarray, priorities: np.ndarray) -> None:
         fifos = self.fifos[kind]
-        for level in np.unique(priorities).tolist():
-            part = ids if len(priorities) and (priorities == level).all() else ids[priorities == level]
+        one_level = not self.num_prioritized or (priorities == priorities[0]).all()
+        for level in ([int(priorities[0])] if one_level else np.unique(priorities).tolist()):
+            part = ids if one_level else ids[priorities == level]
             if level not in fifos:
                 fifos[level] = deque()
                 self.fifos = tuple(dict(sorted(f.items(), reverse=True)) if f is fifos else f for f in self.fifos)
@@ -296,15 +301,16 @@ class TreeGroup:
     def _finish_trees(self, trees: np.ndarray) -> None:
         self.live[trees] = False
         self.owner[trees] = None
+        self.num_prioritized -= int(np.count_nonzero(self.priority[trees]))
         self.num_dead += int(self.size[trees].sum())
         self._free_trees += trees.tolist()
 
     # completion and dropping ----------------------------------------------------------------
     def complete(self, task: StepTask) -> None:
         finisher = self.spec.finisher
-        if task.error is not None:
-            error = CellError(f"cell {task.cell_type.name} failed: {task.error!r}")
-            finisher.fail(list({id(o): o for o in task.owners if not o._done}.values()), error)
+        if task.error is not None:  # every tree the task touched fails (later tasks of it run on garbage)
+            owners = {id(o): o for o in task.owners if not o._done}
+            finisher.fail(list(owners.values()), CellError(f"cell {task.cell_type.name} failed: {task.error!r}"))
             return
         if task.info is not None:
             owners, first_cell = task.info

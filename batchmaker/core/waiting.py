@@ -2,8 +2,9 @@
 
 A chunk is what one admission pass (or one handoff from a previous stage) added: `owners` (the
 requests' futures), per-request columns (`columns`, each [n] or [n, m]) and, optionally, one
-ragged column of step values (`steps`: the requests' values one after another, `lengths[i]` each).
-Taking from the front slices chunks (views, no copies); only a take that spans chunks concatenates.
+ragged column of step values: request i's values are steps[bounds[i]:bounds[i + 1]]. Taking from
+the front slices views of a chunk (no copies, no sums over what stays); only a take that spans
+chunks concatenates.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,11 +18,29 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class Chunk:
     owners: np.ndarray  # object [n]: RequestFuture
     columns: dict[str, np.ndarray]  # name -> [n, ...]
-    steps: np.ndarray = field(default_factory=lambda: _EMPTY)  # ragged values, [sum(lengths)]
-    lengths: np.ndarray = field(default_factory=lambda: _EMPTY)  # [n] values per request in `steps`
+    steps: np.ndarray = field(default_factory=lambda: _EMPTY)  # ragged values (rows of one array)
+    bounds: np.ndarray | None = None  # [n + 1] offsets into steps; None: no ragged column
+
+    @classmethod
+    def of(cls, owners: np.ndarray, columns: dict, steps: np.ndarray | None = None,
+           lengths: np.ndarray | None = None) -> "Chunk":
+        if steps is None:
+            return cls(owners, columns)
+        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        return cls(owners, columns, steps, bounds)
 
     def __len__(self) -> int:
         return len(self.owners)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.bounds) if self.bounds is not None else _EMPTY
+
+    @property
+    def values(self) -> np.ndarray:
+        """The ragged column of these requests, one after another."""
+        return self.steps[self.bounds[0]:self.bounds[-1]]
 
     def head(self, n: int) -> "Chunk":
         return self._slice(0, n)
@@ -29,30 +48,28 @@ class Chunk:
     def tail(self, n: int) -> "Chunk":
         return self._slice(n, len(self.owners))
 
-    def select(self, keep: np.ndarray) -> "Chunk":
-        """The requests where `keep` (bool [n]) holds."""
-        steps = self.steps
-        if len(self.lengths):
-            steps = steps[np.repeat(keep, self.lengths)]
-        return Chunk(self.owners[keep], {k: v[keep] for k, v in self.columns.items()}, steps,
-                     self.lengths[keep] if len(self.lengths) else self.lengths)
-
     def _slice(self, a: int, b: int) -> "Chunk":
-        steps, lengths = self.steps, self.lengths
-        if len(lengths):
-            start = int(lengths[:a].sum())
-            steps = steps[start:start + int(lengths[a:b].sum())]
-            lengths = lengths[a:b]
-        return Chunk(self.owners[a:b], {k: v[a:b] for k, v in self.columns.items()}, steps, lengths)
+        bounds = None if self.bounds is None else self.bounds[a:b + 1]
+        return Chunk(self.owners[a:b], {k: v[a:b] for k, v in self.columns.items()}, self.steps, bounds)
+
+    def select(self, keep: np.ndarray) -> "Chunk":
+        """The requests where `keep` (bool [n]) holds (compacted)."""
+        columns = {k: v[keep] for k, v in self.columns.items()}
+        if self.bounds is None:
+            return Chunk(self.owners[keep], columns)
+        return Chunk.of(self.owners[keep], columns, self.values[np.repeat(keep, self.lengths)], self.lengths[keep])
 
     @staticmethod
     def concat(chunks: list["Chunk"]) -> "Chunk":
         if len(chunks) == 1:
             return chunks[0]
         first = chunks[0]
-        return Chunk(np.concatenate([c.owners for c in chunks]),
-                     {k: np.concatenate([c.columns[k] for c in chunks]) for k in first.columns},
-                     np.concatenate([c.steps for c in chunks]), np.concatenate([c.lengths for c in chunks]))
+        columns = {k: np.concatenate([c.columns[k] for c in chunks]) for k in first.columns}
+        owners = np.concatenate([c.owners for c in chunks])
+        if first.bounds is None:
+            return Chunk(owners, columns)
+        return Chunk.of(owners, columns, np.concatenate([c.values for c in chunks]),
+                        np.concatenate([c.lengths for c in chunks]))
 
 
 class Waiting:
@@ -69,8 +86,9 @@ class Waiting:
         """Append `chunk`, split by the requests' priorities (one level, the common case: as is)."""
         if not len(chunk):
             return
-        levels = np.unique(priorities)
-        for level in levels.tolist():
+        first = priorities[0]
+        levels = [int(first)] if (priorities == first).all() else np.unique(priorities).tolist()
+        for level in levels:
             part = chunk if len(levels) == 1 else chunk.select(priorities == level)
             queue = self.levels.get(level)
             if queue is None:
@@ -79,23 +97,29 @@ class Waiting:
             queue.append(part)
         self.num_waiting += len(chunk)
 
-    def take(self, n: int) -> Chunk | None:
-        """Up to n requests from the front, highest priority first; None if none wait."""
+    def take(self, n: int, weights: str | None = None) -> Chunk | None:
+        """Up to n requests from the front, highest priority first; None if none wait. With
+        `weights` (a column of positive ints), the requests whose weights first add up to n."""
         taken: list[Chunk] = []
         want = n
         for level, queue in list(self.levels.items()):
-            while queue and want:
+            while queue and want > 0:
                 chunk = queue[0]
-                if len(chunk) <= want:
-                    taken.append(queue.popleft())
-                    want -= len(chunk)
+                if weights is None:
+                    count = used = min(len(chunk), want)
                 else:
-                    taken.append(chunk.head(want))
-                    queue[0] = chunk.tail(want)
-                    want = 0
+                    w = chunk.columns[weights][:want]
+                    count = min(len(w), int(np.searchsorted(np.cumsum(w), want)) + 1)
+                    used = int(w[:count].sum())
+                if count >= len(chunk):
+                    taken.append(queue.popleft())
+                else:
+                    taken.append(chunk.head(count))
+                    queue[0] = chunk.tail(count)
+                want -= used
             if not queue and level != 0:
                 del self.levels[level]
-            if not want:
+            if want <= 0:
                 break
         if not taken:
             return None
@@ -104,8 +128,8 @@ class Waiting:
         return chunk
 
     def purge(self) -> list:
-        """Drop requests whose future is done (cancelled, expired, failed); returns their chunks'
-        parts that were dropped (their rows may need freeing)."""
+        """Drop requests whose future is done (cancelled, expired, failed); returns the dropped
+        parts (their rows may need freeing)."""
         dropped = []
         for queue in self.levels.values():
             for i, chunk in enumerate(queue):

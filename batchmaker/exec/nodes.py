@@ -65,9 +65,10 @@ class NodePlanner:
         for name in sig.outputs:
             pool = cell.pools[name]
             rows = pool.alloc_many(n)
+            index[layout.writes[name]] = rows
+            rows = rows.tolist()
             for node, row in zip(nodes, rows):
                 node.rows[name] = row
-            index[layout.writes[name]] = rows
             self._last_rows[name] = (pool, rows)
         fetch = {}
         for name in sig.outputs:

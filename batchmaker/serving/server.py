@@ -18,10 +18,10 @@ from typing import Any
 
 import zmq
 
-from batchmaker import protocol
 from batchmaker.engine import Engine
 from batchmaker.errors import BatchMakerError
-from batchmaker.mailbox import Mailbox
+from batchmaker.serving import protocol
+from batchmaker.serving.mailbox import Mailbox
 
 log = logging.getLogger("batchmaker.server")
 

@@ -1,16 +1,19 @@
-"""The client library: talk to a `batchmaker serve` server from Python (protocol: protocol.py).
+"""The client library: talk to a `batchmaker serve` server from Python (docs/protocol.md).
 
     with Client("tcp://127.0.0.1:5555") as client:
         client.infer("seq2seq", {"tokens": [5, 17, 42]})            # {'tokens': [...]}
         future = client.submit("lstm", {"tokens": [5, 6]})          # concurrent.futures.Future
-        result = await client.submit_async("treelstm", {"tree": "(3 (2 a) (3 b))"})
-        for partial in client.stream("seq2seq", {"tokens": [5, 6]}):  # {'tokens': [id]} per step
+        result = await client.submit_async("treelstm", {"tree": "(3 (2 a) (3 b))"})  # in a coroutine
+        for partial in client.stream("seq2seq", {"tokens": [5, 6]}):  # {'tokens': [id, ...]} each
             ...
 
 One I/O thread owns a DEALER socket; calls from any thread hand it messages through a Mailbox.
 Every call has a timeout, and a server that is down, unreachable, lost mid-request or refuses
-this client's CurveZMQ key fails the call with ServerUnavailableError instead of hanging.
+this client's CurveZMQ key (or its lack of one) fails the call with ServerUnavailableError
+instead of hanging. Queries (health, stats, models) import no torch: the CLI's client stays quick.
 """
+from __future__ import annotations
+
 import asyncio
 import heapq
 import itertools
@@ -20,15 +23,17 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from batchmaker import protocol
 from batchmaker.errors import ServerUnavailableError, error_from_code
-from batchmaker.mailbox import Mailbox
-from batchmaker.request import RequestTiming, Result
+from batchmaker.serving import protocol
+from batchmaker.serving.mailbox import Mailbox
+
+if TYPE_CHECKING:
+    from batchmaker.request import Result
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 log = logging.getLogger("batchmaker.client")
@@ -36,10 +41,11 @@ log = logging.getLogger("batchmaker.client")
 
 @dataclass(slots=True)
 class _Call:
-    future: Future
+    future: Future  # resolves to a Result (infer) or to the reply's value (cancel, queries)
     payload: bytes
     expires: float  # time.monotonic() instant
     on_partial: Callable[[dict], None] | None
+    is_infer: bool
     sent: float = 0.0  # perf_counter when handed to the socket
 
 
@@ -55,7 +61,8 @@ class Client:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)  # no send limit: a burst of calls queues here, each has a timeout
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        if curve_server_key is not None:
+        self._uses_curve = curve_server_key is not None
+        if self._uses_curve:
             if curve_secret_key is None:
                 raise ValueError("CurveZMQ needs this client's secret key too (curve_secret_key)")
             self._socket.curve_serverkey = curve_server_key
@@ -82,7 +89,7 @@ class Client:
         the client's I/O thread, in order, before the future resolves."""
         deadline_ms = None if deadline is None else deadline * 1e3
         return self._call(lambda id: protocol.Infer(id, model, inputs, priority, deadline_ms, on_partial is not None),
-                          timeout, on_partial)
+                          timeout, on_partial, is_infer=True)
 
     def infer(self, model: str, inputs: dict[str, Any], **options) -> dict[str, Any]:
         return self.submit(model, inputs, **options).result().outputs
@@ -101,7 +108,7 @@ class Client:
         """Ask the server to cancel the request behind `future` (it then fails with
         CancelledError). Returns whether the server still had it in flight."""
         reply = self._call(lambda id: protocol.Cancel(id, future.request_id), None, None).result()
-        return bool(reply.outputs.get("cancelled"))
+        return bool(reply.get("cancelled"))
 
     def models(self, timeout: float | None = None) -> dict:
         return self._query("models", timeout)
@@ -129,9 +136,9 @@ class Client:
         self.close()
 
     def _query(self, op: str, timeout: float | None) -> dict:
-        return self._call(lambda id: protocol.Query(id, op), timeout, None).result().outputs
+        return self._call(lambda id: protocol.Query(id, op), timeout, None).result()
 
-    def _call(self, make_message, timeout: float | None, on_partial) -> Future:
+    def _call(self, make_message, timeout: float | None, on_partial, is_infer: bool = False) -> Future:
         future: Future = Future()
         future.set_running_or_notify_cancel()  # cancel with Client.cancel, which tells the server
         future.request_id = id = next(self._ids)
@@ -144,7 +151,7 @@ class Client:
             future.set_exception(protocol.ProtocolError(f"cannot encode the request: {e}", id))
             return future
         expires = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._mailbox.put(("call", id, _Call(future, payload, expires, on_partial)))
+        self._mailbox.put(("call", id, _Call(future, payload, expires, on_partial, is_infer)))
         return future
 
     # I/O thread -----------------------------------------------------------------------------
@@ -213,6 +220,12 @@ class Client:
         if kind == "error":
             call.future.set_exception(error_from_code(reply.get("code", "internal"), reply.get("message", "")))
             return
+        if not call.is_infer:
+            call.future.set_result(reply["value"])
+            return
+        # request.py holds the engine's graph types (torch): loaded with the first infer result
+        from batchmaker.request import RequestTiming, Result
+
         now = time.perf_counter()
         queueing = ((reply.get("timing") or {}).get("queueing_ms") or 0.0) / 1e3
         # client clock: arrival = sent, first cell = sent + the server's queueing time, finish = now
@@ -221,9 +234,10 @@ class Client:
     def _watch_connection(self) -> None:
         while True:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+                message = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            event, value = message["event"], message["value"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.is_connected, self._refused = True, None
             elif event == zmq.EVENT_DISCONNECTED and self.is_connected:
@@ -232,6 +246,11 @@ class Client:
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._refused = f"{self.address} refused this client's CurveZMQ key"
                 self._fail_all(self._refused)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                self._refused = (f"{self.address} does not use CurveZMQ: connect without keys" if self._uses_curve else
+                                 f"{self.address} requires a CurveZMQ key: give the server's public key and this "
+                                 f"client's secret key (curve_server_key, curve_secret_key)")
+                self._fail_all(self._refused)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -239,7 +258,8 @@ class Client:
             call = self._calls.pop(heapq.heappop(self._expiries)[1], None)
             if call is None:
                 continue  # answered already
-            state = "connected" if self.is_connected else "never connected (is the server running there?)"
+            state = ("connected" if self.is_connected else
+                     "never connected: is the server running there, and does it require a CurveZMQ key?")
             call.future.set_exception(ServerUnavailableError(
                 f"no reply from {self.address} in time ({state})"))
 

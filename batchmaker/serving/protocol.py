@@ -1,16 +1,18 @@
 """The wire protocol (version 1): msgpack messages over ZeroMQ, one encode/decode point.
+docs/protocol.md is the reference a third party implements from; this is its summary.
 
 Frames. A client's DEALER socket sends one frame, the msgpack payload; the server's ROUTER sees
 [identity, payload] and answers [identity, reply]. A REQ-style envelope [identity, b"", payload]
 is answered as [identity, b"", reply]. Anything else is answered with a `bad_request` error.
 
-Client -> server (a msgpack map; "v" must be 1):
+Client -> server (a msgpack map; "v" must be the integer 1):
     {"v": 1, "op": "infer", "id": ID, "model": str, "inputs": {name: value},
      "priority": int (optional, default 0), "deadline_ms": number (optional), "stream": bool (optional)}
     {"v": 1, "op": "cancel", "id": ID, "target": ID}        # cancel the caller's infer `target`
     {"v": 1, "op": "models" | "stats" | "health", "id": ID}
-ID is an integer or a string of at most 128 bytes, chosen by the client, unique among its
-requests in flight.
+ID is an integer in [-2**63, 2**64) or a string of at most 128 UTF-8 bytes, chosen by the client,
+unique among its requests in flight. Top-level fields an op does not read are ignored, so a new
+optional field is not a breaking change; unknown keys inside "inputs" are the model's business.
 
 Server -> client:
     {"v": 1, "id": ID, "type": "result", "value": ..., "timing": {...}}   # the final reply
@@ -22,30 +24,21 @@ A cancel's value is {"cancelled": bool}. Error codes: bad_request, unknown_model
 cancelled, deadline_exceeded, internal. An error for a message whose id could not be read
 carries id None.
 
-Arrays (in inputs and outputs) are maps {"dtype": str, "shape": [int, ...], "data": bin}: raw
-little-endian bytes in C order; dtype one of ARRAY_DTYPES. Token lists are plain arrays of ints.
+Arrays (in inputs and outputs) are maps {"dtype": str, "shape": [int, ...], "data": bin}
+(arrays.py, imported with the first one: queries need no torch). Token lists are plain arrays of ints.
 """
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
-import torch
 
 from batchmaker.errors import BadRequestError
 
 VERSION = 1
 MAX_ID_BYTES = 128
-MAX_ARRAY_DIMS = 8
 MAX_NESTING = 600  # a tree of depth 512 (unfolders/trees.MAX_DEPTH) nests 512 lists
-
-ARRAY_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in ARRAY_DTYPES.items()}
+ARRAY_KEYS = frozenset({"dtype", "shape", "data"})  # a map with exactly these keys is an array
 QUERY_OPS = ("models", "stats", "health")
 
 
@@ -82,7 +75,7 @@ class ProtocolError(BadRequestError):
 # client -> server ---------------------------------------------------------------------------
 def encode_request(message: Infer | Cancel | Query) -> bytes:
     if isinstance(message, Infer):
-        body = {"op": "infer", "id": message.id, "model": message.model, "inputs": encode_value(message.inputs)}
+        body = {"op": "infer", "id": message.id, "model": message.model, "inputs": message.inputs}
         if message.priority:
             body["priority"] = message.priority
         if message.deadline_ms is not None:
@@ -97,34 +90,33 @@ def encode_request(message: Infer | Cancel | Query) -> bytes:
 
 
 def decode_request(payload: bytes) -> Infer | Cancel | Query:
-    """Parse and check one request; raises ProtocolError (with the id when it could be read)."""
+    """Parse and check one request; raises ProtocolError (with the id when it could be read).
+    Fields the op does not read are ignored (forward compatibility: docs/protocol.md)."""
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # malformed, truncated, too deep, invalid UTF-8, non-string keys...
+    except Exception as e:  # malformed, truncated, nested deeper than msgpack's stack, invalid UTF-8...
         raise ProtocolError(f"payload is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(message, dict):
         raise ProtocolError(f"a request must be a msgpack map, got {type(message).__name__}")
     id = message.get("id")
     if not _is_id(id):
         raise ProtocolError(f"'id' must be an integer or a string of at most {MAX_ID_BYTES} bytes, got {_short(id)}")
-    if message.get("v") != VERSION:
-        raise ProtocolError(f"unsupported protocol version {_short(message.get('v'))}; this server speaks {VERSION}", id)
+    version = message.get("v")
+    if not _is_int(version) or version != VERSION:  # 1.0 and True equal 1 in Python: not on the wire
+        raise ProtocolError(f"unsupported protocol version {_short(version)}; this server speaks {VERSION}", id)
     op = message.get("op")
     if op == "infer":
         return _decode_infer(message, id)
     if op == "cancel":
-        _check_fields(message, {"v", "op", "id", "target"}, id)
         if not _is_id(message.get("target")):
             raise ProtocolError("cancel: 'target' must be the id of an infer request", id)
         return Cancel(id, message["target"])
     if op in QUERY_OPS:
-        _check_fields(message, {"v", "op", "id"}, id)
         return Query(id, op)
     raise ProtocolError(f"unknown op {_short(op)}; ops: infer, cancel, {', '.join(QUERY_OPS)}", id)
 
 
 def _decode_infer(message: dict, id) -> Infer:
-    _check_fields(message, {"v", "op", "id", "model", "inputs", "priority", "deadline_ms", "stream"}, id)
     model, inputs = message.get("model"), message.get("inputs")
     if not isinstance(model, str):
         raise ProtocolError(f"infer: 'model' must be a string, got {_short(model)}", id)
@@ -135,7 +127,7 @@ def _decode_infer(message: dict, id) -> Infer:
         raise ProtocolError(f"infer: 'priority' must be a 32-bit integer, got {_short(priority)}", id)
     deadline = message.get("deadline_ms")
     if deadline is not None and (not _is_number(deadline) or not 0 < deadline <= 1e9):
-        raise ProtocolError(f"infer: 'deadline_ms' must be a positive number, got {_short(deadline)}", id)
+        raise ProtocolError(f"infer: 'deadline_ms' must be a number in (0, 1e9], got {_short(deadline)}", id)
     stream = message.get("stream", False)
     if not isinstance(stream, bool):
         raise ProtocolError(f"infer: 'stream' must be a boolean, got {_short(stream)}", id)
@@ -148,14 +140,15 @@ def _decode_infer(message: dict, id) -> Infer:
 
 # server -> client ---------------------------------------------------------------------------
 def encode_result(id, value, timing: dict | None = None) -> bytes:
-    body = {"v": VERSION, "id": id, "type": "result", "value": encode_value(value)}
+    """Raises TypeError or ValueError for a value msgpack cannot carry (an object, a cycle)."""
+    body = {"v": VERSION, "id": id, "type": "result", "value": value}
     if timing is not None:
         body["timing"] = timing
     return _pack(body)
 
 
 def encode_partial(id, value: dict) -> bytes:
-    return _pack({"v": VERSION, "id": id, "type": "partial", "value": encode_value(value)})
+    return _pack({"v": VERSION, "id": id, "type": "partial", "value": value})
 
 
 def encode_error(id, code: str, message: str) -> bytes:
@@ -163,7 +156,8 @@ def encode_error(id, code: str, message: str) -> bytes:
 
 
 def decode_reply(payload: bytes) -> dict:
-    """A server reply as a dict (arrays in "value" become CPU tensors); raises ValueError."""
+    """A server reply as a dict (arrays in "value" become CPU tensors); raises ValueError.
+    Fields this client does not know are kept and ignored."""
     reply = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     if not isinstance(reply, dict) or reply.get("v") != VERSION or reply.get("type") not in ("result", "partial", "error"):
         raise ValueError(f"not a protocol-{VERSION} reply")
@@ -173,66 +167,43 @@ def decode_reply(payload: bytes) -> dict:
 
 
 # values -------------------------------------------------------------------------------------
-def encode_value(value):
-    """Tensors and numpy arrays -> array maps; tuples -> lists; numpy scalars -> Python."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        if t.dtype not in DTYPE_NAMES:
-            raise TypeError(f"cannot encode a tensor of dtype {t.dtype}")
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
-        return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data": raw.numpy().tobytes()}
-    if isinstance(value, np.ndarray):
-        return encode_value(torch.from_numpy(np.ascontiguousarray(value)))
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: encode_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [encode_value(v) for v in value]
+def decode_value(value):
+    """Array maps -> CPU tensors anywhere in nested maps and lists, replaced in place (the value
+    was just unpacked and is ours); raises BadRequestError. A loop, not recursion: a tree input
+    nests hundreds of lists, and each recursive level would cost the I/O thread stack frames."""
+    if isinstance(value, dict) and value.keys() == ARRAY_KEYS:
+        return _decode_array(value)
+    if not isinstance(value, (dict, list)):
+        return value
+    stack = [(value, 0)]  # (container, its depth below `value`)
+    while stack:
+        container, depth = stack.pop()
+        if depth >= MAX_NESTING:
+            raise BadRequestError(f"value nested deeper than {MAX_NESTING} levels")
+        for key, item in container.items() if isinstance(container, dict) else enumerate(container):
+            if isinstance(item, dict) and item.keys() == ARRAY_KEYS:
+                container[key] = _decode_array(item)
+            elif isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
     return value
 
 
-def decode_value(value, depth: int = 0):
-    """Array maps -> CPU tensors, anywhere in nested maps and lists; raises BadRequestError."""
-    if depth > MAX_NESTING:
-        raise BadRequestError(f"value nested deeper than {MAX_NESTING}")
-    if isinstance(value, dict):
-        if set(value) == {"dtype", "shape", "data"}:
-            return _decode_array(value)
-        return {k: decode_value(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decode_value(v, depth + 1) for v in value]
-    return value
+def _decode_array(value: dict):
+    from batchmaker.serving import arrays  # torch loads with the first array: queries stay light
+
+    return arrays.decode(value)
 
 
-def _decode_array(value: dict) -> torch.Tensor:
-    dtype, shape, data = value["dtype"], value["shape"], value["data"]
-    if not isinstance(dtype, str) or dtype not in ARRAY_DTYPES:
-        raise BadRequestError(f"array dtype {_short(dtype)} not one of {sorted(ARRAY_DTYPES)}")
-    if not isinstance(shape, list) or len(shape) > MAX_ARRAY_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-        raise BadRequestError(f"array shape must be a list of at most {MAX_ARRAY_DIMS} non-negative ints, got {_short(shape)}")
-    if not isinstance(data, bytes):
-        raise BadRequestError(f"array data must be bin, got {type(data).__name__}")
-    torch_dtype = ARRAY_DTYPES[dtype]
-    expected = math.prod(shape) * torch_dtype.itemsize
-    if expected != len(data):
-        raise BadRequestError(f"array of shape {shape} and dtype {dtype} needs {expected} bytes, got {len(data)}")
-    if not data:
-        return torch.empty(shape, dtype=torch_dtype)
-    raw_dtype = torch.int16 if torch_dtype == torch.bfloat16 else torch_dtype
-    flat = torch.frombuffer(bytearray(data), dtype=raw_dtype)  # bytearray: a writable copy we own
-    return flat.view(torch_dtype).reshape(shape)
+def _encode_other(value):
+    """msgpack calls this for what it cannot pack itself (tensors, numpy values)."""
+    from batchmaker.serving import arrays  # only a value that holds a tensor or array gets here
+
+    return arrays.encode(value)
 
 
 # helpers ------------------------------------------------------------------------------------
 def _pack(body: dict) -> bytes:
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def _check_fields(message: dict, allowed: set[str], id) -> None:
-    extra = sorted(str(k) for k in set(message) - allowed)
-    if extra:
-        raise ProtocolError(f"{message.get('op')}: unknown field(s) {extra}; allowed {sorted(allowed)}", id)
+    return msgpack.packb(body, use_bin_type=True, default=_encode_other)
 
 
 def _is_int(value) -> bool:

@@ -8,11 +8,11 @@ from concurrent.futures import wait
 
 import torch
 
-from batchmaker.client import Client
 from batchmaker.data import wmt_sentences
 from batchmaker.engine import Engine, EngineConfig
 from batchmaker.registry import build_model
-from batchmaker.server import Server, ServerConfig
+from batchmaker.serving.client import Client
+from batchmaker.serving.server import Server, ServerConfig
 from batchmaker.unfolders.trees import load_sst_sample
 
 MODELS = ("lstm", "seq2seq", "treelstm")
@@ -51,24 +51,26 @@ def run_demo(duration: float, rate: float, device: str | None, seed: int) -> int
 
 
 def drive(client: Client, requests: dict[str, list[dict]], duration: float, rate: float, seed: int) -> dict:
-    """Open loop: one Poisson stream of `rate * len(models)` arrivals, each a random model."""
+    """Open loop: one Poisson stream of `rate * len(models)` arrivals, each a random model; then
+    the drain until every request is answered."""
     rng = random.Random(seed)
     names, futures, used = list(requests), [], {name: 0 for name in requests}
+    progress = Progress(duration)
     start = time.perf_counter()
-    next_arrival, next_draw = start, start
+    next_arrival = start
     while (now := time.perf_counter()) < start + duration:
         if now >= next_arrival:
             name = rng.choice(names)
             futures.append((name, client.submit(name, requests[name][used[name] % len(requests[name])])))
             used[name] += 1
             next_arrival += rng.expovariate(rate * len(names))
-        if now >= next_draw:
-            _progress(now - start, duration, sum(f.done() for _, f in futures), len(futures))
-            next_draw = now + 0.2
-        time.sleep(max(0.0, min(next_arrival, next_draw) - time.perf_counter()))
-    wait([f for _, f in futures])
-    _progress(duration, duration, len(futures), len(futures))
-    print(file=sys.stderr)
+        progress.show(now - start, futures)
+        time.sleep(max(0.0, min(next_arrival, progress.next_show) - time.perf_counter()))
+    pending = [f for _, f in futures]
+    while pending:  # the drain: requests sent near the end are still running
+        progress.show(time.perf_counter() - start, futures)
+        pending = list(wait(pending, timeout=max(0.0, progress.next_show - time.perf_counter())).not_done)
+    progress.show(time.perf_counter() - start, futures, final=True)
     return {"start": start, "futures": futures}
 
 
@@ -85,6 +87,30 @@ def print_table(futures: list, elapsed: float, stats: dict) -> None:
               f"{len(ok) / elapsed:7.1f} {mean_batch:10.1f}")
 
 
-def _progress(elapsed: float, duration: float, done: int, sent: int) -> None:
-    bar = "#" * int(40 * min(1.0, elapsed / duration))
-    print(f"\r  [{bar:40}] {elapsed:5.1f}/{duration:g} s  {done}/{sent} done", end="", file=sys.stderr, flush=True)
+class Progress:
+    """A bar redrawn in place on a terminal; a plain line every few seconds otherwise (a log file
+    would get one endless line of carriage returns)."""
+
+    def __init__(self, duration: float, stream=None):
+        self.duration = duration
+        self.stream = sys.stderr if stream is None else stream
+        self.is_terminal = self.stream.isatty()
+        self.every = 0.2 if self.is_terminal else 5.0  # seconds between updates
+        self.next_show = 0.0  # perf_counter instant of the next update
+
+    def show(self, elapsed: float, futures: list, final: bool = False) -> None:
+        now = time.perf_counter()
+        if now < self.next_show and not final:
+            return
+        self.next_show = now + self.every
+        done, sent = sum(f.done() for _, f in futures), len(futures)
+        if elapsed < self.duration:
+            phase = f"{elapsed:5.1f}/{self.duration:g} s"
+        else:  # the drain: requests sent near the end are still running
+            phase = f"load done, {'drained' if done == sent else 'draining'} at {elapsed:.1f} s"
+        if not self.is_terminal:
+            print(f"  {phase}  {done}/{sent} done", file=self.stream, flush=True)
+            return
+        bar = "#" * int(40 * min(1.0, elapsed / self.duration))
+        end = "\n" if final else ""
+        print(f"\r  [{bar:40}] {phase}  {done}/{sent} done\033[K", end=end, file=self.stream, flush=True)

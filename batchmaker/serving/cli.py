@@ -1,0 +1,325 @@
+"""Command line: `batchmaker demo | serve | client | keygen` (EXAMPLES below).
+
+Mistakes (a port in use, an unknown model, a bad --set, a missing key file) print one line and
+exit non-zero; --debug (or --log-level debug) shows the traceback instead.
+
+Only the standard library is imported here: each subcommand imports what it needs, so `--help`
+and `client` start without torch (bench/cli_startup.py measures it).
+"""
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger("batchmaker")
+
+EXAMPLES = """examples:
+  batchmaker demo                         # server + client in one process, Poisson load, a table
+  batchmaker serve [--models lstm,seq2seq,treelstm] [--address tcp://127.0.0.1:5555] [--devices cpu]
+  batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
+  batchmaker client models | stats | health
+  batchmaker keygen NAME                  # NAME.key (secret) and NAME.pub (public), for CurveZMQ"""
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_ADDRESS = re.compile(r"(tcp|ipc|inproc)://.+")
+
+
+class UsageError(Exception):
+    """A mistake in the command line or in what it names: reported as one line, exit status 2."""
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    log_level = getattr(args, "log_level", "info")
+    debug = getattr(args, "debug", False) or log_level == "debug"
+    logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C before serve installs its handler (while models build)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"batchmaker {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message; for a kind of error users do not cause, its type and where to look."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if text and isinstance(error, (UsageError, OSError, ValueError, LookupError)):  # bind, files, models
+        return text
+    return f"{type(error).__name__}: {text} (run with --debug for the traceback)"
+
+
+# parser ---------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Appends "(default: X)" where a default says something (not None, False or an empty list)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """`epilog_from` builds the epilog when help is shown: listing the model options imports the
+    models (torch), which `batchmaker --help` must not pay for."""
+
+    def __init__(self, *args, epilog_from=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epilog_from = epilog_from
+
+    def format_help(self) -> str:
+        if self.epilog_from is not None:
+            self.epilog, self.epilog_from = self.epilog_from(), None
+        return super().format_help()
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)  # accepted before and after the subcommand
+    common.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help="log verbosity (default: info)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error instead of one line")
+    parser = _Parser(prog="batchmaker", description="Cellular batching server (BatchMaker).", parents=[common],
+                     epilog=EXAMPLES, formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    options = dict(parents=[common], formatter_class=_HelpFormatter)
+
+    demo = sub.add_parser("demo", help="serve the built-in models in process and drive them with the client",
+                          description="A server and a client in this process: Poisson load on the built-in\n"
+                                      "models (hidden 128), then a table per model.", **options)
+    demo.add_argument("--duration", type=float, default=20.0, metavar="SECONDS", help="seconds of load")
+    demo.add_argument("--rate", type=float, default=10.0, metavar="PER_SECOND", help="arrivals per second per model")
+    demo.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 when present, else cpu)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the arrivals and of the requests drawn")
+    demo.set_defaults(run=_demo)
+
+    serve = sub.add_parser("serve", help="serve models over ZeroMQ until SIGTERM/SIGINT",
+                           description="Serve models over ZeroMQ (protocol: docs/protocol.md) until\n"
+                                       "SIGTERM/SIGINT, then drain in-flight requests.",
+                           epilog_from=_model_options_epilog, **options)
+    serve.add_argument("--models", default="lstm,seq2seq,treelstm",
+                       help="comma-separated registered names, or module:attribute naming a Model or a function "
+                            "that returns one; the current directory is importable, as with `python -m`")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of the registered models served, e.g. --set hidden=1024 --set dtype=float16 "
+                            "(repeatable; the keys are listed below)")
+    serve.add_argument("--address", default=DEFAULT_ADDRESS, help="tcp://HOST:PORT or ipc:///PATH to bind")
+    serve.add_argument("--devices", default="cpu", help="comma-separated: cpu, cuda:0, cuda:1, ... (one worker each)")
+    serve.add_argument("--max-requests", type=int, default=4096, metavar="N",
+                       help="infer requests queued or running at once; beyond it new ones are answered overloaded")
+    serve.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="BYTES",
+                       help="largest request frame; ZeroMQ drops the connection of a client that sends a larger one")
+    serve.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="seconds in-flight requests may finish on SIGTERM/SIGINT before they are cancelled")
+    serve.add_argument("--curve-secret-key", type=Path, metavar="FILE", help="file with the server's z85 secret key: turns CurveZMQ on")
+    serve.add_argument("--curve-clients", type=Path, nargs="+", default=[], metavar="FILE",
+                       help="files with the z85 public keys of the clients allowed in (with --curve-secret-key)")
+    serve.set_defaults(run=_serve)
+
+    client = sub.add_parser("client", help="send one request to a server and print the JSON reply",
+                            description="Send one request and print the reply as JSON (a failed request:\n"
+                                        "JSON on stderr, exit status 1).", **options)
+    client.add_argument("op", choices=["infer", "models", "stats", "health"], help="the request to send")
+    client.add_argument("model", nargs="?", help="infer: the model name")
+    client.add_argument("inputs", nargs="?", help="infer: the inputs as JSON, e.g. '{\"tokens\": [5, 6]}'")
+    client.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's tcp://HOST:PORT or ipc:///PATH")
+    client.add_argument("--stream", action="store_true", help="infer: print streamed outputs as they come")
+    client.add_argument("--priority", type=int, default=0, metavar="N",
+                        help="infer: higher runs first among requests of the same model (32-bit integer)")
+    client.add_argument("--deadline-ms", type=float, default=None, metavar="MS",
+                        help="infer: the server fails the request with deadline_exceeded after this many ms")
+    client.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="seconds to wait for the reply")
+    client.add_argument("--curve-server-key", type=Path, metavar="FILE", help="file with the server's z85 public key")
+    client.add_argument("--curve-secret-key", type=Path, metavar="FILE", help="file with this client's z85 secret key")
+    client.set_defaults(run=_client)
+
+    keygen = sub.add_parser("keygen", help="write a CurveZMQ key pair: NAME.key (secret), NAME.pub (public)",
+                            **options)
+    keygen.add_argument("name", type=Path, help="path of the pair without suffix, e.g. keys/server")
+    keygen.set_defaults(run=_keygen)
+    return parser
+
+
+def _model_options_epilog() -> str:
+    from batchmaker.registry import registered_models
+    from batchmaker.serving.model_options import describe
+
+    return "options of the registered models (--set KEY=VALUE applies to each served model that takes KEY):\n" \
+           + describe(registered_models())
+
+
+# subcommands ----------------------------------------------------------------------------------
+def _demo(args) -> int:
+    device = _check_devices(args.device, "--device")[0] if args.device else None
+    from batchmaker.serving.demo import run_demo
+
+    return run_demo(args.duration, args.rate, device, args.seed)
+
+
+def _serve(args) -> int:
+    _check_address(args.address)
+    devices = _check_devices(args.devices, "--devices")
+    if bool(args.curve_secret_key) != bool(args.curve_clients):
+        raise UsageError("CurveZMQ needs both --curve-secret-key and --curve-clients")
+    config_keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
+                       curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
+    models = _load_models([s.strip() for s in args.models.split(",") if s.strip()], args.set)
+
+    from batchmaker.engine import Engine, EngineConfig
+    from batchmaker.serving.server import Server, ServerConfig
+
+    config = ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,
+                          **config_keys)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with Engine(models, EngineConfig(devices=devices, max_requests=args.max_requests)) as engine:
+        server = Server(engine, config).start()
+        for m in models:
+            log.info("model %s: cells %s, inputs %s", m.name, sorted(m.cells), sorted(m.input_schema))
+        log.info("serving %s on %s (devices %s%s)", ", ".join(m.name for m in models), server.address,
+                 ",".join(devices), ", CurveZMQ" if config.curve_secret_key else "")
+        stop.wait()
+        log.info("stopping: draining in-flight requests for up to %g s", config.drain_timeout)
+        server.stop()
+    log.info("stopped")
+    return 0
+
+
+def _client(args) -> int:
+    _check_address(args.address)
+    if bool(args.curve_server_key) != bool(args.curve_secret_key):
+        raise UsageError("CurveZMQ needs both --curve-server-key and --curve-secret-key")
+    keys = {}
+    if args.curve_server_key:
+        keys = dict(curve_server_key=_read_key(args.curve_server_key, "--curve-server-key"),
+                    curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"))
+    if args.op == "infer" and (args.model is None or args.inputs is None):
+        raise UsageError("infer needs MODEL and INPUTS (JSON), e.g. client infer lstm '{\"tokens\": [5, 6]}'")
+
+    from batchmaker.errors import BatchMakerError
+    from batchmaker.serving.client import Client
+
+    with Client(args.address, timeout=args.timeout, **keys) as client:
+        try:
+            if args.op != "infer":
+                print(json.dumps(getattr(client, args.op)(timeout=args.timeout), indent=2, default=_jsonable))
+                return 0
+            options = dict(priority=args.priority, deadline=None if args.deadline_ms is None else args.deadline_ms / 1e3)
+            inputs = json.loads(args.inputs)
+            if args.stream:
+                stream = client.stream(args.model, inputs, **options)
+                for partial in stream:
+                    print(json.dumps({"partial": partial}, default=_jsonable), flush=True)
+                result = stream.result()
+            else:
+                result = client.submit(args.model, inputs, **options).result()
+            print(json.dumps({"outputs": result.outputs, "latency_ms": round(result.timing.latency * 1e3, 3)},
+                             default=_jsonable))
+            return 0
+        except (BatchMakerError, json.JSONDecodeError) as e:
+            print(json.dumps({"error": getattr(e, "code", "bad_request"), "message": str(e)}), file=sys.stderr)
+            return 1
+
+
+def _keygen(args) -> int:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    secret_path, public_path = args.name.with_suffix(".key"), args.name.with_suffix(".pub")
+    secret_path.write_bytes(secret + b"\n")
+    secret_path.chmod(0o600)
+    public_path.write_bytes(public + b"\n")
+    print(f"wrote {secret_path} (secret: keep it) and {public_path} (public: give it out)")
+    return 0
+
+
+# checks -------------------------------------------------------------------------------------
+def _load_models(specs: list[str], settings: list[str]) -> list:
+    """Registered names (with their --set options) and module:attribute specs -> Models."""
+    from batchmaker.errors import UnknownModelError
+    from batchmaker.registry import load_model, registered_models
+    from batchmaker.serving.model_options import SettingError, parse_settings
+
+    known = registered_models()
+    unknown = [s for s in specs if ":" not in s and s not in known]
+    if unknown:
+        raise UsageError(str(UnknownModelError(unknown[0], known)) + "; or module:attribute for your own")
+    if any(":" in s for s in specs) and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # module:attribute from the current directory, as `python -m` does
+    try:
+        per_model = parse_settings(settings, [s for s in specs if ":" not in s])
+    except SettingError as e:
+        raise UsageError(str(e)) from None
+    models = []
+    for spec in specs:
+        if ":" in spec:
+            try:
+                models.append(load_model(spec))
+            except ValueError as e:  # not importable, not a Model: the message names the spec
+                raise UsageError(str(e)) from None
+            continue
+        try:
+            models.append(load_model(spec, **per_model[spec]))
+        except (TypeError, ValueError, RuntimeError) as e:  # e.g. --set hidden=-1 (checked by the model, not here)
+            shown = " ".join(f"{k}={v}" for k, v in per_model[spec].items())
+            raise UsageError(f"cannot build model {spec}{' with ' + shown if shown else ''}: {e}") from e
+    return models
+
+
+def _check_address(address: str) -> None:
+    if not _ADDRESS.fullmatch(address):
+        hint = f" (did you mean tcp://{address}?)" if re.fullmatch(r"[\w.\-]+:\d+|\*:\d+", address) else ""
+        raise UsageError(f"--address {address!r}: expected tcp://HOST:PORT or ipc:///PATH{hint}")
+
+
+def _check_devices(text: str, flag: str) -> tuple[str, ...]:
+    """cpu and cuda:N only, and only CUDA devices this torch can see."""
+    devices = tuple(d.strip() for d in text.split(",") if d.strip())
+    if not devices:
+        raise UsageError(f"{flag}: no device given")
+    cuda = [d for d in devices if d != "cpu"]
+    for device in cuda:
+        if not re.fullmatch(r"cuda(:\d+)?", device):
+            raise UsageError(f"{flag} {device}: expected cpu or cuda:N")
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise UsageError(f"{flag} {cuda[0]}: {why} (torch {torch.__version__}); use cpu")
+        count = torch.cuda.device_count()
+        missing = [d for d in cuda if int(d.partition(":")[2] or 0) >= count]
+        if missing:
+            raise UsageError(f"{flag} {missing[0]}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return devices
+
+
+def _read_key(path: Path | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        key = path.read_bytes().strip()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: {e.strerror}") from None
+    if len(key) != 40:
+        raise UsageError(f"{flag} {path}: expected a 40-character z85 key (see `batchmaker keygen`)")
+    return key
+
+
+def _jsonable(value):
+    if hasattr(value, "tolist"):  # tensors and arrays
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
