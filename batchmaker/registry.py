@@ -26,6 +26,14 @@ def build_model(name: str, **kwargs) -> Model:
     return _FACTORIES[name](**kwargs)
 
 
+def model_factory(name: str) -> ModelFactory:
+    """The factory registered under `name` (its signature lists the model's options)."""
+    _load_builtins()
+    if name not in _FACTORIES:
+        raise UnknownModelError(name, _FACTORIES)
+    return _FACTORIES[name]
+
+
 def load_model(spec: str, **kwargs) -> Model:
     """A registered name (built with `kwargs`), or `module:attribute` naming a user's Model or a
     factory that returns one (called without arguments; importing the module may also register

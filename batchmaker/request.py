@@ -31,10 +31,25 @@ class RequestTiming:
         return None if self.finish is None else self.finish - self.arrival
 
 
-@dataclass(slots=True)
 class Result:
-    outputs: dict[str, Any]
-    timing: RequestTiming
+    """A request's outputs and its timing. The timing may come as its three instants, to be
+    built on first access (structured models resolve many requests at once: one object fewer each)."""
+
+    __slots__ = ("outputs", "_timing", "_instants")
+
+    def __init__(self, outputs: dict[str, Any], timing: RequestTiming | None = None, instants: tuple = ()):
+        self.outputs = outputs
+        self._timing = timing
+        self._instants = instants  # (arrival, first_cell, finish) when timing is None
+
+    @property
+    def timing(self) -> RequestTiming:
+        if self._timing is None:
+            self._timing = RequestTiming(*self._instants)
+        return self._timing
+
+    def __repr__(self) -> str:
+        return f"Result(outputs={self.outputs!r}, timing={self.timing!r})"
 
 
 @dataclass(slots=True, eq=False)

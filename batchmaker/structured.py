@@ -20,7 +20,7 @@ from batchmaker.core.trees import Forest, TreeSpec
 from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError
 from batchmaker.forms import Chain, DecodeLoop, Tree
-from batchmaker.request import RequestTiming, Result
+from batchmaker.request import Result
 
 
 class Accounting:
@@ -196,15 +196,18 @@ class StructuredModel:
     # the Finisher side (manager thread) --------------------------------------------------------
     def resolve(self, owners, outputs: dict, first_cell: np.ndarray) -> None:
         now = time.perf_counter()
-        rows = {key: v.unbind(0) if isinstance(v, torch.Tensor) else v for key, v in outputs.items()}
+        rows = [(key, v.unbind(0) if isinstance(v, torch.Tensor) else v) for key, v in outputs.items()]
         firsts = first_cell.tolist()
         accounting = self.accounting
+        latencies, live = accounting.latencies[self.name], accounting.live
         for i, owner in enumerate(owners.tolist() if isinstance(owners, np.ndarray) else owners):
             if owner._done:  # cancelled or expired meanwhile
                 continue
-            timing = RequestTiming(owner.arrival, firsts[i], now)
-            owner.set_result(Result({key: values[i] for key, values in rows.items()}, timing))
-            accounting.finished(owner, now - owner.arrival)
+            arrival = owner.arrival
+            accounting.num_finished += 1  # counted before the future resolves (a waiter may read stats at once)
+            live.pop(owner.request_id, None)
+            latencies.append(now - arrival)
+            owner.set_result(Result({key: values[i] for key, values in rows}, None, (arrival, firsts[i], now)))
 
     def fail(self, owners: list, error: BaseException) -> None:
         now = time.perf_counter()

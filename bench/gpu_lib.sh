@@ -27,7 +27,7 @@ except ImportError:
 print("pyzmq", "present" if have_zmq else "absent")
 needs_zmq = {"batchmaker.serving.server", "batchmaker.serving.client", "batchmaker.serving.demo"}
 bad = []
-for pkg in ("batchmaker", "batchmaker.serving", "batchmaker.cells", "batchmaker.unfolders", "batchmaker.kernels"):
+for pkg in ("batchmaker", "batchmaker.core", "batchmaker.exec", "batchmaker.serving", "batchmaker.cells", "batchmaker.unfolders", "batchmaker.kernels"):
     for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__):
         name = f"{pkg}.{m.name}"
         if name in needs_zmq and not have_zmq:

@@ -15,7 +15,6 @@ client plug in alike. Per request we keep:
     points = sweep(engine.submit, requests, rates=[250, 500, 1000])  # up to saturation
 """
 import gc
-import itertools
 import random
 import sys
 import threading
@@ -78,48 +77,63 @@ def run_rate(submit: Submit, requests: Sequence[Request], rate: float, config: L
     num = int(min(max(rate * config.duration, config.min_requests), config.max_requests))
     arrivals = poisson_arrivals(rate, num, config.seed)
     picks = random.Random(config.seed).choices(range(len(requests)), k=num)
-    sent_at = np.zeros(num)
-    done_at = np.full(num, np.nan)
-    futures: list[Future] = []
-    counter = itertools.count(1)  # next() is atomic under the GIL; callbacks come from any thread
-    num_done = [0]
-    all_done = threading.Event()
-
-    def on_done(i: int, future: Future) -> None:  # runs on the system's thread: keep it tiny
-        done_at[i] = time.perf_counter()
-        num_done[0] = next(counter)
-        if num_done[0] == num:
-            all_done.set()
-
+    record = _Record(num)
     bar = Progress(num, f"{label} {rate:g}/s", config.progress)
     gc.collect()
     gc.disable()  # no collector pauses inside a point, whatever the system (they hit every thread)
     try:
         start = time.perf_counter()
-        sent_rate = _send(submit, requests, start, arrivals, picks, sent_at, futures, on_done, bar, num_done)
+        sent_rate = _send(submit, requests, start, arrivals, picks, record, bar)
         last_arrival = time.perf_counter()
-        while not all_done.wait(0.2) and time.perf_counter() - last_arrival < config.drain_timeout:
-            bar.update(num, num_done[0])
+        while not record.all_done.wait(0.2) and time.perf_counter() - last_arrival < config.drain_timeout:
+            bar.update(num, record.num_done)
     finally:
         gc.enable()
-    bar.close(num_done[0])
-    return _summarize(rate, start + arrivals, sent_at, done_at, futures, config, sent_rate)
+    bar.close(record.num_done)
+    return _summarize(rate, start + arrivals, record.sent_at, record.done_at, record.futures, config, sent_rate)
 
 
-def _send(submit, requests, start, arrivals, picks, sent_at, futures, on_done, bar, num_done) -> float:
-    """Submit request i at start + arrivals[i] (at once when behind); returns the rate sent."""
-    num = len(arrivals)
-    for i in range(num):
-        wait = start + arrivals[i] - time.perf_counter()
-        if wait > 0:  # behind schedule: send at once, the arrival times stay Poisson
-            time.sleep(wait)
-        model, inputs = requests[picks[i]]
-        sent_at[i] = time.perf_counter()
-        future = submit(model, inputs)
-        futures.append(future)
-        future.add_done_callback(lambda f, i=i: on_done(i, f))
-        bar.update(i + 1, num_done[0])
-    elapsed = time.perf_counter() - start
+class _Record:
+    """When each request was sent and done; `done` is every future's callback (kept tiny: it runs
+    on the system's thread)."""
+
+    def __init__(self, num: int):
+        self.sent_at = np.zeros(num)
+        self.done_at = np.full(num, np.nan)
+        self.futures: list[Future] = []
+        self.num_done = 0
+        self.num = num
+        self.all_done = threading.Event()
+        self._index = {}  # id(future) -> its request's position
+
+    def done(self, future) -> None:
+        self.done_at[self._index[id(future)]] = time.perf_counter()
+        self.num_done += 1  # (one resolving thread per system: the manager, or the baseline's loop)
+        if self.num_done == self.num:
+            self.all_done.set()
+
+
+def _send(submit, requests, start, arrivals, picks, record: _Record, bar) -> float:
+    """Send every request whose arrival instant has come, in one burst per wake-up (a late
+    sender still sends at once; arrivals stay Poisson; latency counts from each arrival)."""
+    num, i = len(arrivals), 0
+    futures, index, sent_at, done, clock = record.futures, record._index, record.sent_at, record.done, time.perf_counter
+    while i < num:
+        now = clock() - start
+        if arrivals[i] > now:
+            time.sleep(arrivals[i] - now)
+            now = clock() - start
+        due = int(np.searchsorted(arrivals, now, side="right"))
+        for k in range(i, max(due, i + 1)):
+            model, inputs = requests[picks[k]]
+            sent_at[k] = clock()
+            future = submit(model, inputs)
+            index[id(future)] = k
+            futures.append(future)
+            future.add_done_callback(done)
+        i = max(due, i + 1)
+        bar.update(i, record.num_done)
+    elapsed = clock() - start
     return num / elapsed if elapsed > 0 else float(num)
 
 

@@ -32,6 +32,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=30000)
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="offered rates (req/s)")
     parser.add_argument("--sweep", default="100:64000:2", help="START:STOP:FACTOR, used without --rates")
+    parser.add_argument("--null-sweep", default="4000:4096000:2", help="START:STOP:FACTOR of the null system")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds of arrivals per rate")
     parser.add_argument("--min-requests", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=200, help="requests sent at once before each sweep")
@@ -128,18 +129,38 @@ def baseline_system(server, args):
 
 
 def run_system(name: str, system, requests, args) -> dict:
-    """Warm up, then sweep the offered rates; returns the points and peak throughput."""
+    """Warm up, then sweep the offered rates (the null system: `--null-sweep`, to its own
+    saturation); returns the points and peak throughput."""
     print(f"== {name}", file=sys.stderr, flush=True)
+    offered = rates(args) if name != "null" else geometric_rates(*(float(x) for x in args.null_sweep.split(":")))
     with system as (submit, extra):
         warm = [submit(*requests[i % len(requests)]) for i in range(args.warmup)]
         for f in warm:
             f.result(timeout=300)
-        points = sweep(submit, requests, rates(args), load_config(args), label=name, extra=extra)
+        points = sweep(submit, requests, offered, load_config(args), label=name, extra=extra)
     out = {"peak_throughput": peak(points), "points": [asdict(p) for p in points]}
     if getattr(args, "profile_out", None):
         out["cprofile_manager_thread"] = args.profile_out
         args.profile_out = None
     return out
+
+
+def null_system(args):
+    """The null system behind the same load path (bench/baselines/null.py)."""
+    from baselines.null import NullSystem
+    return baseline_system(NullSystem(), args)
+
+
+def headroom(results: dict) -> dict | None:
+    """The load generator is not the ceiling: the null system's peak over the best measured
+    system's (issue 10 asks for >= 1.5; a system that never saturated has only a lower bound)."""
+    if "null" not in results:
+        return None
+    others = {k: r["peak_throughput"] for k, r in results.items() if k != "null" and "peak_throughput" in r}
+    best = max(others.values(), default=0.0)
+    ratio = results["null"]["peak_throughput"] / best if best else None
+    return {"null_peak": results["null"]["peak_throughput"], "best_system_peak": best, "ratio": ratio,
+            "target": 1.5, "met": ratio is not None and ratio >= 1.5}
 
 
 def compare(results: dict, baseline: str, peak_target: float | None, load_fraction: float,

@@ -24,7 +24,7 @@ from batchmaker import build_model  # noqa: E402
 from batchmaker.data import complete_trees, read_trees  # noqa: E402
 from batchmaker.unfolders.trees import load_sst_sample, num_leaves, parse_tree  # noqa: E402
 
-SYSTEMS = [runner.ENGINE, "graph-batching", "dynet", "ideal"]
+SYSTEMS = [runner.ENGINE, "graph-batching", "dynet", "ideal", "null"]
 # The targets. Graph batching: peak >= 1.8x, p90 at 1/3 of its peak <= 0.75x its p90.
 # DyNet (CPU): at least its throughput at equal or lower p90. The ideal: a ratio, no target.
 TARGETS = {"graph-batching": dict(peak_target=1.8, load_fraction=1 / 3, p90_target=0.75),
@@ -52,7 +52,7 @@ def baseline(name: str, args, model):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     runner.add_common_args(parser)
-    parser.add_argument("--systems", nargs="+", default=[runner.ENGINE, "graph-batching"], choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=[runner.ENGINE, "graph-batching", "null"], choices=SYSTEMS)
     parser.add_argument("--trees", default="sample", help="sample (shipped SST dev sample), fixed16 "
                                                           "(complete 16-leaf trees, Fig. 2.15) or a file of bracketed trees")
     parser.add_argument("--pool", type=int, default=2000, help="fixed16: trees generated")
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     for name in args.systems:
         try:
             system = (runner.engine_system([model], args) if name == runner.ENGINE
+                      else runner.null_system(args) if name == "null"
                       else runner.baseline_system(baseline(name, args, model), args))
         except (ImportError, ValueError) as e:  # DyNet absent, or not on this device
             print(f"skipping {name}: {e}", file=sys.stderr)
@@ -78,7 +79,10 @@ def main(argv=None) -> int:
             continue
         results[name] = runner.run_system(name, system, reqs, args)
     ran = {k: v for k, v in results.items() if "skipped" not in v}
-    comparisons = {b: runner.compare(ran, b, **TARGETS[b]) for b in ran if b != runner.ENGINE and runner.ENGINE in ran}
+    comparisons = {b: runner.compare(ran, b, **TARGETS[b]) for b in ran
+                   if b not in (runner.ENGINE, "null") and runner.ENGINE in ran}
+    headroom = runner.headroom(ran)
+    print("load generator headroom:", headroom)
     for line in runner.summary_lines(ran):
         print(line)
     for b, c in comparisons.items():
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
     payload = {"settings": settings, "numerics": policy,
                "data": {"source": args.trees if args.trees in ("sample", "fixed16") else Path(args.trees).name,
                         "num_trees": len(data), "mean_leaves": float(sizes.mean()), "max_leaves": int(sizes.max())},
-               "title": title, "systems": results, "comparison": comparisons}
+               "title": title, "systems": results, "comparison": comparisons, "generator_headroom": headroom}
     name = f"treebank-{label}-{args.dtype}" + (f"-{args.mode}" if args.mode != "inproc" else "")
     name += f"-{args.tag}" if args.tag else ""
     path = write_results(name, args.device, payload, plot=runner.plot_or_none(ran, title))

@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="lstm", choices=["lstm", "seq2seq"])
     runner.add_common_args(parser)
-    parser.add_argument("--systems", nargs="+", default=[runner.ENGINE, "bucketing"],
-                        choices=[runner.ENGINE, "bucketing"])
+    parser.add_argument("--systems", nargs="+", default=[runner.ENGINE, "bucketing", "null"],
+                        choices=[runner.ENGINE, "bucketing", "null"])
     parser.add_argument("--lengths", default="wmt", choices=LENGTH_VARIANTS, help="synthetic length variant")
     parser.add_argument("--moses", nargs="+", default=None, metavar="FILE",
                         help="Moses-format text: SOURCE [TARGET] (target lengths set Seq2Seq decode lengths)")
@@ -88,10 +88,13 @@ def main(argv=None) -> int:
     results = {}
     for name in args.systems:
         system = (runner.engine_system([model], args) if name == runner.ENGINE
+                  else runner.null_system(args) if name == "null"
                   else runner.baseline_system(baseline(args, model), args))
         results[name] = runner.run_system(name, system, reqs, args)
-    comparison = (runner.compare(results, "bucketing", **TARGETS[args.model])
+    comparison = (runner.compare({k: v for k, v in results.items() if k != "null"}, "bucketing", **TARGETS[args.model])
                   if {runner.ENGINE, "bucketing"} <= set(results) else None)
+    headroom = runner.headroom(results)
+    print("load generator headroom:", headroom)
     for line in runner.summary_lines(results):
         print(line)
     print("comparison:", comparison)
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
                "data": {"source": "moses" if args.moses else f"synthetic WMT-like ({args.lengths})",
                         "num_sentences": len(pairs), "mean_length": float(lengths.mean()),
                         "max_length": int(lengths.max())},
-               "title": title, "systems": results, "comparison": comparison}
+               "title": title, "systems": results, "comparison": comparison, "generator_headroom": headroom}
     name = f"wmt-{args.model}-{args.dtype}-{args.lengths if not args.moses else 'moses'}"
     name += f"-{args.mode}" if args.mode != "inproc" else ""
     name += f"-{len((args.devices or args.device).split(','))}dev" if args.devices else ""

@@ -8,7 +8,7 @@ import pytest
 
 from batchmaker import BadRequestError, Engine, build_model
 from batchmaker.data import complete_trees
-from batchmaker.unfolders.trees import load_sst_sample, parse_tree
+from batchmaker.unfolders.trees import load_sst_sample, parse_tree, parse_trees
 from reference import lstm_reference, seq2seq_reference, treelstm_reference
 from helpers import sharp_seq2seq
 
@@ -71,7 +71,8 @@ def test_graph_batching_matches_reference():
 
 
 def test_level_plan_numbers_children_before_parents():
-    plan = LevelPlan([parse_tree([[1, 2], 3], 10), 4])
+    arrays, _, _ = parse_trees([[[1, 2], 3], 4], 10)
+    plan = LevelPlan([arrays.tree(0), arrays.tree(1)])
     assert plan.num_leaves == 4 and plan.num_nodes == 6
     assert plan.index[:4].tolist() == [1, 2, 3, 4]
     assert plan.levels == [(4, 5, 4, 5), (5, 6, 6, 7)]  # heights 1 and 2, one node each

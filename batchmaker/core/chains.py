@@ -111,13 +111,18 @@ class ChainQueue:
 
 
 class ChainGroup:
-    """The running requests of one stage on one worker, in slots [0, max_batch). Manager thread only."""
+    """The running requests of one stage on one worker, in slots [0, max_batch). Manager thread only.
+
+    Rows: R[parity, o, slot] is the row slot's request writes output kept[o] to at steps of that
+    parity (2 rows per kept output); I[c, slot] the row carried input c reads at step 0 (0: zeros).
+    """
 
     def __init__(self, stage: Stage, worker_id: int, pools: dict[str, RowAllocator]):
         self.stage = stage
         self.worker_id = worker_id
         self.pools = pools  # output -> its pool's rows (a carried input reads its output's pool)
         cap = stage.cell_type.max_batch
+        layout, kept = stage.cell_type.layout, stage.kept
         self.serial = np.zeros(cap, dtype=np.int64)  # 0: a free slot
         self.owner = np.empty(cap, dtype=object)
         self.pos = np.zeros(cap, dtype=np.int64)  # steps formed so far
@@ -126,23 +131,31 @@ class ChainGroup:
         self.priority = np.zeros(cap, dtype=np.int64)
         self.first_cell = np.zeros(cap)
         self.streams = np.zeros(cap, dtype=bool)
-        self.rows = {(parity, out): np.zeros(cap, dtype=np.int64) for out in stage.kept for parity in (0, 1)}
-        self.rows_of = set(stage.kept)
-        self.init = {x: np.zeros(cap, dtype=np.int64) for x in stage.carry}  # read at step 0 (0: zeros)
+        self.R = np.zeros((2, len(kept), cap), dtype=np.int64)
+        self.I = np.zeros((len(stage.carry), cap), dtype=np.int64)
         self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
         self.values = np.zeros((4096, len(stage.step_inputs)), dtype=np.int64)  # [:num_values] in use
         self.num_values = 0
         self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
+        self.num_stepping = 0  # requests with steps left (kept in step: the scheduler reads it often)
         self._free_slots = list(range(cap - 1, -1, -1))
         self._next_serial = 1
+        # where things go in a task's index, and each kept output's pool
+        self._write_slots = [layout.writes[o] for o in kept]
+        self._read_slots = [layout.reads[x] for x in stage.carry]
+        self._carried = np.array([kept.index(o) for o in stage.carry.values()], dtype=np.int64)
+        self._value_slots = [layout.values[x] for x in stage.step_inputs]
+        self._kept_ix = np.arange(len(kept))[None, :, None]
+        self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
+        self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
+        by_pool: dict[int, list] = {}
+        for o, out in enumerate(kept):
+            by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
+        self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
 
     @property
     def num_live(self) -> int:
         return len(self.serial) - len(self._free_slots)
-
-    @property
-    def num_stepping(self) -> int:
-        return int(np.count_nonzero((self.serial > 0) & (self.pos < self.length)))
 
     # forming a round ------------------------------------------------------------------------
     def form(self, queues: tuple[Waiting, ...], max_steps: int) -> RoundTask | None:
@@ -151,44 +164,64 @@ class ChainGroup:
                 chunk = queue.take(len(self._free_slots))
                 if chunk is not None and len(chunk):
                     self._join(chunk)
-        stepping = np.flatnonzero((self.serial > 0) & (self.pos < self.length))
-        if not len(stepping):
+        if not self.num_stepping:
             return None
-        stage, layout = self.stage, self.stage.cell_type.layout
-        steps = self.length[stepping] - self.pos[stepping]
-        k = int(min(max_steps, steps.max()))
-        order = np.argsort(-steps, kind="stable")  # lanes stepping at step j are a prefix
-        lanes, steps = stepping[order], np.minimum(steps[order], k)
-        j = np.arange(k)[:, None]
-        p = self.pos[lanes][None, :] + j  # [k, B]: each lane's position at each step
-        active = j < steps[None, :]
-        even = (p & 1) == 0
-        index = np.zeros((k, layout.num_slices, len(lanes)), dtype=np.int64)
-        for i, name in enumerate(stage.step_inputs):  # host values per step (tokens)
-            at = np.where(active, self.base[lanes][None, :] + p, 0)
-            index[:, layout.values[name]] = np.where(active, self.values[at, i], 0)
-        for name, value in stage.start.items():  # decode: the first step's token
-            index[:, layout.values[name]] = np.where(active & (p == 0), value, 0)
-        for name, out in stage.carry.items():
-            written = np.where(even, self.rows[(1, out)][lanes], self.rows[(0, out)][lanes])  # at p - 1
-            index[:, layout.reads[name]] = np.where(active, np.where(p == 0, self.init[name][lanes], written), 0)
-        for out, slot in layout.writes.items():
-            if out in self.rows_of:
-                rows = np.where(even, self.rows[(0, out)][lanes], self.rows[(1, out)][lanes])
-                index[:, slot] = np.where(active, rows, self.pools[out].scratch_row)
-            else:  # an output nobody reads: written to scratch (runners that scatter skip it)
-                index[:, slot] = self.pools[out].scratch_row
-        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=index,
-                         num_active=active.sum(axis=1), last=steps - 1, carry=stage.carry, saved=stage.kept,
-                         record=tuple(stage.collect.values()), owners=self.owner[lanes])
+        stage = self.stage
+        stepping = np.flatnonzero(self.pos < self.length)  # (free slots have length 0)
+        left = self.length[stepping] - self.pos[stepping]
+        k = int(min(max_steps, left.max()))
+        order = np.argsort(-left, kind="stable")  # lanes stepping at step j are a prefix
+        lanes, steps = stepping[order], np.minimum(left[order], k)
+        pos0 = self.pos[lanes]
+        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, steps, k),
+                         num_active=np.searchsorted(-steps, -np.arange(k), side="left"), last=steps - 1,
+                         carry=stage.carry, saved=stage.kept, record=tuple(stage.collect.values()),
+                         owners=self.owner[lanes])
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
-            self._free_init(lanes[self.pos[lanes] == 0])
+            self._free_init(lanes[pos0 == 0])
         if stage.is_decode:
-            task.info = _DecodeLanes(lanes, self.serial[lanes], self.pos[lanes].copy(), steps)
-        self.pos[lanes] += steps
-        if not stage.is_decode:
-            self._end_chains(task, lanes, p[steps - 1, np.arange(len(lanes))])
+            task.info = _DecodeLanes(lanes, self.serial[lanes], pos0, steps)
+        self.pos[lanes] = pos0 + steps
+        ending = np.flatnonzero(pos0 + steps >= self.length[lanes])
+        self.num_stepping -= len(ending)
+        if len(ending) and not stage.is_decode:
+            self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (pos0[ending] + steps[ending] - 1) & 1)
         return task
+
+    def _index(self, lanes: np.ndarray, pos0: np.ndarray, steps: np.ndarray, k: int) -> np.ndarray:
+        """[k, num_slices, B]. A lane's parity alternates, so its writes alternate between two rows
+        (`at_even`, `at_odd` steps of the round) and its reads are the previous step's writes:
+        a few slice copies, not a pass per step. Lanes past their last step are fixed up after."""
+        stage, layout = self.stage, self.stage.cell_type.layout
+        b = len(lanes)
+        index = np.zeros((k, layout.num_slices, b), dtype=np.int64)
+        rows = self.R[:, :, lanes]  # [2, O, B]
+        even = (pos0 & 1) == 0
+        at_even = np.where(even, rows[0], rows[1])  # [O, B]: written at steps 0, 2, ...
+        at_odd = np.where(even, rows[1], rows[0])  # and at steps 1, 3, ...
+        index[0::2, self._write_slots] = at_even
+        index[1::2, self._write_slots] = at_odd
+        for slot, scratch in self._other_writes:
+            index[:, slot] = scratch
+        if stage.carry:
+            carried = self._carried
+            index[0, self._read_slots] = np.where(pos0 == 0, self.I[:, lanes], at_odd[carried])
+            index[1::2, self._read_slots] = at_even[carried]
+            index[2::2, self._read_slots] = at_odd[carried]
+        if stage.step_inputs:  # host values per step (tokens)
+            at = np.minimum(self.base[lanes] + pos0 + np.arange(k)[:, None], self.num_values - 1)
+            index[:, self._value_slots] = self.values[at].transpose(0, 2, 1)
+        for name, value in stage.start.items():  # decode: the first step's token
+            index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
+        early = np.flatnonzero(steps < k)  # lanes that end inside the round: padding after their end
+        if len(early):
+            sub = index[:, :, early]
+            past = np.arange(k)[:, None] >= steps[early][None, :]  # [k, E]
+            sub[:, self._write_slots] = np.where(past[:, None, :], self._scratch, sub[:, self._write_slots])
+            reads = self._read_slots + self._value_slots + [layout.values[n] for n in stage.start]
+            sub[:, reads] = np.where(past[:, None, :], 0, sub[:, reads])
+            index[:, :, early] = sub
+        return index
 
     def _join(self, chunk: Chunk) -> None:
         n, stage = len(chunk), self.stage
@@ -205,16 +238,15 @@ class ChainGroup:
             self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
         self.lengths[slots] = lengths
         self.length[slots] = lengths[:, stage.position]
+        self.num_stepping += n
         self.priority[slots] = chunk.columns["priority"]
         first = chunk.columns["first_cell"]
         self.first_cell[slots] = np.where(np.isnan(first), time.perf_counter(), first)
         self.streams[slots] = chunk.columns["streams"]
-        for out in stage.kept:
-            rows = self.pools[out].alloc_many(2 * n)
-            self.rows[(0, out)][slots] = rows[:n]
-            self.rows[(1, out)][slots] = rows[n:]
-        for name in stage.carry:
-            self.init[name][slots] = chunk.columns.get("init:" + name, 0)
+        for pool, ix in self._pool_groups:
+            self.R[:, ix[:, None], slots[None, :]] = pool.alloc_many(2 * len(ix) * n).reshape(2, len(ix), n)
+        for c, name in enumerate(stage.carry):
+            self.I[c, slots] = chunk.columns.get("init:" + name, 0)
         if stage.step_inputs:
             self.base[slots] = self._next_base
         longest = int(self.length[slots].max())
@@ -226,7 +258,7 @@ class ChainGroup:
 
     def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
         """The joining chains' step values after those of the `others` (the live chains), which
-        are repacked first once the buffer is mostly stale; `_next_base`: where each new one starts."""
+        are repacked first once the buffer is full of stale ones; `_next_base`: where each new one starts."""
         values = chunk.values.reshape(len(chunk.values), -1)
         if self.num_values + len(values) > len(self.values):
             lengths = self.length[others]
@@ -241,32 +273,29 @@ class ChainGroup:
         self.values[self.num_values:self.num_values + len(values)] = values
         self.num_values += len(values)
 
-    def _end_chains(self, task: RoundTask, lanes: np.ndarray, last_pos: np.ndarray) -> None:
+    def _end_chains(self, task: RoundTask, slots: np.ndarray, rows: np.ndarray, final_parity: np.ndarray) -> None:
         """Chains whose last step is in this round: their final rows go to the next stage or to
         the host; their other rows are freed (later launches run after this one)."""
-        ending = np.flatnonzero(self.pos[lanes] >= self.length[lanes])
-        if not len(ending):
-            return
-        stage, slots = self.stage, lanes[ending]
-        final_even = (last_pos[ending] & 1) == 0
-        final = {out: np.where(final_even, self.rows[(0, out)][slots], self.rows[(1, out)][slots]) for out in stage.kept}
-        spare = {out: np.where(final_even, self.rows[(1, out)][slots], self.rows[(0, out)][slots]) for out in stage.kept}
-        handed: set[str] = set()
+        stage, kept = self.stage, self.stage.kept
+        e = np.arange(len(slots))[None, :]
+        outputs = self._kept_ix[0]  # [O, 1]
+        final = rows[final_parity[None, :], outputs, e]  # [O, E]
+        spare = rows[1 - final_parity[None, :], outputs, e]
+        handed = np.zeros(len(kept), dtype=bool)
         if stage.next is not None:
             columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
                        "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
             for name, out in stage.next.stage.init.items():
-                columns["init:" + name] = final[out]
-                handed.add(out)
+                columns["init:" + name] = final[kept.index(out)]
+                handed[kept.index(out)] = True
             stage.next.add(self.priority[slots], Chunk.of(self.owner[slots], columns), self.worker_id)
             task.info = _Ending(self.owner[slots], self.first_cell[slots], handed_on=True)
         else:
-            task.fetch = {out: final[out] for out in stage.outputs.values()}
+            task.fetch = {out: final[kept.index(out)] for out in stage.outputs.values()}
             task.info = _Ending(self.owner[slots], self.first_cell[slots])
-        for out in stage.kept:
-            self.pools[out].free_many(spare[out])
-            if out not in handed:
-                self.pools[out].free_many(final[out])
+        for pool, ix in self._pool_groups:
+            pool.free_many(spare[ix].ravel())
+            pool.free_many(final[ix[~handed[ix]]].ravel())
         self._release(slots)
 
     # completion -----------------------------------------------------------------------------
@@ -329,20 +358,21 @@ class ChainGroup:
         for name, out in self.stage.carry.items():
             rows = chunk.columns.get("init:" + name)
             if rows is not None:
-                self.pools[out].free_many(rows[rows != 0].tolist())
+                self.pools[out].free_many(rows[rows != 0])
 
     def _drop(self, slots: np.ndarray) -> None:
         """Free the slots and every row they hold (later launches run after those in flight)."""
         self._free_init(slots)
-        for out in self.stage.kept:
-            self.pools[out].free_many(self.rows[(0, out)][slots].tolist() + self.rows[(1, out)][slots].tolist())
+        self.num_stepping -= int(np.count_nonzero(self.pos[slots] < self.length[slots]))
+        for pool, ix in self._pool_groups:
+            pool.free_many(self.R[:, ix[:, None], slots[None, :]].ravel())
         self._release(slots)
 
     def _free_init(self, slots: np.ndarray) -> None:
-        for name, out in self.stage.carry.items():
-            rows = self.init[name][slots]
-            self.pools[out].free_many(rows[rows != 0].tolist())
-            self.init[name][slots] = 0
+        for c, out in enumerate(self.stage.carry.values()):
+            rows = self.I[c, slots]
+            self.pools[out].free_many(rows[rows != 0])
+            self.I[c, slots] = 0
 
     def _release(self, slots: np.ndarray) -> None:
         self.serial[slots] = 0

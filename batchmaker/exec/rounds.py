@@ -98,7 +98,11 @@ class RoundRunner:
 
 def _steps(cell: CellRunner, index: torch.Tensor, k: int, pools: dict, carry: dict, saved, records: dict,
            num_active: list[int] | None) -> None:
-    """k steps: gather at step 0, then feed each step's outputs to the next (index [k, S, B])."""
+    """k steps: gather at step 0, then feed each step's outputs to the next (index [k, S, B]).
+
+    num_active None (a graph's body: static shapes): every step runs every lane and scatters its
+    outputs to that step's rows. Else (eager): step j runs its active lanes only (a prefix), and
+    only the lanes whose last step it is scatter (nothing reads a lane's rows of earlier steps)."""
     value_only = [name for name in cell.layout.values if name not in carry]
     lanes = slice(None) if num_active is None else slice(0, num_active[0])
     x = cell.gather(index[0], pools, lanes, value_only)
@@ -107,7 +111,12 @@ def _steps(cell: CellRunner, index: torch.Tensor, k: int, pools: dict, carry: di
             lanes = slice(0, num_active[j])
             x = {name: t[:num_active[j]] for name, t in x.items()}
         out = cell.forward(x)
-        cell.scatter(index[j], pools, out, saved, lanes)
+        if num_active is None:
+            cell.scatter(index[j], pools, out, saved, lanes)
+        else:
+            ending = slice(num_active[j + 1] if j + 1 < k else 0, num_active[j])
+            if ending.start < ending.stop:
+                cell.scatter(index[j], pools, {name: t[ending] for name, t in out.items()}, saved, ending)
         for name, buf in records.items():
             buf[j, lanes] = out[name]
         if j + 1 < k:

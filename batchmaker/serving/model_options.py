@@ -17,8 +17,7 @@ class SettingError(ValueError):
 
 def factory_options(name: str) -> dict[str, inspect.Parameter]:
     """The keyword options of a registered model's factory, by name."""
-    registry.registered_models()  # imports the built-in models, which registers them
-    factory = registry._FACTORIES[name]  # registry.py has no public getter for a factory yet
+    factory = registry.model_factory(name)
     return {p.name: p for p in inspect.signature(factory).parameters.values()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 

@@ -18,7 +18,7 @@ import torch
 
 from batchmaker.errors import BadRequestError
 from batchmaker.unfolders.common import check_keys
-from batchmaker.unfolders.trees import Tree, parse_tree
+from batchmaker.unfolders.trees import Tree, parse_tree, parse_trees
 from .server import BatchServer, Pending
 
 
@@ -35,8 +35,15 @@ class _TreeServer(BatchServer):
 
     def admit(self, request: Pending) -> None:
         check_keys(request.inputs, required=["tree"])
-        request.parsed = parse_tree(request.inputs["tree"], self.vocab)
+        request.parsed = self.parse(request.inputs["tree"])
         self.queue.append(request)
+
+    def parse(self, tree):
+        """The engine's own parser (batchmaker/core/tree_input.py): (num_leaves, tokens, children)."""
+        arrays, _, errors = parse_trees([tree], self.vocab)
+        if errors:
+            raise errors[0]
+        return arrays.tree(0)
 
     def next_batch(self) -> list[Pending]:
         return [self.queue.popleft() for _ in range(min(len(self.queue), self.max_trees))]
@@ -69,41 +76,40 @@ class GraphBatchingTreeLSTM(_TreeServer):
 class LevelPlan:
     """Node numbering of merged trees: leaves first, then internal nodes grouped by height.
 
-    index: int64 [num_leaves + 2 * num_internal]: the leaf tokens, then per level the left
-    children's node numbers followed by the right children's; levels: (start, stop, left, right)
-    with nodes [start, stop) and their children at index[left:...] and index[right:...].
+    Trees come as (num_leaves, tokens, children) (batchmaker/core/tree_input.TreeArrays.tree):
+    nodes numbered leaves first, then internal nodes in post-order. index: int64 [num_leaves +
+    2 * num_internal]: the leaf tokens, then per level the left children's node numbers followed
+    by the right children's; levels: (start, stop, left, right) with nodes [start, stop) and
+    their children at index[left:...] and index[right:...]. Heights come from one pass over each
+    tree's internal nodes (children before parents): the per-node host work of graph batching.
     """
 
-    def __init__(self, trees: list[Tree]):
-        self.tokens: list[int] = []
-        by_height: list[list[tuple]] = []  # height - 1 -> [(left key, right key)]
-        root_keys = [self._visit(t, by_height) for t in trees]
-        self.num_leaves = len(self.tokens)
+    def __init__(self, trees: list[tuple]):
+        tokens, by_height, root_keys = [], [], []
+        for n, leaf_tokens, children in trees:
+            first_leaf = len(tokens)
+            tokens += leaf_tokens.tolist()
+            keys = [(0, first_leaf + i) for i in range(n)]  # node -> (height, position within it)
+            for left, right in children.tolist():
+                a, b = keys[left], keys[right]
+                height = max(a[0], b[0]) + 1
+                if len(by_height) < height:
+                    by_height.append([])
+                by_height[height - 1].append((a, b))
+                keys.append((height, len(by_height[height - 1]) - 1))
+            root_keys.append(keys[-1])
+        self.num_leaves = len(tokens)
         offsets = np.cumsum([self.num_leaves] + [len(level) for level in by_height])
         number = lambda key: key[1] if key[0] == 0 else offsets[key[0] - 1] + key[1]  # noqa: E731
-        parts, self.levels, pos = [np.asarray(self.tokens, dtype=np.int64)], [], self.num_leaves
+        parts, self.levels, pos = [np.asarray(tokens, dtype=np.int64)], [], self.num_leaves
         for height, level in enumerate(by_height):
-            left = [number(k) for k, _ in level]
-            right = [number(k) for _, k in level]
-            parts.append(np.asarray(left + right, dtype=np.int64))
+            parts.append(np.asarray([number(k) for k, _ in level] + [number(k) for _, k in level], dtype=np.int64))
             start = offsets[height]
             self.levels.append((int(start), int(start + len(level)), pos, pos + len(level)))
             pos += 2 * len(level)
         self.index = np.concatenate(parts)
         self.num_nodes = int(offsets[-1])
         self.roots = np.asarray([number(k) for k in root_keys], dtype=np.int64)
-
-    def _visit(self, tree: Tree, by_height: list) -> tuple[int, int]:
-        """Post-order; returns the node's key (height, position within that height)."""
-        if isinstance(tree, int):
-            self.tokens.append(tree)
-            return 0, len(self.tokens) - 1
-        left, right = self._visit(tree[0], by_height), self._visit(tree[1], by_height)
-        height = max(left[0], right[0]) + 1
-        if len(by_height) < height:
-            by_height.append([])
-        by_height[height - 1].append((left, right))
-        return height, len(by_height[height - 1]) - 1
 
 
 class FixedTreeIdeal(_TreeServer):
@@ -113,13 +119,11 @@ class FixedTreeIdeal(_TreeServer):
         super().__init__(model, device, max_trees)
         self.num_leaves = num_leaves
 
-    def admit(self, request: Pending) -> None:
-        super().admit(request)
-        leaves = complete_leaves(request.parsed)
+    def parse(self, tree):
+        leaves = complete_leaves(parse_tree(tree, self.vocab))
         if leaves is None or len(leaves) != self.num_leaves:
-            self.queue.pop()
             raise BadRequestError(f"the ideal serves only complete binary trees of {self.num_leaves} leaves")
-        request.parsed = leaves
+        return leaves
 
     @torch.inference_mode()
     def run(self, batch: list[Pending]) -> list[dict]:

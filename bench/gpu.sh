@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU runs, by suite, in one command (the device tool runs it on the GPU machine):
+#   OUT=/tmp/gpu bash bench/gpu.sh SUITE [SUITE ...]
+#     tests    the GPU tests (pytest -m gpu; the ZeroMQ ones skip where pyzmq is missing)
+#     kernels  the fused kernels' sweep tests and bench/fused_cell.py
+#     engine   bench/gpu_engine.py: LSTM (WMT-like) and TreeLSTM (SST train) vs their cells' limit
+#     lstm     bench/wmt.py --model lstm, fp16 and fp32: BatchMaker vs bucketing vs the null system
+#     seq2seq  bench/wmt.py --model seq2seq fp16: the same
+#     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching, null
+#     serving  bench/wmt.py and bench/treebank.py over ZeroMQ (carry pyzmq wheels in .whl)
+# Knobs: DURATION (s per rate, default 2), SWEEP_LSTM, SWEEP_S2S, SWEEP_TREE (START:STOP:FACTOR).
+# Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) and the log are
+# copied to $OUT; the steps' commands are in the log and in each JSON.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.." || exit 1
+exec > >(tee "$OUT/log.txt") 2>&1
+. bench/gpu_lib.sh
+
+DURATION=${DURATION:-2}
+TREES=${TREES:-../shared/data/sst/train.txt}  # SST's train split: not the sample the project ships
+[ -f "$TREES" ] || TREES=.gpu_data/train.txt  # on the GPU machine: carried there (../shared does not travel)
+marker=$(mktemp)
+step environment bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+    python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"; nproc'
+step install install
+step imports import_check
+common=(--device cuda:0 --duration "$DURATION" --min-requests 150 --warmup 300)
+for suite in "$@"; do
+    case "$suite" in
+        tests) step gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+        kernels) step kernel-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py
+                 step fused-cell timeout 300 python3 bench/fused_cell.py ;;
+        engine) step engine-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 40000
+                step engine-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 20000 ;;
+        lstm) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}"
+              step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
+        seq2seq) step wmt-seq2seq-fp16 timeout 300 python3 bench/wmt.py --model seq2seq --dtype fp16 "${common[@]}" --sweep "${SWEEP_S2S:-1600:204800:2}" ;;
+        treebank) step treebank-sst-fp16 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}" ;;
+        serving) step wmt-lstm-zmq timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${common[@]}" --sweep 1600:102400:2
+                 step treebank-zmq timeout 280 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${common[@]}" --sweep 800:51200:2 ;;
+        *) echo "unknown suite $suite"; failed+=("$suite") ;;
+    esac
+done
+find bench/results -maxdepth 1 -type f -newer "$marker" \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT"/ \;
+echo "== results in $OUT:"; ls "$OUT"
+echo "== failed steps: ${failed[*]:-none}"
+exit "${#failed[@]}"
