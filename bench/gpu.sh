@@ -4,6 +4,7 @@
 #     tests    the GPU tests (pytest -m gpu; the ZeroMQ ones skip where pyzmq is missing)
 #     kernels  the fused kernels' sweep tests and bench/fused_cell.py
 #     engine   bench/gpu_engine.py: LSTM (WMT-like) and TreeLSTM (SST train) vs their cells' limit
+#     profile  the same, smaller, with the manager thread under cProfile (where the host time goes)
 #     lstm     bench/wmt.py --model lstm, fp16 and fp32: BatchMaker vs bucketing vs the null system
 #     seq2seq  bench/wmt.py --model seq2seq fp16: the same
 #     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching, null
@@ -35,6 +36,8 @@ for suite in "$@"; do
                  step fused-cell timeout 300 python3 bench/fused_cell.py ;;
         engine) step engine-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 40000
                 step engine-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 20000 ;;
+        profile) step profile-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 20000 --cprofile --tag cprofile
+                 step profile-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 10000 --cprofile --tag cprofile ;;
         lstm) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}"
               step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
         seq2seq) step wmt-seq2seq-fp16 timeout 300 python3 bench/wmt.py --model seq2seq --dtype fp16 "${common[@]}" --sweep "${SWEEP_S2S:-1600:204800:2}" ;;

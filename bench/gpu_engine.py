@@ -78,29 +78,61 @@ def requests(args) -> tuple[list[dict], int]:
 def engine_run(model, args, device) -> dict:
     config = EngineConfig(devices=(str(device),), max_requests=1 << 22,
                           scheduler=SchedulerConfig(max_tasks_to_submit=args.round_steps))
-    with Engine([model], config) as engine:
+    engine = Engine([model], config)
+    profiler = None
+    if args.cprofile:  # the manager thread's step(), while the timed requests run
+        import cProfile
+        profiler, step = cProfile.Profile(), engine.step
+
+        def profiled_step():
+            if not profiler_on[0]:
+                return step()
+            profiler.enable()
+            try:
+                return step()
+            finally:
+                profiler.disable()
+        engine.step = profiled_step
+    profiler_on = [False]
+    with engine:
         warm, _ = requests(argparse.Namespace(**{**vars(args), "requests": args.warmup}))
         for f in [engine.submit(args.model, r) for r in warm]:
             f.result(300)
         reqs, cell_steps = requests(args)
         before = engine.stats()
+        profiler_on[0] = True
         start = time.perf_counter()
         futures = [engine.submit(args.model, r) for r in reqs]
         submitted = time.perf_counter()
         for f in futures:
             f.result(600)
         wall = time.perf_counter() - start
+        profiler_on[0] = False
         after = engine.stats()
     stage_ms = {k: after["stage_ms"][k] - before["stage_ms"][k] for k in after["stage_ms"]}
     tasks = after["num_tasks"] - before["num_tasks"]
     manager_ms = stage_ms["admit"] + stage_ms["complete"] + stage_ms["schedule"]
-    return {"wall_s": wall, "submit_s": submitted - start, "num_requests": len(reqs), "cell_steps": cell_steps,
+    top = _top_functions(profiler) if profiler is not None else None
+    return {"cprofile_manager": top, "wall_s": wall, "submit_s": submitted - start, "num_requests": len(reqs),
+            "cell_steps": cell_steps,
             "cell_steps_per_s": cell_steps / wall, "requests_per_s": len(reqs) / wall, "tasks": tasks,
             "mean_batch": cell_steps / max(tasks, 1), "stage_ms": stage_ms,
             "manager_us_per_request": manager_ms * 1e3 / len(reqs),
             "manager_us_per_cell_step": manager_ms * 1e3 / cell_steps,
             "stage_us_per_request": {k: v * 1e3 / len(reqs) for k, v in stage_ms.items()},
             "submit_us_per_request": (submitted - start) * 1e6 / len(reqs)}
+
+
+def _top_functions(profiler, limit: int = 30) -> list[dict]:
+    import io
+    import pstats
+    stats = pstats.Stats(profiler, stream=io.StringIO())
+    rows = [{"function": f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({fn})", "calls": nc,
+             "tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3} for (path, line, fn), (cc, nc, tt, ct, _) in stats.stats.items()]
+    rows.sort(key=lambda r: r["tottime_ms"], reverse=True)
+    for r in rows[:limit]:
+        print(f"  {r['tottime_ms']:9.1f} ms self {r['cumtime_ms']:9.1f} ms cum {r['calls']:8d}  {r['function']}")
+    return rows[:limit]
 
 
 def main(argv=None) -> int:
@@ -118,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-steps", type=int, default=16)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cprofile", action="store_true", help="profile the manager's step() during the timed run")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     args.max_batch = args.max_batch or (512 if args.model == "lstm" else 64)

@@ -248,8 +248,8 @@ def test_fp16_stays_close_to_fp32(no_tf32):
 @pytest.mark.gpu
 @needs_gpu
 def test_a_pool_that_grows_is_captured_again(no_tf32):
-    model = build_model("lstm", vocab=60, embed=32, hidden=32, max_batch=8)
-    requests = [("lstm", {"tokens": [i % 60] * (i % 30 + 1)}) for i in range(400)]  # more rows than reserved
+    model = build_model("lstm", vocab=60, embed=32, hidden=32, max_batch=64)
+    requests = [("lstm", {"tokens": [i % 60] * (i % 30 + 1)}) for i in range(400)]  # 64 chains: 256 rows > 64
     with Engine([model], EngineConfig(devices=("cuda:0",))) as engine:
         captures = engine.workers[0].graphs.num_captures
         futures = [engine.submit(name, inputs) for name, inputs in requests]

@@ -28,14 +28,14 @@ class Graphs:
         self.num_replays = 0
         self.capture_s = 0.0  # wall time spent capturing (device syncs and warm-up runs included)
         self._graphs: dict[Hashable, tuple] = {}  # key -> (graph, static outputs, pool addresses)
-        self._eager: set[Hashable] = set()  # keys whose body cannot be captured
+        self._eager: set[Hashable] = set()  # cell types (key[1]) whose bodies cannot be captured
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
 
     def run(self, key: Hashable, body: Callable[[], object], pools: list) -> object:
         """The body's outputs: a replay (static outputs, valid until the next replay of `key`),
         or an eager run (this one's work; the graph serves the next runs)."""
-        if not self.enabled or key in self._eager:
+        if not self.enabled or key[1] in self._eager:
             return body()
         entry = self._graphs.get(key)
         if entry is not None and entry[2] == _addresses(pools):
@@ -49,7 +49,7 @@ class Graphs:
     def capture(self, key: Hashable, body: Callable[[], object], pools: list, warm: bool = False) -> bool:
         """(Re-)capture `body` on the pools as they are now; with `warm`, run it once first (at
         start-up: with every lane padding, it writes only scratch rows). False if it cannot be."""
-        if not self.enabled or key in self._eager:
+        if not self.enabled or key[1] in self._eager:
             return False
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)  # the graph dropped below may still be replaying
@@ -72,9 +72,12 @@ class Graphs:
                     raise
                 graph.capture_end()
         except Exception as e:
-            log.warning("%s: not captured as a CUDA graph, running eagerly (%s: %s)", key, type(e).__name__, e)
-            self._eager.add(key)
-            self._stream = torch.cuda.Stream(self.device)  # the failed capture's stream is left behind
+            log.warning("%s: not captured as a CUDA graph, running eagerly from now on (%s: %s)", key[1],
+                        type(e).__name__, e)
+            self._eager.add(key[1])  # the cell type: its other keys would fail alike
+            # the failed capture's stream and memory pool are left behind (the allocator may still
+            # be recording into that pool): later captures take new ones
+            self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
             return False
         self._graphs[key] = (graph, static, _addresses(pools))
         self.num_captures += 1

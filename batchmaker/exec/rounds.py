@@ -15,7 +15,7 @@ import torch
 from batchmaker.core.task import RoundTask
 from batchmaker.exec.cells import CellRunner
 from batchmaker.exec.graphs import Graphs
-from batchmaker.exec.staging import PinnedRing, to_host
+from batchmaker.exec.staging import Landing, PinnedRing
 
 
 class RoundRunner:
@@ -24,6 +24,7 @@ class RoundRunner:
         self.graphs = graphs
         self.max_steps = max_steps
         self._buffers: dict[tuple, "_RoundBuffers"] = {}  # (id(cell type), bucket) -> static buffers
+        self._landing: Landing | None = None  # results to the host (CUDA)
         self.num_rounds = 0
 
     def warm_up(self, cell_type, record: tuple[str, ...], saved: tuple[str, ...], carry: dict) -> None:
@@ -47,12 +48,18 @@ class RoundRunner:
         pools = cell.tensors()
         self.graphs.run(("round", task.cell_type.name, bucket, k),
                         self._body(cell, buffers, k, task.carry, task.saved, task.record), cell.distinct_pools)
-        host = {}
-        for name in task.record:
-            host["record:" + name] = to_host(buffers.records[name][:k, :b])
-        for (name, rows), device_rows in zip(task.fetch.items(), fetch):
-            host["fetch:" + name] = to_host(pools[name].index_select(0, device_rows[:len(rows)]))
-        task.handle = host
+        if task.record or task.fetch:
+            if self._landing is None:
+                self._landing = Landing()
+            landing = self._landing
+            landing.start()
+            host = {}
+            for name in task.record:
+                host["record:" + name] = landing.to_host(buffers.records[name][:k, :b])
+            for (name, rows), device_rows in zip(task.fetch.items(), fetch):
+                host["fetch:" + name] = landing.to_host(pools[name].index_select(0, device_rows[:len(rows)]))
+            landing.end()
+            task.handle = host
         self.num_rounds += 1
 
     def _body(self, cell: CellRunner, buffers: "_RoundBuffers", k: int, carry, saved, record):
@@ -91,8 +98,8 @@ class RoundRunner:
     def finish(self, task: RoundTask) -> None:
         host = task.handle
         if host:
-            task.recorded = {name: host["record:" + name].numpy() for name in task.record}
-            task.fetched = {name: host["fetch:" + name] for name in task.fetch}
+            task.recorded = {name: host["record:" + name].numpy().copy() for name in task.record}
+            task.fetched = {name: Landing.take(host["fetch:" + name]) for name in task.fetch}
         task.handle = None
 
 

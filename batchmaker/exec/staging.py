@@ -29,8 +29,40 @@ class PinnedRing:
         self.events[self.i].record()
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """Queue a copy of a device tensor into pinned host memory (read it once the launch completed)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+class Landing:
+    """Pinned host memory that device results are copied into, reused round robin: a launch's
+    results land in the next free region (`to_host`), and its finish copies them out to pageable
+    memory (`take`), so that results handed to users never hold pinned blocks (a caching pinned
+    allocator would otherwise cudaHostAlloc afresh while users keep their results)."""
+
+    def __init__(self, size: int = 1 << 22, depth: int = DEPTH):
+        self.buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.events = [torch.cuda.Event() for _ in range(depth)]
+        self.i, self.used = 0, 0
+
+    def start(self) -> None:
+        """A launch begins: its results go to the next region (once its last copy is done)."""
+        self.i = (self.i + 1) % len(self.buffers)
+        self.events[self.i].synchronize()
+        self.used = 0
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of a device tensor into this launch's region; read it after completion."""
+        nbytes = t.numel() * t.element_size()
+        start = (self.used + 255) // 256 * 256
+        buffer = self.buffers[self.i]
+        if start + nbytes > len(buffer):  # too big for the ring: a pinned block of its own
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        else:
+            host = buffer[start:start + nbytes].view(t.dtype).view(t.shape)
+            self.used = start + nbytes
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def end(self) -> None:
+        self.events[self.i].record()
+
+    @staticmethod
+    def take(host: torch.Tensor) -> torch.Tensor:
+        """A landed result as pageable memory (the region is free for a later launch)."""
+        return host.clone()

@@ -15,7 +15,7 @@ import torch
 from batchmaker.core.task import StepTask
 from batchmaker.exec.cells import CellRunner
 from batchmaker.exec.graphs import Graphs
-from batchmaker.exec.staging import PinnedRing, to_host
+from batchmaker.exec.staging import Landing, PinnedRing
 
 
 class StepRunner:
@@ -25,6 +25,7 @@ class StepRunner:
         self.num_gathers_skipped = 0
         self._buffers: dict[tuple, "_StepBuffers"] = {}
         self._last_out: dict | None = None  # eager: the previous task's outputs, for reuse
+        self._landing: Landing | None = None  # results to the host (CUDA)
 
     def warm_up(self, cell_type) -> None:
         cell = self.cells[id(cell_type)]
@@ -48,7 +49,17 @@ class StepRunner:
         _stage(task, pools, index.device)
         self.graphs.run(("step", task.cell_type.name, bucket), self._body(cell, index, task.value_only),
                         cell.distinct_pools)
-        task.handle = {name: to_host(pools[name].index_select(0, rows)) for name, rows in zip(task.fetch, fetch)}
+        task.handle = self._to_host({name: pools[name].index_select(0, rows) for name, rows in zip(task.fetch, fetch)})
+
+    def _to_host(self, values: dict) -> dict:
+        if not values:
+            return {}
+        if self._landing is None:
+            self._landing = Landing()
+        self._landing.start()
+        host = {name: self._landing.to_host(t) for name, t in values.items()}
+        self._landing.end()
+        return host
 
     def _body(self, cell: CellRunner, index: torch.Tensor, value_only):
         if cell.fused is not None:
@@ -95,7 +106,7 @@ class StepRunner:
         if device is None:
             task.fetched = fetched
         else:
-            task.handle = {name: to_host(t) for name, t in fetched.items()}
+            task.handle = self._to_host(fetched)
 
     def forget_outputs(self) -> None:
         """The last task failed: nothing of it to reuse."""
@@ -104,7 +115,7 @@ class StepRunner:
     # the manager thread, once the task completed ------------------------------------------------
     def finish(self, task: StepTask) -> None:
         if isinstance(task.handle, dict):
-            task.fetched = task.handle
+            task.fetched = {name: Landing.take(t) for name, t in task.handle.items()}
         task.handle = None
 
 
