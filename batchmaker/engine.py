@@ -175,6 +175,9 @@ class Engine:
     def step(self) -> bool:
         """One turn of the manager: admit -> complete -> schedule. True if anything happened."""
         clock, ns = time.perf_counter_ns, self.stage_ns
+        if self._thread is not threading.current_thread() and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():  # a caller's thread drives the engine
+                return self.step()
         t0 = clock()
         progressed = self._admit()
         t1 = clock()
@@ -214,6 +217,7 @@ class Engine:
 
     # the manager ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        torch.inference_mode().__enter__()  # for this thread's life (a context per task costs ~10 µs)
         while True:
             self._wake.clear()
             try:

@@ -56,12 +56,14 @@ def main(argv=None) -> int:
     parser.add_argument("--trees", default="sample", help="sample (shipped SST dev sample), fixed16 "
                                                           "(complete 16-leaf trees, Fig. 2.15) or a file of bracketed trees")
     parser.add_argument("--pool", type=int, default=2000, help="fixed16: trees generated")
-    parser.add_argument("--max-batch", type=int, default=64, help="engine cells per task; baselines: trees per batch")
+    parser.add_argument("--max-batch", type=int, default=64, help="baselines: trees per batch; the engine: cells per task")
+    parser.add_argument("--engine-max-batch", type=int, default=None,
+                        help="the engine's cells per task, if not --max-batch (a tuning of the engine alone)")
     args = parser.parse_args(argv)
 
     policy = runner.numerics(args)
     model = build_model("treelstm", vocab=args.vocab, embed=args.embed or args.hidden, hidden=args.hidden,
-                        dtype=args.dtype, seed=args.seed, max_batch=args.max_batch)
+                        dtype=args.dtype, seed=args.seed, max_batch=args.engine_max_batch or args.max_batch)
     data = trees(args)
     sizes = np.array([num_leaves(parse_tree(t, args.vocab)) for t in data])
     print(f"treelstm: {len(data)} trees ({args.trees}), mean {sizes.mean():.1f} leaves, max {sizes.max()}; {policy}",

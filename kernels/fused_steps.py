@@ -64,8 +64,10 @@ def tree_internal_step(cell, layout, buckets: tuple[int, ...], reference: bool =
 
 
 def _available(ladder: str, buckets, hidden: int, ks: tuple[int, ...], gates: int, weight: torch.Tensor) -> bool:
-    """The Triton kernels run here (CUDA, Triton installed) and take every batch size and width."""
-    if not weight.is_cuda:
+    """The Triton kernels run here (CUDA, Triton installed) and take every batch size and width.
+    Half precision only: in fp32 (TF32 off) their dots run on CUDA cores, far behind cuBLAS (on an
+    H200 the engine's fp32 LSTM ran at half of cuDNN's speed with them), so fp32 cells stay unfused."""
+    if not weight.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16):
         return False
     try:
         load_kernels()

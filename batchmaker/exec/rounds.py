@@ -25,6 +25,7 @@ class RoundRunner:
         self.max_steps = max_steps
         self._buffers: dict[tuple, "_RoundBuffers"] = {}  # (id(cell type), bucket) -> static buffers
         self._landing: Landing | None = None  # results to the host (CUDA)
+        self.stream = None  # the CUDA worker's stream (its copies' events record on it)
         self.num_rounds = 0
 
     def warm_up(self, cell_type, record: tuple[str, ...], saved: tuple[str, ...], carry: dict) -> None:
@@ -50,7 +51,7 @@ class RoundRunner:
                         self._body(cell, buffers, k, task.carry, task.saved, task.record), cell.distinct_pools)
         if task.record or task.fetch:
             if self._landing is None:
-                self._landing = Landing()
+                self._landing = Landing(self.stream)
             landing = self._landing
             landing.start()
             host = {}
@@ -80,7 +81,7 @@ class RoundRunner:
         key = (id(cell.cell_type), bucket)
         buffers = self._buffers.get(key)
         if buffers is None:
-            buffers = self._buffers[key] = _RoundBuffers(cell, bucket, self.max_steps, self.graphs.device)
+            buffers = self._buffers[key] = _RoundBuffers(cell, bucket, self.max_steps, self.graphs.device, self.stream)
         return buffers
 
     # CPU: the worker thread runs the steps ----------------------------------------------------
@@ -137,7 +138,7 @@ class _RoundBuffers:
     the fetched rows [num outputs, bucket], in one flat tensor filled by one copy; and the
     recorded outputs [max_steps, bucket]."""
 
-    def __init__(self, cell: CellRunner, bucket: int, max_steps: int, device: torch.device):
+    def __init__(self, cell: CellRunner, bucket: int, max_steps: int, device: torch.device, stream):
         self.bucket, self.max_steps = bucket, max_steps
         self.num_slices = cell.layout.num_slices
         self.num_fetch = len(cell.signature.outputs)
@@ -145,7 +146,7 @@ class _RoundBuffers:
         size = self.offset + max_steps * self.num_slices * bucket
         self.flat = torch.zeros(size, dtype=torch.int64, device=device)
         self.index = self.flat[self.offset:].view(max_steps, self.num_slices, bucket)
-        self.ring = PinnedRing(size, device)
+        self.ring = PinnedRing(size, stream)
         self.records: dict[str, torch.Tensor] = {}
         self._padding = cell.padding()
 

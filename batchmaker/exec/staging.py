@@ -11,7 +11,8 @@ DEPTH = 4
 
 
 class PinnedRing:
-    def __init__(self, size: int, device: torch.device, depth: int = DEPTH):
+    def __init__(self, size: int, stream: torch.cuda.Stream, depth: int = DEPTH):
+        self.stream = stream
         self.buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(depth)]
         self.arrays = [b.numpy() for b in self.buffers]  # numpy views of the same memory
         self.events = [torch.cuda.Event() for _ in range(depth)]
@@ -26,7 +27,7 @@ class PinnedRing:
     def copy_to(self, device_buffer: torch.Tensor, n: int) -> None:
         """Queue the copy of the buffer just filled (its first n values) on the current stream."""
         device_buffer[:n].copy_(self.buffers[self.i][:n], non_blocking=True)
-        self.events[self.i].record()
+        self.events[self.i].record(self.stream)
 
 
 class Landing:
@@ -35,7 +36,8 @@ class Landing:
     memory (`take`), so that results handed to users never hold pinned blocks (a caching pinned
     allocator would otherwise cudaHostAlloc afresh while users keep their results)."""
 
-    def __init__(self, size: int = 1 << 22, depth: int = DEPTH):
+    def __init__(self, stream: torch.cuda.Stream, size: int = 1 << 22, depth: int = DEPTH):
+        self.stream = stream
         self.buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
         self.events = [torch.cuda.Event() for _ in range(depth)]
         self.i, self.used = 0, 0
@@ -60,7 +62,7 @@ class Landing:
         return host
 
     def end(self) -> None:
-        self.events[self.i].record()
+        self.events[self.i].record(self.stream)
 
     @staticmethod
     def take(host: torch.Tensor) -> torch.Tensor:

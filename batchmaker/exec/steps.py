@@ -26,6 +26,7 @@ class StepRunner:
         self._buffers: dict[tuple, "_StepBuffers"] = {}
         self._last_out: dict | None = None  # eager: the previous task's outputs, for reuse
         self._landing: Landing | None = None  # results to the host (CUDA)
+        self.stream = None  # the CUDA worker's stream (its copies' events record on it)
 
     def warm_up(self, cell_type) -> None:
         cell = self.cells[id(cell_type)]
@@ -55,7 +56,7 @@ class StepRunner:
         if not values:
             return {}
         if self._landing is None:
-            self._landing = Landing()
+            self._landing = Landing(self.stream)
         self._landing.start()
         host = {name: self._landing.to_host(t) for name, t in values.items()}
         self._landing.end()
@@ -75,7 +76,7 @@ class StepRunner:
     def _buffers_of(self, cell: CellRunner, bucket: int) -> "_StepBuffers":
         key = (id(cell.cell_type), bucket)
         if key not in self._buffers:
-            self._buffers[key] = _StepBuffers(cell, bucket, self.graphs.device)
+            self._buffers[key] = _StepBuffers(cell, bucket, self.graphs.device, self.stream)
         return self._buffers[key]
 
     # CPU (or CUDA with graphs off): run eagerly -------------------------------------------------
@@ -137,12 +138,12 @@ class _StepBuffers:
     """Static device buffers of one (cell type, bucket): the fetched rows [num outputs, bucket],
     then the index [S, bucket], in one flat tensor filled by one copy."""
 
-    def __init__(self, cell: CellRunner, bucket: int, device: torch.device):
+    def __init__(self, cell: CellRunner, bucket: int, device: torch.device, stream):
         self.bucket, self.num_slices = bucket, cell.layout.num_slices
         self.offset = len(cell.signature.outputs) * bucket
         self.flat = torch.zeros(self.offset + self.num_slices * bucket, dtype=torch.int64, device=device)
         self.index = self.flat[self.offset:].view(self.num_slices, bucket)
-        self.ring = PinnedRing(len(self.flat), device)
+        self.ring = PinnedRing(len(self.flat), stream)
         self.padding = np.asarray(cell.padding(), dtype=np.int64)[:, None]
 
     def load(self, index: np.ndarray, fetch_rows: list[np.ndarray]):

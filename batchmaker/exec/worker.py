@@ -127,16 +127,23 @@ class CPUWorker(Worker):
         self._thread.join()
 
     def _run(self) -> None:
+        torch.inference_mode().__enter__()  # for this thread's life
         while (item := self._inbox.get()) is not None:
             task, runnable = item
             try:
-                with torch.inference_mode():
-                    (self.rounds if isinstance(runnable, RoundTask) else self.steps).execute(runnable)
+                (self.rounds if isinstance(runnable, RoundTask) else self.steps).execute(runnable)
             except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
                 runnable.error = e
                 self.steps.forget_outputs()
             self._done.append(task)
             self._on_done()
+
+
+class _ManagerStream(threading.local):
+    stream = None  # the CUDA stream the manager thread last made current (CUDAWorker.submit)
+
+
+_manager = _ManagerStream()
 
 
 class CUDAWorker(Worker):
@@ -148,6 +155,7 @@ class CUDAWorker(Worker):
         super().__init__(*args, **kwargs)
         from batchmaker.kernels.signal import SignalCounter
         self.stream = torch.cuda.Stream(self.device)
+        self.steps.stream = self.rounds.stream = self.stream  # (their events record on it)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.counter = SignalCounter(self.device)
             self.counter.signal()  # the first launch of a kernel may block (lazy module loading)
@@ -173,15 +181,19 @@ class CUDAWorker(Worker):
                  time.perf_counter() - start)
 
     def submit(self, task: Task) -> None:
-        # Planning may create pools (zero-filled tensors): on this stream, so that the allocator
-        # ties their memory to it and the zeros land before any task of this stream reads them.
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
-            runnable = self._prepare(task)
-            try:
-                (self.rounds if isinstance(runnable, RoundTask) else self.steps).launch(runnable)
-            except Exception as e:  # raised at launch: the task fails, the FIFO stays in order
-                runnable.error = e
-            self.counter.signal()
+        # Everything runs on this worker's stream (planning may create pools: their zeros then
+        # land before any task of this stream reads them). Setting it is cheap, asking for the
+        # current one is not: the manager thread remembers what it set.
+        if _manager.stream is not self.stream:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)
+            _manager.stream = self.stream
+        runnable = self._prepare(task)
+        try:
+            (self.rounds if isinstance(runnable, RoundTask) else self.steps).launch(runnable)
+        except Exception as e:  # raised at launch: the task fails, the FIFO stays in order
+            runnable.error = e
+        self.counter.signal()
         self._in_progress.append(task)
         self.num_in_flight += 1
         self.num_tasks += 1
