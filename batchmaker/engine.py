@@ -217,7 +217,10 @@ class Engine:
 
     # the manager ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.inference_mode().__enter__()  # for this thread's life (a context per task costs ~10 µs)
+        with torch.inference_mode():  # for this thread's life (a context per task costs ~10 µs)
+            self._run()
+
+    def _run(self) -> None:
         while True:
             self._wake.clear()
             try:

@@ -127,7 +127,10 @@ class CPUWorker(Worker):
         self._thread.join()
 
     def _run(self) -> None:
-        torch.inference_mode().__enter__()  # for this thread's life
+        with torch.inference_mode():  # for this thread's life
+            self._serve()
+
+    def _serve(self) -> None:
         while (item := self._inbox.get()) is not None:
             task, runnable = item
             try:
