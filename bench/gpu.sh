@@ -5,6 +5,7 @@
 #     kernels  the fused kernels' sweep tests and bench/fused_cell.py
 #     engine   bench/gpu_engine.py: LSTM (WMT-like) and TreeLSTM (SST train) vs their cells' limit
 #     profile  the same, smaller, with the manager thread under cProfile (where the host time goes)
+#     rounds   the LSTM engine at 5, 8 and 12 steps per round (MaxTasksToSubmit)
 #     lstm     bench/wmt.py --model lstm, fp16 and fp32: BatchMaker vs bucketing vs the null system
 #     seq2seq  bench/wmt.py --model seq2seq fp16: the same
 #     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching, null
@@ -28,14 +29,17 @@ step environment bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.tota
     python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"; nproc'
 step install install
 step imports import_check
-common=(--device cuda:0 --duration "$DURATION" --min-requests 150 --warmup 300)
+common=(--device cuda:0 --duration "$DURATION" --min-requests 150 --warmup 300 ${ENGINE_ARGS:-})
 for suite in "$@"; do
     case "$suite" in
-        tests) step gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+        tests) step gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
         kernels) step kernel-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py
                  step fused-cell timeout 300 python3 bench/fused_cell.py ;;
         engine) step engine-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 40000
                 step engine-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 20000 ;;
+        rounds) for k in 5 8 12; do
+                    step engine-lstm-k$k timeout 200 python3 bench/gpu_engine.py --model lstm --requests 40000 --round-steps $k --tag k$k
+                done ;;
         profile) step profile-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 20000 --cprofile --tag cprofile
                  step profile-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 10000 --cprofile --tag cprofile ;;
         lstm) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}"
