@@ -95,7 +95,7 @@ class Engine:
             cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
             self.workers.append(make_worker(len(self.workers), device, cells, self._distinct, self.workers,
                                             use_graphs=self.config.cuda_graphs,
-                                            max_steps=self.config.scheduler.max_tasks_to_submit,
+                                            max_steps=self.config.scheduler.max_round_steps,
                                             on_done=self._wake.set, warm=warm))
         self._build_queues()
         # Long-lived objects (torch, models) leave the collector's view: full collections would

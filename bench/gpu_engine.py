@@ -77,7 +77,7 @@ def requests(args) -> tuple[list[dict], int]:
 
 def engine_run(model, args, device) -> dict:
     config = EngineConfig(devices=(str(device),), max_requests=1 << 22,
-                          scheduler=SchedulerConfig(max_tasks_to_submit=args.round_steps))
+                          scheduler=SchedulerConfig(max_round_steps=args.round_steps))
     engine = Engine([model], config)
     profiler = None
     if args.cprofile:  # the manager thread's step(), while the timed requests run
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--warmup", type=int, default=2000)
     parser.add_argument("--trees", default=None, help="TreeLSTM: a file of bracketed trees (default: the SST sample)")
-    parser.add_argument("--round-steps", type=int, default=5, help="MaxTasksToSubmit (chain round length)")
+    parser.add_argument("--round-steps", type=int, default=SchedulerConfig.max_round_steps, help="steps per chain round")
     parser.add_argument("--graph-steps", type=int, default=16)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)

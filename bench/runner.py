@@ -41,8 +41,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cprofile", action="store_true", help="cProfile the engine's manager thread")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--round-steps", type=int, default=5,
-                        help="the engine's MaxTasksToSubmit: tasks per schedule call, steps per chain or decode round")
+    parser.add_argument("--round-steps", type=int, default=SchedulerConfig.max_round_steps,
+                        help="the engine's steps per chain or decode round (SchedulerConfig.max_round_steps)")
     parser.add_argument("--tag", default="", help="appended to the result name")
 
 
@@ -71,7 +71,7 @@ def engine_system(models, args):
     """Yields (submit, extra): an engine in process, or behind a ZeroMQ server on loopback."""
     devices = tuple((args.devices or args.device).split(","))
     engine = Engine(models, EngineConfig(devices=devices, max_requests=1 << 20,  # open loop: no admission bound
-                                         scheduler=SchedulerConfig(max_tasks_to_submit=args.round_steps)))
+                                         scheduler=SchedulerConfig(max_round_steps=args.round_steps)))
     profiler = cProfile.Profile() if args.cprofile else None
     if profiler:
         loop = engine._loop  # the manager thread's body, looked up when the thread starts

@@ -105,7 +105,7 @@ def random_tokens(rng: random.Random) -> list[int]:
 
 
 def engine_for(model, devices=("cpu",), steps=3, **kwargs) -> Engine:
-    return Engine([model], EngineConfig(devices=devices, scheduler=SchedulerConfig(max_tasks_to_submit=steps), **kwargs))
+    return Engine([model], EngineConfig(devices=devices, scheduler=SchedulerConfig(max_round_steps=steps), **kwargs))
 
 
 def assert_idle_counts(stats: dict) -> None:

@@ -69,6 +69,8 @@ class Stage:
 class ChainQueue:
     """A stage's cell type as the scheduler sees it: waiting requests and a group per worker."""
 
+    forms_rounds = True  # form() gets SchedulerConfig.max_round_steps: steps of its one round
+
     def __init__(self, stage: Stage, pools: dict[int, dict[str, RowAllocator]]):
         self.stage = stage
         self.cell_type = stage.cell_type
@@ -88,11 +90,11 @@ class ChainQueue:
     def add(self, priorities: np.ndarray, chunk: Chunk, worker_id: int | None = None) -> None:
         (self.shared if worker_id is None else self.pinned[worker_id]).add(priorities, chunk)
 
-    def form(self, worker_id: int, max_tasks: int, epoch: int) -> list[RoundTask]:
+    def form(self, worker_id: int, max_steps: int, epoch: int) -> list[RoundTask]:
         if epoch != self.cancel_epoch:  # requests were cancelled or failed: drop them, free their rows
             self.cancel_epoch = epoch
             self.purge()
-        task = self.groups[worker_id].form((self.pinned[worker_id], self.shared), max_tasks)
+        task = self.groups[worker_id].form((self.pinned[worker_id], self.shared), max_steps)
         return [] if task is None else [task]
 
     def complete(self, task: RoundTask) -> None:

@@ -24,7 +24,7 @@ class RoundRunner:
         self.graphs = graphs
         self.max_steps = max_steps
         self._buffers: dict[tuple, "_RoundBuffers"] = {}  # (id(cell type), bucket) -> static buffers
-        self._landing: Landing | None = None  # results to the host (CUDA)
+        self.landing = Landing()  # results to the host (CUDA; regions made on first use)
         self.stream = None  # the CUDA worker's stream (its copies' events record on it)
         self.num_rounds = 0
 
@@ -50,16 +50,12 @@ class RoundRunner:
         self.graphs.run(("round", task.cell_type.name, bucket, k),
                         self._body(cell, buffers, k, task.carry, task.saved, task.record), cell.distinct_pools)
         if task.record or task.fetch:
-            if self._landing is None:
-                self._landing = Landing(self.stream)
-            landing = self._landing
-            landing.start()
-            host = {}
+            region = self.landing.open()
+            host = {"region": region}
             for name in task.record:
-                host["record:" + name] = landing.to_host(buffers.records[name][:k, :b])
+                host["record:" + name] = region.to_host(buffers.records[name][:k, :b])
             for (name, rows), device_rows in zip(task.fetch.items(), fetch):
-                host["fetch:" + name] = landing.to_host(pools[name].index_select(0, device_rows[:len(rows)]))
-            landing.end()
+                host["fetch:" + name] = region.to_host(pools[name].index_select(0, device_rows[:len(rows)]))
             task.handle = host
         self.num_rounds += 1
 
@@ -100,7 +96,8 @@ class RoundRunner:
         host = task.handle
         if host:
             task.recorded = {name: host["record:" + name].numpy().copy() for name in task.record}
-            task.fetched = {name: Landing.take(host["fetch:" + name]) for name in task.fetch}
+            task.fetched = {name: host["fetch:" + name].clone() for name in task.fetch}
+            self.landing.close(host["region"])
         task.handle = None
 
 

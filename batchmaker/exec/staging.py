@@ -31,40 +31,35 @@ class PinnedRing:
 
 
 class Landing:
-    """Pinned host memory that device results are copied into, reused round robin: a launch's
-    results land in the next free region (`to_host`), and its finish copies them out to pageable
-    memory (`take`), so that results handed to users never hold pinned blocks (a caching pinned
-    allocator would otherwise cudaHostAlloc afresh while users keep their results)."""
+    """Pinned host memory that device results are copied into: a launch takes a region (`open`),
+    queues its copies into it, and its finish copies them out to pageable memory and gives the
+    region back (`close`), so that results handed to users never hold pinned memory (a caching
+    pinned allocator would cudaHostAlloc afresh while users keep their results). A region is
+    reused only after the manager has read it: regions are added when all are in use."""
 
-    def __init__(self, stream: torch.cuda.Stream, size: int = 1 << 22, depth: int = DEPTH):
-        self.stream = stream
-        self.buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
-        self.events = [torch.cuda.Event() for _ in range(depth)]
-        self.i, self.used = 0, 0
+    def __init__(self, size: int = 1 << 21):
+        self.size = size
+        self._free: list[torch.Tensor] = []
 
-    def start(self) -> None:
-        """A launch begins: its results go to the next region (once its last copy is done)."""
-        self.i = (self.i + 1) % len(self.buffers)
-        self.events[self.i].synchronize()
-        self.used = 0
+    def open(self) -> "Region":
+        return Region(self._free.pop() if self._free else torch.empty(self.size, dtype=torch.uint8, pin_memory=True))
+
+    def close(self, region: "Region") -> None:
+        self._free.append(region.buffer)
+
+
+class Region:
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.used = buffer, 0
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """Queue the copy of a device tensor into this launch's region; read it after completion."""
+        """Queue the copy of a device tensor into this region; read it after the launch completed."""
         nbytes = t.numel() * t.element_size()
         start = (self.used + 255) // 256 * 256
-        buffer = self.buffers[self.i]
-        if start + nbytes > len(buffer):  # too big for the ring: a pinned block of its own
+        if start + nbytes > len(self.buffer):  # too big for a region: a pinned block of its own
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         else:
-            host = buffer[start:start + nbytes].view(t.dtype).view(t.shape)
+            host = self.buffer[start:start + nbytes].view(t.dtype).view(t.shape)
             self.used = start + nbytes
         host.copy_(t, non_blocking=True)
         return host
-
-    def end(self) -> None:
-        self.events[self.i].record(self.stream)
-
-    @staticmethod
-    def take(host: torch.Tensor) -> torch.Tensor:
-        """A landed result as pageable memory (the region is free for a later launch)."""
-        return host.clone()

@@ -25,7 +25,7 @@ class StepRunner:
         self.num_gathers_skipped = 0
         self._buffers: dict[tuple, "_StepBuffers"] = {}
         self._last_out: dict | None = None  # eager: the previous task's outputs, for reuse
-        self._landing: Landing | None = None  # results to the host (CUDA)
+        self.landing = Landing()  # results to the host (CUDA; regions made on first use)
         self.stream = None  # the CUDA worker's stream (its copies' events record on it)
 
     def warm_up(self, cell_type) -> None:
@@ -55,12 +55,8 @@ class StepRunner:
     def _to_host(self, values: dict) -> dict:
         if not values:
             return {}
-        if self._landing is None:
-            self._landing = Landing(self.stream)
-        self._landing.start()
-        host = {name: self._landing.to_host(t) for name, t in values.items()}
-        self._landing.end()
-        return host
+        region = self.landing.open()
+        return {"region": region, **{name: region.to_host(t) for name, t in values.items()}}
 
     def _body(self, cell: CellRunner, index: torch.Tensor, value_only):
         if cell.fused is not None:
@@ -115,8 +111,10 @@ class StepRunner:
 
     # the manager thread, once the task completed ------------------------------------------------
     def finish(self, task: StepTask) -> None:
-        if isinstance(task.handle, dict):
-            task.fetched = {name: Landing.take(t) for name, t in task.handle.items()}
+        host = task.handle
+        if isinstance(host, dict) and host:
+            task.fetched = {name: host[name].clone() for name in task.fetch}
+            self.landing.close(host["region"])
         task.handle = None
 
 
