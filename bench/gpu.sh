@@ -46,7 +46,7 @@ for suite in "$@"; do
               step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
         seq2seq) step wmt-seq2seq-fp16 timeout 300 python3 bench/wmt.py --model seq2seq --dtype fp16 "${common[@]}" --sweep "${SWEEP_S2S:-1600:204800:2}" ;;
         treebank) step treebank-sst-fp16 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}"
-                  step treebank-sst-fp16-b512 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}" --engine-max-batch 512 --systems batchmaker --tag engine-b512 ;;
+                  step treebank-sst-fp16-b512 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}" --engine-max-batch 512 --systems batchmaker graph-batching --tag engine-b512 ;;
         serving) step wmt-lstm-zmq timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${common[@]}" --sweep 1600:102400:2
                  step treebank-zmq timeout 280 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${common[@]}" --sweep 800:51200:2 ;;
         *) echo "unknown suite $suite"; failed+=("$suite") ;;
