@@ -11,8 +11,8 @@
 #     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching, null
 #     serving  bench/wmt.py and bench/treebank.py over ZeroMQ (carry pyzmq wheels in .whl)
 # Knobs: DURATION (s per rate, default 2), SWEEP_LSTM, SWEEP_S2S, SWEEP_TREE (START:STOP:FACTOR).
-# Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) and the log are
-# copied to $OUT; the steps' commands are in the log and in each JSON.
+# Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
+# $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu}
@@ -36,12 +36,15 @@ for suite in "$@"; do
         kernels) step kernel-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py
                  step fused-cell timeout 300 python3 bench/fused_cell.py ;;
         engine) step engine-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 40000
-                step engine-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 20000 ;;
+                step engine-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 20000
+                step engine-treelstm-b512 timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 20000 --max-batch 512 --tag b512 ;;
         rounds) for k in 5 8 12; do
                     step engine-lstm-k$k timeout 200 python3 bench/gpu_engine.py --model lstm --requests 40000 --round-steps $k --tag k$k
                 done ;;
         profile) step profile-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 20000 --cprofile --tag cprofile
                  step profile-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 10000 --cprofile --tag cprofile ;;
+        lstm16) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" ;;
+        lstm32) step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
         lstm) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}"
               step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
         seq2seq) step wmt-seq2seq-fp16 timeout 300 python3 bench/wmt.py --model seq2seq --dtype fp16 "${common[@]}" --sweep "${SWEEP_S2S:-1600:204800:2}" ;;
@@ -52,7 +55,8 @@ for suite in "$@"; do
         *) echo "unknown suite $suite"; failed+=("$suite") ;;
     esac
 done
-find bench/results -maxdepth 1 -type f -newer "$marker" \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT"/ \;
-echo "== results in $OUT:"; ls "$OUT"
+# one archive: the device tool brings back at most 8 files
+find bench/results -maxdepth 1 -type f -newer "$marker" \( -name '*.json' -o -name '*.png' \) | tar -czf "$OUT/results.tar.gz" -T -
+echo "== results in $OUT/results.tar.gz:"; tar -tzf "$OUT/results.tar.gz"
 echo "== failed steps: ${failed[*]:-none}"
 exit "${#failed[@]}"
