@@ -1,11 +1,11 @@
 """A model bundles cells, an unfolder (a function, or structured forms), and per-cell-type
 priorities and batch sizes."""
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchmaker.cell import Cell
-from batchmaker.core.cell_type import CellType  # noqa: F401  (re-exported: its old home)
+from batchmaker.core.cell_type import CellType, Layout
 from batchmaker.forms import Chain, DecodeLoop, Form, Tree, check_forms
 
 # unfold(inputs, graph) -> outputs, or a generator that yields Refs and receives their host values
@@ -46,3 +46,29 @@ class Model:
 
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cell_types_of(models: Iterable[Model]) -> dict[str, dict[str, CellType]]:
+    """CellTypes per model; one registered Cell object used by two models is one type."""
+    by_cell: dict[int, CellType] = {}
+    out: dict[str, dict[str, CellType]] = {}
+    for model in models:
+        out[model.name] = {}
+        for name, cell in model.cells.items():
+            if id(cell) not in by_cell:
+                by_cell[id(cell)] = CellType(f"{model.name}/{name}", cell, model.priorities.get(name, 0),
+                                             tuple(sorted(model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))),
+                                             Layout.of_signature(cell.signature))
+            out[model.name][name] = by_cell[id(cell)]
+    return out
+
+
+def check_cell_sharing(models: dict[str, Model], cell_types: dict) -> None:
+    """A cell type is run by one form's queue or by the general path, not both."""
+    owner: dict[int, str] = {}
+    for name, model in models.items():
+        for cell, ct in cell_types[name].items():
+            kind = f"{name}:{'form' if model.forms else 'unfolder'}"
+            if owner.setdefault(id(ct), kind) != kind and (model.forms or owner[id(ct)].endswith(":form")):
+                raise ValueError(f"cell {ct.name!r} is shared by a structured model and another model; "
+                                 "register a copy of the cell for each")

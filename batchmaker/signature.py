@@ -4,7 +4,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from batchmaker.core.admission import in_range  # noqa: F401  (re-exported: its old home)
 from batchmaker.errors import BadRequestError
 
 

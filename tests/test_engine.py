@@ -1,5 +1,6 @@
 """The engine end to end on CPU with the toy model: results, errors, cancellation, accounting."""
 import asyncio
+import os
 import random
 
 import networkx as nx
@@ -225,3 +226,19 @@ def test_stats_report_queues_histogram_and_latency_percentiles():
     assert 0 < stats["latency_ms"]["toy"]["p50"] <= stats["latency_ms"]["toy"]["p90"] <= stats["latency_ms"]["toy"]["p99"]
     assert set(stats["cell_queues"]) == {"toy/enc", "toy/dec"}
     assert sum(stats["batch_sizes"].values()) == stats["num_tasks"] > 0
+
+
+def test_cpu_thread_policy_is_set_while_running_and_restored_at_stop():
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        torch.set_num_threads(3)
+        with Engine([toy_model()], EngineConfig(devices=("cpu", "cpu"))):
+            assert torch.get_num_threads() == max(1, cores // 2)  # the cores, split between two workers
+        assert torch.get_num_threads() == 3
+        with Engine([toy_model()], EngineConfig(devices=("cpu",), cpu_threads=1)) as engine:
+            assert torch.get_num_threads() == 1
+            assert engine.infer("toy", {"xs": [1, 2]}) is not None
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -181,3 +181,17 @@ def test_fifo_within_a_cell_type():
     for t in tasks:
         h.scheduler.complete(t)
     assert first.done() and not second.done()
+
+
+def test_the_core_imports_without_torch():
+    """batchmaker.core (Algorithm 1, the request arrays, the general path's graphs) is plain Python
+    and numpy: every module of it imports in a fresh interpreter without loading torch."""
+    import subprocess
+    import sys
+    code = ("import importlib, pkgutil, sys, batchmaker.core as core\n"
+            "names = [m.name for m in pkgutil.iter_modules(core.__path__)]\n"
+            "for name in names: importlib.import_module('batchmaker.core.' + name)\n"
+            "assert len(names) >= 10, names\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

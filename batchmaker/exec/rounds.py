@@ -111,6 +111,7 @@ def _steps(cell: CellRunner, index: torch.Tensor, k: int, pools: dict, carry: di
     value_only = [name for name in cell.layout.values if name not in carry]
     lanes = slice(None) if num_active is None else slice(0, num_active[0])
     x = cell.gather(index[0], pools, lanes, value_only)
+    values = {name: index[:, cell.layout.values[name]].to(cell.value_dtypes[name]) for name in value_only}  # [k, B]
     for j in range(k):
         if num_active is not None and j and num_active[j] < num_active[j - 1]:
             lanes = slice(0, num_active[j])
@@ -126,8 +127,8 @@ def _steps(cell: CellRunner, index: torch.Tensor, k: int, pools: dict, carry: di
             buf[j, lanes] = out[name]
         if j + 1 < k:
             x = {name: out[carry[name]] for name in carry}
-            for name in value_only:
-                x[name] = index[j + 1, cell.layout.values[name], lanes].to(cell.value_dtypes[name])
+            for name, v in values.items():
+                x[name] = v[j + 1, lanes]
 
 
 class _RoundBuffers:

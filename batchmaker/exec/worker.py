@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from batchmaker.core.graph import Node, Ref
-from batchmaker.core.task import NodeTask, RoundTask, StepTask, Task
+from batchmaker.core.task import NodeTask, RoundTask, Task
 from batchmaker.exec.cells import cell_runners
 from batchmaker.exec.graphs import Graphs
 from batchmaker.exec.nodes import NodePlanner

@@ -44,18 +44,28 @@ class DynetTreeLSTM(_TreeServer):
         import torch
         dy = self.dy
         dy.renew_cg()
-        roots = [self._node(r.parsed)[0] for r in batch]
+        roots = [self._tree(*r.parsed) for r in batch]
         dy.forward(roots)  # autobatching happens here, across all trees of the batch
         return [{"h": torch.from_numpy(np.asarray(root.npvalue(), dtype=np.float32))} for root in roots]
 
-    def _node(self, tree):
+    def _tree(self, num_leaves: int, tokens: np.ndarray, children: np.ndarray):
+        """The root's h of one parsed tree (the engine's arrays: leaves 0..n-1 in order, then
+        internal nodes whose children index earlier nodes)."""
+        nodes = [self._leaf(int(t)) for t in tokens.tolist()]
+        for left, right in children.tolist():
+            nodes.append(self._internal(nodes[left], nodes[right]))
+        return nodes[-1][0]
+
+    def _leaf(self, token: int):
         dy, k = self.dy, self.hidden
-        if isinstance(tree, int):
-            iou = self.w_iou * dy.lookup(self.embedding, tree) + self.b_iou
-            i, o, u = (dy.pick_range(iou, n * k, (n + 1) * k) for n in range(3))
-            c = dy.cmult(dy.logistic(i), dy.tanh(u))
-            return dy.cmult(dy.logistic(o), dy.tanh(c)), c
-        (h_l, c_l), (h_r, c_r) = self._node(tree[0]), self._node(tree[1])
+        iou = self.w_iou * dy.lookup(self.embedding, token) + self.b_iou
+        i, o, u = (dy.pick_range(iou, n * k, (n + 1) * k) for n in range(3))
+        c = dy.cmult(dy.logistic(i), dy.tanh(u))
+        return dy.cmult(dy.logistic(o), dy.tanh(c)), c
+
+    def _internal(self, left, right):
+        dy, k = self.dy, self.hidden
+        (h_l, c_l), (h_r, c_r) = left, right
         gates = self.w_gates * dy.concatenate([h_l, h_r]) + self.b_gates
         i, f_l, f_r, o, u = (dy.pick_range(gates, n * k, (n + 1) * k) for n in range(5))
         c = (dy.cmult(dy.logistic(i), dy.tanh(u)) + dy.cmult(dy.logistic(f_l), c_l)
