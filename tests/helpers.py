@@ -1,5 +1,6 @@
 """What several test files share: waiting for an idle engine, concurrent submitters, small model
-settings, the Seq2Seq weights that make decoding vary, and the GPU/Triton markers."""
+settings, the Seq2Seq weights that make decoding vary, and the GPU/Triton markers (fixtures live
+in conftest.py)."""
 import os
 import random
 import threading
@@ -74,11 +75,3 @@ def sharp_seq2seq(seed: int, structured: bool = True, scale: float = 20.0):
             for p in cell.parameters():
                 p.mul_(scale)
     return model
-
-
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -19,7 +19,7 @@ from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.future import RequestFuture
 from helpers import wait_idle
 from reference import lstm_reference
-from test_chains import chain_model
+from chain_toys import chain_model
 
 VOCAB = 100
 SMALL = dict(vocab=VOCAB, embed=8, hidden=8)

@@ -13,7 +13,6 @@ import pytest
 
 zmq = pytest.importorskip("zmq")  # the GPU machine has no pyzmq: skip there, do not fail collection
 
-import batchmaker  # noqa: E402
 from batchmaker.serving.cli import UsageError, main  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent

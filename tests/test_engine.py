@@ -12,9 +12,9 @@ from batchmaker import (BadRequestError, CancelledError, CellError, Engine, Engi
 from batchmaker.core.graph import GraphBuilder, partition, to_networkx
 from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.future import RequestFuture
+from batchmaker.model import cell_types_of
 from batchmaker.request import Request
-from helpers import submit_concurrently, wait_idle  # noqa: F401 (test_server and test_fuzz import them from here)
-from test_scheduler import cell_types_of
+from helpers import submit_concurrently, wait_idle
 from toy import dec_input_peak, toy_model, toy_reference
 
 
@@ -125,7 +125,7 @@ def test_stop_fails_what_is_unfinished():
 
 def test_partition_matches_networkx_components():
     model = toy_model()
-    cell_types = cell_types_of(model)
+    cell_types = cell_types_of([model])[model.name]
     request = Request.of(RequestFuture(0, "toy", {}))
     g = GraphBuilder(request, cell_types)
     a = g.add("enc", x=1, h=None)
@@ -145,7 +145,7 @@ def test_partition_matches_networkx_components():
 def test_ref_to_an_output_of_the_wrong_shape_is_rejected():
     model = toy_model()
     request = Request.of(RequestFuture(0, "toy", {}))
-    g = GraphBuilder(request, cell_types_of(model))
+    g = GraphBuilder(request, cell_types_of([model])[model.name])
     d = g.add("dec", h=None)
     with pytest.raises(TypeError):
         g.add("dec", h=d["y"])

@@ -5,7 +5,6 @@ same requests with the same error types, on one and two workers."""
 import random
 
 import pytest
-import torch
 
 from batchmaker import BadRequestError, Engine, EngineConfig, build_model
 from batchmaker.unfolders.trees import load_sst_sample

@@ -23,12 +23,7 @@ from batchmaker.kernels.fused_lstm import LSTMWeights, fused_lstm_step, referenc
 from batchmaker.kernels.fused_treelstm import (TreeInternalWeights, TreeLeafWeights, fused_tree_internal_step,
                                                fused_tree_leaf_step, reference_tree_internal_step,
                                                reference_tree_leaf_step)
-
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from helpers import interpreter, needs_gpu
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 TOLERANCE = {  # (rtol, atol) on output rows: ~2 ulps of the output dtype near 1
@@ -39,9 +34,6 @@ TOLERANCE = {  # (rtol, atol) on output rows: ~2 ulps of the output dtype near 1
 BATCHES = (1, 2, 3, 17, 64, 255, 512)
 VOCAB = 1000
 
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and triton")
-interpreter = pytest.mark.skipif(not (HAS_TRITON and INTERPRETING),
-                                 reason="set TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
 
 
 @pytest.fixture(autouse=True)

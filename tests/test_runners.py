@@ -27,7 +27,7 @@ from batchmaker.exec.rounds import _steps
 from batchmaker.exec.state import StateMemory
 from batchmaker.kernels.fused_steps import lstm_step, tree_internal_step, tree_leaf_step
 from batchmaker.unfolders.trees import load_sst_sample
-from helpers import needs_gpu, no_tf32, wait_idle  # noqa: F401 (no_tf32: a fixture)
+from helpers import needs_gpu, wait_idle
 from toy import toy_model
 
 HIDDEN = 16

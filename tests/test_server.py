@@ -1,11 +1,6 @@
 """The server and client end to end over real loopback sockets (tcp and ipc)."""
 import asyncio
-import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
