@@ -4,6 +4,7 @@ Every run writes bench/results/<name>-<device>-<date>.json (numbers, the exact c
 the numeric policy) and, when given a plot function, the matching .png.
 """
 import datetime
+import importlib.util
 import json
 import platform
 import shlex
@@ -51,7 +52,9 @@ def write_results(name: str, device: str, payload: dict, plot=None) -> Path:
     }
     path = RESULTS / f"{stem}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
-    if plot is not None:
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        print(f"matplotlib missing: wrote {path.name} without its PNG", file=sys.stderr)
+    elif plot is not None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
