@@ -68,7 +68,7 @@ def main() -> None:
     for name, r in results.items():
         print(f"batchmaker {' '.join(commands[name][:2])}: best {r['best_s']:.3f} s, median {r['median_s']:.3f} s "
               f"of {args.runs}; imports torch: {r['imports_torch']}")
-    payload = {"cli": cli(), "runs": args.runs, "goal_s": 1.0, "commands": commands, **results}
+    payload = {"cli": [Path(part).name for part in cli()], "runs": args.runs, "goal_s": 1.0, "commands": commands, **results}
     print(f"wrote {write_results('cli_startup', 'cpu', payload)}")
 
 
