@@ -8,18 +8,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from batchmaker.core.cell_type import CellType
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler, SchedulerConfig
-from batchmaker.model import Model
+from batchmaker.model import Model, cell_types_of
 from batchmaker.request import Request
 from toy import EncCell, toy_model
-
-
-def cell_types_of(model: Model) -> dict[str, CellType]:
-    return {name: CellType(f"{model.name}/{name}", cell, model.priorities.get(name, 0),
-                           tuple(sorted(model.batch_sizes[name]))) for name, cell in model.cells.items()}
 
 
 class Harness:
@@ -27,7 +21,7 @@ class Harness:
 
     def __init__(self, model: Model, config=SchedulerConfig(), seed=0):
         self.model, self.rng = model, random.Random(seed)
-        self.cell_types = cell_types_of(model)
+        self.cell_types = cell_types_of([model])[model.name]
         queues = {id(ct): NodeQueue(ct) for ct in self.cell_types.values()}
         self.processor = RequestProcessor(queues, lambda ref: torch.tensor(self.rng.randint(0, 1)), lambda node: None)
         for q in queues.values():
