@@ -29,7 +29,9 @@ from batchmaker.core.scheduler import Scheduler, SchedulerConfig
 from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, OverloadedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, make_worker
+from batchmaker.forms import Generate
 from batchmaker.future import RequestFuture
+from batchmaker.generation import GenerativeModel
 from batchmaker.model import Model, cell_types_of, check_cell_sharing
 from batchmaker.registry import build_model
 from batchmaker.request import Request, Result
@@ -61,8 +63,8 @@ class Engine:
         self.cell_types = cell_types_of(self.models.values())  # model -> cell name -> CellType
         self._distinct = list({id(ct): ct for cts in self.cell_types.values() for ct in cts.values()}.values())
         self.accounting = Accounting(self.models, config.num_latencies_kept)
-        self.structured = {name: StructuredModel(m, self.cell_types[name], self.accounting)
-                           for name, m in self.models.items() if m.forms}
+        self.structured = {name: (GenerativeModel if isinstance(m.forms[0], Generate) else StructuredModel)(
+            m, self.cell_types[name], self.accounting) for name, m in self.models.items() if m.forms}
         check_cell_sharing(self.models, self.cell_types)
         self.workers: list[Worker] = []
         self.scheduler: Scheduler | None = None
@@ -412,6 +414,8 @@ def _percentiles(values: list[float]) -> dict[str, float | int]:
 def _place(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The cell on `device`, in eval mode; CPU workers share the registered module itself."""
     cell.eval()
-    if device.type == "cpu":
-        return cell
+    params = list(cell.parameters())
+    if device.type == "cpu" or params and all(p.device.type == device.type and device.index in (None, p.device.index)
+                                              for p in params):
+        return cell  # (a large model built on its device is not copied)
     return copy.deepcopy(cell).to(device).eval()

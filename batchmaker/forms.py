@@ -72,7 +72,18 @@ class Tree:
     token: str = "token"
 
 
-Form = Chain | DecodeLoop | Tree
+@dataclass(frozen=True)
+class Generate:
+    """Autoregressive generation by a decoder cell whose batch unit is tokens (a DecoderCell,
+    batchmaker/cells/decoder_cell.py): each iteration mixes prompt chunks of joining requests with
+    one decode token of running ones (ORCA, Pensieve). The request gives `tokens` (ids) or `prompt`
+    (text, where the model has a tokenizer) and generation settings (batchmaker/generation.py)."""
+
+    cell: str
+    max_new_tokens: int = 128  # when a request names none
+
+
+Form = Chain | DecodeLoop | Tree | Generate
 
 
 def form_cells(form: Form) -> tuple[str, ...]:
@@ -83,8 +94,8 @@ def check_forms(forms: tuple[Form, ...], signatures: dict[str, Signature]) -> No
     """Raise TypeError unless the forms fit the model's cells (names, shapes, dtypes)."""
     if not forms:
         raise TypeError("a structured unfolder needs at least one form")
-    if any(isinstance(f, Tree) for f in forms) and len(forms) > 1:
-        raise TypeError("a Tree form stands alone")
+    if any(isinstance(f, (Tree, Generate)) for f in forms) and len(forms) > 1:
+        raise TypeError("a Tree or Generate form stands alone")
     used = [c for f in forms for c in form_cells(f)]
     if len(set(used)) != len(used):
         raise TypeError(f"each cell serves one stage of a form; cells {used}")
@@ -95,6 +106,10 @@ def check_forms(forms: tuple[Form, ...], signatures: dict[str, Signature]) -> No
                 raise TypeError(f"form {type(form).__name__} names unknown cell {cell!r}")
         if isinstance(form, Tree):
             _check_tree(form, signatures[form.leaf], signatures[form.internal])
+            continue
+        if isinstance(form, Generate):
+            if form.max_new_tokens < 0:
+                raise TypeError(f"{form.cell}: max_new_tokens must be >= 0")
             continue
         sig = signatures[form.cell]
         _check_steps(form, sig)
@@ -157,4 +172,4 @@ def _is_int_scalar(spec) -> bool:
     return spec.shape == () and spec.is_integer
 
 
-__all__ = ["Chain", "DecodeLoop", "Tree", "Form", "check_forms", "form_cells"]
+__all__ = ["Chain", "DecodeLoop", "Tree", "Generate", "Form", "check_forms", "form_cells"]

@@ -6,7 +6,7 @@ from typing import Any
 
 from batchmaker.cell import Cell
 from batchmaker.core.cell_type import CellType, Layout
-from batchmaker.forms import Chain, DecodeLoop, Form, Tree, check_forms
+from batchmaker.forms import Chain, DecodeLoop, Form, Generate, Tree, check_forms
 
 # unfold(inputs, graph) -> outputs, or a generator that yields Refs and receives their host values
 Unfolder = Callable[[dict[str, Any], Any], Any]
@@ -38,7 +38,7 @@ class Model:
     @property
     def forms(self) -> tuple[Form, ...]:
         """The structured stages, or () for an unfolder function."""
-        if isinstance(self.unfold, (Chain, DecodeLoop, Tree)):
+        if isinstance(self.unfold, (Chain, DecodeLoop, Tree, Generate)):
             return (self.unfold,)
         if isinstance(self.unfold, tuple):
             return self.unfold

@@ -7,6 +7,7 @@ core/tree_input.py), answers the bad ones with their own BadRequestError, and ap
 ones to the first stage's waiting queue as one chunk of arrays. Nothing per request survives
 admission but its future and its rows in those arrays.
 """
+import logging
 import time
 from collections import deque
 
@@ -39,11 +40,35 @@ class Accounting:
             self.latencies[future.model].append(latency)
 
 
-class StructuredModel:
-    def __init__(self, model, cell_types: dict, accounting: Accounting):
+class Finisher:
+    """What every form model does with its requests' futures: fail them, stream to them."""
+
+    def __init__(self, model, accounting: Accounting):
         self.model = model
         self.name = model.name
         self.accounting = accounting
+
+    def fail(self, owners: list, error: BaseException) -> None:
+        now = time.perf_counter()
+        for owner in owners:
+            if not owner._done:
+                owner.set_exception(error)
+                self.accounting.finished(owner, now - owner.arrival)
+        self.accounting.cancel_epoch += 1
+
+    def stream(self, owner, partial: dict) -> None:
+        callback = owner.on_partial
+        if callback is not None and not owner._done:
+            try:
+                callback(partial)
+            except Exception:  # a consumer's bug must not fail the request or the engine
+                logging.getLogger("batchmaker").exception("on_partial callback failed for request %s",
+                                                          owner.request_id)
+
+
+class StructuredModel(Finisher):
+    def __init__(self, model, cell_types: dict, accounting: Accounting):
+        super().__init__(model, accounting)
         self.forms = model.forms
         self.cell_types = cell_types  # cell name -> CellType
         first = self.forms[0]
@@ -208,24 +233,6 @@ class StructuredModel:
             live.pop(owner.request_id, None)
             latencies.append(now - arrival)
             owner.set_result(Result({key: values[i] for key, values in rows}, None, (arrival, firsts[i], now)))
-
-    def fail(self, owners: list, error: BaseException) -> None:
-        now = time.perf_counter()
-        for owner in owners:
-            if not owner._done:
-                owner.set_exception(error)
-                self.accounting.finished(owner, now - owner.arrival)
-        self.accounting.cancel_epoch += 1
-
-    def stream(self, owner, partial: dict) -> None:
-        callback = owner.on_partial
-        if callback is not None and not owner._done:
-            try:
-                callback(partial)
-            except Exception:  # a consumer's bug must not fail the request or the engine
-                import logging
-                logging.getLogger("batchmaker").exception("on_partial callback failed for request %s",
-                                                          owner.request_id)
 
 
 def _within(counts: np.ndarray) -> np.ndarray:

@@ -79,3 +79,39 @@ class RoundTask(Task):
 @dataclass(slots=True, eq=False)
 class NodeTask(Task):
     nodes: list = field(default_factory=list)  # general-path Nodes, planned by the worker
+
+
+@dataclass(slots=True, eq=False)
+class IterationTask(Task):
+    """One iteration of a decoder over a flat batch of `batch` tokens: prompt chunks of some
+    sequences and one decode token of others (ORCA's iteration-level scheduling with selective
+    batching). Sequence i owns tokens query_start[i]..query_start[i+1]-1, the last positions of its
+    context of context_lens[i] positions; token-wise work runs on the flat batch, attention per
+    sequence over its blocks (block_tables[i]).
+
+    tokens: int64 [T], -1 where the token is the slot's last sampled one (it stays on the device)
+    positions, kv_slots, token_slots: int64 [T]: position, cache slot, sequence slot of each token
+    sample: int64 [N]: the sequences that sample a token this iteration (indices into slots);
+      sample_index [N]: which generated token it is (where it goes; the seeded sampler's counter)
+    decode_only: every sequence brings one token (the case CUDA graphs cover)
+    """
+
+    slots: np.ndarray = None
+    serials: np.ndarray = None
+    owners: np.ndarray = None
+    query_start: np.ndarray = None
+    context_lens: np.ndarray = None
+    block_tables: np.ndarray = None
+    tokens: np.ndarray = None
+    positions: np.ndarray = None
+    kv_slots: np.ndarray = None
+    token_slots: np.ndarray = None
+    sample: np.ndarray = None
+    sample_index: np.ndarray = None
+    temperature: np.ndarray = None
+    top_k: np.ndarray = None
+    top_p: np.ndarray = None
+    seeds: np.ndarray = None
+    max_query_len: int = 1
+    decode_only: bool = False
+    sampled: np.ndarray = None  # int64 [N], filled when the task finished

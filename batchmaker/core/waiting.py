@@ -97,6 +97,15 @@ class Waiting:
             queue.append(part)
         self.num_waiting += len(chunk)
 
+    def push_front(self, priority: int, chunk: Chunk) -> None:
+        """Put requests back at the front of their level (taken and not used; suspended)."""
+        queue = self.levels.get(priority)
+        if queue is None:
+            self.add(np.full(len(chunk), priority, dtype=np.int64), chunk)
+            return
+        queue.appendleft(chunk)
+        self.num_waiting += len(chunk)
+
     def take(self, n: int, weights: str | None = None) -> Chunk | None:
         """Up to n requests from the front, highest priority first; None if none wait. With
         `weights` (a column of positive ints), the requests whose weights first add up to n."""

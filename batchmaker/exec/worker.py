@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from batchmaker.core.graph import Node, Ref
-from batchmaker.core.task import NodeTask, RoundTask, Task
+from batchmaker.core.task import IterationTask, NodeTask, RoundTask, Task
 from batchmaker.exec.cells import cell_runners
 from batchmaker.exec.graphs import Graphs
+from batchmaker.exec.iterations import IterationRunner
 from batchmaker.exec.nodes import NodePlanner
 from batchmaker.exec.rounds import RoundRunner
 from batchmaker.exec.state import StateMemory
@@ -38,6 +39,9 @@ class Worker:
         self.steps = StepRunner(self.cells, self.graphs)
         self.rounds = RoundRunner(self.cells, self.graphs, max_steps)
         self.nodes = NodePlanner(self, self.cells)
+        self.iterations = {id(ct): IterationRunner(ct, cells[id(ct)], device, self.graphs, cells[id(ct)].num_blocks_on(device))
+                           for ct in cell_types if id(ct) not in self.cells}
+        self.cells.update(self.iterations)  # (their `pools` tell the manager the KV cache's size)
         self.num_in_flight = 0
         self.num_tasks = 0
 
@@ -59,6 +63,13 @@ class Worker:
         self.nodes.forget()
         return task
 
+    def _runner(self, task: Task):
+        if isinstance(task, RoundTask):
+            return self.rounds
+        if isinstance(task, IterationTask):
+            return self.iterations[id(task.cell_type)]
+        return self.steps
+
     def _finish(self, task: Task) -> None:
         """Manager thread, once the task completed: its host values to where they belong."""
         if isinstance(task, NodeTask):
@@ -73,6 +84,8 @@ class Worker:
             task.handle = None
         elif isinstance(task, RoundTask):
             self.rounds.finish(task)
+        elif isinstance(task, IterationTask):
+            self.iterations[id(task.cell_type)].finish(task)
         else:
             self.steps.finish(task)
         self.num_in_flight -= 1
@@ -134,7 +147,7 @@ class CPUWorker(Worker):
         while (item := self._inbox.get()) is not None:
             task, runnable = item
             try:
-                (self.rounds if isinstance(runnable, RoundTask) else self.steps).execute(runnable)
+                self._runner(runnable).execute(runnable)
             except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
                 runnable.error = e
                 self.steps.forget_outputs()
@@ -159,6 +172,8 @@ class CUDAWorker(Worker):
         from batchmaker.kernels.signal import SignalCounter
         self.stream = torch.cuda.Stream(self.device)
         self.steps.stream = self.rounds.stream = self.stream  # (their events record on it)
+        for runner in self.iterations.values():
+            runner.stream = self.stream
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.counter = SignalCounter(self.device)
             self.counter.signal()  # the first launch of a kernel may block (lazy module loading)
@@ -177,6 +192,8 @@ class CUDAWorker(Worker):
             for kind, cell_type, *rest in warm:
                 if kind == "step":
                     self.steps.warm_up(cell_type)
+                elif kind == "iteration":
+                    self.iterations[id(cell_type)].warm_up()
                 else:
                     self.rounds.warm_up(cell_type, *rest)
         self.stream.synchronize()
@@ -193,7 +210,7 @@ class CUDAWorker(Worker):
             _manager.stream = self.stream
         runnable = self._prepare(task)
         try:
-            (self.rounds if isinstance(runnable, RoundTask) else self.steps).launch(runnable)
+            self._runner(runnable).launch(runnable)
         except Exception as e:  # raised at launch: the task fails, the FIFO stays in order
             runnable.error = e
         self.counter.signal()

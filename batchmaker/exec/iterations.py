@@ -1,0 +1,212 @@
+"""`IterationRunner`: one decoder iteration (core/task.IterationTask) on one worker, and the paged
+KV cache it reads and writes.
+
+Token-wise work (embeddings, projections, MLPs, norms) runs on the flat batch of the iteration's
+tokens; attention runs per sequence over its own blocks (kernels/paged_attention.py: a Triton
+kernel on CUDA, its PyTorch twin on the CPU) after the new tokens' K/V are written to the cache
+(ORCA's selective batching). Only the sequences that sample go through the LM head; the sampled
+tokens are written to `last_token[slot]` on the device (the next iteration's input) and copied
+to the host in the same launch.
+
+On CUDA every launch is one copy of a packed int64 buffer from pinned memory, then the work:
+iterations where every sequence brings one token (pure decode, the common case) replay a CUDA
+graph per padded number of sequences; iterations with prompt chunks run eagerly.
+"""
+import numpy as np
+import torch
+
+from batchmaker.core.task import IterationTask
+from batchmaker.exec.sampling import sample
+from batchmaker.exec.staging import Landing, PinnedRing
+
+
+class KVCache:
+    """K and V blocks of every layer: [layers, blocks, block_size, kv heads, head dim] each."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+class IterationRunner:
+    def __init__(self, cell_type, module, device: torch.device, graphs, num_blocks: int):
+        from batchmaker.kernels import paged_attention as kernels
+        self.cell_type = cell_type
+        self.module = module  # a DecoderCell (cells/decoder_cell.py)
+        self.lm = module.lm
+        self.config = self.lm.config
+        self.device = device
+        self.graphs = graphs
+        dtype = next(self.lm.parameters()).dtype
+        self.cache = KVCache(self.config, num_blocks, module.block_size, dtype, device)
+        self.max_blocks = -(-self.config.max_positions // module.block_size)
+        self.scratch_slot = module.max_seqs  # padded sequences' last token lives here
+        self.last_token = torch.zeros(module.max_seqs + 1, dtype=torch.int64, device=device)
+        self.scale = self.config.head_dim ** -0.5
+        cuda = device.type == "cuda"
+        self.attention = kernels.paged_attention if cuda else kernels.reference_paged_attention
+        self.write_kv = kernels.write_kv
+        self.stream = None  # the CUDA worker's stream
+        self.landing = Landing(1 << 16) if cuda else None
+        self._packers: dict[tuple, _Packed] = {}
+        self.num_graph_iterations = 0
+        self.num_iterations = 0
+
+    @property
+    def pools(self) -> dict:
+        """What the manager's queue needs to know of this worker's cache (core/blocks.py)."""
+        return {"num_blocks": self.cache.num_blocks}
+
+    # the computation ---------------------------------------------------------------------------
+    def _forward(self, t: dict, max_query_len: int, greedy_only: bool) -> torch.Tensor:
+        """The iteration on tensors already on the device; returns the sampled tokens [N]."""
+        tokens = torch.where(t["tokens"] >= 0, t["tokens"], self.last_token[t["token_slots"]])
+        cache, attention, write_kv = self.cache, self.attention, self.write_kv
+
+        def attend(layer: int, q, k, v):
+            write_kv(k, v, cache.k[layer], cache.v[layer], t["kv_slots"])
+            return attention(q, cache.k[layer], cache.v[layer], t["block_tables"], t["query_start"],
+                             t["context_lens"], max_query_len, self.scale)
+
+        hidden = self.lm(tokens, t["positions"], attend)
+        logits = self.lm.head(hidden.index_select(0, t["sample_token"]))
+        chosen = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"], greedy_only)
+        self.last_token.index_copy_(0, t["sample_slots"], chosen)
+        return chosen
+
+    # CPU: the worker thread runs it --------------------------------------------------------------
+    def execute(self, task: IterationTask) -> None:
+        host = _host_arrays(task)
+        t = {k: torch.from_numpy(v) for k, v in host.items()}
+        greedy = not (task.temperature > 0).any()
+        task.sampled = self._forward(t, task.max_query_len, greedy).numpy().copy()
+        self.num_iterations += 1
+
+    # CUDA: the manager thread queues it on the worker's stream -----------------------------------
+    def launch(self, task: IterationTask) -> None:
+        greedy = not (task.temperature > 0).any()
+        n = len(task.sample)
+        if task.decode_only and self.graphs.enabled:
+            bucket = self.cell_type.bucket(len(task.slots))
+            packed = self._packer(bucket, bucket, bucket)
+            packed.load(_host_arrays(task), self._padding(bucket, len(task.slots)))
+            out = self.graphs.run(("iteration", self.cell_type, bucket, greedy),
+                                  lambda: self._forward(packed.tensors, 1, greedy), [])
+            self.num_graph_iterations += 1
+        else:
+            packed = self._packer(task.batch, len(task.slots), n)
+            packed.load(_host_arrays(task), None)
+            out = self._forward(packed.tensors, task.max_query_len, greedy)
+        region = self.landing.open()
+        task.handle = (region, region.to_host(out[:n]))
+        self.num_iterations += 1
+
+    def finish(self, task: IterationTask) -> None:
+        if task.handle is not None:
+            region, tokens = task.handle
+            task.sampled = tokens.numpy().copy()
+            self.landing.close(region)
+            task.handle = None
+
+    def warm_up(self) -> None:
+        """Capture the decode graphs of every bucket now (padded sequences only touch scratch)."""
+        if not self.graphs.enabled:
+            return
+        for bucket in self.cell_type.batch_sizes:
+            if bucket > self.module.max_seqs:
+                break
+            packed = self._packer(bucket, bucket, bucket)
+            packed.load(None, self._padding(bucket, 0))
+            for greedy in (True, False):
+                self.graphs.capture(("iteration", self.cell_type, bucket, greedy),
+                                    lambda: self._forward(packed.tensors, 1, greedy), [], warm=True)
+
+    def _padding(self, bucket: int, used: int) -> dict | None:
+        """Host arrays of the padded sequences of a decode graph: each one token at position 0 of
+        the scratch block, sampling into the scratch slot greedily."""
+        pad = bucket - used
+        if pad == 0:
+            return None
+        return {"tokens": np.full(pad, -1), "positions": np.zeros(pad), "kv_slots": np.zeros(pad),
+                "token_slots": np.full(pad, self.scratch_slot), "context_lens": np.ones(pad),
+                "block_tables": np.zeros((pad, self.max_blocks)), "sample_slots": np.full(pad, self.scratch_slot),
+                "seeds": np.zeros(pad), "counters": np.zeros(pad), "top_k": np.zeros(pad),
+                "temperature": np.zeros(pad), "top_p": np.ones(pad)}
+
+    def _packer(self, num_tokens: int, num_seqs: int, num_samples: int) -> "_Packed":
+        """Static device buffers of one shape (decode graphs: one per bucket; eager: made per shape
+        and kept, since shapes repeat)."""
+        key = (num_tokens, num_seqs, num_samples)
+        packed = self._packers.get(key)
+        if packed is None:
+            if len(self._packers) > 256:  # eager shapes of long runs: keep the graphs' buffers only
+                self._packers = {k: v for k, v in self._packers.items() if k[0] == k[1] == k[2]}
+            packed = self._packers[key] = _Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device,
+                                                  self.stream)
+        return packed
+
+
+def _host_arrays(task: IterationTask) -> dict[str, np.ndarray]:
+    """The task's plan as the arrays the computation reads (sequence-level ones per sampled row)."""
+    sample_token = task.query_start[task.sample + 1] - 1
+    return {"tokens": task.tokens, "positions": task.positions, "kv_slots": task.kv_slots,
+            "token_slots": task.token_slots, "query_start": task.query_start.astype(np.int32),
+            "context_lens": task.context_lens.astype(np.int32), "block_tables": task.block_tables,
+            "sample_token": sample_token, "sample_slots": task.slots[task.sample], "seeds": task.seeds,
+            "counters": task.sample_index, "top_k": task.top_k,
+            "temperature": task.temperature.astype(np.float32), "top_p": task.top_p.astype(np.float32)}
+
+
+_NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
+           "temperature": np.float32, "top_p": np.float32}  # 4-byte columns, two per int64 word
+_TORCH = {np.int32: torch.int32, np.float32: torch.float32}
+
+
+class _Packed:
+    """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
+    the named tensors of `_host_arrays`. Decode graphs pad to their bucket: padded sequences take
+    one token each (query_start and sample_token continue as ranges)."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream):
+        sizes = {"tokens": num_tokens, "positions": num_tokens, "kv_slots": num_tokens, "token_slots": num_tokens,
+                 "query_start": num_seqs + 1, "context_lens": num_seqs, "block_tables": num_seqs * max_blocks,
+                 "sample_token": num_samples, "sample_slots": num_samples, "seeds": num_samples,
+                 "counters": num_samples, "top_k": num_samples, "temperature": num_samples, "top_p": num_samples}
+        self.columns, at = {}, 0
+        for name, size in sizes.items():
+            words = -(-size // 2) if name in _NARROW else size
+            self.columns[name] = (at, size, words)
+            at += words
+        self.size = at
+        self.device_buffer = torch.zeros(at, dtype=torch.int64, device=device)
+        self.ring = PinnedRing(at, stream)
+        self.tensors = {}
+        for name, (start, size, words) in self.columns.items():
+            view = self.device_buffer[start:start + words]
+            if name in _NARROW:
+                view = view.view(_TORCH[_NARROW[name]])[:size]
+            self.tensors[name] = view
+        self.tensors["block_tables"] = self.tensors["block_tables"].view(num_seqs, max_blocks)
+
+    def load(self, arrays: dict | None, padding: dict | None) -> None:
+        host = self.ring.next()
+        for name, (start, size, words) in self.columns.items():
+            if padding is not None and name in ("query_start", "sample_token"):
+                values = np.arange(size)
+            elif padding is None:
+                values = arrays[name].reshape(-1)
+            elif arrays is None:
+                values = np.asarray(padding[name]).reshape(-1)
+            else:
+                values = np.concatenate([arrays[name].reshape(-1), np.asarray(padding[name]).reshape(-1)])
+            dest = host[start:start + words]
+            if name in _NARROW:
+                dest = dest.view(_NARROW[name])[:size]
+            dest[:] = values
+        self.ring.copy_to(self.device_buffer, self.size)

@@ -1,0 +1,51 @@
+"""Choosing the next token of each sampled sequence, on the device, for a whole iteration at once.
+
+Greedy (temperature 0) takes the argmax. Otherwise the logits are divided by the temperature,
+cut to the top-k and to the smallest nucleus of probability top-p, and a token is drawn by the
+Gumbel-max trick with noise that is a hash of (seed, token index, vocabulary id): a request's
+draw depends on its own seed and position only, never on what it was batched with, so sampled
+outputs are reproducible, batched equals unbatched, and a suspended request recomputed later
+continues exactly as it would have. No host sync and fixed shapes: it runs inside CUDA graphs.
+"""
+import torch
+
+_MASK = 0xFFFFFFFF
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, counters: torch.Tensor, greedy_only: bool = False) -> torch.Tensor:
+    """Tokens [N] (int64) from float32 logits [N, V]; per row temperature (0: greedy), top_k (0:
+    all), top_p (1: all), seed and counter (the token's index in its sequence)."""
+    greedy = logits.argmax(-1)
+    if greedy_only:
+        return greedy
+    vocab = logits.shape[-1]
+    scaled = logits / temperature.clamp_min(1e-5).unsqueeze(1)
+    ordered, order = scaled.sort(-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    keep = ranks.unsqueeze(0) < k
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), -1)
+    keep &= (probs.cumsum(-1) - probs) < top_p.unsqueeze(1)  # the first token always stays
+    noise = gumbel(seeds, counters, vocab).gather(1, order)
+    choice = (ordered.masked_fill(~keep, float("-inf")) + noise).argmax(-1, keepdim=True)
+    drawn = order.gather(1, choice).squeeze(1)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+def gumbel(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [N, V] (float32), a pure function of (seed, counter, vocabulary id)."""
+    row = _hash32((seeds & _MASK) ^ _hash32((counters & _MASK) ^ _hash32((seeds >> 32) & _MASK)))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _hash32(row.unsqueeze(1) ^ ((ids * 0x9E3779B1) & _MASK))
+    u = (h.to(torch.float64) + 0.5) / 4294967296.0
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (lowbias32), in int64 arithmetic kept to 32 bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK
+    return x ^ (x >> 16)

@@ -1,0 +1,189 @@
+"""Models served by a `Generate` form (batchmaker/forms.py): decoder Transformers. Admission of
+generation requests, and what happens to their futures as iterations sample tokens.
+
+A request's inputs:
+  tokens           list[int]: the prompt's token ids (non-empty), or
+  prompt           str: the prompt as text (models with a tokenizer)
+  max_new_tokens   int >= 0 (default: the form's); generation also stops at the model's length
+  temperature      float >= 0 (default 0: greedy); top_k int >= 0 (0: all); top_p in (0, 1]
+  seed             int: sampling is a pure function of (seed, position), so a seeded request
+                   gives the same tokens however it is batched
+  stop_token_ids   list[int] (at most 7), besides the model's EOS; ignore_eos bool
+Reply: {"tokens": [generated ids], "finish_reason": "stop" | "length"} (+ "text" for a text
+prompt). Streamed partials carry each iteration's new token ({"tokens": [id]}, + "text").
+"""
+import itertools
+import math
+import random
+import time
+import weakref
+
+import numpy as np
+
+from batchmaker.core.admission import check_keys, check_tokens, is_int
+from batchmaker.core.blocks import BlockTables
+from batchmaker.core.sequences import MAX_STOPS, Sequences, SequenceQueue
+from batchmaker.core.waiting import Chunk
+from batchmaker.errors import BadRequestError
+from batchmaker.request import Result
+from batchmaker.structured import Finisher
+
+OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
+
+
+class GenerativeModel(Finisher):
+    def __init__(self, model, cell_types: dict, accounting):
+        super().__init__(model, accounting)
+        self.form = model.forms[0]
+        self.cell_type = cell_types[self.form.cell]
+        self.cell = self.cell_type.cell
+        if getattr(self.cell, "batch_unit", None) != "tokens":
+            raise TypeError(f"model {model.name!r}: a Generate form needs a DecoderCell, got {type(self.cell).__name__}")
+        config = self.cell.lm.config
+        self.vocab, self.max_len = config.vocab_size, config.max_positions
+        self.eos = tuple(config.eos_token_ids)
+        self.tokenizer = getattr(self.cell, "tokenizer", None)
+        self.queue: SequenceQueue | None = None
+        self.queues: list = []
+        self.num_blocks = 0  # of the smallest worker
+        # text prompts: the future -> the text streamed so far (gone with the future, cancelled or not)
+        self._texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._seeds = itertools.count(random.getrandbits(40))
+
+    def build(self, pools: dict[int, dict[str, dict]]) -> list:
+        """pools: worker -> cell name -> what the worker's IterationRunner holds ({"num_blocks"})."""
+        sequences = {}
+        for worker, by_cell in pools.items():
+            num_blocks = by_cell[self.form.cell]["num_blocks"]
+            blocks = BlockTables(num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len)
+            sequences[worker] = Sequences(self.cell.max_seqs, self.max_len, blocks)
+        self.num_blocks = min(q.blocks.num_blocks for q in sequences.values())
+        self.queue = SequenceQueue(self.cell_type, sequences, self, self.cell.kv.reserve)
+        self.queues = [self.queue]
+        return self.queues
+
+    def warm_list(self) -> list:
+        return [("iteration", self.cell_type)]
+
+    # admission ------------------------------------------------------------------------------------
+    def admit(self, futures: list) -> None:
+        good, rows, prompts = [], [], []
+        for f in futures:
+            try:
+                prompt, row = self._check(f)
+            except BadRequestError as e:
+                self.fail([f], e)
+                continue
+            if row["max_new"] == 0:
+                self._resolve(f, [], "length", f.arrival)
+                continue
+            good.append(f)
+            rows.append(row)
+            prompts.append(prompt)
+        if not good:
+            return
+        owners = np.empty(len(good), dtype=object)
+        owners[:] = good
+        columns = {name: np.array([r[name] for r in rows]) for name in rows[0]}
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        chunk = Chunk.of(owners, columns, np.concatenate(prompts), lengths)
+        self.queue.add(columns["priority"], chunk)
+
+    def _check(self, f) -> tuple[np.ndarray, dict]:
+        inputs = f.inputs
+        key = "prompt" if isinstance(inputs, dict) and "prompt" in inputs else "tokens"
+        check_keys(inputs, [key], OPTIONS)
+        if key == "prompt":
+            if self.tokenizer is None:
+                raise BadRequestError(f"model {self.name!r} has no tokenizer: send token ids as 'tokens'")
+            if not isinstance(inputs["prompt"], str):
+                raise BadRequestError(f"prompt: expected a string, got {type(inputs['prompt']).__name__}")
+            ids = self.tokenizer.encode(inputs["prompt"]).ids
+            if not ids:
+                raise BadRequestError("prompt: the text gives no tokens")
+            prompt = np.asarray(ids, dtype=np.int64)
+            self._texts[f] = ""
+        else:
+            if isinstance(inputs["tokens"], (list, tuple)) and not inputs["tokens"]:
+                raise BadRequestError("tokens: the prompt is empty")
+            prompt = check_tokens(inputs["tokens"], self.vocab, "tokens")
+        if len(prompt) >= self.max_len:
+            raise BadRequestError(f"{key}: {len(prompt)} tokens; the model's maximum is {self.max_len} "
+                                  "(the prompt and at least one generated token)")
+        max_new = inputs.get("max_new_tokens", self.form.max_new_tokens)
+        if not is_int(max_new) or max_new < 0:
+            raise BadRequestError(f"max_new_tokens: expected an integer >= 0, got {max_new!r}")
+        total = min(len(prompt) + max_new, self.max_len)
+        blocks = -(-total // self.cell.block_size)
+        if blocks > self.num_blocks - 1:
+            raise BadRequestError(f"{total} tokens need {blocks} KV blocks; a worker's cache has {self.num_blocks - 1}")
+        temperature = _number(inputs.get("temperature", 0.0), "temperature", 0.0, math.inf)
+        top_p = _number(inputs.get("top_p", 1.0), "top_p", 0.0, 1.0)
+        if top_p == 0.0:
+            raise BadRequestError("top_p: expected a number in (0, 1]")
+        top_k = inputs.get("top_k", 0)
+        if not is_int(top_k) or top_k < 0:
+            raise BadRequestError(f"top_k: expected an integer >= 0, got {top_k!r}")
+        seed = inputs.get("seed")
+        if seed is None:
+            seed = next(self._seeds)
+        elif not is_int(seed) or not -(2**63) <= seed < 2**63:
+            raise BadRequestError(f"seed: expected a 64-bit integer, got {seed!r}")
+        ignore_eos = inputs.get("ignore_eos", False)
+        if type(ignore_eos) is not bool:
+            raise BadRequestError(f"ignore_eos: expected true or false, got {ignore_eos!r}")
+        stops = list(() if ignore_eos else self.eos)
+        extra = inputs.get("stop_token_ids", [])
+        if extra:
+            stops += check_tokens(extra, self.vocab, "stop_token_ids").tolist()
+        if len(stops) > MAX_STOPS:
+            raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
+        row = {"prompt_len": len(prompt), "max_new": int(max_new), "temperature": temperature, "top_k": int(top_k),
+               "top_p": top_p, "seed": int(seed), "stops": stops + [-1] * (MAX_STOPS - len(stops)),
+               "priority": f.priority, "first": math.nan}
+        return prompt, row
+
+    # the queue's finisher side (manager thread) -------------------------------------------------
+    def tokens(self, q: Sequences, slots: np.ndarray, tokens: np.ndarray, done: np.ndarray,
+               stopped: np.ndarray) -> None:
+        """An iteration sampled `tokens` for `slots` (their serials current): stream them, and
+        resolve the requests that are `done`."""
+        now = time.perf_counter()
+        first = np.isnan(q.first[slots])
+        q.first[slots[first]] = now
+        owners = q.owner[slots]
+        for i in np.flatnonzero([o.on_partial is not None for o in owners]).tolist():
+            partial = {"tokens": [int(tokens[i])]}
+            text = self._text_delta(owners[i], q, int(slots[i]))
+            if text is not None:
+                partial["text"] = text
+            self.stream(owners[i], partial)
+        for i in np.flatnonzero(done).tolist():
+            s = int(slots[i])
+            generated = q.tokens[s, q.prompt_len[s]:q.length[s]].tolist()
+            self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.first[s]))
+
+    def _text_delta(self, owner, q: Sequences, s: int) -> str | None:
+        seen = self._texts.get(owner)
+        if seen is None:
+            return None
+        text = self.tokenizer.decode(q.tokens[s, q.prompt_len[s]:q.length[s]].tolist())
+        self._texts[owner] = text
+        return text[len(seen):]
+
+    def _resolve(self, owner, generated: list, reason: str, first: float) -> None:
+        if owner._done:
+            return
+        outputs = {"tokens": generated, "finish_reason": reason}
+        if self._texts.pop(owner, None) is not None:
+            outputs["text"] = self.tokenizer.decode(generated)
+        now = time.perf_counter()
+        self.accounting.finished(owner, now - owner.arrival)
+        owner.set_result(Result(outputs, None, (owner.arrival, first, now)))
+
+
+
+def _number(value, what: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRequestError(f"{what}: expected a number in [{low}, {high}], got {value!r}")
+    return float(value)

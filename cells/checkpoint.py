@@ -1,0 +1,144 @@
+"""Loading a HF-style checkpoint directory: config.json, *.safetensors (one file or sharded), tokenizer.json.
+
+HF names map onto ours per layer (`HF_LAYER_NAMES`) and for the rest (`HF_MODEL_NAMES`); q/k/v
+and gate/up are concatenated, in that order, into our fused projections. Tensors the model does
+not use (rotary inv_freq, a tied lm_head.weight) are ignored. The model is built on the meta
+device and each tensor is read, converted and placed once, so a 13B model needs no spare copy.
+"""
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from batchmaker.cells.decoder import DecoderLM, empty_decoder, materialize
+from batchmaker.cells.decoder_config import DecoderConfig, from_hf
+
+_QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+
+# our name inside layer N -> HF module names inside HF layer N (concatenated along dim 0)
+HF_LAYER_NAMES = {
+    "llama": {
+        "attn_norm": ["input_layernorm"],
+        "attn.qkv_proj": _QKV,
+        "attn.o_proj": ["self_attn.o_proj"],
+        "mlp_norm": ["post_attention_layernorm"],
+        "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+        "mlp.down_proj": ["mlp.down_proj"],
+    },
+    "opt": {
+        "attn_norm": ["self_attn_layer_norm"],
+        "attn.qkv_proj": _QKV,
+        "attn.o_proj": ["self_attn.out_proj"],
+        "mlp_norm": ["final_layer_norm"],
+        "mlp.fc1": ["fc1"],
+        "mlp.fc2": ["fc2"],
+    },
+}
+HF_LAYER_PREFIX = {"llama": "model.layers.{}.", "opt": "model.decoder.layers.{}."}
+HF_MODEL_NAMES = {
+    "llama": {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"},
+    "opt": {"embed_tokens": "model.decoder.embed_tokens", "embed_positions": "model.decoder.embed_positions",
+            "norm": "model.decoder.final_layer_norm", "lm_head": "lm_head"},
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def hf_names(family: str, name: str) -> list[str]:
+    """The HF tensor names that make up our parameter `name` (e.g. layers.0.attn.qkv_proj.weight)."""
+    module, kind = name.rsplit(".", 1)
+    if module.startswith("layers."):
+        _, index, inner = module.split(".", 2)
+        prefix = HF_LAYER_PREFIX[family].format(index)
+        return [f"{prefix}{hf}.{kind}" for hf in HF_LAYER_NAMES[family][inner]]
+    return [f"{HF_MODEL_NAMES[family][module]}.{kind}"]
+
+
+def read_config(path: str | Path) -> tuple[DecoderConfig, dict]:
+    """The DecoderConfig of directory `path` and its raw config.json dict."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: no config.json (expected a HF-style checkpoint directory)")
+    raw = json.loads(file.read_text())
+    try:
+        return from_hf(raw), raw
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
+class SafetensorsDirectory:
+    """Tensors by name across a directory's safetensors files, opened lazily, read one at a time."""
+
+    def __init__(self, path: Path):
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ImportError("loading checkpoints needs safetensors: pip install safetensors") from None
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {name: path / file for name, file in weight_map.items()}
+            self.source = index  # named in errors
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"{path}: no *.safetensors files")
+            self.where = {name: file for file in files for name in safe_open(file, "pt").keys()}
+            self.source = files[0] if len(files) == 1 else path
+        self.handles = {file: safe_open(file, "pt") for file in set(self.where.values())}
+
+    def find(self, name: str) -> str | None:
+        """`name`, or the same name without "model." (OPT checkpoints saved from OPTModel)."""
+        for candidate in (name, name.removeprefix("model.")):
+            if candidate in self.where:
+                return candidate
+        return None
+
+    def get(self, name: str) -> Tensor:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DecoderLM:
+    """The model stored in HF-style directory `path`, with its weights in `dtype` on `device`.
+
+    dtype None keeps the checkpoint's: config.json's torch_dtype (or dtype), else the stored
+    embedding's. Raises ValueError naming the file and tensor for a missing config.json, an
+    unsupported model_type, and missing or misshapen tensors.
+    """
+    path = Path(path)
+    config, raw = read_config(path)
+    files = SafetensorsDirectory(path)
+    model = empty_decoder(config)
+    dtype = dtype or DTYPES.get(raw.get("torch_dtype") or raw.get("dtype"))
+    state = {}
+    for name, param in model.named_parameters():
+        sources = hf_names(config.family, name)
+        parts = [_read(files, hf, name) for hf in sources]
+        dtype = dtype or parts[0].dtype  # the embedding comes first
+        joined = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        if joined != param.shape or any(p.shape[1:] != param.shape[1:] for p in parts):
+            shapes = ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(sources, parts))
+            raise ValueError(f"{files.source}: unexpected shape: {shapes}; config.json makes "
+                             f"{name} {tuple(param.shape)}")
+        parts = [p.to(device=device, dtype=dtype) for p in parts]
+        state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return materialize(model, state, device)
+
+
+def _read(files: SafetensorsDirectory, hf_name: str, ours: str) -> Tensor:
+    found = files.find(hf_name)
+    if found is None:
+        raise ValueError(f"{files.source}: missing tensor {hf_name!r} (needed for {ours})")
+    return files.get(found)
+
+
+def load_tokenizer(path: str | Path):
+    """The directory's tokenizer.json as a `tokenizers.Tokenizer`, or None when there is none."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("loading tokenizer.json needs tokenizers: pip install tokenizers") from None
+    return Tokenizer.from_file(str(file))

@@ -1,0 +1,154 @@
+"""A decoder-only language model computed token-wise, with its attention delegated to the caller.
+
+The engine runs one iteration over a flat batch of `T` tokens from many requests (prompt chunks
+and single decode tokens mixed) and owns the KV cache, so a model here never sees sequences:
+every layer projects q/k/v for the `T` tokens and hands them to `attend(layer_index, q, k, v)`,
+which stores k/v wherever it likes and returns the attention output. `dense_logits` is the plain
+one-sequence path (causal attention over the sequence itself), the reference for everything else.
+
+Everything on the token path is free of host syncs and data-dependent shapes, so one iteration
+can be captured in a CUDA graph for a fixed `T`. Llama and OPT share this base, the attention
+block and the pre-norm layer; their files add norms, MLPs and position handling.
+"""
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchmaker.cells.decoder_config import DecoderConfig
+
+# attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]; q/k/v may be
+# non-contiguous views of the fused projection (OPT, and v always): call .contiguous() if a kernel needs it
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+INIT_STD = 0.02  # HF's initializer_range: keeps activations O(1) through the layers
+
+
+def repeat_kv(x: Tensor, num_heads: int) -> Tensor:
+    """[T, Hkv, D] -> [T, num_heads, D]: query head h reads kv head h // (num_heads // Hkv)."""
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def causal_attend(layer_index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention of one sequence over itself (tokens in order from position 0); an `Attend`."""
+    num_heads = q.shape[1]
+    q, k, v = (x.transpose(0, 1) for x in (q, repeat_kv(k, num_heads), repeat_kv(v, num_heads)))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)  # [L, Hq, D]
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, optional rotary embedding, the caller's attention, output projection."""
+
+    def __init__(self, config: DecoderConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        c = config
+        self.sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        bias = c.has_attention_bias
+        self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=bias)
+        self.o_proj = nn.Linear(self.sizes[0], c.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
+        # x: [T, H]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if rotate is not None:
+            q, k = rotate(q), rotate(k)
+        out = attend(self.layer_index, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.sizes[0]))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the norm and MLP kinds are given."""
+
+    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rotate, attend)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Token embedding, `num_layers` DecoderLayers, final norm and LM head.
+
+    Subclasses build `embed_tokens`, `layers`, `norm` and `lm_head` (None when tied to the
+    embedding) and define `embed`; Llama also overrides `rotary`.
+    """
+
+    config: DecoderConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear | None
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """tokens, positions: LongTensor [T] -> [T, H]."""
+        raise NotImplementedError
+
+    def rotary(self, positions: Tensor) -> Callable | None:
+        """A function rotating q or k [T, heads, D] to `positions`, or None without rotary embeddings."""
+        return None
+
+    def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """tokens, positions: LongTensor [T] -> hidden states [T, H] before the final norm."""
+        hidden = self.embed(tokens, positions)
+        rotate = self.rotary(positions)  # computed once, shared by every layer
+        for layer in self.layers:
+            hidden = layer(hidden, rotate, attend)
+        return hidden
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab] (final norm, then the LM head)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight).float()
+
+    @torch.no_grad()
+    def dense_logits(self, tokens: Tensor) -> Tensor:
+        """Logits [L, vocab] of one sequence `tokens` [L] at positions 0..L-1 (the reference path)."""
+        positions = torch.arange(tokens.shape[0], device=tokens.device)
+        return self.head(self(tokens, positions, causal_attend))
+
+
+def decoder_class(family: str) -> type[DecoderLM]:
+    from batchmaker.cells.llama import LlamaLM  # imported here: both modules import this one
+    from batchmaker.cells.opt import OPTLM
+    return {"llama": LlamaLM, "opt": OPTLM}[family]
+
+
+def empty_decoder(config: DecoderConfig) -> DecoderLM:
+    """The model with its parameters on the meta device (no memory), to be filled by `materialize`."""
+    with torch.device("meta"):
+        return decoder_class(config.family)(config)
+
+
+def materialize(model: DecoderLM, state: dict[str, Tensor], device) -> DecoderLM:
+    """Install `state` (tensors already of the wanted dtype and device) into a meta `model`, for inference."""
+    model.load_state_dict(state, assign=True)
+    return model.to(device).requires_grad_(False).eval()  # .to moves the non-persistent rope buffer
+
+
+def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> DecoderLM:
+    """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0.
+
+    The same seed gives the same weights on the same kind of device (one generator on `device`,
+    parameters drawn in registration order).
+    """
+    model = empty_decoder(config)
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        module_name, kind = name.rsplit(".", 1)
+        if module_name.endswith("norm"):
+            t.fill_(1.0 if kind == "weight" else 0.0)
+        else:
+            t.normal_(0.0, INIT_STD, generator=generator)
+        state[name] = t
+    return materialize(model, state, device)

@@ -1,0 +1,54 @@
+"""A decoder-Transformer step as a cell whose batch unit is tokens (thesis §2.9; ORCA).
+
+The cell wraps a decoder (cells/decoder.py: Llama- or OPT-style) with its serving settings: the
+KV cache's block size and size, and how many sequences one worker runs at once. The engine runs
+it by iterations (batchmaker/exec/iterations.py), never row by row: its signature (a token in,
+the next token out) says what one item of its batch is, and `forward` is not called.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from batchmaker.cell import Cell
+from batchmaker.signature import Signature, TensorSpec
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    block_size: int = 16  # positions per KV block
+    max_seqs: int = 256  # sequences running at once on one worker
+    num_blocks: int | None = None  # per worker; None: from the memory below
+    gpu_fraction: float = 0.9  # CUDA: of the memory free once the weights are placed
+    cpu_bytes: int = 256 << 20  # CPU workers
+    reserve: float = 0.1  # of the blocks, kept free for running decodes when new requests join
+
+
+class DecoderCell(Cell):
+    batch_unit = "tokens"  # what the engine batches: tokens of many sequences, not rows
+
+    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings()):
+        super().__init__()
+        self.lm = lm
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_seqs = kv.max_seqs
+        vocab = lm.config.vocab_size
+        self.signature = Signature({"token": TensorSpec((), torch.int64, high=vocab)},
+                                   {"token": TensorSpec((), torch.int64, high=vocab)})
+
+    def forward(self, **inputs):
+        raise TypeError("a DecoderCell runs by iterations (batchmaker/exec/iterations.py), not row by row")
+
+    def num_blocks_on(self, device: torch.device) -> int:
+        """KV blocks for one worker on `device` (the settings' count, or what the memory holds)."""
+        if self.kv.num_blocks is not None:
+            return self.kv.num_blocks
+        from batchmaker.exec.iterations import KVCache
+        dtype = next(self.lm.parameters()).dtype
+        per_block = KVCache.bytes_per_block(self.lm.config, self.block_size, dtype)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.kv.gpu_fraction)
+        else:
+            budget = self.kv.cpu_bytes
+        return max(2, budget // per_block)

@@ -1,0 +1,99 @@
+"""Llama: RMSNorm, rotary position embeddings (with linear or llama3 scaling), SwiGLU, GQA.
+
+Numerics follow HF's modeling_llama: RMSNorm in float32 and cast back before the weight; RoPE in
+the rotate-half layout (the two halves of each head are the pairs rotated together), cos/sin
+computed in float32 and cast to the activations' dtype.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
+from batchmaker.cells.decoder_config import DecoderConfig, rope_type
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one projection."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.has_mlp_bias
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_inv_freq(config: DecoderConfig) -> Tensor:
+    """float32 [D/2] on the CPU: theta^(-2i/D), scaled as `config.rope_scaling` says."""
+    dim = config.head_dim
+    # explicit device: stays real (and CPU) when the model is built on the meta device
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    scaling = config.rope_scaling_dict
+    kind = rope_type(scaling)
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling, config.max_positions)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: Tensor, scaling: dict, max_positions: int) -> Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling.get("original_max_position_embeddings", max_positions)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D] rotated by cos, sin [T, D/2]: each half pairs with the other."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaLM(DecoderLM):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        assert config.family == "llama"
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(RMSNorm(c.hidden_size, c.norm_eps), Attention(c, i),
+                         RMSNorm(c.hidden_size, c.norm_eps), GatedMLP(c))
+            for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # float32 [D/2]
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        return self.embed_tokens(tokens)
+
+    def rotary(self, positions: Tensor):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2], float32
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return lambda x: rotate_half_rope(x, cos, sin)

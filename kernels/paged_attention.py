@@ -1,0 +1,208 @@
+"""Attention over a paged KV cache: a batch of sequences, each with n_s new query tokens (decode:
+1, a prefill chunk: many, a padded sequence: 0) attending causally to its whole context, whose K/V
+live in fixed-size blocks of a shared cache (grouped-query attention: query head h reads kv head
+h // G). One Triton launch per call (two with split-KV); `reference_paged_attention` is the
+pure-PyTorch twin with the same arguments, and what the engine runs on the CPU.
+
+    write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first
+    out = paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens,
+                          max_query_len, scale=head_dim ** -0.5)
+
+Shapes: q, out [T, Hq, D] (T may end with padding tokens that belong to no sequence); caches
+[num_blocks, block_size, Hkv, D] (block 0 is the allocator's scratch block, where padding tokens
+write); block_tables int32 [S, max_blocks]; query_start int32 [S + 1] (sequence s owns tokens
+query_start[s] .. query_start[s + 1] - 1); context_lens int32 [S], counting the new tokens, whose
+K/V are already in the cache. Query i of n_s sits at position context_lens[s] - n_s + i.
+
+The kernel launch depends only on tensor shapes and host ints (max_query_len, max_context_len),
+never on tensor values, so it can be captured in a CUDA graph and replayed with new contents.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from batchmaker.kernels.cell_launch import KernelUnavailableError, dot_precision, is_interpreting
+
+LOG2_E = 1.4426950408889634
+MIN_SPLIT_LEN = 128  # context positions per split slice worth a program of its own (and the combine's read)
+MIN_PREFILL_SPLIT_LEN = 2048  # the same for query tiles of more than 16 rows, whose partials weigh more:
+# 512 new tokens over a 512 context took 2x as long in 4 slices as in one (H200)
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
+_kernels = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    block_m: int  # query tokens per tile; block_m * G (padded to a power of two) rows of the dot, >= 16
+    block_n: int  # context positions per step
+    num_warps: int
+    num_stages: int
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k_cache, v_cache at slot[t] = k[t], v[t] (slot = block * block_size + offset; int64 [T]).
+    k, v: [T, Hkv, D] of the caches' dtype. In place, no host sync (graph-capturable)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
+                              scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
+                              num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+    """The twin of `paged_attention`: per sequence, gather its context through the block table and
+    run softmax(q k^T * scale + causal mask) v in fp32. Padding rows are zero. The trailing
+    keywords only steer the kernel; they are accepted so that callers can swap the two."""
+    _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    out = torch.zeros_like(q) if out is None else out.zero_()
+    block_size = k_cache.shape[1]
+    starts, lens = query_start.tolist(), context_lens.tolist()  # the twin's one host sync
+    for s, (first, end, ctx) in enumerate(zip(starts, starts[1:], lens)):
+        if end == first:
+            continue
+        blocks = block_tables[s, :-(-ctx // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        out[first:end] = _causal_attention(q[first:end], k, v, scale).to(q.dtype)
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q [n, Hq, D] at positions ctx - n .. ctx - 1; k, v [ctx, Hkv, D] -> [n, Hq, D] fp32
+    n, num_q_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    qh = q.float().unflatten(1, (num_kv_heads, num_q_heads // num_kv_heads)).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    kh = k.float().transpose(0, 1).unsqueeze(1)  # [Hkv, 1, ctx, D]
+    vh = v.float().transpose(0, 1).unsqueeze(1)
+    scores = qh @ kh.transpose(-1, -2) * scale  # [Hkv, G, n, ctx]
+    positions = torch.arange(ctx - n, ctx, device=q.device)
+    scores.masked_fill_(torch.arange(ctx, device=q.device) > positions[:, None], float("-inf"))
+    return (scores.softmax(-1) @ vh).permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
+                    scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
+                    num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Causal attention of every sequence's new queries over its paged context; [T, Hq, D] in q's
+    dtype (fp16, bf16 or fp32), padding rows zero. max_query_len >= every n_s (host int: the grid).
+
+    Split-KV is chosen when (sequence, kv head, tile) programs would not fill the GPU and the
+    context may be long: max_context_len bounds it (default: what the block table can hold).
+    `num_splits` and `config` override the choices (tests, benchmarks). Launches on the current
+    stream; no host sync, so it can be captured in a CUDA graph.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    if not (q.is_cuda or is_interpreting()):
+        raise KernelUnavailableError(f"paged_attention runs on CUDA tensors, got {q.device}; "
+                                     "use reference_paged_attention")
+    kernels = _load_kernels()
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0:
+        return out
+    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
+    cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
+                                  config, num_splits)
+    num_tiles = max(1, -(-max_query_len // cfg.block_m))
+    is_split = num_splits > 1
+    part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
+                           device=q.device) if is_split else out
+    part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device) if is_split else out
+    kernels.paged_attention_kernel[(num_kv_heads * num_splits, num_seqs + 1, num_tiles)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start, context_lens,
+        scale * LOG2_E, num_seqs, num_tokens, num_q_heads, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0),
+        G=group, G_PAD=_pow2(group), D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+        IS_SPLIT=is_split, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if is_split:
+        kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
+            part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
+            out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1)
+    return out
+
+
+def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, max_context_len: int,
+                num_sms: int, config: AttentionConfig | None = None,
+                num_splits: int | None = None) -> tuple[AttentionConfig, int]:
+    """The tile shape and split count of a launch, from host ints only (`config`, `num_splits`:
+    the caller's choice, kept)."""
+    cfg = config or pick_config(max_query_len, _pow2(group))
+    if num_splits is None:
+        num_tiles = max(1, -(-max_query_len // cfg.block_m))
+        min_len = MIN_SPLIT_LEN if cfg.block_m * _pow2(group) <= 16 else MIN_PREFILL_SPLIT_LEN
+        num_splits = pick_num_splits(num_seqs * num_kv_heads * num_tiles, max_context_len, num_sms, min_len)
+    if num_splits > 1 and config is None:
+        cfg = pick_config(max_query_len, _pow2(group), is_split=True)
+    return cfg, num_splits
+
+
+def pick_config(max_query_len: int, group_pad: int, is_split: bool = False) -> AttentionConfig:
+    """Decode (a tile of one token's G heads) pads the dot to 16 rows: it is bound by reading K/V,
+    and with few programs (split-KV) wants more of it in flight per program. Longer query tiles
+    take 64 or 128 rows, as flash attention's prefill does. (bench/attention.py --sweep, H200.)"""
+    rows = max(max_query_len, 1) * group_pad
+    if rows <= 16:
+        return AttentionConfig(max(1, 16 // group_pad), 128 if is_split else 64, 4, 3)
+    if rows <= 64:
+        return AttentionConfig(max(1, 64 // group_pad), 64, 4, 3)
+    return AttentionConfig(max(1, 128 // group_pad), 64, 8, 3)
+
+
+def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_len: int = MIN_SPLIT_LEN) -> int:
+    """1 when the programs fill the GPU twice over; else enough slices of the context to reach
+    PROGRAMS_PER_SM programs per SM, none shorter than `min_len` positions (of the bound)."""
+    if num_programs >= 2 * num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: split only when asked
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _load_kernels():
+    global _kernels
+    if _kernels is None:
+        try:
+            from batchmaker.kernels import triton_attention
+        except ImportError as e:
+            raise KernelUnavailableError(
+                f"paged_attention needs Triton ({e}); use reference_paged_attention on this machine") from e
+        _kernels = triton_attention
+    return _kernels
+
+
+def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)} "
+                         "(same D, Hq a multiple of Hkv)")
+    if head_dim not in (16, 32, 64, 128):  # (256 would spill and overflow shared memory with these tiles)
+        raise ValueError(f"head dim {head_dim}: 16, 32, 64 or 128 expected")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("q, the caches and block_tables need a unit stride in their last dimension")
+    num_seqs = block_tables.shape[0]
+    if query_start.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,):
+        raise ValueError(f"{num_seqs} block table rows need query_start [{num_seqs + 1}] and context_lens "
+                         f"[{num_seqs}], got {tuple(query_start.shape)}, {tuple(context_lens.shape)}")
+
+
+__all__ = ["AttentionConfig", "paged_attention", "pick_config", "pick_launch", "pick_num_splits",
+           "reference_paged_attention", "write_kv"]

@@ -1,0 +1,170 @@
+"""Triton kernels of paged attention: flash attention with an online softmax over K/V that live in
+fixed-size blocks of a cache, found through a block table. paged_attention.py launches them.
+
+Imported lazily by paged_attention.py on the first kernel call, so that it (and its reference
+twin) imports where Triton is absent.
+
+Layout: one program owns one tile of a sequence's queries for one kv head: BLOCK_M query tokens x
+the G query heads that share the kv head, i.e. BLOCK_M * G_PAD rows of the QK^T dot (row r is
+token r // G_PAD, head r % G_PAD; heads past G, when G is not a power of two, are masked). It walks
+the context BLOCK_N positions at a time up to its last query position (causal), gathering each
+position's block id from the block table, and keeps the running max, sum and output in fp32.
+Steps wholly below the tile's first query position (all of decode but its last step) run without
+masks; the rest mask by position.
+Scores are in log2 units (scale * log2(e) folded into the scale) so the softmax uses exp2.
+
+Split-KV (flash-decoding): with num_splits > 1, the programs of one tile each take a slice of its
+context and write a normalized partial output and its log-sum-exp; `combine_splits_kernel` merges
+them. Slices are cut from the sequence's actual context length, read on the device, so the split
+count is the only host-side choice and the launch stays capturable in a CUDA graph.
+"""
+import triton
+import triton.language as tl
+
+NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so keyless rows make no NaNs
+
+
+@triton.jit
+def _tile_rows(tile, kv_head, n, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    # rows of a tile: the token (within its sequence), the query head, and whether the row is real
+    rows = tl.arange(0, BLOCK_M * G_PAD)
+    tok = tile * BLOCK_M + rows // G_PAD
+    head = kv_head * G + rows % G_PAD
+    return tok, head, (tok < n) & (rows % G_PAD < G)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
+            D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+            PRECISION: tl.constexpr):
+    # online softmax of q_tile [M, D] (queries at context positions pos [M]) over positions [lo, hi),
+    # carrying the running output acc [M, D], max m_i [M] and sum l_i [M]. Unless MASKED, every
+    # position of the range is below hi and visible to every row (no masks).
+    offs_d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_range = offs_n < hi
+        if MASKED:
+            block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+        else:
+            block = tl.load(table_row + offs_n // BLOCK_SIZE)
+        offset = offs_n % BLOCK_SIZE
+        k_rows = block.to(tl.int64) * stride_kb + offset * stride_ko + kv_head * stride_kh
+        v_rows = block.to(tl.int64) * stride_vb + offset * stride_vo + kv_head * stride_vh
+        if MASKED:
+            k = tl.load(k_cache + k_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)  # [BN, D]
+        else:
+            k = tl.load(k_cache + k_rows[:, None] + offs_d[None, :])
+        scores = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, BN]
+        if MASKED:
+            causal = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
+            scores = tl.where(causal, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_cache + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)  # [BN, D]
+        else:
+            v = tl.load(v_cache + v_rows[:, None] + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def paged_attention_kernel(
+    q, k_cache, v_cache, out,  # q, out: [T, Hq, D]; caches: [num_blocks, BLOCK_SIZE, Hkv, D]
+    part_out, part_lse,  # split-KV partials, fp32 [num_splits, T, Hq, D] and [num_splits, T, Hq]
+    block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
+    scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens
+    kv_head, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
+    seq, tile = tl.program_id(1), tl.program_id(2)
+    M: tl.constexpr = BLOCK_M * G_PAD
+    offs_d = tl.arange(0, D)
+    q_start = tl.load(query_start + seq)
+    if seq == num_seqs:
+        if not IS_SPLIT:  # (the combine kernel zeroes them when split)
+            _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, BLOCK_M)
+        return
+    n = tl.load(query_start + seq + 1) - q_start
+    if tile * BLOCK_M >= n:
+        return
+    ctx = tl.load(context_lens + seq)
+    tok, head, is_row = _tile_rows(tile, kv_head, n, G, G_PAD, BLOCK_M)
+    pos = ctx - n + tok  # [M] context position of each row's query
+    q_tile = tl.load(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                     mask=is_row[:, None], other=0.0)
+    kv_end = ctx - n + tl.minimum(tile * BLOCK_M + BLOCK_M, n)  # one past the tile's last query position
+    lo, hi = 0, kv_end
+    if IS_SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    # [lo, mid): whole steps below the tile's first query position, visible to every row: no masks
+    # (all of decode but its last step)
+    mid = lo + tl.maximum(tl.minimum(hi, ctx - n + tile * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    acc = tl.zeros([M, D], tl.float32)
+    m_i = tl.full([M], NO_SCORE, tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    table_row = block_tables + seq * stride_bt
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, mid,
+                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
+                            D, BLOCK_N, BLOCK_SIZE, False, PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi,
+                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
+                            D, BLOCK_N, BLOCK_SIZE, True, PRECISION)
+    has_key = l_i > 0.0  # false for rows whose slice of the context ends before their position
+    l_i = tl.where(has_key, l_i, 1.0)
+    acc = acc / l_i[:, None]
+    if IS_SPLIT:
+        part_row = (split * num_tokens + q_start + tok) * num_q_heads + head  # [M]
+        tl.store(part_out + part_row[:, None] * D + offs_d[None, :], acc, mask=is_row[:, None])
+        tl.store(part_lse + part_row, tl.where(has_key, m_i + tl.log2(l_i), float("-inf")), mask=is_row)
+    else:
+        tl.store(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(out.dtype.element_ty), mask=is_row[:, None])
+
+
+@triton.jit
+def _zero_padding(out, first, num_tokens, tile, kv_head, stride_ot, stride_oh,
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # rows of tokens first .. num_tokens - 1 (those after the last sequence) of this kv head's heads
+    offs_d = tl.arange(0, D)
+    rows = tl.arange(0, BLOCK_M * G_PAD)
+    head = kv_head * G + rows % G_PAD
+    zeros = tl.zeros([BLOCK_M * G_PAD, D], out.dtype.element_ty)
+    for t0 in range(first + tile * BLOCK_M, num_tokens, tl.num_programs(2) * BLOCK_M):
+        tok = t0 + rows // G_PAD
+        is_row = (tok < tl.minimum(t0 + BLOCK_M, num_tokens)) & (rows % G_PAD < G)
+        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], zeros,
+                 mask=is_row[:, None])
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
+    num_seqs, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
+    D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse)
+    t, h = tl.program_id(0), tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    splits = tl.arange(0, SPLITS_PAD)
+    num_parts = tl.where(t < tl.load(query_start + num_seqs), num_splits, 0)  # padding tokens: none
+    is_split = splits < num_parts
+    part_row = (splits * num_tokens + t) * num_q_heads + h
+    lse = tl.load(part_lse + part_row, mask=is_split, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS_PAD], 0 for empty slices
+    o = tl.load(part_out + part_row[:, None] * D + offs_d[None, :], mask=is_split[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))

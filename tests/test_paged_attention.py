@@ -1,0 +1,304 @@
+"""Paged attention (kernels/paged_attention.py): the reference twin against a dense float64
+computation on the CPU, the Triton kernel against the twin on the GPU and in Triton's interpreter.
+
+    python -m pytest -q tests/test_paged_attention.py          # CPU (+ the interpreter, when triton is installed)
+    python -m pytest -q -m gpu tests/test_paged_attention.py   # the kernel sweeps, on a CUDA device
+
+Each case draws per-sequence contexts, scatters them with write_kv into shuffled blocks of a cache
+whose other slots (the scratch block 0, spare blocks, block tails) hold NaN, and fills the padding
+query rows with NaN: any read outside a sequence's context, or of a padding row, shows up as NaN.
+Padding output rows must come back zero.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchmaker.kernels.paged_attention import (AttentionConfig, paged_attention, pick_num_splits,
+                                                reference_paged_attention, write_kv)
+from helpers import interpreter, needs_gpu
+
+TOLERANCE = {  # (rtol, atol) of the kernel against the twin, outputs of O(1): about 2 ulps of the dtype
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.5e-2, 1.5e-2),
+    torch.float32: (1e-5, 1e-5),  # TF32 off: IEEE dots
+}
+
+
+@dataclass
+class Case:
+    args: tuple  # q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len, scale
+    want: torch.Tensor  # float64 [T, Hq, D] from the dense contexts; padding rows zero
+    num_real: int  # tokens before the padding
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.args[0]
+
+
+def dense_attention(q, k, v, scale):
+    """q [n, Hq, D]; k, v [ctx, Hkv, D] contiguous -> float64 [n, Hq, D]; query i sits at ctx - n + i."""
+    n, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+    scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale
+    allowed = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n)
+    return torch.einsum("hnc,chd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+def make_case(query_lens, context_lens, num_kv_heads, group, head_dim, block_size, dtype=torch.float32,
+              device="cpu", *, seed=0, num_pad_tokens=3) -> Case:
+    torch.manual_seed(seed)
+    num_seqs = len(query_lens)
+    blocks_per_seq = [-(-ctx // block_size) for ctx in context_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + 4  # block 0: scratch; 4 spare blocks
+    free = (torch.randperm(num_blocks - 1) + 1).tolist()
+    block_tables = torch.zeros(num_seqs, max(blocks_per_seq, default=0) + 1, dtype=torch.int32)  # a spare column
+    num_real = sum(query_lens)
+    q = torch.randn(num_real + num_pad_tokens, num_kv_heads * group, head_dim).to(dtype)
+    q[num_real:] = float("nan")
+    want = torch.zeros(q.shape, dtype=torch.float64)
+    ks, vs, slots = [], [], []
+    first = 0
+    for s, (n, ctx, num_blocks_s) in enumerate(zip(query_lens, context_lens, blocks_per_seq)):
+        blocks = torch.tensor(free[:num_blocks_s], dtype=torch.int64)
+        free = free[num_blocks_s:]
+        block_tables[s, :num_blocks_s] = blocks.int()
+        k = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
+        v = torch.randn(ctx, num_kv_heads, head_dim).to(dtype)
+        ks.append(k)
+        vs.append(v)
+        slots.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx])
+        if n:
+            want[first:first + n] = dense_attention(q[first:first + n], k, v, head_dim ** -0.5)
+        first += n
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    write_kv(torch.cat(ks), torch.cat(vs), k_cache, v_cache, torch.cat(slots))
+    query_start = torch.tensor([0, *torch.tensor(query_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    args = (q.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device), query_start.to(device),
+            torch.tensor(context_lens, dtype=torch.int32, device=device), max(query_lens, default=0), head_dim ** -0.5)
+    return Case(args, want, num_real)
+
+
+def random_case(seed: int, dtype=torch.float32, device="cpu", head_dims=(32, 64, 128)) -> Case:
+    """1-5 sequences mixing padded (n = 0), decode (n = 1) and prefill chunks with earlier context."""
+    torch.manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), ()))]
+    block_size, group, num_kv_heads, head_dim = pick((8, 16, 32)), pick((1, 2, 4, 8)), pick((1, 2, 3)), pick(head_dims)
+    query_lens = [pick((0, 1, 1, 1, 2, 5, 17, 40)) for _ in range(int(torch.randint(1, 6, ())))]
+    context_lens = [n + pick((0, 0, int(torch.randint(1, 160, ())))) for n in query_lens]
+    return make_case(query_lens, context_lens, num_kv_heads, group, head_dim, block_size, dtype, device,
+                     seed=seed, num_pad_tokens=pick((0, 3)))
+
+
+def check(case: Case, got: torch.Tensor, rtol: float, atol: float) -> None:
+    want = case.want.to(got.device)
+    torch.testing.assert_close(got[:case.num_real].double(), want[:case.num_real], rtol=rtol, atol=atol)
+    assert not got[case.num_real:].any(), "padding rows must be zero"
+
+
+def check_kernel(case: Case, **kw) -> torch.Tensor:
+    """The kernel (into a NaN-filled out) against the twin."""
+    out = torch.full_like(case.q, float("nan"))
+    got = paged_attention(*case.args, out, **kw)
+    assert got is out
+    want = reference_paged_attention(*case.args)
+    rtol, atol = TOLERANCE[case.q.dtype]
+    torch.testing.assert_close(got[:case.num_real].float(), want[:case.num_real].float(), rtol=rtol, atol=atol)
+    assert not got[case.num_real:].any(), "padding rows must be zero"
+    return got
+
+
+# CPU: the twin --------------------------------------------------------------------------------
+
+EDGE_CASES = {  # query_lens, context_lens, Hkv, G, D, block_size
+    "decode": ([1, 1, 1, 1], [1, 16, 17, 100], 2, 4, 64, 16),
+    "prefill-from-empty": ([33], [33], 1, 1, 32, 8),
+    "prefill-chunk-after-context": ([40, 7], [200, 7], 2, 2, 64, 32),
+    "mixed-with-padded-seqs": ([0, 1, 12, 0, 1], [0, 50, 12, 9, 1], 1, 8, 32, 8),
+    "all-padded": ([0, 0], [0, 5], 2, 1, 32, 16),
+}
+
+
+@pytest.mark.parametrize("name", EDGE_CASES)
+def test_reference_edge_cases(name):
+    case = make_case(*EDGE_CASES[name], seed=len(name))
+    check(case, reference_paged_attention(*case.args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_reference_matches_dense(seed):
+    case = random_case(seed)
+    check(case, reference_paged_attention(*case.args), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_writes_into_out_and_zeroes_padding():
+    case = make_case([2, 1], [5, 9], 2, 2, 32, 8)
+    out = torch.full_like(case.q, 7.0)
+    assert reference_paged_attention(*case.args, out) is out
+    check(case, out, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_round_trip():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.zeros(6, 8, 2, 32), torch.zeros(6, 8, 2, 32)
+    slots = torch.randperm(48)[:20]
+    k, v = torch.randn(20, 2, 32), torch.randn(20, 2, 32)
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(48, 2, 32)[slots], k) and torch.equal(v_cache.view(48, 2, 32)[slots], v)
+    untouched = torch.ones(48, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(48, 2, 32)[untouched].any() and not v_cache.view(48, 2, 32)[untouched].any()
+
+
+def test_bad_shapes_raise_value_errors():
+    case = make_case([1], [4], 2, 2, 32, 8)
+    q, k_cache, v_cache, block_tables, query_start, context_lens, n, scale = case.args
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        reference_paged_attention(q[:, :3], k_cache, v_cache, block_tables, query_start, context_lens, n, scale)
+    with pytest.raises(ValueError, match="query_start"):
+        paged_attention(q, k_cache, v_cache, block_tables, query_start[:1], context_lens, n, scale)
+    with pytest.raises(ValueError, match="dtypes"):
+        paged_attention(q.half(), k_cache, v_cache, block_tables, query_start, context_lens, n, scale)
+
+
+def test_split_count_depends_on_programs_and_the_context_bound():
+    sms = 132
+    assert pick_num_splits(1 * 32, 32768, sms) > 1  # decode, batch 1: split
+    assert pick_num_splits(64 * 32, 32768, sms) == 1  # batch 64 fills the GPU
+    assert pick_num_splits(32, 128, sms) == 1  # short contexts: not worth a combine
+    assert 1 < pick_num_splits(1, 1 << 20, sms) <= 32
+
+
+def test_module_imports_without_triton_and_the_kernel_says_why():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # as on a machine without triton
+        import torch
+        from batchmaker.kernels.cell_launch import KernelUnavailableError
+        from batchmaker.kernels.paged_attention import paged_attention
+        q, cache = torch.zeros(1, 2, 32), torch.zeros(2, 8, 2, 32)
+        seqs = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+        try:
+            paged_attention(q, cache, cache, *seqs, torch.ones(1, dtype=torch.int32), 1, 1.0)
+        except KernelUnavailableError as e:
+            print("raised:", e)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "raised:" in done.stdout
+
+
+# Triton's CPU interpreter (small sizes) -------------------------------------------------------
+
+@interpreter
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_in_the_interpreter(seed):
+    check_kernel(random_case(seed, torch.float32, head_dims=(32,)))
+    if seed < 2:  # split-KV, and fp16 dots
+        check_kernel(make_case([1, 3, 0], [70, 90, 5], 2, 2, 32, 16, seed=seed), num_splits=3)
+        check_kernel(make_case([1, 1], [40, 20], 1, 4, 32, 8, torch.float16, seed=seed), num_splits=2)
+
+
+def test_the_interpreter_in_a_subprocess():
+    """Runs the test above under TRITON_INTERPRET=1 (it must be set before triton is imported), on
+    machines with triton but no GPU; where there is one, the GPU tests run the kernel itself (and
+    older interpreters fail on its device-valued loop bounds under NumPy 2)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreting already: the test above runs in this process")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the GPU tests cover the kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "test_kernel_in_the_interpreter"], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).parent.parent, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "6 passed" in done.stdout
+
+
+# GPU ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def ieee_fp32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seed", range(12))
+def test_kernel_matches_the_twin(seed, dtype):
+    check_kernel(random_case(seed, dtype, "cuda"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_fp32(seed, ieee_fp32):
+    check_kernel(random_case(100 + seed, torch.float32, "cuda"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("num_splits", [None, 2, 5, 32])
+def test_split_kv(num_splits, dtype):
+    # long contexts, few sequences: None picks the split count from max_context_len (> 1 here)
+    case = make_case([1, 1, 0, 4], [3000, 1, 7, 2500], 2, 4, 128, 16, dtype, "cuda", seed=3)
+    assert pick_num_splits(4 * 2, 4096, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    check_kernel(case, num_splits=num_splits, max_context_len=4096)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (4, 128)])
+def test_other_tile_shapes(block_m, block_n):
+    case = make_case([40, 1, 9], [300, 64, 9], 2, 4, 64, 16, torch.float16, "cuda", seed=4)
+    check_kernel(case, config=AttentionConfig(block_m, block_n, 4, 2))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("max_context_len", [256, 8192], ids=["one-pass", "split-kv"])
+def test_replays_in_a_cuda_graph(max_context_len):
+    """What a decode step does: capture once over static buffers, refill them, replay."""
+    static = make_case([1] * 4, [200, 1, 17, 256], 2, 4, 128, 16, torch.bfloat16, "cuda", seed=5)
+    q, k_cache, v_cache, block_tables, query_start, context_lens, _, scale = static.args
+    out = torch.empty_like(q)
+
+    def step():
+        paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, 1, scale, out,
+                        max_context_len=max_context_len)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed, (query_lens, context_lens_now) in enumerate([([1, 1, 1, 1], [3, 250, 1, 130]),
+                                                           ([1, 0, 1, 0], [256, 0, 31, 4])]):
+        fresh = make_case(query_lens, context_lens_now, 2, 4, 128, 16, torch.bfloat16, "cuda", seed=6 + seed)
+        fresh_q, fresh_k, fresh_v, fresh_tables = fresh.args[:4]
+        q[:len(fresh_q)].copy_(fresh_q)
+        q[len(fresh_q):] = float("nan")
+        k_cache[:len(fresh_k)].copy_(fresh_k)
+        v_cache[:len(fresh_v)].copy_(fresh_v)
+        block_tables.zero_()[:, :fresh_tables.shape[1]].copy_(fresh_tables)
+        query_start.copy_(fresh.args[4])
+        context_lens.copy_(fresh.args[5])
+        graph.replay()
+        want = reference_paged_attention(*static.args)
+        torch.testing.assert_close(out.float(), want.float(), rtol=1.5e-2, atol=1.5e-2)
+        assert not out[fresh.num_real:].any()

@@ -1,0 +1,70 @@
+"""The decoder-Transformer models: "llama" (Llama-style: RMSNorm, RoPE, SwiGLU, grouped-query
+attention) and "opt" (OPT-style: LayerNorm, learned positions). Each is one DecoderCell served by a
+Generate form (batchmaker/generation.py says what a request holds and what comes back).
+
+Weights: seeded random ones of a named preset (cells/decoder_config.py: the papers' Llama-2-7B,
+Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style checkpoint directory
+(`config.json` + `*.safetensors`; with a `tokenizer.json`, requests may send text).
+"""
+import torch
+
+from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
+from batchmaker.forms import Generate
+from batchmaker.model import Model
+from batchmaker.registry import register_model
+from batchmaker.unfolders.common import as_dtype, power_of_two_sizes
+
+
+def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, seed: int, dtype, device: str,
+                  max_tokens: int, max_seqs: int, block_size: int, num_blocks: int | None,
+                  max_new_tokens: int) -> Model:
+    from batchmaker.cells.checkpoint import load_checkpoint, load_tokenizer
+    from batchmaker.cells.decoder import build_decoder
+    from batchmaker.cells.decoder_config import PRESETS
+    tokenizer = None
+    if checkpoint is not None:
+        lm = load_checkpoint(checkpoint, dtype=None if dtype is None else as_dtype(dtype), device=device)
+        tokenizer = load_tokenizer(checkpoint)
+    else:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+        lm = build_decoder(PRESETS[preset], seed=seed, dtype=as_dtype(dtype or "float32"), device=device)
+    if lm.config.family != family:
+        raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {lm.config.family}")
+    kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks)
+    cell = DecoderCell(lm, kv)
+    cell.tokenizer = tokenizer
+    vocab = lm.config.vocab_size
+    return Model(
+        name=name,
+        cells={"decoder": cell},
+        unfold=Generate("decoder", max_new_tokens=max_new_tokens),
+        batch_sizes={"decoder": power_of_two_sizes(max_tokens)},
+        input_schema={
+            "tokens": f"list[int]: prompt token ids in [0, {vocab}), non-empty (or 'prompt': str with a tokenizer)",
+            "max_new_tokens": f"int >= 0, default {max_new_tokens}",
+            "temperature": "float >= 0, default 0 (greedy)", "top_k": "int >= 0 (0: off)",
+            "top_p": "float in (0, 1], default 1", "seed": "int: reproducible sampling",
+            "stop_token_ids": "list[int], besides EOS", "ignore_eos": "bool, default false",
+        },
+        streamed_outputs=("tokens",),
+    )
+
+
+@register_model("llama")
+def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed: int = 0,
+                dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int = 256,
+                max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
+                max_new_tokens: int = 64) -> Model:
+    """max_tokens: the token budget of one iteration (prompt chunks and decodes together)."""
+    return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
+                         block_size, num_blocks, max_new_tokens)
+
+
+@register_model("opt")
+def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int = 0,
+              dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int = 256,
+              max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
+              max_new_tokens: int = 64) -> Model:
+    return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
+                         block_size, num_blocks, max_new_tokens)
