@@ -10,6 +10,9 @@
 #     seq2seq  bench/wmt.py --model seq2seq fp16: the same
 #     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching, null
 #     serving  bench/wmt.py and bench/treebank.py over ZeroMQ (carry pyzmq wheels in .whl)
+#     decoders the decoder tests (HF references, Triton attention, CUDA-graph decode), bench/attention.py,
+#              and a small bench/chat.py (tiny model) that checks the script end to end
+#     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
 # Knobs: DURATION (s per rate, default 2), SWEEP_LSTM, SWEEP_S2S, SWEEP_TREE (START:STOP:FACTOR).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
@@ -52,6 +55,10 @@ for suite in "$@"; do
                   step treebank-sst-fp16-b512 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}" --engine-max-batch 512 --systems batchmaker graph-batching --tag engine-b512 ;;
         serving) step wmt-lstm-zmq timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${common[@]}" --sweep 1600:102400:2
                  step treebank-zmq timeout 280 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${common[@]}" --sweep 800:51200:2 ;;
+        decoders) step decoder-tests timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -s tests/test_generation_gpu.py tests/test_paged_attention.py tests/test_generation.py tests/test_decoder_models.py
+                  step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+                  step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;
+        chat) step chat timeout 590 python3 bench/chat.py --device cuda:0 --preset llama-2-7b --dtype bf16 ${CHAT_ARGS:-} ;;
         *) echo "unknown suite $suite"; failed+=("$suite") ;;
     esac
 done

@@ -57,6 +57,7 @@ class IterationRunner:
         self._packers: dict[tuple, _Packed] = {}
         self.num_graph_iterations = 0
         self.num_iterations = 0
+        self.trace: list | None = None  # benchmarks: (tokens, context tokens read, sequences) per iteration
 
     @property
     def pools(self) -> dict:
@@ -80,8 +81,13 @@ class IterationRunner:
         self.last_token.index_copy_(0, t["sample_slots"], chosen)
         return chosen
 
+    def _record(self, task: IterationTask) -> None:
+        if self.trace is not None:
+            self.trace.append((task.batch, int(task.context_lens.sum()), len(task.slots)))
+
     # CPU: the worker thread runs it --------------------------------------------------------------
     def execute(self, task: IterationTask) -> None:
+        self._record(task)
         host = _host_arrays(task)
         t = {k: torch.from_numpy(v) for k, v in host.items()}
         greedy = not (task.temperature > 0).any()
@@ -90,6 +96,7 @@ class IterationRunner:
 
     # CUDA: the manager thread queues it on the worker's stream -----------------------------------
     def launch(self, task: IterationTask) -> None:
+        self._record(task)
         greedy = not (task.temperature > 0).any()
         n = len(task.sample)
         if task.decode_only and self.graphs.enabled:

@@ -1,0 +1,292 @@
+"""Chat serving on one GPU: a ShareGPT-like workload (Pensieve Table 3.2 statistics), each turn sent
+with its whole history (stateless), Poisson arrivals. BatchMaker against HF transformers'
+continuous batching and static batching, in one run, with the same random weights.
+
+    python bench/chat.py --device cuda:0 --preset llama-2-7b --dtype bf16
+
+Reports per system and rate: output tokens/s, normalized latency (latency / output tokens) p50/p90,
+and for BatchMaker the roofline of the iterations it ran: sum over iterations of max(bytes read /
+copy bandwidth, FLOPs / matmul peak), bytes = weights + K/V of every context token read, FLOPs =
+2 x parameters x tokens (+ attention), over the wall time. The decode step alone (one request's
+tokens, and B requests decoding together at a fixed context) is timed against the same floor.
+"""
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import write_results  # noqa: E402
+
+TURNS, INPUT, OUTPUT = 5.56, 37.77, 204.58  # Pensieve Table 3.2: mean turns, input and output tokens per turn
+
+
+def conversations(n_requests: int, max_context: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of each turn, whole history included, in arrival order
+    (conversations interleaved at random)."""
+    rng = np.random.default_rng(seed)
+    turns = []
+    while len(turns) < n_requests:
+        history = 0
+        for _ in range(rng.geometric(1 / TURNS)):
+            new = max(1, int(rng.lognormal(np.log(INPUT) - 0.5, 1.0)))
+            out = max(1, min(1024, int(rng.lognormal(np.log(OUTPUT) - 0.5, 1.0))))
+            prompt = min(history + new, max_context - out)
+            turns.append((prompt, out))
+            history = prompt + out
+    rng.shuffle(turns)
+    return turns[:n_requests]
+
+
+def poisson(n: int, rate: float, seed: int) -> np.ndarray:
+    if rate == float("inf"):
+        return np.zeros(n)
+    return np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n))
+
+
+def summarize(system: str, rate: float, work, latencies: list[float], span: float) -> dict:
+    outputs = np.array([o for _, o in work])
+    norm = np.array(latencies) / outputs
+    return {"system": system, "rate": rate, "requests": len(work), "output_tokens": int(outputs.sum()),
+            "tokens_per_s": float(outputs.sum() / span), "wall_s": span,
+            "norm_latency_p50_ms": float(np.percentile(norm, 50) * 1e3),
+            "norm_latency_p90_ms": float(np.percentile(norm, 90) * 1e3)}
+
+
+# BatchMaker ------------------------------------------------------------------------------------
+def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
+    runner = next(iter(engine.workers[0].iterations.values()))
+    runner.trace = []
+    arrivals = poisson(len(work), rate, seed)
+    done_at, futures = {}, []
+    start = time.perf_counter()
+    for i, ((p, o), at) in enumerate(zip(work, arrivals)):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        f = engine.submit("llama", {"tokens": prompts[i], "max_new_tokens": o, "ignore_eos": True})
+        f.add_done_callback(lambda f, i=i: done_at.__setitem__(i, time.perf_counter()))
+        futures.append(f)
+    for f in futures:
+        assert len(f.result(600).outputs["tokens"]) > 0
+    end = max(done_at.values())
+    latencies = [done_at[i] - (start + arrivals[i]) for i in range(len(work))]
+    trace, runner.trace = runner.trace, None
+    return summarize("batchmaker", rate, work, latencies, end - start), trace
+
+
+def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, peak: float) -> float:
+    """Seconds the iterations would take at the roofline of each."""
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    total = 0.0
+    for tokens, context, _ in trace:
+        bytes_read = params * itemsize + context * kv_per_token
+        flops = 2 * params * tokens + 4 * config.num_layers * config.num_heads * config.head_dim * context
+        total += max(bytes_read / bandwidth, flops / peak)
+    return total
+
+
+def decode_steps(engine, batch: int, context: int, steps: int) -> float:
+    """Median seconds between one request's streamed tokens while `batch` requests decode together."""
+    stamps = []
+    rng = np.random.default_rng(batch)
+    futures = [engine.submit("llama", {"tokens": rng.integers(1, 30000, context).tolist(), "max_new_tokens": steps,
+                                       "ignore_eos": True},
+                             on_partial=(lambda p: stamps.append(time.perf_counter())) if i == 0 else None)
+               for i in range(batch)]
+    for f in futures:
+        f.result(600)
+    gaps = np.diff(stamps)[steps // 4:]  # past the prefills
+    return float(np.median(gaps))
+
+
+# HF transformers -----------------------------------------------------------------------------------
+def hf_model(lm, config):
+    """HF's LlamaForCausalLM sharing our weights (q/k/v and gate/up are views of our fused ones)."""
+    import transformers
+    from batchmaker.cells.checkpoint import hf_names
+    from batchmaker.cells.decoder_config import to_hf
+    hf_config = transformers.LlamaConfig(**to_hf(config))
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    state = {}
+    for name, tensor in lm.state_dict().items():
+        names = hf_names(config.family, name)
+        for hf_name, part in zip(names, _split(tensor, names, config)):
+            state[hf_name] = part
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, assign=True, strict=False)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config, device=lm.embed_tokens.weight.device)
+    return hf.to(lm.embed_tokens.weight.device).eval()
+
+
+def _split(tensor, names, config):
+    if len(names) == 1:
+        return [tensor]
+    if len(names) == 3:
+        q = config.num_heads * config.head_dim
+        kv = config.num_kv_heads * config.head_dim
+        return list(tensor.split([q, kv, kv], 0))
+    return list(tensor.chunk(2, 0))
+
+
+def run_hf_continuous(hf, work, prompts, rate, seed) -> dict:
+    from transformers import GenerationConfig
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in work), eos_token_id=-1)
+    manager = hf.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    arrivals = poisson(len(work), rate, seed)
+    done_at = {}
+    ids = {}
+
+    def collect():
+        while len(done_at) < len(work):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done_at[result.request_id] = time.perf_counter()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    start = time.perf_counter()
+    for i, ((p, o), at) in enumerate(zip(work, arrivals)):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        ids[i] = manager.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=o)
+    collector.join(timeout=900)
+    manager.stop(block=True)
+    latencies = [done_at[f"r{i}"] - (start + arrivals[i]) for i in range(len(work))]
+    return summarize("hf-continuous", rate, work, latencies, max(done_at.values()) - start)
+
+
+def run_hf_static(hf, work, prompts, batch: int) -> dict:
+    """Request-level batching: `batch` requests padded together, run to the longest output."""
+    latencies, start = [], time.perf_counter()
+    for b in range(0, len(work), batch):
+        group = list(range(b, min(b + batch, len(work))))
+        longest = max(work[i][0] for i in group)
+        ids = torch.zeros(len(group), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(group):  # left padding
+            ids[row, longest - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, longest - len(prompts[i]):] = 1
+        n = max(work[i][1] for i in group)
+        dev = hf.device
+        hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        latencies += [time.perf_counter() - start] * len(group)  # all arrived at 0
+    return summarize(f"hf-static-b{batch}", float("inf"), work, latencies, time.perf_counter() - start)
+
+
+def measured_bandwidth(device) -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--rates", default="2,8,inf", help="requests/s for BatchMaker (inf: all at once)")
+    ap.add_argument("--hf-rates", default="1,inf", help="requests/s for HF continuous batching")
+    ap.add_argument("--hf-requests", type=int, default=64)
+    ap.add_argument("--static-batch", type=int, default=32)
+    ap.add_argument("--systems", nargs="+", default=["batchmaker", "hf-continuous", "hf-static"])
+    ap.add_argument("--max-tokens", type=int, default=512, help="BatchMaker's token budget per iteration")
+    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--steps", default="1,64,256", help="decode-step batches to time at context --step-context")
+    ap.add_argument("--step-context", type=int, default=336)
+    ap.add_argument("--bandwidth", type=float, default=4.23e12, help="copy bandwidth (bytes/s) for the roofline")
+    ap.add_argument("--peak", type=float, default=805e12, help="matmul peak (FLOP/s) for the roofline")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    from batchmaker import Engine, EngineConfig
+    from batchmaker.cells.decoder_config import PRESETS, num_parameters
+    from batchmaker.registry import build_model
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = PRESETS[args.preset]
+    t0 = time.perf_counter()
+    model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
+                        max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024)
+    lm = model.cells["decoder"].lm
+    itemsize = lm.embed_tokens.weight.element_size()
+    params = num_parameters(config)
+    print(f"built {args.preset} in {time.perf_counter() - t0:.1f} s", flush=True)
+    work = conversations(args.requests, config.max_positions, args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    prompts = [rng.integers(1, config.vocab_size, p).tolist() for p, _ in work]
+    bandwidth = measured_bandwidth(args.device)
+    floor_s = params * itemsize / args.bandwidth
+    rows, steps, rooflines = [], [], []
+    if "batchmaker" in args.systems:
+        engine = Engine([model], EngineConfig(devices=(args.device,))).start()
+        try:
+            for batch in [int(b) for b in args.steps.split(",") if b]:
+                step = decode_steps(engine, batch, args.step_context, 48)
+                ctx = args.step_context + 24
+                floor = max((params * itemsize + batch * ctx * 2 * config.num_layers * config.num_kv_heads
+                             * config.head_dim * itemsize) / args.bandwidth, 2 * params * batch / args.peak)
+                steps.append({"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                              "vs_floor": step / floor})
+                print(steps[-1], flush=True)
+            for rate in [float(r) for r in args.rates.split(",")]:
+                row, trace = run_batchmaker(engine, work, prompts, rate, args.seed)
+                ideal = roofline(trace, config, params, itemsize, args.bandwidth, args.peak)
+                row.update(iterations=len(trace), roofline_s=ideal, roofline_fraction=ideal / row["wall_s"],
+                           mean_tokens_per_iteration=float(np.mean([t for t, _, _ in trace])))
+                rows.append(row)
+                print(row, flush=True)
+            stats = engine.stats()
+        finally:
+            engine.stop()
+        del engine
+        torch.cuda.empty_cache()
+    hf = hf_model(lm, config) if any(s.startswith("hf") for s in args.systems) else None
+    hf_work, hf_prompts = work[:args.hf_requests], prompts[:args.hf_requests]
+    if "hf-continuous" in args.systems:
+        for rate in [float(r) for r in args.hf_rates.split(",")]:
+            try:
+                rows.append(run_hf_continuous(hf, hf_work, hf_prompts, rate, args.seed))
+            except Exception as e:  # an API difference between transformers versions: say so, go on
+                rows.append({"system": "hf-continuous", "rate": rate, "error": f"{type(e).__name__}: {e}"})
+            print(rows[-1], flush=True)
+    if "hf-static" in args.systems:
+        rows.append(run_hf_static(hf, hf_work, hf_prompts, args.static_batch))
+        print(rows[-1], flush=True)
+    payload = {"preset": args.preset, "dtype": args.dtype, "parameters": params, "weight_floor_ms": floor_s * 1e3,
+               "copy_bandwidth_measured": bandwidth, "bandwidth_assumed": args.bandwidth, "peak_assumed": args.peak,
+               "workload": {"requests": len(work), "mean_prompt": float(np.mean([p for p, _ in work])),
+                            "mean_output": float(np.mean([o for _, o in work]))},
+               "decode_steps": steps, "rows": rows}
+
+    def plot(fig):
+        ax = fig.add_subplot(1, 1, 1)
+        for system in dict.fromkeys(r["system"] for r in rows if "error" not in r):
+            pts = sorted((r["tokens_per_s"], r["norm_latency_p90_ms"]) for r in rows if r["system"] == system
+                         and "error" not in r)
+            ax.plot(*zip(*pts), marker="o", label=system)
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel("normalized latency p90 (ms/token)")
+        ax.set_yscale("log")
+        ax.legend()
+        ax.set_title(f"{args.preset} {args.dtype}, ShareGPT-like, stateless")
+    print(write_results(f"chat-{args.preset}", args.device, payload, plot))
+
+
+if __name__ == "__main__":
+    main()
