@@ -34,8 +34,8 @@ def conversations(n_requests: int, max_context: int, seed: int) -> list[tuple[in
         history = 0
         for _ in range(rng.geometric(1 / TURNS)):
             new = max(1, int(rng.lognormal(np.log(INPUT) - 0.5, 1.0)))
-            out = max(1, min(1024, int(rng.lognormal(np.log(OUTPUT) - 0.5, 1.0))))
-            prompt = min(history + new, max_context - out)
+            out = max(1, min(1024, max_context // 4, int(rng.lognormal(np.log(OUTPUT) - 0.5, 1.0))))
+            prompt = max(1, min(history + new, max_context - out))
             turns.append((prompt, out))
             history = prompt + out
     rng.shuffle(turns)
@@ -232,7 +232,28 @@ def main() -> None:
     prompts = [rng.integers(1, config.vocab_size, p).tolist() for p, _ in work]
     bandwidth = measured_bandwidth(args.device)
     floor_s = params * itemsize / args.bandwidth
-    rows, steps, rooflines = [], [], []
+    rows, steps = [], []
+
+    def save() -> None:  # after each system: a run cut short keeps what it measured
+        payload = {"preset": args.preset, "dtype": args.dtype, "parameters": params, "weight_floor_ms": floor_s * 1e3,
+                   "copy_bandwidth_measured": bandwidth, "bandwidth_assumed": args.bandwidth, "peak_assumed": args.peak,
+                   "workload": {"requests": len(work), "mean_prompt": float(np.mean([p for p, _ in work])),
+                                "mean_output": float(np.mean([o for _, o in work]))},
+                   "decode_steps": steps, "rows": rows}
+
+        def plot(fig):
+            ax = fig.add_subplot(1, 1, 1)
+            for system in dict.fromkeys(r["system"] for r in rows if "error" not in r):
+                pts = sorted((r["tokens_per_s"], r["norm_latency_p90_ms"]) for r in rows if r["system"] == system
+                             and "error" not in r)
+                ax.plot(*zip(*pts), marker="o", label=system)
+            ax.set_xlabel("output tokens/s")
+            ax.set_ylabel("normalized latency p90 (ms/token)")
+            ax.set_yscale("log")
+            ax.legend()
+            ax.set_title(f"{args.preset} {args.dtype}, ShareGPT-like, stateless")
+        print(write_results(f"chat-{args.preset}", args.device, payload, plot), flush=True)
+
     if "batchmaker" in args.systems:
         engine = Engine([model], EngineConfig(devices=(args.device,))).start()
         try:
@@ -251,11 +272,11 @@ def main() -> None:
                            mean_tokens_per_iteration=float(np.mean([t for t, _, _ in trace])))
                 rows.append(row)
                 print(row, flush=True)
-            stats = engine.stats()
         finally:
             engine.stop()
         del engine
         torch.cuda.empty_cache()
+        save()
     hf = hf_model(lm, config) if any(s.startswith("hf") for s in args.systems) else None
     hf_work, hf_prompts = work[:args.hf_requests], prompts[:args.hf_requests]
     if "hf-continuous" in args.systems:
@@ -265,27 +286,11 @@ def main() -> None:
             except Exception as e:  # an API difference between transformers versions: say so, go on
                 rows.append({"system": "hf-continuous", "rate": rate, "error": f"{type(e).__name__}: {e}"})
             print(rows[-1], flush=True)
+        save()
     if "hf-static" in args.systems:
         rows.append(run_hf_static(hf, hf_work, hf_prompts, args.static_batch))
         print(rows[-1], flush=True)
-    payload = {"preset": args.preset, "dtype": args.dtype, "parameters": params, "weight_floor_ms": floor_s * 1e3,
-               "copy_bandwidth_measured": bandwidth, "bandwidth_assumed": args.bandwidth, "peak_assumed": args.peak,
-               "workload": {"requests": len(work), "mean_prompt": float(np.mean([p for p, _ in work])),
-                            "mean_output": float(np.mean([o for _, o in work]))},
-               "decode_steps": steps, "rows": rows}
-
-    def plot(fig):
-        ax = fig.add_subplot(1, 1, 1)
-        for system in dict.fromkeys(r["system"] for r in rows if "error" not in r):
-            pts = sorted((r["tokens_per_s"], r["norm_latency_p90_ms"]) for r in rows if r["system"] == system
-                         and "error" not in r)
-            ax.plot(*zip(*pts), marker="o", label=system)
-        ax.set_xlabel("output tokens/s")
-        ax.set_ylabel("normalized latency p90 (ms/token)")
-        ax.set_yscale("log")
-        ax.legend()
-        ax.set_title(f"{args.preset} {args.dtype}, ShareGPT-like, stateless")
-    print(write_results(f"chat-{args.preset}", args.device, payload, plot))
+        save()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def short_ipc_address() -> str:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--models", "lstm,nope"], "unknown model 'nope'; registered: lstm, seq2seq, treelstm"),
+    (["serve", "--models", "lstm,nope"], "unknown model 'nope'; registered: llama, lstm, opt, seq2seq, treelstm"),
     (["serve", "--set", "hidden=abc"], "--set hidden: expected an integer, got 'abc'"),
     (["serve", "--set", "hiden=64"], "--set hiden: unknown key for lstm, seq2seq, treelstm; valid keys: dtype, embed"),
     (["serve", "--models", "lstm", "--set", "max_len=5"], "--set max_len: unknown key for lstm"),
@@ -125,8 +125,9 @@ def test_demo_runs_drains_and_prints_plain_progress_lines_when_not_on_a_terminal
 
     assert run_demo(duration=1.5, rate=4, device="cpu", seed=0) == 0
     captured = capsys.readouterr()
-    for model in ("lstm", "seq2seq", "treelstm"):
+    for model in ("lstm", "seq2seq", "treelstm", "llama"):
         assert any(line.split()[:1] == [model] for line in captured.out.splitlines())
+    assert "tokens generated" in captured.out
     assert "p90 ms" in captured.out
     progress = captured.err.splitlines()
     assert "\r" not in captured.err and progress  # a file or a pipe gets plain lines

@@ -1,6 +1,6 @@
 """Every ```python block of README.md and docs/protocol.md runs as written, each in a fresh
 interpreter. A block that names the default server address gets a server (the built-in models,
-small, in this process) and the address is swapped for the test server's.
+small, and the tiny Llama, in this process) and the address is swapped for the test server's.
 
 A block that cannot run in CI is preceded by a line `<!-- not run by tests: REASON -->`.
 """
@@ -36,6 +36,7 @@ def server_address():
 
     small = dict(embed=16, hidden=16)  # the snippets' token ids need the default vocab
     models = [build_model(name, **small) for name in ("lstm", "seq2seq", "treelstm")]
+    models.append(build_model("llama", num_blocks=64, max_tokens=32))  # tiny-llama, as `serve --models llama`
     with Engine(models) as engine, Server(engine, ServerConfig("tcp://127.0.0.1:*")) as server:
         yield server.address
 

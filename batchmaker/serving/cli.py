@@ -21,7 +21,9 @@ log = logging.getLogger("batchmaker")
 EXAMPLES = """examples:
   batchmaker demo                         # server + client in one process, Poisson load, a table
   batchmaker serve [--models lstm,seq2seq,treelstm] [--address tcp://127.0.0.1:5555] [--devices cpu]
+  batchmaker serve --models llama --set checkpoint=/models/Llama-2-7b-hf --set dtype=bfloat16 --devices cuda:0
   batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
+  batchmaker client infer llama '{"tokens": [1, 450, 73], "max_new_tokens": 16}' --stream
   batchmaker client models | stats | health
   batchmaker keygen NAME                  # NAME.key (secret) and NAME.pub (public), for CurveZMQ"""
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -94,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="serve the built-in models in process and drive them with the client",
                           description="A server and a client in this process: Poisson load on the built-in\n"
-                                      "models (hidden 128), then a table per model.", **options)
+                                      "models (LSTM, Seq2Seq, TreeLSTM at hidden 128; a tiny Llama),\n"
+                                      "then a table per model.", **options)
     demo.add_argument("--duration", type=float, default=20.0, metavar="SECONDS", help="seconds of load")
     demo.add_argument("--rate", type=float, default=10.0, metavar="PER_SECOND", help="arrivals per second per model")
     demo.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 when present, else cpu)")
@@ -109,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated registered names, or module:attribute naming a Model or a function "
                             "that returns one; the current directory is importable, as with `python -m`")
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="an option of the registered models served, e.g. --set hidden=1024 --set dtype=float16 "
+                       help="an option of the registered models served, e.g. --set hidden=1024 --set dtype=float16; "
+                            "MODEL.KEY=VALUE sets it for one model only, e.g. --set llama.checkpoint=DIR "
                             "(repeatable; the keys are listed below)")
     serve.add_argument("--address", default=DEFAULT_ADDRESS, help="tcp://HOST:PORT or ipc:///PATH to bind")
     serve.add_argument("--devices", default="cpu", help="comma-separated: cpu, cuda:0, cuda:1, ... (one worker each)")
@@ -152,7 +156,8 @@ def _model_options_epilog() -> str:
     from batchmaker.registry import registered_models
     from batchmaker.serving.model_options import describe
 
-    return "options of the registered models (--set KEY=VALUE applies to each served model that takes KEY):\n" \
+    return "options of the registered models (--set KEY=VALUE applies to each served model that takes KEY,\n" \
+           "--set MODEL.KEY=VALUE to MODEL only; a decoder's device defaults to the first of --devices):\n" \
            + describe(registered_models())
 
 
@@ -171,7 +176,7 @@ def _serve(args) -> int:
         raise UsageError("CurveZMQ needs both --curve-secret-key and --curve-clients")
     config_keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
                        curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
-    models = _load_models([s.strip() for s in args.models.split(",") if s.strip()], args.set)
+    models = _load_models([s.strip() for s in args.models.split(",") if s.strip()], args.set, devices)
 
     from batchmaker.engine import Engine, EngineConfig
     from batchmaker.serving.server import Server, ServerConfig
@@ -243,11 +248,13 @@ def _keygen(args) -> int:
 
 
 # checks -------------------------------------------------------------------------------------
-def _load_models(specs: list[str], settings: list[str]) -> list:
-    """Registered names (with their --set options) and module:attribute specs -> Models."""
+def _load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] = ("cpu",)) -> list:
+    """Registered names (with their --set options) and module:attribute specs -> Models. A
+    registered model with a `device` option (the decoders) is built on the first of `devices`
+    unless told otherwise, so that large weights are placed once, where they run."""
     from batchmaker.errors import UnknownModelError
     from batchmaker.registry import load_model, registered_models
-    from batchmaker.serving.model_options import SettingError, parse_settings
+    from batchmaker.serving.model_options import SettingError, factory_options, parse_settings
 
     known = registered_models()
     unknown = [s for s in specs if ":" not in s and s not in known]
@@ -259,6 +266,9 @@ def _load_models(specs: list[str], settings: list[str]) -> list:
         per_model = parse_settings(settings, [s for s in specs if ":" not in s])
     except SettingError as e:
         raise UsageError(str(e)) from None
+    for name, options in per_model.items():
+        if "device" in factory_options(name):
+            _check_model_device(name, options.setdefault("device", devices[0]), devices)
     models = []
     for spec in specs:
         if ":" in spec:
@@ -267,12 +277,22 @@ def _load_models(specs: list[str], settings: list[str]) -> list:
             except ValueError as e:  # not importable, not a Model: the message names the spec
                 raise UsageError(str(e)) from None
             continue
-        try:
+        try:  # the model checks its values: --set hidden=-1, a checkpoint that is not one, no safetensors
             models.append(load_model(spec, **per_model[spec]))
-        except (TypeError, ValueError, RuntimeError) as e:  # e.g. --set hidden=-1 (checked by the model, not here)
+        except (TypeError, ValueError, RuntimeError, ImportError) as e:
             shown = " ".join(f"{k}={v}" for k, v in per_model[spec].items())
             raise UsageError(f"cannot build model {spec}{' with ' + shown if shown else ''}: {e}") from e
     return models
+
+
+def _check_model_device(name: str, device: str, devices: tuple[str, ...]) -> None:
+    """A model built on a device no worker runs on would fail every request: refuse it here."""
+    def full(d: str) -> str:
+        return "cuda:0" if d == "cuda" else d
+
+    if full(device) not in map(full, devices):
+        raise UsageError(f"--set device={device}: model {name} would be built on {device}, but it is served on "
+                         f"{','.join(devices)} (--devices)")
 
 
 def _check_address(address: str) -> None:

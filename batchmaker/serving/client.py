@@ -7,6 +7,15 @@
         for partial in client.stream("seq2seq", {"tokens": [5, 6]}):  # {'tokens': [id, ...]} each
             ...
 
+Decoder models ("llama", "opt") take a prompt and generation settings as inputs
+(batchmaker/generation.py, docs/protocol.md); their streams carry one token per iteration:
+
+    client.infer("llama", {"tokens": [1, 450, 73], "max_new_tokens": 16})  # {'tokens': [...], 'finish_reason': 'length'}
+    stream = client.stream("llama", {"prompt": "Once upon a time", "temperature": 0.8, "seed": 7})
+    for partial in stream:              # {'tokens': [id], 'text': '...'} ('text' for a text prompt)
+        ...                             # stream.cancel() stops it: the loop then raises CancelledError
+    stream.result().outputs             # {'tokens': [...], 'finish_reason': 'stop' | 'length', 'text': '...'}
+
 One I/O thread owns a DEALER socket; calls from any thread hand it messages through a Mailbox.
 Every call has a timeout, and a server that is down, unreachable, lost mid-request or refuses
 this client's CurveZMQ key (or its lack of one) fails the call with ServerUnavailableError

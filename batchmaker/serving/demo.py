@@ -1,5 +1,7 @@
 """`batchmaker demo`: a server in this process on the shipped models and data, driven over ZeroMQ
 by the client at a Poisson load, then a table per model (latency percentiles, throughput, batch).
+The models: the LSTM, Seq2Seq and TreeLSTM at hidden 128, and a tiny seeded Llama that generates
+(sampled, seeded) continuations of WMT-like prompts.
 """
 import random
 import sys
@@ -15,30 +17,40 @@ from batchmaker.serving.client import Client
 from batchmaker.serving.server import Server, ServerConfig
 from batchmaker.unfolders.trees import load_sst_sample
 
-MODELS = ("lstm", "seq2seq", "treelstm")
+MODELS = ("lstm", "seq2seq", "treelstm", "llama")
 # Small enough for a laptop CPU; the paper's sizes (hidden 1024) are what bench/ runs on the GPU.
 DEMO_SIZES = dict(vocab=30000, embed=128, hidden=128)
+# tiny-llama: 2 layers, hidden 64, vocab 512, 256 positions. A KV cache of its own size (by
+# default a decoder takes 90% of a GPU's free memory); iterations of up to 128 tokens.
+DEMO_OPTIONS = {"lstm": DEMO_SIZES, "seq2seq": DEMO_SIZES, "treelstm": DEMO_SIZES,
+                "llama": dict(preset="tiny-llama", seed=0, num_blocks=1024, max_tokens=128)}
+LLAMA_VOCAB, LLAMA_MAX_PROMPT, LLAMA_NEW_TOKENS = 512, 64, 16
 
 
 def demo_requests(num: int, seed: int) -> dict[str, list[dict]]:
     """`num` requests per model: WMT-like sentences (Seq2Seq decodes as many tokens as it read,
-    since its seeded weights never emit EOS) and trees from the shipped SST sample."""
+    since its seeded weights never emit EOS), trees from the shipped SST sample, and prompts the
+    Llama continues by LLAMA_NEW_TOKENS tokens (fewer if it samples EOS), each with its own seed."""
     rng = random.Random(seed)
     sentences = wmt_sentences(2 * num, vocab=DEMO_SIZES["vocab"], seed=seed)
+    prompts = wmt_sentences(num, vocab=LLAMA_VOCAB, seed=seed + 1)
     trees = load_sst_sample()
     return {
         "lstm": [{"tokens": s} for s in sentences[:num]],
         "seq2seq": [{"tokens": s, "max_len": min(len(s), 50)} for s in sentences[num:]],
         "treelstm": [{"tree": rng.choice(trees)} for _ in range(num)],
+        "llama": [{"tokens": p[:LLAMA_MAX_PROMPT], "max_new_tokens": LLAMA_NEW_TOKENS, "temperature": 0.8,
+                   "top_p": 0.95, "seed": seed * num + i} for i, p in enumerate(prompts)],
     }
 
 
 def run_demo(duration: float, rate: float, device: str | None, seed: int) -> int:
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    models = [build_model(name, **DEMO_SIZES) for name in MODELS]
+    models = [build_model(name, **DEMO_OPTIONS[name]) for name in MODELS]
     requests = demo_requests(int(duration * rate * 1.5) + 10, seed)
-    print(f"batchmaker demo: {', '.join(MODELS)} (hidden {DEMO_SIZES['hidden']}) on {device}; "
-          f"Poisson arrivals, {rate:g} requests/s per model for {duration:g} s, over ZeroMQ")
+    print(f"batchmaker demo: lstm, seq2seq, treelstm (hidden {DEMO_SIZES['hidden']}) and llama (tiny-llama, "
+          f"{LLAMA_NEW_TOKENS} new tokens) on {device}; Poisson arrivals, {rate:g} requests/s per model for "
+          f"{duration:g} s, over ZeroMQ")
     with Engine(models, EngineConfig(devices=(device,))) as engine, \
             Server(engine, ServerConfig("tcp://127.0.0.1:*")) as server, \
             Client(server.address, timeout=max(60.0, 3 * duration)) as client:
@@ -85,6 +97,9 @@ def print_table(futures: list, elapsed: float, stats: dict) -> None:
         mean_batch = sum(s * v for s, v in sizes.items()) / max(1, sum(sizes.values()))
         print(f"{name:10} {len(mine):8d} {len(mine) - len(ok):6d} {at(0.5):8.1f} {at(0.9):8.1f} {at(0.99):8.1f} "
               f"{len(ok) / elapsed:7.1f} {mean_batch:10.1f}")
+    generated = sum(len(f.result().outputs["tokens"]) for n, f in futures if n == "llama" and f.exception() is None)
+    print(f"llama: {generated} tokens generated, {generated / elapsed:.0f} tokens/s; its batch counts the tokens "
+          "of an iteration (prompt chunks and one per decoding request)")
 
 
 class Progress:

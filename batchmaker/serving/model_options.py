@@ -1,6 +1,7 @@
 """`batchmaker serve --set KEY=VALUE`: settings of the registered models, checked against the
 signatures of their factories (`register_model`), so that a typo or a bad value is reported with
-its key before any model is built. A key applies to every served registered model that takes it.
+its key before any model is built. A key applies to every served registered model that takes it;
+`MODEL.KEY=VALUE` to that model only (`--set llama.checkpoint=DIR --set opt.preset=tiny-opt`).
 """
 import inspect
 import typing
@@ -29,22 +30,29 @@ def describe(names: list[str]) -> str:
 
 
 def parse_settings(items: list[str], names: list[str]) -> dict[str, dict[str, object]]:
-    """`KEY=VALUE` items -> per model in `names`, the keyword arguments for its factory. Every key
-    must be an option of at least one of them; values are converted to the option's type."""
+    """`KEY=VALUE` and `MODEL.KEY=VALUE` items -> per model in `names`, the keyword arguments for
+    its factory. Every key must be an option of at least one of the models it applies to; values
+    are converted to the option's type. A later item overrides an earlier one."""
     options = {name: factory_options(name) for name in names}
     settings: dict[str, dict[str, object]] = {name: {} for name in names}
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise SettingError(f"--set expects KEY=VALUE, got {item!r}")
+            raise SettingError(f"--set expects KEY=VALUE or MODEL.KEY=VALUE, got {item!r}")
         if not names:
             raise SettingError(f"--set {key}: --set applies to registered models "
                                f"({', '.join(registry.registered_models())}), and none is served")
-        takers = [name for name in names if key in options[name]]
+        scope, dot, key = key.rpartition(".")
+        if dot and scope not in names:
+            raise SettingError(f"--set {scope}.{key}: {scope!r} is not a served registered model "
+                               f"({', '.join(names)})")
+        scoped = [scope] if dot else names
+        takers = [name for name in scoped if key in options[name]]
         if not takers:
-            valid = sorted({k for o in options.values() for k in o})
-            raise SettingError(f"--set {key}: unknown key for {', '.join(names)}; valid keys: {', '.join(valid)}")
+            valid = sorted({k for name in scoped for k in options[name]})
+            raise SettingError(f"--set {item.partition('=')[0].strip()}: unknown key for {', '.join(scoped)}; "
+                               f"valid keys: {', '.join(valid)}")
         for name in takers:
             settings[name][key] = convert(key, text, options[name][key])
     return settings

@@ -195,7 +195,9 @@ def _decode_array(value: dict):
 
 
 def _encode_other(value):
-    """msgpack calls this for what it cannot pack itself (tensors, numpy values)."""
+    """msgpack calls this for what it cannot pack itself (tensors, numpy values, huge ints)."""
+    if isinstance(value, int):
+        raise TypeError(f"integer {_short(value)} is outside msgpack's range [-2**63, 2**64)")
     from batchmaker.serving import arrays  # only a value that holds a tensor or array gets here
 
     return arrays.encode(value)

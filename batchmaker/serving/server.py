@@ -205,8 +205,9 @@ class Server:
                     self._send(pending.envelope, self._final_reply(item[1][1], pending.future))
             elif kind == "partial":
                 pending = self._in_flight.get(item[1])
-                if pending is not None:
-                    self._send(pending.envelope, protocol.encode_partial(item[1][1], item[2]))
+                payload = None if pending is None else self._partial_reply(item[1][1], item[2])
+                if payload is not None:
+                    self._send(pending.envelope, payload)
             elif kind == "drain":
                 self._is_draining = True
             elif kind == "cancel_all":
@@ -229,6 +230,13 @@ class Server:
             return protocol.encode_result(id, result.outputs, timing)
         except (TypeError, ValueError) as e:  # a user model returned something msgpack cannot carry
             return protocol.encode_error(id, "internal", f"cannot encode the outputs: {e}")
+
+    def _partial_reply(self, id, value: dict) -> bytes | None:
+        try:
+            return protocol.encode_partial(id, value)
+        except (TypeError, ValueError) as e:  # a user model streamed something msgpack cannot carry
+            log.warning("request %r: dropped a partial output that cannot be encoded: %s", id, e)
+            return None
 
     def _send(self, envelope: list[bytes], payload: bytes) -> None:
         try:

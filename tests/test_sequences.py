@@ -1,0 +1,399 @@
+"""Decoder iteration planning (core/sequences.py, core/blocks.py) without torch or a model.
+
+A fake device runs each IterationTask over a paged cache of token ids: it writes the iteration's
+tokens (a decode's -1 read from the slot's last sampled token) at `kv_slots`, and samples, for
+each sampling sequence, a pure function of the context it reads back through its block table. A
+wrong position, block table, decode feed or shared block changes the tokens, and any schedule
+(chunked, suspended and recomputed, pipelined, on two workers) must give the tokens of running
+each request alone (`reference`). The tasks are formed and completed through the public API, as
+the engine does: form up to `depth` iterations ahead, complete them in order.
+"""
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from batchmaker.core.blocks import BlockTables
+from batchmaker.core.sequences import MAX_STOPS, Sequences, SequenceQueue
+from batchmaker.core.waiting import Chunk
+
+VOCAB = 50
+
+
+def next_token(context) -> int:
+    h = 7
+    for t in context:
+        h = (h * 31 + int(t) + 1) % 1_000_003
+    return h % VOCAB
+
+
+def reference(prompt: list[int], max_new: int, stops=(), max_len: int = 64) -> list[int]:
+    seq = list(prompt)
+    while len(seq) < min(len(prompt) + max_new, max_len):
+        seq.append(next_token(seq))
+        if seq[-1] in stops:
+            break
+    return seq[len(prompt):]
+
+
+@dataclass
+class FakeCellType:
+    max_batch: int
+    name: str = "gen/decoder"
+    priority: int = 0
+    batch_sizes: tuple = (1, 2, 4, 8, 16)
+
+
+class FakeFuture:
+    def __init__(self, request_id: int, priority: int = 0):
+        self.request_id, self.priority, self.on_partial = request_id, priority, None
+        self._done = False
+        self.streamed: list[int] = []
+        self.result: list[int] | None = None
+        self.reason: str | None = None
+
+
+class FakeFinisher:
+    """Records what the queue reports, as batchmaker/generation.py's finisher reads it."""
+
+    def __init__(self):
+        self.calls = []  # (owners, tokens, done)
+        self.failed = []
+
+    def tokens(self, q: Sequences, slots, tokens, done, stopped) -> None:
+        owners = q.owner[slots]
+        self.calls.append((list(owners), tokens.tolist(), done.tolist()))
+        for o, t in zip(owners, tokens.tolist()):
+            assert o.result is None, "a token after the request was resolved"
+            o.streamed.append(t)
+        for i in np.flatnonzero(done).tolist():
+            s = int(slots[i])
+            o = owners[i]
+            o.result = q.tokens[s, q.prompt_len[s]:q.length[s]].tolist()
+            o.reason = "stop" if stopped[i] else "length"
+            o._done = True
+
+    def fail(self, owners, error) -> None:
+        self.failed.append((list(owners), error))
+
+
+class FakeDevice:
+    """One worker's device: a paged cache of token ids and each slot's last sampled token."""
+
+    def __init__(self, blocks: BlockTables, num_slots: int):
+        self.block_size = blocks.block_size
+        self.cache = np.full(blocks.num_blocks * blocks.block_size, -2, dtype=np.int64)
+        self.last_token = np.full(num_slots, -3, dtype=np.int64)
+
+    def run(self, task) -> None:
+        bs = self.block_size
+        tokens = np.where(task.tokens >= 0, task.tokens, self.last_token[task.token_slots])
+        assert (tokens >= 0).all(), "a decode reads a slot that sampled nothing"
+        self.cache[task.kv_slots] = tokens
+        sampled = []
+        for i in task.sample.tolist():
+            p = np.arange(task.context_lens[i])
+            sampled.append(next_token(self.cache[task.block_tables[i, p // bs].astype(np.int64) * bs + p % bs]))
+        task.sampled = np.array(sampled, dtype=np.int64)
+        self.last_token[task.slots[task.sample]] = task.sampled
+
+
+class Harness:
+    def __init__(self, num_blocks=64, block_size=4, max_batch=16, num_slots=8, max_len=64, reserve=0.1,
+                 num_workers=1, depth=1):
+        self.max_len, self.depth = max_len, depth
+        self.cell_type = FakeCellType(max_batch)
+        self.seqs = {w: Sequences(num_slots, max_len, BlockTables(num_blocks, block_size, num_slots, max_len))
+                     for w in range(num_workers)}
+        self.finisher = FakeFinisher()
+        self.queue = SequenceQueue(self.cell_type, self.seqs, self.finisher, reserve)
+        self.devices = {w: FakeDevice(q.blocks, num_slots) for w, q in self.seqs.items()}
+        self.in_flight = {w: deque() for w in self.seqs}
+        self.expected: dict[FakeFuture, list[int]] = {}  # generated tokens
+        self.full: dict[FakeFuture, list[int]] = {}  # prompt + generated
+        self.stops: dict[FakeFuture, list[int]] = {}
+        self.epoch = 0
+        self.tasks = []
+
+    def admit(self, requests: list[tuple]) -> list[FakeFuture]:
+        """requests: (prompt, max_new[, stops[, priority]]), one chunk as generation.py's admit builds."""
+        futures, rows = [], []
+        for prompt, max_new, *rest in requests:
+            stops = list(rest[0]) if rest else []
+            f = FakeFuture(len(self.expected), rest[1] if len(rest) > 1 else 0)
+            futures.append(f)
+            self.expected[f] = reference(prompt, max_new, stops, self.max_len)
+            self.full[f], self.stops[f] = list(prompt) + self.expected[f], stops
+            rows.append({"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                         "seed": f.request_id, "stops": stops + [-1] * (MAX_STOPS - len(stops)),
+                         "priority": f.priority, "first": math.nan})
+        owners = np.empty(len(futures), dtype=object)
+        owners[:] = futures
+        columns = {name: np.array([r[name] for r in rows]) for name in rows[0]}
+        lengths = np.array([len(r[0]) for r in requests], dtype=np.int64)
+        chunk = Chunk.of(owners, columns, np.concatenate([np.asarray(r[0], dtype=np.int64) for r in requests]), lengths)
+        self.queue.add(columns["priority"], chunk)
+        return futures
+
+    def form(self, w=0):
+        q = self.seqs[w]
+        before = {q.owner[s]: int(q.order[s]) for s in np.flatnonzero(q.active).tolist()}
+        tasks = self.queue.form(w, 5, self.epoch)
+        assert len(tasks) <= 1
+        for task in tasks:
+            self.check_task(q, task)
+            self.devices[w].run(task)
+            self.in_flight[w].append(task)
+            self.tasks.append(task)
+        after = {q.owner[s] for s in np.flatnonzero(q.active).tolist()}
+        suspended = [o for o in before if o not in after and not o._done]
+        kept = [before[o] for o in before if o in after]
+        if suspended and kept:
+            assert max(kept) < min(before[o] for o in suspended), "an older sequence was suspended"
+        check_blocks(q)
+        return tasks[0] if tasks else None
+
+    def complete(self, w=0) -> None:
+        self.queue.complete(self.in_flight[w].popleft())
+        check_blocks(self.seqs[w])
+
+    def step(self, w=0) -> bool:
+        """Form ahead up to `depth`, then complete the oldest in flight; False if idle."""
+        while len(self.in_flight[w]) < self.depth and self.form(w) is not None:
+            pass
+        if not self.in_flight[w]:
+            return False
+        self.complete(w)
+        return True
+
+    def run(self, max_steps=10_000) -> None:
+        for _ in range(max_steps):
+            if not any([self.step(w) for w in self.seqs]):
+                break
+        assert not self.queue.waiting and self.queue.num_ready == 0, "deadlock: requests left, nothing formed"
+        self.check_idle()
+
+    def check_idle(self) -> None:
+        for q in self.seqs.values():
+            assert q.num_active == 0 and not q.active.any() and q.blocks.num_used == 0
+            assert q.blocks.num_free == q.blocks.num_blocks - 1 and not q.blocks.count.any()
+            assert all(o is None for o in q.owner)
+
+    def check_results(self) -> None:
+        for f, want in self.expected.items():
+            if f.result is None:
+                assert f._done, "a request never finished"
+                assert f.streamed == want[:len(f.streamed)]  # cancelled
+                continue
+            assert f.result == want and f.streamed == want
+            assert f.reason == ("stop" if want[-1] in self.stops[f] else "length")
+
+    def check_task(self, q: Sequences, task) -> None:
+        counts = np.diff(task.query_start)
+        assert 0 < task.batch == len(task.tokens) == task.query_start[-1] <= self.cell_type.max_batch
+        assert len(set(task.slots.tolist())) == len(task.slots), "a slot twice in one iteration"
+        assert (counts >= 1).all() and task.max_query_len == counts.max()
+        assert (q.serial[task.slots] == task.serials).all() and q.active[task.slots].all()
+        assert (task.token_slots == np.repeat(task.slots, counts)).all()
+        starts = task.context_lens - counts
+        assert (task.positions == np.concatenate([np.arange(a, b) for a, b in zip(starts, task.context_lens)])).all()
+        bs = q.blocks.block_size
+        lookup = task.block_tables[np.repeat(np.arange(len(counts)), counts), task.positions // bs]
+        assert (task.kv_slots == lookup.astype(np.int64) * bs + task.positions % bs).all()
+        assert (task.kv_slots >= bs).all(), "a real token in the scratch block"
+        assert len(set(task.kv_slots.tolist())) == task.batch
+        # decodes first, one token each, fed from the device (-1); prefill tokens are the known ones
+        decode = task.tokens[task.query_start[:-1]] == -1
+        assert (np.diff(decode.astype(int)) <= 0).all(), "a decode after a prefill chunk"
+        assert (counts[decode] == 1).all() and task.decode_only == decode.all()
+        assert ((task.tokens == -1) == np.repeat(decode, counts)).all()
+        for i, o in enumerate(task.owners):
+            if not decode[i]:
+                full = self.full[o]
+                assert task.tokens[task.query_start[i]:task.query_start[i + 1]].tolist() == \
+                    full[starts[i]:task.context_lens[i]]
+        # every decode samples; what a sample is: the token at position context_len
+        assert set(np.flatnonzero(decode).tolist()) <= set(task.sample.tolist())
+        assert (task.sample_index == task.context_lens[task.sample]).all()
+        for name in ("temperature", "top_k", "top_p", "seeds"):
+            assert len(getattr(task, name)) == len(task.sample)
+
+
+
+def check_blocks(q: Sequences) -> None:
+    """Every block is free or held by exactly one active slot; block 0 never."""
+    held = np.concatenate([q.blocks.table[s, :q.blocks.count[s]] for s in range(len(q.owner))])
+    assert (q.blocks.count[~q.active] == 0).all()
+    assert len(set(held.tolist())) == len(held) and (held > 0).all()
+    assert len(held) + q.blocks.num_free == q.blocks.num_blocks - 1
+    assert q.num_active == int(q.active.sum())
+    assert (q.blocks.count[q.active] >= q.blocks.blocks_for(q.computed[q.active])).all()
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def test_chunked_prefill_keeps_decodes_running():
+    """A prompt longer than the budget is prefilled in chunks of what the running decode leaves."""
+    h = Harness(max_batch=8)
+    [short] = h.admit([([5, 6], 12)])
+    for _ in range(3):
+        h.step()
+    [long] = h.admit([(list(range(10, 50)), 3)])
+    h.run()
+    h.check_results()
+    chunks = []
+    for task in h.tasks[3:]:
+        owners = list(task.owners)
+        if long in owners and task.tokens[task.query_start[owners.index(long)]] != -1:
+            i = owners.index(long)
+            assert owners[0] is short and task.tokens[0] == -1  # the decode first, one token
+            chunks.append(int(task.query_start[i + 1] - task.query_start[i]))
+            assert (i in task.sample.tolist()) == (sum(chunks) == 40)  # only the last chunk samples
+    assert chunks == [7, 7, 7, 7, 7, 5]
+
+
+def test_decodes_come_first_and_the_budget_holds():
+    rng = random.Random(1)
+    h = Harness(max_batch=6, num_slots=8)
+    h.admit([(prompt(rng, rng.randint(1, 9)), rng.randint(1, 8)) for _ in range(10)])
+    h.run()
+    h.check_results()
+    assert max(t.batch for t in h.tasks) == 6 and any(t.decode_only for t in h.tasks)
+
+
+def test_the_reserve_keeps_new_requests_out_while_others_run():
+    h = Harness(num_blocks=9, block_size=4, reserve=0.25)  # 8 blocks, 2 of them the reserve
+    [a] = h.admit([(list(range(7)), 4)])
+    h.step()  # a runs: 2 blocks
+    [b] = h.admit([(list(range(16)), 1)])  # needs blocks_for(17) = 5: 6 - 5 < 2
+    task = h.form()
+    assert list(task.owners) == [a] and len(h.queue.waiting) == 1
+    h.complete()
+    h.run()  # b joins once a has finished (nothing runs: the reserve does not apply)
+    assert all(b not in t.owners for t in h.tasks if a in t.owners)
+    h.check_results()
+
+    h = Harness(num_blocks=9, block_size=4, reserve=0.25)
+    [a] = h.admit([(list(range(7)), 4)])
+    h.step()
+    [c] = h.admit([(list(range(12)), 1)])  # needs 4: 6 - 4 leaves the reserve
+    assert list(h.form().owners) == [a, c]
+    [d] = h.admit([(list(range(31)), 1)])  # needs all 8: joins only when alone
+    h.run()
+    assert all(d not in t.owners for t in h.tasks if a in t.owners or c in t.owners)
+    h.check_results()
+
+
+def test_out_of_blocks_suspends_the_newest_and_recomputes():
+    rng = random.Random(2)
+    requests = [(prompt(rng, 4), 12) for _ in range(3)]
+    for depth in (1, 2):
+        plenty = Harness(num_blocks=64, depth=depth)
+        plenty.admit(requests)
+        plenty.run()
+        assert plenty.queue.num_suspended == 0
+        h = Harness(num_blocks=9, block_size=4, num_slots=3, depth=depth)  # 8 blocks; 3 x 16 tokens need 12
+        futures = h.admit(requests)
+        assert list(h.form().owners) == futures  # all three join while blocks are plenty
+        [late] = h.admit([([7], 2)])  # waits for a slot
+        while h.queue.num_suspended == 0:
+            h.step()
+        q = h.seqs[0]
+        assert set(q.owner[q.active]) == set(futures[:2])  # the newest waits again, first in line
+        since = len(h.tasks)
+        h.run()
+        joined = [next(i for i, t in enumerate(h.tasks[since:]) if f in t.owners) for f in (futures[2], late)]
+        assert joined[0] <= joined[1]
+        h.check_results()
+        assert [f.result for f in futures] == [f.result for f in plenty.expected]
+
+
+def test_results_for_a_finished_slot_are_ignored():
+    """Pipelined: a stops at its first token while its decode is in flight; c joins the slot."""
+    h = Harness(depth=2)
+    p = [1, 2, 3]
+    [a] = h.admit([(p, 10, [next_token(p)])])
+    first, second = h.form(), h.form()
+    assert second.owners[0] is a and second.tokens[0] == -1  # formed before a's stop is known
+    h.complete()
+    assert a.result == [next_token(p)] and a.reason == "stop" and h.seqs[0].num_active == 0
+    [c] = h.admit([([4, 5], 3)])
+    third = h.form()
+    assert third.slots[0] == second.slots[0] and third.owners[0] is c  # the same slot, a new serial
+    calls = len(h.finisher.calls)
+    h.complete()  # the second iteration: a's token is dropped, c gets nothing from it
+    assert len(h.finisher.calls) == calls
+    h.run()
+    h.check_results()
+
+
+def test_cancelled_requests_leave_at_the_next_form():
+    h = Harness(depth=2, num_slots=3)
+    a, b, c, d = h.admit([([1, 2, 3], 20), ([4, 5], 20), (list(range(40)), 5), ([6], 5)])
+    h.form()  # a, b and a chunk of c join; d waits for a slot
+    h.form()
+    q = h.seqs[0]
+    assert q.num_active == 3 and len(h.queue.waiting) == 1
+    a._done = c._done = d._done = True
+    task = h.form()  # the epoch has not moved: nothing is purged yet
+    assert set(task.owners) == {a, b, c}
+    h.complete()
+    h.epoch += 1
+    task = h.form()
+    assert list(task.owners) == [b] and not h.queue.waiting
+    assert q.num_active == 1 and q.blocks.num_used == q.blocks.count[task.slots[0]]
+    num_a, num_c = len(a.streamed), len(c.streamed)
+    h.run()
+    assert len(a.streamed) == num_a and len(c.streamed) == num_c  # in-flight results were ignored
+    h.check_results()
+
+
+def test_a_failed_iteration_fails_its_requests_and_frees_their_slots():
+    h = Harness()
+    a, b = h.admit([([1, 2], 5), ([3], 5)])
+    task = h.form()
+    task.error = RuntimeError("boom")
+    h.complete()
+    assert h.finisher.failed == [([a, b], task.error)]
+    h.check_idle()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), num_requests=st.integers(1, 10), block_size=st.sampled_from([1, 2, 4, 8]),
+       extra_blocks=st.integers(0, 6), max_batch=st.integers(1, 16), num_slots=st.integers(1, 6),
+       depth=st.integers(1, 2), num_workers=st.integers(1, 2), reserve=st.sampled_from([0.0, 0.1, 0.5]),
+       cancel=st.booleans())
+def test_random_schedules_give_each_request_its_own_tokens(seed, num_requests, block_size, extra_blocks, max_batch,
+                                                           num_slots, depth, num_workers, reserve, cancel):
+    rng = random.Random(seed)
+    max_len = 24
+    requests = []
+    for _ in range(num_requests):
+        n = rng.randint(1, max_len - 1)
+        stops = rng.sample(range(VOCAB), rng.randint(0, 3))
+        requests.append((prompt(rng, n), rng.randint(1, 16), stops, rng.choice([0, 0, 1])))
+    need = max(-(-min(len(p) + m, max_len) // block_size) for p, m, _, _ in requests)
+    h = Harness(need + 1 + extra_blocks, block_size, max_batch, num_slots, max_len, reserve, num_workers, depth)
+    pending = deque(requests)
+    futures = []
+    for _ in range(5000):
+        if pending and rng.random() < 0.3:
+            futures += h.admit([pending.popleft() for _ in range(min(len(pending), rng.randint(1, 3)))])
+        if cancel and futures and rng.random() < 0.05:
+            rng.choice(futures)._done = True
+            h.epoch += 1
+        w = rng.randrange(num_workers)
+        if len(h.in_flight[w]) < depth and (not h.in_flight[w] or rng.random() < 0.5):
+            h.form(w)
+        elif h.in_flight[w]:
+            h.complete(w)
+        if not pending and not any(h.in_flight.values()) and not h.queue.num_ready:
+            break
+    assert not pending
+    h.run()
+    h.check_results()
