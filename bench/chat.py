@@ -90,17 +90,19 @@ def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, 
     return total
 
 
-def decode_steps(engine, batch: int, context: int, steps: int) -> float:
-    """Median seconds between one request's streamed tokens while `batch` requests decode together."""
-    stamps = []
+def decode_steps(engine, batch: int, context: int, steps: int, vocab: int) -> float:
+    """Median seconds between request 0's streamed tokens once all `batch` requests have had
+    their prompts prefilled (so that every iteration measured is `batch` decodes and nothing else)."""
+    stamps: dict[int, list[float]] = {i: [] for i in range(batch)}
     rng = np.random.default_rng(batch)
-    futures = [engine.submit("llama", {"tokens": rng.integers(1, 30000, context).tolist(), "max_new_tokens": steps,
+    futures = [engine.submit("llama", {"tokens": rng.integers(1, vocab, context).tolist(), "max_new_tokens": steps,
                                        "ignore_eos": True},
-                             on_partial=(lambda p: stamps.append(time.perf_counter())) if i == 0 else None)
+                             on_partial=lambda p, i=i: stamps[i].append(time.perf_counter()))
                for i in range(batch)]
     for f in futures:
         f.result(600)
-    gaps = np.diff(stamps)[steps // 4:]  # past the prefills
+    all_decoding = max(s[0] for s in stamps.values())
+    gaps = np.diff([t for t in stamps[0] if t > all_decoding])
     return float(np.median(gaps))
 
 
@@ -258,8 +260,8 @@ def main() -> None:
         engine = Engine([model], EngineConfig(devices=(args.device,))).start()
         try:
             for batch in [int(b) for b in args.steps.split(",") if b]:
-                step = decode_steps(engine, batch, args.step_context, 48)
-                ctx = args.step_context + 24
+                step = decode_steps(engine, batch, args.step_context, 64, config.vocab_size)
+                ctx = args.step_context + 48
                 floor = max((params * itemsize + batch * ctx * 2 * config.num_layers * config.num_kv_heads
                              * config.head_dim * itemsize) / args.bandwidth, 2 * params * batch / args.peak)
                 steps.append({"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": floor * 1e3,

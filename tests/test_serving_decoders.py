@@ -13,7 +13,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")  # the GPU machine has no pyzmq: skip there, do not fail collection
 
-from batchmaker import Engine, build_model  # noqa: E402
+from batchmaker import Engine, Model, build_model  # noqa: E402
 from batchmaker.cells.checkpoint import hf_names  # noqa: E402
 from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS, to_hf  # noqa: E402
@@ -97,7 +97,8 @@ def test_the_wire_format_of_partials_results_and_errors(served):
         partials, final = got[:-1], got[-1]
         assert all(r["type"] == "partial" and r["id"] == "gen-1" and list(r["value"]) == ["tokens"] for r in partials)
         assert final["type"] == "result" and final["id"] == "gen-1"
-        assert final["value"] == {"tokens": [t for r in partials for t in r["value"]["tokens"]], "finish_reason": "length"}
+        streamed = [t for r in partials for t in r["value"]["tokens"]]
+        assert final["value"] == {"tokens": streamed, "finish_reason": "length"}
         assert set(final["timing"]) == {"queueing_ms", "computation_ms", "latency_ms"}
         [error] = replies({"id": 7, "inputs": {"tokens": []}, "stream": True})
         assert error["type"] == "error" and error["id"] == 7 and error["code"] == "bad_request"
@@ -224,3 +225,20 @@ def test_serve_a_hf_checkpoint_and_stream_text(served, tmp_path, capsys):
         assert "serving llama on ipc://" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_a_partial_that_msgpack_cannot_carry_is_dropped_and_the_server_goes_on():
+    from toy import EncCell
+
+    def unfold(inputs, g):
+        h = g.add("enc", x=inputs["x"], h=None)["h"]
+        yield h
+        g.stream({"bad": {1, 2}})  # a set: msgpack has no such type
+        return {"h": h}
+
+    model = Model("sets", {"enc": EncCell()}, unfold, batch_sizes={"enc": (1, 2)}, streamed_outputs=("bad",))
+    with Engine([model]) as engine, Server(engine, ServerConfig("tcp://127.0.0.1:*")) as server, \
+            Client(server.address, timeout=30) as client:
+        partials = []
+        assert client.submit("sets", {"x": 3}, on_partial=partials.append).result().outputs["h"].shape == (4,)
+        assert partials == [] and client.health()["status"] == "serving"

@@ -10,7 +10,7 @@
 Decoder models ("llama", "opt") take a prompt and generation settings as inputs
 (batchmaker/generation.py, docs/protocol.md); their streams carry one token per iteration:
 
-    client.infer("llama", {"tokens": [1, 450, 73], "max_new_tokens": 16})  # {'tokens': [...], 'finish_reason': 'length'}
+    client.infer("llama", {"tokens": [1, 450, 73], "max_new_tokens": 16})  # {'tokens': [...], 'finish_reason': ...}
     stream = client.stream("llama", {"prompt": "Once upon a time", "temperature": 0.8, "seed": 7})
     for partial in stream:              # {'tokens': [id], 'text': '...'} ('text' for a text prompt)
         ...                             # stream.cancel() stops it: the loop then raises CancelledError

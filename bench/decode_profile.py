@@ -1,0 +1,84 @@
+"""Where a decode step's GPU time goes: the decoder's forward + head + argmax for B sequences at a
+fixed context, as one CUDA graph (timed) and eagerly under the profiler (kernels by name), against
+the weight-bytes floor (parameters x bytes / copy bandwidth).
+
+    python bench/decode_profile.py --preset llama-2-7b --batch 1 --context 360
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=360)
+    ap.add_argument("--bandwidth", type=float, default=4.23e12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from batchmaker.cells.decoder import build_decoder
+    from batchmaker.cells.decoder_config import PRESETS, num_parameters
+    from batchmaker.kernels.paged_attention import paged_attention, write_kv
+    config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
+    lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
+    floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
+    report = {"preset": args.preset, "context": args.context, "floor_ms": floor_ms, "device": torch.cuda.get_device_name(), "rows": []}
+    for batch in args.batch:
+        per_seq = -(-args.context // bs)
+        shape = (config.num_layers, batch * per_seq + 1, bs, config.num_kv_heads, config.head_dim)
+        kc, vc = torch.randn(shape, dtype=torch.bfloat16, device=dev), torch.randn(shape, dtype=torch.bfloat16, device=dev)
+        tables = (1 + torch.arange(batch * per_seq, device=dev, dtype=torch.int32)).view(batch, per_seq)
+        query_start = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+        context = torch.full((batch,), args.context, device=dev, dtype=torch.int32)
+        positions = torch.full((batch,), args.context - 1, device=dev)
+        slots = tables[:, -1].long() * bs + (args.context - 1) % bs
+        tokens = torch.randint(1, config.vocab_size, (batch,), device=dev)
+
+        def attend(layer, q, k, v):
+            write_kv(k, v, kc[layer], vc[layer], slots)
+            return paged_attention(q, kc[layer], vc[layer], tables, query_start, context, 1, config.head_dim ** -0.5)
+
+        def step():
+            return lm.head(lm(tokens, positions, attend)).argmax(-1)
+
+        with torch.inference_mode():
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            graph_ms = start.elapsed_time(end) / 20
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.key[:90]] = (e.count, e.device_time_total / 1e3)
+        total = sum(ms for _, ms in kernels.values())
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
+        row = {"batch": batch, "graph_step_ms": graph_ms, "vs_floor": graph_ms / floor_ms,
+               "kernels_per_step": sum(c for c, _ in kernels.values()), "kernel_ms_eager": total,
+               "top_kernels": [{"name": k, "count": c, "ms": ms} for k, (c, ms) in top]}
+        report["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
