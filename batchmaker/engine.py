@@ -123,6 +123,7 @@ class Engine:
         for worker in self.workers:
             worker.close()
         torch.set_num_threads(self._threads_before)
+        gc.unfreeze()  # (start froze them) the collector may free a dropped engine's cycles again
 
     def __enter__(self) -> "Engine":
         return self.start()

@@ -11,6 +11,7 @@ copy bandwidth, FLOPs / matmul peak), bytes = weights + K/V of every context tok
 tokens, and B requests decoding together at a fixed context) is timed against the same floor.
 """
 import argparse
+import gc
 import sys
 import threading
 import time
@@ -256,12 +257,30 @@ def main() -> None:
             ax.set_title(f"{args.preset} {args.dtype}, ShareGPT-like, stateless")
         print(write_results(f"chat-{args.preset}", args.device, payload, plot), flush=True)
 
+    hf = hf_model(lm, config) if any(s.startswith("hf") for s in args.systems) else None
+    hf_work, hf_prompts = work[:args.hf_requests], prompts[:args.hf_requests]
+    if "hf-continuous" in args.systems:
+        for rate in [float(r) for r in args.hf_rates.split(",")]:
+            try:
+                rows.append(run_hf_continuous(hf, hf_work, hf_prompts, rate, args.seed))
+            except Exception as e:  # an API difference between transformers versions: say so, go on
+                rows.append({"system": "hf-continuous", "rate": rate, "error": f"{type(e).__name__}: {e}"})
+            print(rows[-1], flush=True)
+        save()
+    if "hf-static" in args.systems:
+        rows.append(run_hf_static(hf, hf_work, hf_prompts, args.static_batch))
+        print(rows[-1], flush=True)
+        save()
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
     if "batchmaker" in args.systems:
         engine = Engine([model], EngineConfig(devices=(args.device,))).start()
         try:
             for batch in [int(b) for b in args.steps.split(",") if b]:
-                step = decode_steps(engine, batch, args.step_context, 64, config.vocab_size)
-                ctx = args.step_context + 48
+                prefill_iterations = -(-batch * args.step_context // max(1, args.max_tokens - batch))
+                step = decode_steps(engine, batch, args.step_context, 48 + prefill_iterations, config.vocab_size)
+                ctx = args.step_context + 24  # mid-way through the measured steps
                 floor = max((params * itemsize + batch * ctx * 2 * config.num_layers * config.num_kv_heads
                              * config.head_dim * itemsize) / args.bandwidth, 2 * params * batch / args.peak)
                 steps.append({"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
@@ -278,20 +297,6 @@ def main() -> None:
             engine.stop()
         del engine
         torch.cuda.empty_cache()
-        save()
-    hf = hf_model(lm, config) if any(s.startswith("hf") for s in args.systems) else None
-    hf_work, hf_prompts = work[:args.hf_requests], prompts[:args.hf_requests]
-    if "hf-continuous" in args.systems:
-        for rate in [float(r) for r in args.hf_rates.split(",")]:
-            try:
-                rows.append(run_hf_continuous(hf, hf_work, hf_prompts, rate, args.seed))
-            except Exception as e:  # an API difference between transformers versions: say so, go on
-                rows.append({"system": "hf-continuous", "rate": rate, "error": f"{type(e).__name__}: {e}"})
-            print(rows[-1], flush=True)
-        save()
-    if "hf-static" in args.systems:
-        rows.append(run_hf_static(hf, hf_work, hf_prompts, args.static_batch))
-        print(rows[-1], flush=True)
         save()
 
 
