@@ -168,7 +168,7 @@ class SequenceQueue:
         (or nothing else runs here)."""
         chunk = self.waiting.take(1)
         need = q.blocks.blocks_for(int(chunk.lengths[0]) + 1)
-        if q.blocks.num_free - need < self._reserve[worker_id]:
+        if q.num_active and q.blocks.num_free - need < self._reserve[worker_id]:
             self.waiting.push_front(int(chunk.columns["priority"][0]), chunk)
             return None
         self._joined += 1
