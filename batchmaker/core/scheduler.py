@@ -8,7 +8,8 @@ picks the queue in O(number of cell types); forming costs each queue a few numpy
 own arrays, whatever the number of requests it holds.
 
 Starvation guard (ours, on top of Algorithm 1): a type with ready nodes that has been passed over
-`max_skips` times in a row is chosen next, whatever the priorities say. If the preferred type has
+`max_skips` times in a row is chosen next, whatever the priorities say; among types of equal
+tier and priority, the one passed over longest goes first. If the preferred type has
 nothing this worker may take (all pinned elsewhere), the next candidate is tried.
 """
 from dataclasses import dataclass
@@ -71,4 +72,5 @@ class Scheduler:
             return 3  # (c) any ready nodes
 
         active = [q for q in self.queues if q.num_ready]
-        return sorted(active, key=lambda q: (tier(q), -q.cell_type.priority))
+        # among equals, the type passed over longest first (round robin instead of list order)
+        return sorted(active, key=lambda q: (tier(q), -q.cell_type.priority, -q.num_skips))

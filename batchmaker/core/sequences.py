@@ -121,7 +121,17 @@ class SequenceQueue:
 
     @property
     def num_ready(self) -> int:
-        return len(self.waiting) + sum(int((q.active & (q.planned < q.limit)).sum()) for q in self.sequences.values())
+        """Tokens the next iterations could take (the cell type's batch unit): waiting prompts,
+        prompts left to prefill, one per decoding sequence."""
+        ready = self.waiting_tokens
+        for q in self.sequences.values():
+            running = q.active & (q.planned < q.limit)
+            ready += int(running.sum()) + int((q.target - q.computed)[running & (q.computed < q.target)].sum())
+        return ready
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(int(c.bounds[-1] - c.bounds[0]) for level in self.waiting.levels.values() for c in level)
 
     def add(self, priorities: np.ndarray, chunk: Chunk) -> None:
         self.waiting.add(priorities, chunk)
