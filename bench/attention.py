@@ -20,11 +20,15 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from batchmaker.kernels.paged_attention import AttentionConfig, paged_attention, pick_launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import replay_windows  # noqa: E402
 
 L2_BYTES = 64 << 20  # at least the H100's 50 MB and the H200's 60 MB
 
@@ -105,15 +109,7 @@ def time_us(call, calls: int, device) -> float:
     end.record()
     end.synchronize()
     replays = max(1, math.ceil(5.0 / max(start.elapsed_time(end), 1e-3)))  # ~5 ms windows
-    samples = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    return statistics.median(samples)
+    return statistics.median(replay_windows(graph, calls, replays, warm=0))
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
