@@ -210,6 +210,8 @@ class Engine:
             "num_ready_nodes": self.scheduler.num_ready if self.scheduler else 0,
             "cell_queues": self.scheduler.queue_lengths() if self.scheduler else {},
             "num_rows_used": [w.memory.num_rows_used for w in self.workers],
+            "kv_blocks_used": {name: [q.blocks.num_used for q in s.queue.sequences.values()]
+                               for name, s in self.structured.items() if getattr(s, "queue", None)},
             "num_tasks_in_flight": [w.num_in_flight for w in self.workers],
             "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
             "num_tasks": self.num_tasks,

@@ -9,6 +9,7 @@ Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style check
 import torch
 
 from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
+from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.forms import Generate
 from batchmaker.model import Model
 from batchmaker.registry import register_model
@@ -34,18 +35,21 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
     kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks)
     cell = DecoderCell(lm, kv)
     cell.tokenizer = tokenizer
-    vocab = lm.config.vocab_size
+    vocab, limit = lm.config.vocab_size, lm.config.max_positions - 1
+    prompt = {"prompt": f"str: the prompt as text (instead of tokens), at most {limit} tokens"} if tokenizer else {}
     return Model(
         name=name,
         cells={"decoder": cell},
         unfold=Generate("decoder", max_new_tokens=max_new_tokens),
         batch_sizes={"decoder": power_of_two_sizes(max_tokens)},
         input_schema={
-            "tokens": f"list[int]: prompt token ids in [0, {vocab}), non-empty (or 'prompt': str with a tokenizer)",
+            "tokens": f"list[int]: prompt token ids in [0, {vocab}), 1 to {limit} of them",
+            **prompt,
             "max_new_tokens": f"int >= 0, default {max_new_tokens}",
             "temperature": "float >= 0, default 0 (greedy)", "top_k": "int >= 0 (0: off)",
             "top_p": "float in (0, 1], default 1", "seed": "int: reproducible sampling",
-            "stop_token_ids": "list[int], besides EOS", "ignore_eos": "bool, default false",
+            "stop_token_ids": f"list[int], at most {MAX_STOPS - len(lm.config.eos_token_ids)}, besides EOS {list(lm.config.eos_token_ids)}",
+            "ignore_eos": "bool, default false",
         },
         streamed_outputs=("tokens",),
     )
