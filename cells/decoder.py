@@ -58,7 +58,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if rotate is not None:
-            q, k = rotate(q), rotate(k)
+            q, k = rotate(q, k)
         out = attend(self.layer_index, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.sizes[0]))
 
@@ -71,8 +71,16 @@ class DecoderLayer(nn.Module):
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
     def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rotate, attend)
-        return x + self.mlp(self.mlp_norm(x))
+        x, normed = add_and_norm(self.mlp_norm, self.attn(self.attn_norm(x), rotate, attend), x)
+        return x + self.mlp(normed)
+
+
+def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+    """(x + residual, norm(x + residual)); a norm with an `add_forward` (Llama's RMSNorm) fuses the two."""
+    if hasattr(norm, "add_forward"):
+        return norm.add_forward(x, residual)
+    total = x + residual
+    return total, norm(total)
 
 
 class DecoderLM(nn.Module):
@@ -93,7 +101,8 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     def rotary(self, positions: Tensor) -> Callable | None:
-        """A function rotating q or k [T, heads, D] to `positions`, or None without rotary embeddings."""
+        """A function rotating (q [T, Hq, D], k [T, Hkv, D]) to `positions` -> (q, k), or None without
+        rotary embeddings."""
         return None
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:

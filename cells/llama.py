@@ -2,7 +2,8 @@
 
 Numerics follow HF's modeling_llama: RMSNorm in float32 and cast back before the weight; RoPE in
 the rotate-half layout (the two halves of each head are the pairs rotated together), cos/sin
-computed in float32 and cast to the activations' dtype.
+computed in float32 and cast to the activations' dtype. On CUDA the norms and RoPE run as one Triton
+kernel each (kernels/fused_decoder.py); elsewhere as their PyTorch twins, the code HF runs.
 """
 import math
 
@@ -12,6 +13,8 @@ from torch import Tensor, nn
 
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
 from batchmaker.cells.decoder_config import DecoderConfig, rope_type
+from batchmaker.kernels.fused_decoder import (add_rms_norm, can_fuse, reference_add_rms_norm, reference_rms_norm,
+                                              reference_rope, rms_norm, rope)
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +24,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if can_fuse(x):
+            return rms_norm(x, self.weight, self.eps)
+        return reference_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, self(x + residual)), in one kernel on CUDA."""
+        if can_fuse(x):
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        return reference_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -67,13 +75,6 @@ def _llama3_scaled(inv_freq: Tensor, scaling: dict, max_positions: int) -> Tenso
     return torch.where(is_medium, blended, scaled)
 
 
-def rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, D] rotated by cos, sin [T, D/2]: each half pairs with the other."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class LlamaLM(DecoderLM):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -96,4 +97,4 @@ class LlamaLM(DecoderLM):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2], float32
         dtype = self.embed_tokens.weight.dtype
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return lambda x: rotate_half_rope(x, cos, sin)
+        return lambda q, k: (rope if can_fuse(q) else reference_rope)(q, k, cos, sin)
