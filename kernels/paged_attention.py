@@ -59,14 +59,36 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, co
     out = torch.zeros_like(q) if out is None else out.zero_()
     block_size = k_cache.shape[1]
     starts, lens = query_start.tolist(), context_lens.tolist()  # the twin's one host sync
+    single = [s for s, (first, end) in enumerate(zip(starts, starts[1:])) if end - first == 1]
+    if single:  # one query token each (decodes): all at once, contexts padded to the longest
+        seqs = torch.tensor(single, device=q.device)
+        width = -(-max(lens[s] for s in single) // block_size)
+        blocks = block_tables[seqs, :width].long()
+        k, v = k_cache[blocks].flatten(1, 2), v_cache[blocks].flatten(1, 2)  # [n, width * block_size, Hkv, D]
+        rows = query_start[seqs].long()
+        out[rows] = _decode_attention(q[rows], k, v, context_lens[seqs], scale).to(q.dtype)
     for s, (first, end, ctx) in enumerate(zip(starts, starts[1:], lens)):
-        if end == first:
+        if end - first <= 1:
             continue
         blocks = block_tables[s, :-(-ctx // block_size)].long()
         k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
         v = v_cache[blocks].flatten(0, 1)[:ctx]
         out[first:end] = _causal_attention(q[first:end], k, v, scale).to(q.dtype)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    # q [n, Hq, D], each the last position of its context; k, v [n, L, Hkv, D], valid below lens [n]
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qh = q.float().view(n, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
+    kh, vh = k.float().transpose(1, 2), v.float().transpose(1, 2)  # [n, Hkv, L, D]
+    scores = qh @ kh.transpose(-1, -2) * scale  # [n, Hkv, G, L]
+    beyond = torch.arange(k.shape[1], device=q.device) >= lens.unsqueeze(1)  # [n, L]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    vh = vh.masked_fill(beyond[:, None, :, None], 0.0)  # (what lies beyond may be anything, NaN too)
+    return (scores.softmax(-1) @ vh).flatten(1, 2)  # [n, Hq, D]
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
