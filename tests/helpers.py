@@ -3,8 +3,11 @@ settings, the Seq2Seq weights that make decoding vary, and the GPU/Triton marker
 in conftest.py)."""
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,21 @@ except ImportError:
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and triton")
 interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
                                  reason="set TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
+
+
+def run_interpreted(test_file: str, name: str, timeout: float) -> str:
+    """Run test `name` of `test_file` in a subprocess under TRITON_INTERPRET=1 (it must be set
+    before triton is imported), on machines with triton but no GPU; returns pytest's output."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreting already: the kernel test runs in this process")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the GPU tests run the kernels themselves")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", name],
+                          capture_output=True, text=True, env=env, cwd=Path(test_file).parent.parent, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def wait_idle(engine, timeout=10.0):

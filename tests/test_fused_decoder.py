@@ -6,11 +6,6 @@ and a model on CUDA gives the same logits with the kernels as with the twins.
     python -m pytest -q tests/test_fused_decoder.py          # CPU (+ the interpreter, when triton is installed)
     python -m pytest -q -m gpu tests/test_fused_decoder.py   # the kernel sweeps, on a CUDA device
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,7 +14,7 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.kernels.fused_decoder import (add_rms_norm, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope, rms_norm, rope)
-from helpers import interpreter, needs_gpu
+from helpers import interpreter, needs_gpu, run_interpreted
 
 TOLERANCE = {  # (rtol, atol) of a kernel against its twin, outputs of O(1)
     torch.float32: (1e-5, 1e-5),  # only the order of the fp32 sums differs
@@ -101,19 +96,8 @@ def test_kernels_in_the_interpreter():
 
 
 def test_the_interpreter_in_a_subprocess():
-    """Runs the test above under TRITON_INTERPRET=1 (set before triton is imported), on machines
-    with triton but no GPU; where there is one, the GPU tests run the kernels themselves."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("interpreting already: the test above runs in this process")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: the GPU tests cover the kernels")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "test_kernels_in_the_interpreter"], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).parent.parent, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "1 passed" in done.stdout
+    """Runs the test above under TRITON_INTERPRET=1, on machines with triton but no GPU."""
+    assert "1 passed" in run_interpreted(__file__, "test_kernels_in_the_interpreter", timeout=120)
 
 
 # GPU ------------------------------------------------------------------------------------------

@@ -14,14 +14,13 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from batchmaker.kernels.paged_attention import (AttentionConfig, paged_attention, pick_num_splits,
                                                 reference_paged_attention, write_kv)
-from helpers import interpreter, needs_gpu
+from helpers import interpreter, needs_gpu, run_interpreted
 
 TOLERANCE = {  # (rtol, atol) of the kernel against the twin, outputs of O(1): about 2 ulps of the dtype
     torch.float16: (2e-3, 2e-3),
@@ -210,20 +209,10 @@ def test_kernel_in_the_interpreter(seed):
 
 
 def test_the_interpreter_in_a_subprocess():
-    """Runs the test above under TRITON_INTERPRET=1 (it must be set before triton is imported), on
-    machines with triton but no GPU; where there is one, the GPU tests run the kernel itself (and
-    older interpreters fail on its device-valued loop bounds under NumPy 2)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("interpreting already: the test above runs in this process")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: the GPU tests cover the kernel")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "test_kernel_in_the_interpreter"], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).parent.parent, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "6 passed" in done.stdout
+    """Runs the test above under TRITON_INTERPRET=1, on machines with triton but no GPU (where
+    there is one, the GPU tests run the kernel; older interpreters fail on its device-valued loop
+    bounds under NumPy 2)."""
+    assert "6 passed" in run_interpreted(__file__, "test_kernel_in_the_interpreter", timeout=300)
 
 
 # GPU ------------------------------------------------------------------------------------------

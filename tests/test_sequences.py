@@ -324,7 +324,8 @@ def test_results_for_a_finished_slot_are_ignored():
     h = Harness(depth=2)
     p = [1, 2, 3]
     [a] = h.admit([(p, 10, [next_token(p)])])
-    first, second = h.form(), h.form()
+    h.form()
+    second = h.form()
     assert second.owners[0] is a and second.tokens[0] == -1  # formed before a's stop is known
     h.complete()
     assert a.result == [next_token(p)] and a.reason == "stop" and h.seqs[0].num_active == 0
