@@ -20,6 +20,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=360)
     ap.add_argument("--bandwidth", type=float, default=4.23e12)
+    ap.add_argument("--engine-window", type=float, default=0.0,
+                    help="also profile the engine decoding one request for this many seconds: GPU busy fraction")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from batchmaker.cells.decoder import build_decoder
@@ -76,8 +78,49 @@ def main() -> None:
                "top_kernels": [{"name": k, "count": c, "ms": ms} for k, (c, ms) in top]}
         report["rows"].append(row)
         print(json.dumps(row, indent=1), flush=True)
+    if args.engine_window:
+        report["engine"] = engine_busy(args, lm)
+        print(json.dumps(report["engine"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def engine_busy(args, lm) -> dict:
+    """One request decoding in the engine: tokens/s and how much of a profiled window the GPU ran
+    kernels (the rest is the device waiting for the host)."""
+    import threading
+    import time
+
+    from batchmaker import Engine, EngineConfig
+    from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
+    from batchmaker.forms import Generate
+    from batchmaker.model import Model
+    cell = DecoderCell(lm, KVSettings(max_seqs=8, num_blocks=4096))
+    model = Model("llama", {"decoder": cell}, Generate("decoder"), batch_sizes={"decoder": (1, 2, 4, 8)})
+    stamps, started = [], threading.Event()
+    with Engine([model], EngineConfig(devices=("cuda:0",))).start() as engine:
+        future = engine.submit("llama", {"tokens": list(range(1, args.context)), "max_new_tokens": 2000,
+                                         "ignore_eos": True},
+                               on_partial=lambda p: (stamps.append(time.perf_counter()), started.set()))
+        started.wait(60)
+        time.sleep(0.5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            time.sleep(args.engine_window)
+        engine.cancel(future.request_id)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, None
+    for a, b in spans:  # the union of kernel intervals (µs)
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    window = spans[-1][1] - spans[0][0]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][5:]
+    return {"token_ms_median": 1e3 * sorted(gaps)[len(gaps) // 2], "gpu_busy_fraction": busy / window,
+            "window_ms": window / 1e3}
 
 
 if __name__ == "__main__":
