@@ -98,7 +98,7 @@ def engine_busy(args, lm) -> dict:
     cell = DecoderCell(lm, KVSettings(max_seqs=8, num_blocks=4096))
     model = Model("llama", {"decoder": cell}, Generate("decoder"), batch_sizes={"decoder": (1, 2, 4, 8)})
     stamps, started = [], threading.Event()
-    with Engine([model], EngineConfig(devices=("cuda:0",))).start() as engine:
+    with Engine([model], EngineConfig(devices=("cuda:0",))) as engine:
         future = engine.submit("llama", {"tokens": list(range(1, args.context)), "max_new_tokens": 2000,
                                          "ignore_eos": True},
                                on_partial=lambda p: (stamps.append(time.perf_counter()), started.set()))
