@@ -142,7 +142,7 @@ class SequenceQueue:
         if epoch != self._epoch:
             self._purge(epoch)
         budget = self.cell_type.max_batch
-        plan: list[tuple[int, int]] = []  # (slot, tokens this iteration)
+        plan: list[tuple[int, int, int]] = []  # (slot, tokens this iteration, the occupant's serial)
         # running decodes first: one token each
         decoding = np.flatnonzero(q.active & (q.computed >= q.target) & (q.planned < q.limit))
         decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
@@ -151,7 +151,7 @@ class SequenceQueue:
                 continue
             if not self._grow(q, worker_id, s, int(q.computed[s]) + 1):
                 continue
-            plan.append((s, 1))
+            plan.append((s, 1, int(q.serial[s])))
         budget -= len(plan)
         # prompts being prefilled, then new arrivals, in chunks of what the budget leaves
         prefilling = np.flatnonzero(q.active & (q.computed < q.target))
@@ -160,7 +160,7 @@ class SequenceQueue:
                 break
             n = min(budget, int(q.target[s] - q.computed[s]))
             if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + n):
-                plan.append((s, n))
+                plan.append((s, n, int(q.serial[s])))
                 budget -= n
         while budget > 0 and self.waiting and q._free:
             s = self._join(q, worker_id)
@@ -168,9 +168,10 @@ class SequenceQueue:
                 break
             n = min(budget, int(q.target[s]))
             q.blocks.grow(s, n)
-            plan.append((s, n))
+            plan.append((s, n, int(q.serial[s])))
             budget -= n
-        plan = [(s, n) for s, n in plan if q.active[s]]
+        # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
+        plan = [(s, n) for s, n, serial in plan if q.active[s] and q.serial[s] == serial]
         return [self._task(q, worker_id, plan)] if plan else []
 
     def _join(self, q: Sequences, worker_id: int) -> int | None:
