@@ -8,7 +8,6 @@ A manager thread runs `step()` in a loop; with `start(thread=False)` the caller 
 benchmarks): the same sequence either way.
 """
 import asyncio
-import copy
 import gc
 import heapq
 import itertools
@@ -28,7 +27,7 @@ from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler, SchedulerConfig
 from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, OverloadedError, UnknownModelError)
-from batchmaker.exec.worker import Worker, make_worker
+from batchmaker.exec.worker import Worker, make_worker, place_cell
 from batchmaker.forms import Generate
 from batchmaker.future import RequestFuture
 from batchmaker.generation import GenerativeModel
@@ -93,7 +92,7 @@ class Engine:
         warm += [("step", ct) for ct in self._distinct if not any(w[1] is ct for w in warm)]
         for device in self.config.devices:
             device = torch.device(device)
-            cells = {id(ct): _place(ct.cell, device) for ct in self._distinct}
+            cells = {id(ct): place_cell(ct.cell, device) for ct in self._distinct}
             self.workers.append(make_worker(len(self.workers), device, cells, self._distinct, self.workers,
                                             use_graphs=self.config.cuda_graphs,
                                             max_steps=self.config.scheduler.max_round_steps,
@@ -412,13 +411,3 @@ def _percentiles(values: list[float]) -> dict[str, float | int]:
     values.sort()
     at = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3  # noqa: E731
     return {"count": len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
-
-
-def _place(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The cell on `device`, in eval mode; CPU workers share the registered module itself."""
-    cell.eval()
-    params = list(cell.parameters())
-    if device.type == "cpu" or params and all(p.device.type == device.type and device.index in (None, p.device.index)
-                                              for p in params):
-        return cell  # (a large model built on its device is not copied)
-    return copy.deepcopy(cell).to(device).eval()

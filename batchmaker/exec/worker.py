@@ -5,6 +5,7 @@
 its own. `poll()` returns finished tasks in submission order, their host values in place.
 The general path's node tasks are planned into step tasks here (batchmaker/exec/nodes.py).
 """
+import copy
 import logging
 import queue
 import threading
@@ -257,3 +258,13 @@ def make_worker(worker_id: int, device: torch.device, cells: dict, cell_types: l
     if device.type == "cuda":
         return CUDAWorker(worker_id, device, cells, cell_types, peers, use_graphs, max_steps, warm=warm)
     return CPUWorker(worker_id, device, cells, cell_types, peers, False, max_steps, on_done=on_done)
+
+
+def place_cell(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The cell on `device`, in eval mode; CPU workers share the registered module itself."""
+    cell.eval()
+    params = list(cell.parameters())
+    if device.type == "cpu" or params and all(p.device.type == device.type and device.index in (None, p.device.index)
+                                              for p in params):
+        return cell  # (a large model built on its device is not copied)
+    return copy.deepcopy(cell).to(device).eval()
