@@ -15,9 +15,11 @@ from batchmaker.model import Model
 from batchmaker.registry import register_model
 from batchmaker.unfolders.common import as_dtype, power_of_two_sizes
 
+GPU_MAX_TOKENS, CPU_MAX_TOKENS = 2048, 256
+
 
 def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, seed: int, dtype, device: str,
-                  max_tokens: int, max_seqs: int, block_size: int, num_blocks: int | None,
+                  max_tokens: int | None, max_seqs: int, block_size: int, num_blocks: int | None,
                   max_new_tokens: int) -> Model:
     from batchmaker.cells.checkpoint import load_checkpoint, load_tokenizer
     from batchmaker.cells.decoder import build_decoder
@@ -32,6 +34,8 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
         lm = build_decoder(PRESETS[preset], seed=seed, dtype=as_dtype(dtype or "float32"), device=device)
     if lm.config.family != family:
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {lm.config.family}")
+    if max_tokens is None:  # a GPU iteration reads every weight once: more tokens each (bench/results/README.md)
+        max_tokens = GPU_MAX_TOKENS if torch.device(device).type == "cuda" else CPU_MAX_TOKENS
     kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks)
     cell = DecoderCell(lm, kv)
     cell.tokenizer = tokenizer
@@ -57,17 +61,19 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
 
 @register_model("llama")
 def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed: int = 0,
-                dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int = 256,
+                dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int | None = None,
                 max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
                 max_new_tokens: int = 64) -> Model:
-    """max_tokens: the token budget of one iteration (prompt chunks and decodes together)."""
+    """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
+    default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
+    lease) and 256 on a CPU."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens)
 
 
 @register_model("opt")
 def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int = 0,
-              dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int = 256,
+              dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int | None = None,
               max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
               max_new_tokens: int = 64) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
