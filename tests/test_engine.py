@@ -1,14 +1,16 @@
 """The engine end to end on CPU with the toy model: results, errors, cancellation, accounting."""
 import asyncio
+import gc
 import os
 import random
+import weakref
 
 import networkx as nx
 import pytest
 import torch
 
 from batchmaker import (BadRequestError, CancelledError, CellError, Engine, EngineConfig, EngineStoppedError,
-                        UnknownModelError)
+                        UnknownModelError, build_model)
 from batchmaker.core.graph import GraphBuilder, partition, to_networkx
 from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.future import RequestFuture
@@ -242,3 +244,16 @@ def test_cpu_thread_policy_is_set_while_running_and_restored_at_stop():
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_stopped_engine_is_freed():
+    """start() freezes the collector's view (gc.freeze) and workers refer to each other: stop()
+    unfreezes, so a dropped engine, its workers and their memory (a decoder's KV cache) are freed."""
+    engine = Engine([build_model("lstm", vocab=50, embed=8, hidden=8), build_model("llama", num_blocks=64)]).start()
+    engine.infer("lstm", {"tokens": [1, 2]}, timeout=30)
+    engine.infer("llama", {"tokens": [1, 2], "max_new_tokens": 2}, timeout=30)
+    engine.stop()
+    refs = [weakref.ref(engine), weakref.ref(engine.workers[0])]
+    del engine
+    gc.collect()
+    assert all(r() is None for r in refs)
