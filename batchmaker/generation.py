@@ -140,7 +140,7 @@ class GenerativeModel(Finisher):
             raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
         row = {"prompt_len": len(prompt), "max_new": int(max_new), "temperature": temperature, "top_k": int(top_k),
                "top_p": top_p, "seed": int(seed), "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-               "priority": f.priority, "first": math.nan}
+               "priority": f.priority, "first": math.nan, "streams": f.on_partial is not None}
         return prompt, row
 
     # the queue's finisher side (manager thread) -------------------------------------------------
@@ -152,7 +152,7 @@ class GenerativeModel(Finisher):
         first = np.isnan(q.first[slots])
         q.first[slots[first]] = now
         owners = q.owner[slots]
-        for i in np.flatnonzero([o.on_partial is not None for o in owners]).tolist():
+        for i in np.flatnonzero(q.streams[slots]).tolist():
             partial = {"tokens": [int(tokens[i])]}
             text = self._text_delta(owners[i], q, int(slots[i]))
             if text is not None:

@@ -145,7 +145,6 @@ def run_hf_continuous(hf, work, prompts, rate, seed) -> dict:
     manager.start()
     arrivals = poisson(len(work), rate, seed)
     done_at = {}
-    ids = {}
 
     def collect():
         while len(done_at) < len(work):
@@ -160,7 +159,7 @@ def run_hf_continuous(hf, work, prompts, rate, seed) -> dict:
         delay = start + at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        ids[i] = manager.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=o)
+        manager.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=o)
     collector.join(timeout=900)
     manager.stop(block=True)
     latencies = [done_at[f"r{i}"] - (start + arrivals[i]) for i in range(len(work))]

@@ -30,7 +30,7 @@ from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
 
 MAX_STOPS = 8  # stop token ids per request (EOS included)
-_CARRIED = ("temperature", "top_k", "top_p", "seed", "stops", "first")  # settings a waiting row brings
+_CARRIED = ("temperature", "top_k", "top_p", "seed", "stops", "first", "streams")  # what a waiting row brings
 
 
 class Sequences:
@@ -56,6 +56,7 @@ class Sequences:
         self.seed = np.zeros(num_slots, dtype=np.int64)
         self.stops = np.full((num_slots, MAX_STOPS), -1, dtype=np.int64)
         self.first = np.full(num_slots, np.nan)  # when its first token was sampled (perf_counter)
+        self.streams = np.zeros(num_slots, dtype=bool)  # its request takes partial outputs
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -142,17 +143,16 @@ class SequenceQueue:
         if epoch != self._epoch:
             self._purge(epoch)
         budget = self.cell_type.max_batch
-        plan: list[tuple[int, int, int]] = []  # (slot, tokens this iteration, the occupant's serial)
-        # running decodes first: one token each
+        plan: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (slots, tokens each, occupants' serials)
+        # running decodes first, one token each: only those entering a new block are grown one by one
         decoding = np.flatnonzero(q.active & (q.computed >= q.target) & (q.planned < q.limit))
         decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
-        for s in decoding.tolist():
-            if not q.active[s]:  # suspended in this loop to free blocks
-                continue
-            if not self._grow(q, worker_id, s, int(q.computed[s]) + 1):
-                continue
-            plan.append((s, 1, int(q.serial[s])))
-        budget -= len(plan)
+        needs = q.blocks.blocks_for(q.computed[decoding] + 1) > q.blocks.count[decoding]
+        grown = [s for s in decoding[needs].tolist() if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + 1)]
+        decodes = np.concatenate([decoding[~needs], np.array(grown, dtype=np.int64)])
+        decodes = decodes[q.active[decodes]]  # (growing may have suspended some)
+        plan.append((decodes, np.ones(len(decodes), dtype=np.int64), q.serial[decodes].copy()))
+        budget -= len(decodes)
         # prompts being prefilled, then new arrivals, in chunks of what the budget leaves
         prefilling = np.flatnonzero(q.active & (q.computed < q.target))
         for s in prefilling[np.argsort(q.order[prefilling], kind="stable")].tolist():
@@ -160,7 +160,7 @@ class SequenceQueue:
                 break
             n = min(budget, int(q.target[s] - q.computed[s]))
             if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + n):
-                plan.append((s, n, int(q.serial[s])))
+                plan.append(_one(s, n, q))
                 budget -= n
         while budget > 0 and self.waiting and q._free:
             s = self._join(q, worker_id)
@@ -168,11 +168,13 @@ class SequenceQueue:
                 break
             n = min(budget, int(q.target[s]))
             q.blocks.grow(s, n)
-            plan.append((s, n, int(q.serial[s])))
+            plan.append(_one(s, n, q))
             budget -= n
+        slots, counts, serials = (np.concatenate(column) for column in zip(*plan))
         # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
-        plan = [(s, n) for s, n, serial in plan if q.active[s] and q.serial[s] == serial]
-        return [self._task(q, worker_id, plan)] if plan else []
+        keep = q.active[slots] & (q.serial[slots] == serials)
+        slots, counts = slots[keep], counts[keep]
+        return [self._task(q, worker_id, slots, counts)] if len(slots) else []
 
     def _join(self, q: Sequences, worker_id: int) -> int | None:
         """The first waiting request joins a slot if its prompt's blocks leave the reserve free
@@ -203,11 +205,9 @@ class SequenceQueue:
         q.leave(s)
         self.num_suspended += 1
 
-    def _task(self, q: Sequences, worker_id: int, plan: list[tuple[int, int]]) -> IterationTask:
-        slots = np.array([s for s, _ in plan], dtype=np.int64)
-        counts = np.array([n for _, n in plan], dtype=np.int64)
+    def _task(self, q: Sequences, worker_id: int, slots: np.ndarray, counts: np.ndarray) -> IterationTask:
         starts = q.computed[slots].copy()
-        query_start = np.zeros(len(plan) + 1, dtype=np.int64)
+        query_start = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
         token_slots = np.repeat(slots, counts)
@@ -264,3 +264,7 @@ class SequenceQueue:
             for s in active[done].tolist():
                 q.leave(s)
 
+
+def _one(s: int, n: int, q: Sequences) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One sequence's part of an iteration's plan."""
+    return np.array([s]), np.array([n]), q.serial[s:s + 1].copy()
