@@ -211,6 +211,8 @@ class Engine:
             "num_rows_used": [w.memory.num_rows_used for w in self.workers],
             "kv_blocks_used": {name: [q.blocks.num_used for q in s.queue.sequences.values()]
                                for name, s in self.structured.items() if getattr(s, "queue", None)},
+            "conversations": {name: s.conversation_stats() for name, s in self.structured.items()
+                              if hasattr(s, "conversation_stats")},
             "num_tasks_in_flight": [w.num_in_flight for w in self.workers],
             "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
             "num_tasks": self.num_tasks,

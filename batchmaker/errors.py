@@ -11,6 +11,18 @@ class BadRequestError(BatchMakerError, ValueError):
     code = "bad_request"
 
 
+class UnknownConversationError(BadRequestError):
+    """A turn names a conversation the model does not know: never started, ended, or forgotten
+    after `conversation_ttl` seconds idle. Start a new one, sending the whole history as its prompt."""
+
+    code = "unknown_conversation"
+
+    def __init__(self, id: str, ttl: float | None = None):
+        after = f" (idle for more than {ttl:g} s)" if ttl is not None else ""
+        super().__init__(f"unknown conversation {id!r}: never started, ended, or expired{after}; "
+                         "start a new one with the whole history as its prompt")
+
+
 class UnknownModelError(BatchMakerError, KeyError):
     code = "unknown_model"
 
@@ -57,7 +69,7 @@ class EngineStoppedError(BatchMakerError, RuntimeError):
 
 def error_from_code(code: str, message: str) -> BatchMakerError:
     """The typed error for a wire error code (the client's side of the protocol)."""
-    cls = next((c for c in (BadRequestError, UnknownModelError, OverloadedError, CancelledError,
+    cls = next((c for c in (BadRequestError, UnknownConversationError, UnknownModelError, OverloadedError, CancelledError,
                             DeadlineExceededError) if c.code == code), BatchMakerError)
     error = cls.__new__(cls)
     BatchMakerError.__init__(error, message)

@@ -81,6 +81,7 @@ class Generate:
 
     cell: str
     max_new_tokens: int = 128  # when a request names none
+    conversation_ttl: float = 3600.0  # seconds a conversation is kept idle (then forgotten)
 
 
 Form = Chain | DecodeLoop | Tree | Generate

@@ -9,12 +9,17 @@ A request's inputs:
   seed             int: sampling is a pure function of (seed, position), so a seeded request
                    gives the same tokens however it is batched
   stop_token_ids   list[int] (at most 7), besides the model's EOS; ignore_eos bool
+  conversation     true: start a conversation with this turn; "<id>": its next turn, whose
+                   prompt follows everything said so far (the cache keeps it; core/conversations.py)
 Reply: {"tokens": [generated ids], "finish_reason": "stop" | "length"} (+ "text" for a text
-prompt). Streamed partials carry each iteration's new token ({"tokens": [id]}, + "text").
+prompt; + "conversation": id and "context": where the previous turns' positions came from).
+Streamed partials carry each iteration's new token ({"tokens": [id]}, + "text").
+{"conversation": id, "end": true} ends a conversation ({"conversation": id, "ended": true}).
 """
 import itertools
 import math
 import random
+import secrets
 import time
 import weakref
 
@@ -22,13 +27,14 @@ import numpy as np
 
 from batchmaker.core.admission import check_keys, check_tokens, is_int
 from batchmaker.core.blocks import BlockTables
+from batchmaker.core.conversations import Conversation, ConversationCache
 from batchmaker.core.sequences import MAX_STOPS, Sequences, SequenceQueue
 from batchmaker.core.waiting import Chunk
-from batchmaker.errors import BadRequestError
+from batchmaker.errors import BadRequestError, UnknownConversationError
 from batchmaker.request import Result
 from batchmaker.structured import Finisher
 
-OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
+OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "conversation")
 
 
 class GenerativeModel(Finisher):
@@ -49,6 +55,9 @@ class GenerativeModel(Finisher):
         # text prompts: the future -> the text streamed so far (gone with the future, cancelled or not)
         self._texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._seeds = itertools.count(random.getrandbits(40))
+        self.conversations: dict[str, Conversation] = {}
+        self.caches: dict[int, ConversationCache] = {}
+        self._swept = time.monotonic()
 
     def build(self, pools: dict[int, dict[str, dict]]) -> list:
         """pools: worker -> cell name -> what the worker's IterationRunner holds ({"num_blocks"})."""
@@ -58,7 +67,13 @@ class GenerativeModel(Finisher):
             blocks = BlockTables(num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len)
             sequences[worker] = Sequences(self.cell.max_seqs, self.max_len, blocks)
         self.num_blocks = min(q.blocks.num_blocks for q in sequences.values())
-        self.queue = SequenceQueue(self.cell_type, sequences, self, self.cell.kv.reserve)
+        kv = self.cell.kv
+        for worker, by_cell in pools.items():
+            pool = by_cell[self.form.cell]
+            self.caches[worker] = ConversationCache(sequences[worker].blocks, pool["host_chunks"], pool["chunk_tokens"],
+                                                    pool["chunk_costs"], kv.eviction, kv.swap_threshold,
+                                                    pool["max_swap_out"], pool["max_swap_in"])
+        self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches)
         self.queues = [self.queue]
         return self.queues
 
@@ -68,15 +83,22 @@ class GenerativeModel(Finisher):
     # admission ------------------------------------------------------------------------------------
     def admit(self, futures: list) -> None:
         good, rows, prompts = [], [], []
+        if self.conversations and time.monotonic() - self._swept > 1.0:
+            self._expire()
         for f in futures:
             try:
+                if isinstance(f.inputs, dict) and "end" in f.inputs:
+                    self._end(f)
+                    continue
                 prompt, row = self._check(f)
             except BadRequestError as e:
                 self.fail([f], e)
                 continue
             if row["max_new"] == 0:
-                self._resolve(f, [], "length", f.arrival)
+                self._resolve(f, [], "length", f.arrival, row["conversation"])
                 continue
+            if row["conversation"] is not None:
+                row["conversation"].turn = f
             good.append(f)
             rows.append(row)
             prompts.append(prompt)
@@ -84,7 +106,9 @@ class GenerativeModel(Finisher):
             return
         owners = np.empty(len(good), dtype=object)
         owners[:] = good
-        columns = {name: np.array([r[name] for r in rows]) for name in rows[0]}
+        columns = {name: np.array([r[name] for r in rows]) for name in rows[0] if name != "conversation"}
+        columns["conversation"] = np.empty(len(rows), dtype=object)
+        columns["conversation"][:] = [r["conversation"] for r in rows]
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         chunk = Chunk.of(owners, columns, np.concatenate(prompts), lengths)
         self.queue.add(columns["priority"], chunk)
@@ -107,13 +131,16 @@ class GenerativeModel(Finisher):
             if isinstance(inputs["tokens"], (list, tuple)) and not inputs["tokens"]:
                 raise BadRequestError("tokens: the prompt is empty")
             prompt = check_tokens(inputs["tokens"], self.vocab, "tokens")
-        if len(prompt) >= self.max_len:
-            raise BadRequestError(f"{key}: {len(prompt)} tokens; the model's maximum is {self.max_len} "
+        conversation = self._conversation(inputs.get("conversation"))
+        history = len(conversation.tokens) if conversation is not None else 0
+        if history + len(prompt) >= self.max_len:
+            what = f"{key}: {len(prompt)} tokens" + (f" after the conversation's {history}" if history else "")
+            raise BadRequestError(f"{what}; the model's maximum is {self.max_len} "
                                   "(the prompt and at least one generated token)")
         max_new = inputs.get("max_new_tokens", self.form.max_new_tokens)
         if not is_int(max_new) or max_new < 0:
             raise BadRequestError(f"max_new_tokens: expected an integer >= 0, got {max_new!r}")
-        total = min(len(prompt) + max_new, self.max_len)
+        total = min(history + len(prompt) + max_new, self.max_len)
         blocks = -(-total // self.cell.block_size)
         if blocks > self.num_blocks - 1:
             raise BadRequestError(f"{total} tokens need {blocks} KV blocks; a worker's cache has {self.num_blocks - 1}")
@@ -140,8 +167,68 @@ class GenerativeModel(Finisher):
             raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
         row = {"prompt_len": len(prompt), "max_new": int(max_new), "temperature": temperature, "top_k": int(top_k),
                "top_p": top_p, "seed": int(seed), "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-               "priority": f.priority, "first": math.nan, "streams": f.on_partial is not None}
+               "priority": f.priority, "first": math.nan, "streams": f.on_partial is not None,
+               "history": history, "conversation": conversation}
+        if conversation is not None:
+            self.conversations[conversation.id] = conversation
+            conversation.restored = (0, 0, 0)
         return prompt, row
+
+    # conversations --------------------------------------------------------------------------------
+    def _conversation(self, value) -> Conversation | None:
+        """The request's conversation: None, a new one (true), or a known idle one (its id)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return Conversation(secrets.token_hex(8), touched=time.monotonic())
+        if not isinstance(value, str):
+            raise BadRequestError(f"conversation: expected true (start one) or a conversation id, got {value!r}")
+        conversation = self.conversations.get(value)
+        if conversation is None:
+            raise UnknownConversationError(value, self.form.conversation_ttl)
+        if conversation.busy:
+            raise BadRequestError(f"conversation {value!r} has a turn running: send the next one after its reply")
+        conversation.touched = time.monotonic()
+        return conversation
+
+    def _end(self, f) -> None:
+        try:
+            check_keys(f.inputs, ["conversation", "end"])
+            if f.inputs["end"] is not True:
+                raise BadRequestError(f"end: expected true, got {f.inputs['end']!r}")
+            conversation = self._conversation(f.inputs["conversation"])
+            if conversation is None or conversation.id not in self.conversations:
+                raise BadRequestError("end: name the conversation to end by its id")
+        except BadRequestError as e:
+            self.fail([f], e)
+            return
+        self._forget(conversation)
+        now = time.perf_counter()
+        self.accounting.finished(f, now - f.arrival)
+        f.set_result(Result({"conversation": conversation.id, "ended": True, "turns": conversation.turns}, None,
+                            (f.arrival, now, now)))
+
+    def _forget(self, conversation: Conversation) -> None:
+        if conversation.worker is not None:
+            self.caches[conversation.worker].forget(conversation.row)
+        conversation.row, conversation.worker = -1, None
+        self.conversations.pop(conversation.id, None)
+
+    def _expire(self) -> None:
+        """Conversations idle for longer than the form's conversation_ttl are forgotten."""
+        now = self._swept = time.monotonic()
+        for conversation in list(self.conversations.values()):
+            if not conversation.busy and now - conversation.touched > self.form.conversation_ttl:
+                self._forget(conversation)
+
+    def conversation_stats(self) -> dict:
+        stats = {"conversations": len(self.conversations)}
+        for cache in self.caches.values():
+            for k, v in cache.stats.items():
+                stats[k] = stats.get(k, 0) + v
+            stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.num_host - len(cache.host_free)
+            stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
+        return stats
 
     # the queue's finisher side (manager thread) -------------------------------------------------
     def tokens(self, q: Sequences, slots: np.ndarray, tokens: np.ndarray, done: np.ndarray,
@@ -161,7 +248,8 @@ class GenerativeModel(Finisher):
         for i in np.flatnonzero(done).tolist():
             s = int(slots[i])
             generated = q.tokens[s, q.prompt_len[s]:q.length[s]].tolist()
-            self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.first[s]))
+            self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.first[s]),
+                          q.conversation[s])
 
     def _text_delta(self, owner, q: Sequences, s: int) -> str | None:
         seen = self._texts.get(owner)
@@ -171,10 +259,16 @@ class GenerativeModel(Finisher):
         self._texts[owner] = text
         return text[len(seen):]
 
-    def _resolve(self, owner, generated: list, reason: str, first: float) -> None:
+    def _resolve(self, owner, generated: list, reason: str, first: float, conversation=None) -> None:
         if owner._done:
             return
         outputs = {"tokens": generated, "finish_reason": reason}
+        if conversation is not None:
+            gpu, swapped, recomputed = conversation.restored
+            outputs["conversation"] = conversation.id
+            outputs["context"] = {"cached": gpu, "swapped_in": swapped, "recomputed": recomputed}
+            if reason == "length" and not generated:  # (max_new_tokens 0: the turn is not kept)
+                conversation.turn = None
         if self._texts.pop(owner, None) is not None:
             outputs["text"] = self.tokenizer.decode(generated)
         now = time.perf_counter()

@@ -21,6 +21,11 @@ class KVSettings:
     gpu_fraction: float = 0.9  # CUDA: of the memory free once the weights are placed
     cpu_bytes: int = 256 << 20  # CPU workers
     reserve: float = 0.1  # of the blocks, kept free for running decodes when new requests join
+    # conversations (core/conversations.py): their caches across turns
+    chunk_tokens: int = 32  # the unit of eviction (a multiple of block_size)
+    host_bytes: int | None = None  # the host tier; None: 8 GiB beside a GPU, 32 MiB beside a CPU
+    swap_threshold: float = 0.25  # copy chunks out ahead of time below this fraction of free blocks
+    eviction: str = "value"  # "value" (Pensieve's Cost(l) / T) or "lru"
 
 
 class DecoderCell(Cell):

@@ -110,7 +110,8 @@ class Harness:
         self.seqs = {w: Sequences(num_slots, max_len, BlockTables(num_blocks, block_size, num_slots, max_len))
                      for w in range(num_workers)}
         self.finisher = FakeFinisher()
-        self.queue = SequenceQueue(self.cell_type, self.seqs, self.finisher, reserve)
+        self.caches = self.make_caches()
+        self.queue = SequenceQueue(self.cell_type, self.seqs, self.finisher, reserve, self.caches)
         self.devices = {w: FakeDevice(q.blocks, num_slots) for w, q in self.seqs.items()}
         self.in_flight = {w: deque() for w in self.seqs}
         self.expected: dict[FakeFuture, list[int]] = {}  # generated tokens
@@ -118,6 +119,9 @@ class Harness:
         self.stops: dict[FakeFuture, list[int]] = {}
         self.epoch = 0
         self.tasks = []
+
+    def make_caches(self) -> dict:
+        return {}
 
     def admit(self, requests: list[tuple]) -> list[FakeFuture]:
         """requests: (prompt, max_new[, stops[, priority]]), one chunk as generation.py's admit builds."""
@@ -130,10 +134,11 @@ class Harness:
             self.full[f], self.stops[f] = list(prompt) + self.expected[f], stops
             rows.append({"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                          "seed": f.request_id, "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-                         "priority": f.priority, "first": math.nan, "streams": False})
+                         "priority": f.priority, "first": math.nan, "streams": False, "history": 0})
         owners = np.empty(len(futures), dtype=object)
         owners[:] = futures
         columns = {name: np.array([r[name] for r in rows]) for name in rows[0]}
+        columns["conversation"] = np.full(len(rows), None, dtype=object)
         lengths = np.array([len(r[0]) for r in requests], dtype=np.int64)
         chunk = Chunk.of(owners, columns, np.concatenate([np.asarray(r[0], dtype=np.int64) for r in requests]), lengths)
         self.queue.add(columns["priority"], chunk)
@@ -155,7 +160,7 @@ class Harness:
         suspended = [order for (s, serial), (order, o) in before.items() if q.serial[s] != serial and not o._done]
         if suspended and kept:
             assert max(kept) < min(suspended), "an older sequence was suspended"
-        check_blocks(q)
+        check_blocks(q, self.caches.get(w))
         return tasks[0] if tasks else None
 
     def execute(self, w: int) -> None:
@@ -167,7 +172,7 @@ class Harness:
     def complete(self, w=0) -> None:
         self.execute(w)
         self.queue.complete(self.in_flight[w].popleft())
-        check_blocks(self.seqs[w])
+        check_blocks(self.seqs[w], self.caches.get(w))
 
     def step(self, w=0) -> bool:
         """Form ahead up to `depth`, then complete the oldest in flight; False if idle."""
@@ -186,9 +191,10 @@ class Harness:
         self.check_idle()
 
     def check_idle(self) -> None:
-        for q in self.seqs.values():
-            assert q.num_active == 0 and not q.active.any() and q.blocks.num_used == 0
-            assert q.blocks.num_free == q.blocks.num_blocks - 1 and not q.blocks.count.any()
+        for w, q in self.seqs.items():
+            held = self.caches[w].num_held if self.caches else 0
+            assert q.num_active == 0 and not q.active.any() and q.blocks.num_used == held
+            assert q.blocks.num_free + held == q.blocks.num_blocks - 1 and not q.blocks.count.any()
             assert all(o is None for o in q.owner)
 
     def check_results(self) -> None:
@@ -203,7 +209,7 @@ class Harness:
     def check_task(self, q: Sequences, task) -> None:
         counts = np.diff(task.query_start)
         assert 0 < task.batch == len(task.tokens) == task.query_start[-1] <= self.cell_type.max_batch
-        assert len(set(task.slots.tolist())) == len(task.slots), "a slot twice in one iteration"
+        assert self.caches or len(set(task.slots.tolist())) == len(task.slots), "a slot twice in one iteration"
         assert (counts >= 1).all() and task.max_query_len == counts.max()
         assert (q.serial[task.slots] == task.serials).all() and q.active[task.slots].all()
         assert (task.token_slots == np.repeat(task.slots, counts)).all()
@@ -229,9 +235,13 @@ class Harness:
             assert len(getattr(task, name)) == len(task.sample)
 
 
-def check_blocks(q: Sequences) -> None:
-    """Every block is free or held by exactly one active slot; block 0 never."""
+def check_blocks(q: Sequences, cache=None) -> None:
+    """Every block is free or held by exactly one active slot or idle conversation; block 0 never."""
     held = np.concatenate([q.blocks.table[s, :q.blocks.count[s]] for s in range(len(q.owner))])
+    if cache is not None:
+        cache.check()
+        idle = cache.gpu[cache.idle]
+        held = np.concatenate([held, idle[idle != 0]])
     assert (q.blocks.count[~q.active] == 0).all()
     assert len(set(held.tolist())) == len(held) and (held > 0).all()
     assert len(held) + q.blocks.num_free == q.blocks.num_blocks - 1

@@ -157,7 +157,7 @@ def test_the_models_reply_documents_the_decoder_inputs(served):
     with Client(address, timeout=30) as client:
         llama = client.models()["llama"]
     assert set(llama["input_schema"]) == {"tokens", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                          "stop_token_ids", "ignore_eos"}
+                                          "stop_token_ids", "ignore_eos", "conversation", "end"}
     assert "prompt" in llama["input_schema"]["tokens"] and llama["streamed_outputs"] == ["tokens"]
     assert llama["cells"] == ["decoder"] and llama["batch_sizes"]["decoder"][-1] == 32
 

@@ -20,7 +20,7 @@ GPU_MAX_TOKENS, CPU_MAX_TOKENS = 2048, 256
 
 def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, seed: int, dtype, device: str,
                   max_tokens: int | None, max_seqs: int, block_size: int, num_blocks: int | None,
-                  max_new_tokens: int) -> Model:
+                  max_new_tokens: int, conversations: dict) -> Model:
     from batchmaker.cells.checkpoint import load_checkpoint, load_tokenizer
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS
@@ -36,7 +36,8 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {lm.config.family}")
     if max_tokens is None:  # a GPU iteration reads every weight once: more tokens each (bench/results/README.md)
         max_tokens = GPU_MAX_TOKENS if torch.device(device).type == "cuda" else CPU_MAX_TOKENS
-    kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks)
+    ttl = conversations.pop("conversation_ttl")
+    kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks, **conversations)
     cell = DecoderCell(lm, kv)
     cell.tokenizer = tokenizer
     vocab, limit = lm.config.vocab_size, lm.config.max_positions - 1
@@ -44,7 +45,7 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
     return Model(
         name=name,
         cells={"decoder": cell},
-        unfold=Generate("decoder", max_new_tokens=max_new_tokens),
+        unfold=Generate("decoder", max_new_tokens=max_new_tokens, conversation_ttl=ttl),
         batch_sizes={"decoder": power_of_two_sizes(max_tokens)},
         input_schema={
             "tokens": f"list[int]: prompt token ids in [0, {vocab}), 1 to {limit} of them",
@@ -54,6 +55,9 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
             "top_p": "float in (0, 1], default 1", "seed": "int: reproducible sampling",
             "stop_token_ids": f"list[int], at most {MAX_STOPS - len(lm.config.eos_token_ids)}, besides EOS {list(lm.config.eos_token_ids)}",
             "ignore_eos": "bool, default false",
+            "conversation": "true: start a conversation with this turn (the reply names it); its id: the next "
+                            "turn, after everything said so far (kept in the KV cache across turns)",
+            "end": "true, with a conversation id and nothing else: end that conversation",
         },
         streamed_outputs=("tokens",),
     )
@@ -63,18 +67,27 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
 def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed: int = 0,
                 dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int | None = None,
                 max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
-                max_new_tokens: int = 64) -> Model:
+                max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
+                chunk_tokens: int = 32, conversation_ttl: float = 3600.0) -> Model:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
-    lease) and 256 on a CPU."""
+    lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
+    the KV cache (default 8 GiB beside a GPU, 32 MiB beside a CPU; 0: the GPU tier only);
+    eviction "value" (Pensieve) or "lru"; chunk_tokens, the unit of eviction; conversation_ttl,
+    seconds a conversation is kept idle."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
-                         block_size, num_blocks, max_new_tokens)
+                         block_size, num_blocks, max_new_tokens,
+                         dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
+                              conversation_ttl=conversation_ttl))
 
 
 @register_model("opt")
 def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int = 0,
               dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int | None = None,
               max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
-              max_new_tokens: int = 64) -> Model:
+              max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
+              chunk_tokens: int = 32, conversation_ttl: float = 3600.0) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
-                         block_size, num_blocks, max_new_tokens)
+                         block_size, num_blocks, max_new_tokens,
+                         dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
+                              conversation_ttl=conversation_ttl))

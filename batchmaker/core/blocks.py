@@ -49,11 +49,27 @@ class BlockTables:
 
     def release(self, slot: int) -> None:
         """All of a slot's blocks back to the free stack."""
+        self.give_back(self.detach(slot))
+
+    def detach(self, slot: int) -> np.ndarray:
+        """A slot's blocks, no longer its (a conversation keeps them: core/conversations.py)."""
         n = int(self.count[slot])
-        self._free[self._top:self._top + n] = self.table[slot, :n]
-        self._top += n
+        ids = self.table[slot, :n].copy()
         self.count[slot] = 0
         self.table[slot, :n] = 0
+        return ids
+
+    def take(self, n: int) -> np.ndarray:
+        """n free blocks (the caller checked there are)."""
+        if n > self._top:
+            raise RuntimeError(f"{n} KV blocks wanted, {self._top} free")
+        self._top -= n
+        return self._free[self._top:self._top + n].copy()
+
+    def give_back(self, ids: np.ndarray) -> None:
+        n = len(ids)
+        self._free[self._top:self._top + n] = ids
+        self._top += n
 
     def kv_slots(self, slot: int, start: int, stop: int) -> np.ndarray:
         """Cache slots (block * block_size + offset) of positions start..stop-1 of `slot`."""

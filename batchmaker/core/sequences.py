@@ -22,10 +22,17 @@ When the blocks run out, the newest sequence is suspended: its blocks are freed 
 again, first in line, with its known tokens as its prompt (it is recomputed; sampling is seeded
 per token, so it continues as if never suspended). New sequences join only while a reserve of
 blocks stays free for the running ones.
+
+A turn of a conversation (core/conversations.py) joins with the conversation's tokens before its
+prompt, and its cache: positions [skip_from, skip_to) are already there (on the GPU, or swapped in
+before each layer's attention in the iteration it joins); [0, skip_from) were dropped and are
+recomputed first, as a sub-request of their own that shares the sequence's blocks (Pensieve Fig.
+3.8), then the prompt. When the turn finishes, its blocks stay with the conversation.
 """
 import numpy as np
 
 from batchmaker.core.blocks import BlockTables
+from batchmaker.core.conversations import CachePlan, ConversationCache
 from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
 
@@ -57,14 +64,18 @@ class Sequences:
         self.stops = np.full((num_slots, MAX_STOPS), -1, dtype=np.int64)
         self.first = np.full(num_slots, np.nan)  # when its first token was sampled (perf_counter)
         self.streams = np.zeros(num_slots, dtype=bool)  # its request takes partial outputs
+        self.conversation = np.empty(num_slots, dtype=object)  # its turn's Conversation, or None
+        self.skip_from = np.zeros(num_slots, dtype=np.int64)  # positions [skip_from, skip_to) are cached
+        self.skip_to = np.zeros(num_slots, dtype=np.int64)
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
     def num_active(self) -> int:
         return len(self.owner) - len(self._free)
 
-    def join(self, owner, tokens: np.ndarray, columns: dict, order: int) -> int | None:
-        """A slot for a waiting request (its known tokens and settings), or None if none is free."""
+    def join(self, owner, tokens: np.ndarray, columns: dict, order: int, history: int = 0) -> int | None:
+        """A slot for a waiting request (its known tokens and settings; the first `history` of
+        them its conversation's), or None if none is free."""
         if not self._free:
             return None
         s = self._free.pop()
@@ -76,8 +87,10 @@ class Sequences:
         self.length[s] = self.target[s] = n
         self.computed[s] = 0
         self.planned[s] = n
-        self.prompt_len[s] = columns["prompt_len"]
-        self.limit[s] = min(int(columns["prompt_len"] + columns["max_new"]), self.max_len)
+        self.prompt_len[s] = columns["prompt_len"] + history
+        self.limit[s] = min(int(self.prompt_len[s] + columns["max_new"]), self.max_len)
+        self.conversation[s] = columns["conversation"]
+        self.skip_from[s] = self.skip_to[s] = 0
         for name in _CARRIED:
             getattr(self, name)[s] = columns[name]
         self.active[s] = True
@@ -87,6 +100,7 @@ class Sequences:
         self.blocks.release(s)
         self.active[s] = False
         self.owner[s] = None
+        self.conversation[s] = None
         self.serial[s] += 1
         self._free.append(s)
 
@@ -96,6 +110,8 @@ class Sequences:
         columns["prompt_len"] = self.prompt_len[s:s + 1].copy()
         columns["max_new"] = self.limit[s:s + 1] - self.prompt_len[s:s + 1]
         columns["priority"] = np.array([self.owner[s].priority], dtype=np.int64)
+        columns["conversation"] = self.conversation[s:s + 1].copy()
+        columns["history"] = np.zeros(1, dtype=np.int64)  # (its tokens are all here)
         owners = np.empty(1, dtype=object)
         owners[0] = self.owner[s]
         n = int(self.length[s])
@@ -104,15 +120,19 @@ class Sequences:
 
 class SequenceQueue:
     """The scheduler's queue of one decoder cell type: the waiting requests and, per worker, its
-    running sequences. `form` plans one iteration per call (the scheduler's task)."""
+    running sequences and its conversations' caches. `form` plans one iteration per call (the
+    scheduler's task)."""
 
     forms_rounds = False
 
-    def __init__(self, cell_type, sequences: dict[int, Sequences], finisher, reserve: float = 0.1):
+    def __init__(self, cell_type, sequences: dict[int, Sequences], finisher, reserve: float = 0.1,
+                 caches: dict[int, ConversationCache] | None = None):
         self.cell_type = cell_type
         self.sequences = sequences  # worker id -> Sequences
+        self.caches = caches or {}  # worker id -> ConversationCache
         self.finisher = finisher  # resolves, streams and fails requests (batchmaker/generation.py)
         self.waiting = Waiting()
+        self.pinned = {w: Waiting() for w in sequences}  # turns of conversations cached on a worker
         self.num_running_tasks = 0
         self.num_skips = 0
         self.num_suspended = 0
@@ -127,14 +147,24 @@ class SequenceQueue:
         ready = self.waiting_tokens
         for q in self.sequences.values():
             running = q.active & (q.planned < q.limit)
-            ready += int(running.sum()) + int((q.target - q.computed)[running & (q.computed < q.target)].sum())
+            prefill = running & (q.computed < q.target)
+            left = q.target - q.computed - np.where(q.computed <= q.skip_from, q.skip_to - q.skip_from, 0)
+            ready += int(running.sum()) + int(left[prefill].sum())
         return ready
 
     @property
     def waiting_tokens(self) -> int:
-        return sum(int(c.bounds[-1] - c.bounds[0]) for level in self.waiting.levels.values() for c in level)
+        lines = [self.waiting, *self.pinned.values()]
+        return sum(int(c.bounds[-1] - c.bounds[0]) for w in lines for level in w.levels.values() for c in level)
 
     def add(self, priorities: np.ndarray, chunk: Chunk) -> None:
+        worker = np.array([getattr(c, "worker", None) for c in chunk.columns["conversation"]], dtype=object)
+        pinned = worker != None  # noqa: E711 (elementwise)
+        if pinned.any():
+            for w in set(worker[pinned].tolist()):
+                here = worker == w
+                self.pinned[w].add(priorities[here], chunk.select(here))
+            chunk, priorities = chunk.select(~pinned), priorities[~pinned]
         self.waiting.add(priorities, chunk)
 
     # forming ----------------------------------------------------------------------------------
@@ -142,8 +172,11 @@ class SequenceQueue:
         q = self.sequences[worker_id]
         if epoch != self._epoch:
             self._purge(epoch)
+        if worker_id in self.caches:
+            self.caches[worker_id].poll()
         budget = self.cell_type.max_batch
-        plan: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (slots, tokens each, occupants' serials)
+        plan: list[tuple[np.ndarray, ...]] = []  # (slots, starts, tokens each, occupants' serials)
+        swap_ins: list[CachePlan] = []
         # running decodes first, one token each: only those entering a new block are grown one by one
         decoding = np.flatnonzero(q.active & (q.computed >= q.target) & (q.planned < q.limit))
         decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
@@ -151,62 +184,127 @@ class SequenceQueue:
         grown = [s for s in decoding[needs].tolist() if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + 1)]
         decodes = np.concatenate([decoding[~needs], np.array(grown, dtype=np.int64)])
         decodes = decodes[q.active[decodes]]  # (growing may have suspended some)
-        plan.append((decodes, np.ones(len(decodes), dtype=np.int64), q.serial[decodes].copy()))
+        ones = np.ones(len(decodes), dtype=np.int64)
+        plan.append((decodes, q.computed[decodes].copy(), ones, q.serial[decodes].copy()))
+        q.computed[decodes] += 1
         budget -= len(decodes)
         # prompts being prefilled, then new arrivals, in chunks of what the budget leaves
         prefilling = np.flatnonzero(q.active & (q.computed < q.target))
         for s in prefilling[np.argsort(q.order[prefilling], kind="stable")].tolist():
             if budget <= 0:
                 break
-            n = min(budget, int(q.target[s] - q.computed[s]))
-            if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + n):
-                plan.append(_one(s, n, q))
-                budget -= n
-        while budget > 0 and self.waiting and q._free:
-            s = self._join(q, worker_id)
+            if q.active[s]:
+                budget = self._prefill(q, worker_id, s, budget, plan)
+        while budget > 0 and q._free and (self.waiting or self.pinned[worker_id]):
+            s = self._join(q, worker_id, swap_ins)
             if s is None:
                 break
-            n = min(budget, int(q.target[s]))
-            q.blocks.grow(s, n)
-            plan.append(_one(s, n, q))
-            budget -= n
-        slots, counts, serials = (np.concatenate(column) for column in zip(*plan))
+            budget = self._prefill(q, worker_id, s, budget, plan)
+            if not q.active[s]:  # suspended for want of blocks: no more joins now
+                break
+        slots, starts, counts, serials = (np.concatenate(column) for column in zip(*plan))
         # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
         keep = q.active[slots] & (q.serial[slots] == serials)
-        slots, counts = slots[keep], counts[keep]
-        return [self._task(q, worker_id, slots, counts)] if len(slots) else []
+        slots, starts, counts = slots[keep], starts[keep], counts[keep]
+        if not len(slots):
+            return []
+        return [self._task(q, worker_id, slots, starts, counts, self._copies(worker_id, swap_ins))]
 
-    def _join(self, q: Sequences, worker_id: int) -> int | None:
-        """The first waiting request joins a slot if its prompt's blocks leave the reserve free
-        (or nothing else runs here)."""
-        chunk = self.waiting.take(1)
-        need = q.blocks.blocks_for(int(chunk.lengths[0]) + 1)
-        if q.num_active and q.blocks.num_free - need < self._reserve[worker_id]:
-            self.waiting.push_front(int(chunk.columns["priority"][0]), chunk)
+    def _prefill(self, q: Sequences, worker_id: int, s: int, budget: int, plan: list) -> int:
+        """Plan `s`'s next prompt chunks within `budget` (two where its dropped leading tokens end
+        and its prompt begins); returns the budget left."""
+        while budget > 0 and q.computed[s] < q.target[s]:
+            start = int(q.computed[s])
+            if start == q.skip_from[s]:
+                start = int(q.skip_to[s])  # cached: skip to the prompt
+            end = int(q.skip_from[s]) if start < q.skip_from[s] else int(q.target[s])
+            n = min(budget, end - start)
+            if not self._grow(q, worker_id, s, start + n):
+                break
+            plan.append((np.array([s]), np.array([start]), np.array([n]), q.serial[s:s + 1].copy()))
+            q.computed[s] = start + n
+            budget -= n
+        return budget
+
+    def _join(self, q: Sequences, worker_id: int, swap_ins: list) -> int | None:
+        """The first waiting request (a turn of a conversation cached here first) joins a slot if
+        its blocks leave the reserve free (or nothing else runs here)."""
+        line = self.pinned[worker_id] if self.pinned[worker_id] else self.waiting
+        chunk = line.take(1)
+        columns = {k: v[0] for k, v in chunk.columns.items()}
+        conversation = columns["conversation"]
+        history = int(columns["history"])
+        cache = self.caches.get(worker_id)
+        row = conversation.row if conversation is not None and conversation.worker == worker_id else -1
+        own = cache.held(row) if cache is not None else 0
+        available = (cache.available() if cache is not None else q.blocks.num_free) - own
+        need = q.blocks.blocks_for(history + int(chunk.lengths[0]) + 1) - own
+        incoming = cache.to_swap_in(row) + sum(len(c.swap_in_host) for c in swap_ins) if cache is not None else 0
+        if (q.num_active and available - need < self._reserve[worker_id]) or need > available or \
+                (incoming and incoming > cache.max_in):
+            line.push_front(int(columns["priority"]), chunk)
             return None
         self._joined += 1
-        columns = {k: v[0] for k, v in chunk.columns.items()}
-        return q.join(chunk.owners[0], chunk.values, columns, self._joined)
+        tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
+        s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
+        if conversation is not None:
+            conversation.worker = worker_id
+            if row < 0 and history:  # its cache went with a failed or cancelled turn
+                conversation.restored = (0, 0, history - 1)
+                if cache is not None:
+                    cache.stats["recomputed_tokens"] += history - 1
+            if row >= 0:
+                recompute, cached, copies = cache.restore(row, q.blocks.table[s])
+                q.blocks.count[s] = q.blocks.blocks_for(cached)
+                q.skip_from[s], q.skip_to[s] = recompute, cached
+                swapped = 0 if copies is None else min(len(copies.swap_in_host) * cache.chunk_tokens, cached - recompute)
+                conversation.restored = (cached - recompute - swapped, swapped, recompute)
+                if copies is not None:
+                    swap_ins.append(copies)
+            conversation.row = -1
+        return s
 
     def _grow(self, q: Sequences, worker_id: int, s: int, num_tokens: int) -> bool:
-        """Blocks for `s` up to `num_tokens` positions, suspending the newest sequences while
-        they run out; False if `s` itself was suspended."""
+        """Blocks for `s` up to `num_tokens` positions: reclaimed from idle conversations, then by
+        suspending the newest sequences while they run out; False if `s` itself was suspended."""
+        cache = self.caches.get(worker_id)
         while not q.blocks.grow(s, num_tokens):
+            short = int(q.blocks.blocks_for(num_tokens) - q.blocks.count[s]) - q.blocks.num_free
+            if cache is not None and cache.reclaim(short) > 0:
+                continue
             victim = int(np.flatnonzero(q.active)[np.argmax(q.order[q.active])])
-            self.suspend(q, victim)
+            self.suspend(q, victim, worker_id)
             if victim == s:
                 return False
         return True
 
-    def suspend(self, q: Sequences, s: int) -> None:
+    def suspend(self, q: Sequences, s: int, worker_id: int) -> None:
         """Free `s`'s blocks; it waits again, first in line, to be recomputed from its known tokens."""
         row = q.waiting_row(s)
+        conversation = q.conversation[s]
+        if conversation is not None:  # its cache goes with the blocks: all of it is recomputed
+            gpu, swapped, recomputed = conversation.restored
+            stats = self.caches[worker_id].stats
+            stats["gpu_hit_tokens"] -= gpu
+            stats["host_hit_tokens"] -= swapped
+            stats["recomputed_tokens"] += gpu + swapped
+            conversation.restored = (0, 0, gpu + swapped + recomputed)
+            conversation.worker = None
         self.waiting.push_front(int(row.columns["priority"][0]), row)
         q.leave(s)
         self.num_suspended += 1
 
-    def _task(self, q: Sequences, worker_id: int, slots: np.ndarray, counts: np.ndarray) -> IterationTask:
-        starts = q.computed[slots].copy()
+    def _copies(self, worker_id: int, swap_ins: list[CachePlan]) -> CachePlan | None:
+        """This iteration's copies: the joining conversations' swap-ins; or, in an iteration
+        without them (swapping in goes first), ahead-of-time copies out."""
+        cache = self.caches.get(worker_id)
+        if swap_ins:
+            return CachePlan(swap_in_host=np.concatenate([c.swap_in_host for c in swap_ins]),
+                             swap_in_blocks=np.concatenate([c.swap_in_blocks for c in swap_ins]))
+        return cache.plan_swap_out() if cache is not None else None
+
+    def _task(self, q: Sequences, worker_id: int, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+              copies: CachePlan | None) -> IterationTask:
         query_start = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
@@ -222,14 +320,13 @@ class SequenceQueue:
         sample = np.flatnonzero(samples)
         ss = slots[sample]
         sample_index = q.planned[ss].copy()
-        q.computed[slots] = ends
         q.planned[ss] += 1
         return IterationTask(self, self.cell_type, worker_id, total, slots=slots, serials=q.serial[slots].copy(),
                              owners=q.owner[slots].copy(), query_start=query_start, context_lens=ends,
                              block_tables=q.blocks.table[slots], tokens=tokens, positions=positions,
                              kv_slots=kv_slots, token_slots=token_slots, sample=sample, sample_index=sample_index,
                              temperature=q.temperature[ss], top_k=q.top_k[ss], top_p=q.top_p[ss], seeds=q.seed[ss],
-                             max_query_len=int(counts.max()), decode_only=bool(decode.all()))
+                             max_query_len=int(counts.max()), decode_only=bool(decode.all()), cache_plan=copies)
 
     # completion (manager thread) ----------------------------------------------------------------
     def complete(self, task: IterationTask) -> None:
@@ -238,7 +335,7 @@ class SequenceQueue:
             owners = [o for o, s, serial in zip(task.owners, task.slots, task.serials) if q.serial[s] == serial]
             for s, serial in zip(task.slots.tolist(), task.serials.tolist()):
                 if q.serial[s] == serial:
-                    q.leave(s)
+                    self._end_turn(q, s)
             self.finisher.fail(owners, task.error)
             return
         slots = task.slots[task.sample]
@@ -250,21 +347,37 @@ class SequenceQueue:
         q.length[slots] = index + 1
         stopped = (q.stops[slots] == tokens[:, None]).any(1)
         done = stopped | (index + 1 >= q.limit[slots])
+        for s in slots[done].tolist():
+            conversation = q.conversation[s]
+            if conversation is not None:  # its cache stays: every position but the last sampled one
+                n = int(q.length[s])
+                conversation.tokens = q.tokens[s, :n].copy()
+                conversation.row = self.caches[task.worker_id].retire(q.blocks.detach(s), n - 1)
+                conversation.worker = task.worker_id
+                conversation.turn = None
+                conversation.turns += 1
         self.finisher.tokens(q, slots, tokens, done, stopped)
         for s in slots[done].tolist():
             q.leave(s)
 
+    def _end_turn(self, q: Sequences, s: int) -> None:
+        """A turn that failed or was cancelled: the conversation is as before it, without a cache
+        (unless its next turn came already)."""
+        conversation = q.conversation[s]
+        if conversation is not None and conversation.turn is q.owner[s]:
+            conversation.turn, conversation.worker = None, None
+        q.leave(s)
+
     def _purge(self, epoch: int) -> None:
-        """Cancelled or expired requests leave their slots (and blocks) and the waiting line."""
+        """Cancelled or expired requests leave their slots (and blocks) and the waiting lines."""
         self._epoch = epoch
-        self.waiting.purge()
+        for line in (self.waiting, *self.pinned.values()):
+            for chunk in line.purge():
+                for conversation, owner in zip(chunk.columns["conversation"], chunk.owners):
+                    if conversation is not None and conversation.turn is owner:
+                        conversation.turn = None
         for q in self.sequences.values():
             active = np.flatnonzero(q.active)
             done = np.fromiter((o._done for o in q.owner[active]), dtype=bool, count=len(active))
             for s in active[done].tolist():
-                q.leave(s)
-
-
-def _one(s: int, n: int, q: Sequences) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One sequence's part of an iteration's plan."""
-    return np.array([s]), np.array([n]), q.serial[s:s + 1].copy()
+                self._end_turn(q, s)

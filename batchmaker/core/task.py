@@ -114,4 +114,5 @@ class IterationTask(Task):
     seeds: np.ndarray = None
     max_query_len: int = 1
     decode_only: bool = False
+    cache_plan: Any = None  # a CachePlan (core/conversations.py): copies to and from the host tier
     sampled: np.ndarray = None  # int64 [N], filled when the task finished

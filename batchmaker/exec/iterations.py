@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from batchmaker.core.task import IterationTask
+from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.sampling import sample
 from batchmaker.exec.staging import Landing, PinnedRing
 
@@ -58,19 +59,70 @@ class IterationRunner:
         self.num_graph_iterations = 0
         self.num_iterations = 0
         self.trace: list | None = None  # benchmarks: (tokens, context tokens read, sequences) per iteration
+        kv = module.kv
+        self.chunk_tokens = max(kv.chunk_tokens // module.block_size, 1) * module.block_size
+        host_bytes = kv.host_bytes if kv.host_bytes is not None else (8 << 30 if cuda else 32 << 20)
+        host_chunks = HostTier.num_chunks_for(host_bytes, self.config, self.chunk_tokens, dtype)
+        max_chunks = -(-self.max_blocks * module.block_size // self.chunk_tokens)
+        self.max_swap_in, self.max_swap_out = 2 * max_chunks, 32
+        self.host = HostTier(self.cache, host_chunks, self.chunk_tokens, self.max_swap_in, self.max_swap_out) \
+            if host_chunks else None
+        self._costs = None
 
     @property
     def pools(self) -> dict:
-        """What the manager's queue needs to know of this worker's cache (core/blocks.py)."""
-        return {"num_blocks": self.cache.num_blocks}
+        """What the manager's queue needs to know of this worker's cache (core/blocks.py,
+        core/conversations.py)."""
+        if self._costs is None:
+            self._costs = self.chunk_costs()
+        return {"num_blocks": self.cache.num_blocks, "host_chunks": self.host.num_chunks if self.host else 0,
+                "chunk_tokens": self.chunk_tokens, "chunk_costs": self._costs, "max_swap_in": self.max_swap_in,
+                "max_swap_out": self.max_swap_out}
+
+    def chunk_costs(self) -> np.ndarray:
+        """Seconds to recompute chunk k of a context (its positions end at (k + 1) * chunk_tokens),
+        measured at powers of two and interpolated (Pensieve Eq. 3.6). Runs on free blocks, before
+        serving."""
+        import time
+        ct, bs = self.chunk_tokens, self.module.block_size
+        ends = (np.arange(-(-self.config.max_positions // ct)) + 1) * ct
+        points = [ct]
+        while points[-1] * 2 <= min(ends[-1], (self.cache.num_blocks - 1) * bs):
+            points.append(points[-1] * 2)
+        seconds = []
+        with torch.inference_mode():
+            for end in [points[0]] + points:  # (the first run warms up)
+                n_blocks = -(-end // bs)
+                table = np.zeros((1, self.max_blocks), dtype=np.int64)
+                table[0, :n_blocks] = np.arange(1, n_blocks + 1)
+                positions = np.arange(end - ct, end)
+                host = {"tokens": np.zeros(ct, dtype=np.int64), "positions": positions,
+                        "kv_slots": table[0, positions // bs] * bs + positions % bs,
+                        "token_slots": np.full(ct, self.scratch_slot), "query_start": np.array([0, ct], dtype=np.int32),
+                        "context_lens": np.array([end], dtype=np.int32), "block_tables": table,
+                        "sample_token": np.array([ct - 1]), "sample_slots": np.array([self.scratch_slot]),
+                        "seeds": np.zeros(1, dtype=np.int64), "counters": np.zeros(1, dtype=np.int64),
+                        "top_k": np.zeros(1, dtype=np.int64), "temperature": np.zeros(1, dtype=np.float32),
+                        "top_p": np.ones(1, dtype=np.float32)}
+                t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in host.items()}
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                start = time.perf_counter()
+                self._forward(t, ct, True, None)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds.append(time.perf_counter() - start)
+        return np.maximum.accumulate(np.interp(ends, points, seconds[1:]))
 
     # the computation ---------------------------------------------------------------------------
-    def _forward(self, t: dict, max_query_len: int, greedy_only: bool) -> torch.Tensor:
+    def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in) -> torch.Tensor:
         """The iteration on tensors already on the device; returns the sampled tokens [N]."""
         tokens = torch.where(t["tokens"] >= 0, t["tokens"], self.last_token[t["token_slots"]])
         cache, attention, write_kv = self.cache, self.attention, self.write_kv
 
         def attend(layer: int, q, k, v):
+            if swap_in is not None:
+                swap_in.before_attention(layer)
             write_kv(k, v, cache.k[layer], cache.v[layer], t["kv_slots"])
             return attention(q, cache.k[layer], cache.v[layer], t["block_tables"], t["query_start"],
                              t["context_lens"], max_query_len, self.scale)
@@ -91,7 +143,8 @@ class IterationRunner:
         host = _host_arrays(task)
         t = {k: torch.from_numpy(v) for k, v in host.items()}
         greedy = not (task.temperature > 0).any()
-        task.sampled = self._forward(t, task.max_query_len, greedy).numpy().copy()
+        swap_in = self._copies(task.cache_plan, None)
+        task.sampled = self._forward(t, task.max_query_len, greedy, swap_in).numpy().copy()
         self.num_iterations += 1
 
     # CUDA: the manager thread queues it on the worker's stream -----------------------------------
@@ -99,20 +152,29 @@ class IterationRunner:
         self._record(task)
         greedy = not (task.temperature > 0).any()
         n = len(task.sample)
-        if task.decode_only and self.graphs.enabled:
+        swap_in = self._copies(task.cache_plan, self.stream or torch.cuda.current_stream(self.device))
+        if task.decode_only and self.graphs.enabled and swap_in is None:
             bucket = self.cell_type.bucket(len(task.slots))
             packed = self._packer(bucket, bucket, bucket)
             packed.load(_host_arrays(task), self._padding(bucket, len(task.slots)))
             out = self.graphs.run(("iteration", self.cell_type, bucket, greedy),
-                                  lambda: self._forward(packed.tensors, 1, greedy), [])
+                                  lambda: self._forward(packed.tensors, 1, greedy, None), [])
             self.num_graph_iterations += 1
         else:
             packed = self._packer(task.batch, len(task.slots), n)
             packed.load(_host_arrays(task), None)
-            out = self._forward(packed.tensors, task.max_query_len, greedy)
+            out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in)
         region = self.landing.open()
         task.handle = (region, region.to_host(out[:n]))
         self.num_iterations += 1
+
+    def _copies(self, plan, compute_stream):
+        """Start the iteration's copies out (on the side) and in; returns the copy in, if any."""
+        if plan is None or self.host is None:
+            return None
+        if len(plan.swap_out_host):
+            self.host.swap_out(plan, compute_stream)
+        return self.host.swap_in(plan, compute_stream) if len(plan.swap_in_host) else None
 
     def finish(self, task: IterationTask) -> None:
         if task.handle is not None:
@@ -132,7 +194,7 @@ class IterationRunner:
             packed.load(None, self._padding(bucket, 0))
             for greedy in (True, False):
                 self.graphs.capture(("iteration", self.cell_type, bucket, greedy),
-                                    lambda: self._forward(packed.tensors, 1, greedy), [], warm=True)
+                                    lambda: self._forward(packed.tensors, 1, greedy, None), [], warm=True)
 
     def _padding(self, bucket: int, used: int) -> dict | None:
         """Host arrays of the padded sequences of a decode graph: each one token at position 0 of

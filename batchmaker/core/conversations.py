@@ -1,0 +1,334 @@
+"""Conversations' KV caches across turns, in two tiers (Pensieve; thesis §3.4.3). No torch here:
+this is the bookkeeping; the worker moves the bytes (batchmaker/exec/kv_swap.py).
+
+When a turn of a conversation finishes, its sequence's KV blocks stay with the conversation
+instead of going back to the free stack. A conversation's cached context is cut into chunks of
+`chunk_tokens` positions (whole KV blocks), and it is always evicted from its leading end, so
+chunk k of a conversation with c cached positions is in one of three places:
+
+  [0, dropped)        gone: recomputed from the conversation's tokens when it resumes
+  [dropped, hosted)   copied to a host chunk (`host`); GPU blocks may still be held (lazily
+                      reclaimed) once the copy is `ready`
+  [hosted, chunks)    on the GPU only
+
+Below `swap_threshold` of free GPU blocks, the idle conversations' lowest-valued GPU-only chunks
+are copied to the host ahead of time (a few per iteration, never in an iteration that swaps in);
+their blocks are reclaimed when a sequence needs blocks. When the host is full, its lowest-valued
+chunks are dropped; when the GPU has nothing reclaimable left, GPU chunks are dropped (with the
+host chunks before them). A chunk's value is Cost(l) / T (Eq. 3.4-3.6): the cost of recomputing
+32 tokens at context position l (profiled per model at start-up), over the time since the
+conversation was last active. Cost grows with l, so the cheapest chunk of a conversation is its
+leading one and choosing the lowest values across all conversations keeps the order above.
+The "lru" policy sets Cost = 1: the least recently active conversation loses its chunks first.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchmaker.core.blocks import BlockTables
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True, eq=False)
+class Conversation:
+    """One conversation (the manager's record): its tokens so far and where its cache lives."""
+
+    id: str
+    tokens: np.ndarray = field(default_factory=lambda: _NONE)  # every prompt and reply, in order
+    worker: int | None = None  # its KV cache's worker (set by its first turn)
+    row: int = -1  # its row in that worker's ConversationCache
+    turn: object = None  # the future of its turn being served (admitted, not finished)
+    touched: float = 0.0  # when a turn last came (time.monotonic; conversations expire)
+    turns: int = 0
+    restored: tuple = (0, 0, 0)  # the running turn's context: positions on the GPU, swapped in, recomputed
+
+    @property
+    def busy(self) -> bool:
+        return self.turn is not None and not self.turn._done
+
+
+@dataclass(slots=True, eq=False)
+class CachePlan:
+    """Copies between the GPU blocks and the host chunks of one worker, run with an iteration.
+    swap_in: host chunks [n] -> GPU blocks [n, blocks per chunk], before each layer's attention;
+    swap_out: GPU blocks [m, blocks per chunk] -> host chunks [m], on the side; `done` is set by
+    the worker once the copies out are complete (a flag, or an object with `query()`)."""
+
+    swap_in_host: np.ndarray = field(default_factory=lambda: _NONE)
+    swap_in_blocks: np.ndarray = field(default_factory=lambda: _NONE.reshape(0, 1))
+    swap_out_blocks: np.ndarray = field(default_factory=lambda: _NONE.reshape(0, 1))
+    swap_out_host: np.ndarray = field(default_factory=lambda: _NONE)
+    done: object = None
+
+    @property
+    def finished(self) -> bool:
+        done = self.done
+        return done is True or (done is not None and done is not False and done.query())
+
+
+class ConversationCache:
+    """The conversations whose KV cache is on one worker: rows of arrays."""
+
+    def __init__(self, blocks: BlockTables, host_chunks: int, chunk_tokens: int, cost: np.ndarray,
+                 policy: str = "value", swap_threshold: float = 0.25, max_out: int = 32, max_in: int = 256,
+                 clock=None):
+        if chunk_tokens % blocks.block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the block size {blocks.block_size}")
+        if policy not in ("value", "lru"):
+            raise ValueError(f"eviction policy: 'value' or 'lru', got {policy!r}")
+        import time
+        self.clock = clock or time.monotonic
+        self.blocks = blocks
+        self.chunk_tokens = chunk_tokens
+        self.per_chunk = chunk_tokens // blocks.block_size  # blocks per chunk
+        self.max_chunks = -(-blocks.max_blocks // self.per_chunk)
+        # cost[k]: recomputing chunk k (its positions end at (k + 1) * chunk_tokens); never decreasing
+        self.cost = np.ones(self.max_chunks) if policy == "lru" else np.maximum.accumulate(
+            np.asarray(cost, dtype=np.float64)[:self.max_chunks])
+        self.swap_threshold = swap_threshold
+        self.max_out = max_out
+        self.max_in = max_in  # host chunks one iteration can swap in (the worker's staging)
+        self.host_free = list(range(host_chunks - 1, -1, -1))
+        self.num_host = host_chunks
+        self.pending: list[tuple[CachePlan, np.ndarray, np.ndarray]] = []  # swap-outs: plan, rows, hosted after
+        self.num_held = 0  # GPU blocks held by idle conversations
+        self.stats = {"gpu_hit_tokens": 0, "host_hit_tokens": 0, "recomputed_tokens": 0, "chunks_out": 0,
+                      "chunks_in": 0, "chunks_dropped": 0}
+        self._grow_rows(64)
+
+    def _grow_rows(self, n: int) -> None:
+        old = getattr(self, "cached", np.zeros(0, dtype=np.int64))
+        have = len(old)
+
+        def more(name, fill, shape=(), dtype=np.int64):
+            column = np.full((n - have, *shape), fill, dtype=dtype)
+            setattr(self, name, np.concatenate([getattr(self, name), column]) if have else column)
+
+        more("cached", 0)
+        more("dropped", 0)
+        more("hosted", 0)
+        more("ready", 0)
+        more("last_active", 0.0, dtype=np.float64)
+        more("idle", False, dtype=bool)  # holds a cache and no turn runs
+        more("gpu", 0, (self.max_chunks * self.per_chunk,), np.int32)  # block ids; 0: none
+        more("host", -1, (self.max_chunks,))
+        self.free_rows = [r for r in range(n - 1, have - 1, -1)] + getattr(self, "free_rows", [])
+
+    # turns --------------------------------------------------------------------------------------
+    def retire(self, ids: np.ndarray, cached: int) -> int:
+        """A finished turn's sequence gives its blocks `ids` (those covering `cached` positions) to
+        a new row; the rest go back to the free stack. Returns the row."""
+        if not self.free_rows:
+            self._grow_rows(2 * len(self.cached))
+        r = self.free_rows.pop()
+        keep = int(self.blocks.blocks_for(cached))
+        self.gpu[r, :keep] = ids[:keep]
+        self.num_held += keep
+        self.blocks.give_back(ids[keep:])
+        self.cached[r], self.dropped[r], self.hosted[r], self.ready[r] = cached, 0, 0, 0
+        self.last_active[r] = self.clock()
+        self.idle[r] = True
+        return r
+
+    def available(self) -> int:
+        """Blocks a sequence could get: free ones and those idle conversations hold (but not those
+        of conversations with copies out in flight, past their last copied chunk)."""
+        return self.blocks.num_free + self.num_held - self._in_flight()
+
+    def held(self, r: int) -> int:
+        return int((self.gpu[r] != 0).sum()) if r >= 0 and self.idle[r] else 0
+
+    def _in_flight(self) -> int:
+        n = 0
+        for r in {r for _, rows, _ in self.pending for r in rows.tolist()}:
+            if self.idle[r] and self.hosted[r] > self.ready[r]:
+                n += int((self.gpu[r, self.ready[r] * self.per_chunk:] != 0).sum())
+        return n
+
+    def to_swap_in(self, r: int) -> int:
+        """Host chunks row r would copy in if it resumed now."""
+        if r < 0 or not self.idle[r]:
+            return 0
+        chunks = np.arange(self.dropped[r], self.hosted[r])
+        return int((self.gpu[r, chunks * self.per_chunk] == 0).sum())
+
+    def restore(self, r: int, table_row: np.ndarray) -> tuple[int, int, CachePlan | None]:
+        """Row r's cache into a sequence's table row; its blocks leave the row (which is freed).
+        Blocks are taken for swapped and dropped chunks (reclaiming others' as needed; the caller
+        made sure enough are available). Returns (recompute up to, cached positions, swap-in)."""
+        self.idle[r] = False
+        cached, dropped, hosted, pc = int(self.cached[r]), int(self.dropped[r]), int(self.hosted[r]), self.per_chunk
+        nb = int(self.blocks.blocks_for(cached))
+        ids = self.gpu[r, :nb].copy()
+        ids_held = self.gpu[r].copy()
+        missing = np.flatnonzero(ids == 0)
+        self.num_held -= nb - len(missing)
+        self.gpu[r] = 0  # (its blocks are the sequence's now: reclaiming passes them by)
+        if len(missing) > self.blocks.num_free:
+            self.reclaim(len(missing) - self.blocks.num_free)
+        ids[missing] = self.blocks.take(len(missing))
+        table_row[:nb] = ids
+        # host chunks: those whose GPU blocks were reclaimed come in; the others' copies are let go
+        chunks = np.arange(dropped, hosted)
+        lost = ids_held[chunks * pc] == 0
+        moves = chunks[lost]
+        plan = None
+        if len(moves):
+            index = moves[:, None] * pc + np.arange(pc)
+            blocks = np.where(index < nb, table_row[index.clip(max=nb - 1)], 0).astype(np.int64)  # (past the end: scratch)
+            plan = CachePlan(swap_in_host=self.host[r, moves].copy(), swap_in_blocks=blocks)
+        self.host_free.extend(self.host[r, dropped:hosted].tolist())
+        recompute = min(dropped * self.chunk_tokens, cached)
+        swapped = min(len(moves) * self.chunk_tokens, cached - recompute)
+        self.stats["recomputed_tokens"] += recompute
+        self.stats["host_hit_tokens"] += swapped
+        self.stats["gpu_hit_tokens"] += cached - recompute - swapped
+        self.stats["chunks_in"] += len(moves)
+        self._clear(r)
+        return recompute, cached, plan
+
+    def forget(self, r: int) -> None:
+        """Row r's conversation ended or expired: its blocks and host chunks are free."""
+        if r < 0 or not self.idle[r]:
+            return
+        self.idle[r] = False
+        held = self.gpu[r][self.gpu[r] != 0]
+        self.blocks.give_back(held)
+        self.num_held -= len(held)
+        self.host_free.extend(self.host[r, self.dropped[r]:self.hosted[r]].tolist())
+        self._clear(r)
+
+    def _clear(self, r: int) -> None:
+        self.gpu[r] = 0
+        self.host[r] = -1
+        self.cached[r] = self.dropped[r] = self.hosted[r] = self.ready[r] = 0
+        self.free_rows.append(r)
+
+    # eviction -------------------------------------------------------------------------------------
+    def value(self, rows: np.ndarray, chunks: np.ndarray, now: float) -> np.ndarray:
+        return self.cost[chunks] / np.maximum(now - self.last_active[rows], 1e-6)
+
+    def _chunks(self, start: np.ndarray, stop: np.ndarray, rows: np.ndarray):
+        """(rows, chunk indices) of the ranges [start, stop) of `rows`, lowest value first."""
+        counts = np.maximum(stop - start, 0)
+        rr = np.repeat(rows, counts)
+        kk = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        order = np.lexsort((kk, self.value(rr, kk, self.clock())))
+        return rr[order], kk[order]
+
+    def _num_chunks(self, rows):
+        return -(-self.cached[rows] // self.chunk_tokens)
+
+    def _num_reclaimable(self) -> int:
+        rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
+        if not len(rows):
+            return 0
+        rr, kk = self._chunks(self.dropped[rows], self.ready[rows], rows)
+        return int((self.gpu[rr, kk * self.per_chunk] != 0).sum()) * self.per_chunk
+
+    def reclaim(self, need: int) -> int:
+        """Free at least `need` GPU blocks if the idle conversations can give them: first those of
+        chunks already copied to the host, then by dropping chunks (from the leading end).
+        Returns the blocks freed."""
+        freed = 0
+        rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
+        rr, kk = self._chunks(self.dropped[rows], self.ready[rows], rows)
+        for r, k in zip(rr.tolist(), kk.tolist()):
+            if freed >= need:
+                return freed
+            freed += self._free_gpu(r, k)
+        # the GPU chunks of conversations without copies in flight, cheapest first
+        rows = np.flatnonzero(self.idle & (self.ready == self.hosted) & (self._num_chunks_all() > self.hosted))
+        rr, kk = self._chunks(self.hosted[rows], self._num_chunks(rows), rows)
+        for r, k in zip(rr.tolist(), kk.tolist()):
+            if freed >= need:
+                break
+            freed += self._drop_through(r, k)
+        return freed
+
+    def _num_chunks_all(self):
+        return -(-self.cached // self.chunk_tokens)
+
+    def _free_gpu(self, r: int, k: int) -> int:
+        span = slice(k * self.per_chunk, (k + 1) * self.per_chunk)
+        held = self.gpu[r, span][self.gpu[r, span] != 0]
+        self.blocks.give_back(held)
+        self.num_held -= len(held)
+        self.gpu[r, span] = 0
+        return len(held)
+
+    def _drop_through(self, r: int, k: int) -> int:
+        """Drop chunks [dropped, k] of row r (host copies and GPU blocks)."""
+        d = int(self.dropped[r])
+        if k < d:
+            return 0
+        freed = sum(self._free_gpu(r, j) for j in range(d, k + 1))
+        hosted = int(self.hosted[r])
+        self.host_free.extend(self.host[r, d:min(k + 1, hosted)].tolist())
+        self.host[r, d:k + 1] = -1
+        self.dropped[r] = k + 1
+        self.hosted[r] = max(hosted, k + 1)
+        self.ready[r] = max(int(self.ready[r]), k + 1)
+        self.stats["chunks_dropped"] += k + 1 - d
+        return freed
+
+    def plan_swap_out(self) -> CachePlan | None:
+        """Ahead-of-time copies to the host while free blocks are below the threshold (None when
+        nothing is to copy). The chunks' blocks stay held until the copies are done (`poll`)."""
+        self.poll()
+        total = self.blocks.num_blocks - 1
+        short = int(self.swap_threshold * total) - self.blocks.num_free
+        if short <= 0 or self.num_host == 0:
+            return None
+        short -= self._num_reclaimable()
+        if short <= 0:
+            return None
+        rows = np.flatnonzero(self.idle & (self._num_chunks_all() > self.hosted))
+        rr, kk = self._chunks(self.hosted[rows], self._num_chunks(rows), rows)
+        want = min(len(rr), self.max_out, -(-short // self.per_chunk))
+        if want == 0:
+            return None
+        rr, kk = rr[:want], kk[:want]
+        if len(self.host_free) < want:  # make room: drop the host's cheapest ready chunks
+            rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
+            dr, dk = self._chunks(self.dropped[rows], self.ready[rows], rows)
+            for r, k in zip(dr.tolist(), dk.tolist()):
+                if len(self.host_free) >= want:
+                    break
+                self._drop_through(r, k)
+            want = min(want, len(self.host_free))
+            rr, kk = rr[:want], kk[:want]
+        # (dropping host chunks may have dropped these rows' chunks too: keep those still GPU-only)
+        keep = kk >= self.hosted[rr]
+        rr, kk = rr[keep], kk[keep]
+        if not len(rr):
+            return None
+        hosts = np.array([self.host_free.pop() for _ in range(len(rr))], dtype=np.int64)
+        self.host[rr, kk] = hosts
+        np.maximum.at(self.hosted, rr, kk + 1)
+        index = (kk[:, None] * self.per_chunk + np.arange(self.per_chunk)).clip(max=self.gpu.shape[1] - 1)
+        blocks = self.gpu[rr[:, None], index].astype(np.int64)  # (0, the scratch block, past a row's end)
+        plan = CachePlan(swap_out_blocks=blocks, swap_out_host=hosts)
+        ends = self.hosted[np.unique(rr)].copy()
+        self.pending.append((plan, np.unique(rr), ends))
+        self.stats["chunks_out"] += len(rr)
+        return plan
+
+    def poll(self) -> None:
+        """Copies out that finished make their chunks' blocks reclaimable."""
+        while self.pending and self.pending[0][0].finished:
+            _, rows, ends = self.pending.pop(0)
+            live = self.idle[rows]
+            self.ready[rows[live]] = np.maximum(self.ready[rows[live]], ends[live])
+
+    def check(self) -> None:
+        """Accounting at idle (tests): every block is free, held by one conversation, or by a sequence."""
+        held = self.gpu[self.idle]
+        held = held[held != 0]
+        assert len(np.unique(held)) == len(held), "a block is held twice"
+        assert len(held) == self.num_held, "the held count is off"
+        hosts = self.host[self.idle]
+        hosts = hosts[hosts >= 0]
+        assert len(np.unique(hosts)) == len(hosts) and not set(hosts.tolist()) & set(self.host_free)
+        assert len(hosts) + len(self.host_free) == self.num_host, "a host chunk leaked"

@@ -1,0 +1,128 @@
+"""The host tier of a worker's KV cache (Pensieve §3.4.3): chunks of conversations' K/V copied
+out of the GPU blocks ahead of time, and copied back in, layer by layer, as a turn resumes. The
+manager decides what moves (core/conversations.py: a CachePlan per iteration); this moves it.
+
+Host chunks are [layers, 2 (K, V), chunks, chunk_tokens, kv heads, head dim] (pinned on CUDA),
+so one layer's K (or V) of consecutive chunks is one contiguous copy. On CUDA the copies run on
+a side stream through small staging buffers on the device:
+  out: gather the blocks of a layer, copy them to the host; `plan.done` is the event after the
+       last layer (the manager lets the blocks go once it has passed)
+  in:  layer l's chunks are copied to a staging buffer (two layers in flight), and the compute
+       stream waits for them only just before layer l's attention, then scatters them into the
+       blocks: the copy of layer l + 2 waits until layer l's buffer is consumed
+On the CPU both are plain indexed copies.
+"""
+import numpy as np
+import torch
+
+
+class HostTier:
+    def __init__(self, cache, num_chunks: int, chunk_tokens: int, max_in: int, max_out: int):
+        self.cache = cache  # exec/iterations.KVCache
+        k = cache.k
+        self.layers, self.block_size = k.shape[0], cache.block_size
+        self.per_chunk = chunk_tokens // cache.block_size
+        self.tail = tuple(k.shape[3:])  # (kv heads, head dim)
+        self.device = k.device
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros((self.layers, 2, num_chunks, chunk_tokens, *self.tail), dtype=k.dtype,
+                                pin_memory=cuda)
+        self.num_chunks, self.chunk_tokens = num_chunks, chunk_tokens
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        staging = (chunk_tokens, *self.tail)
+        self.out_buffer = torch.empty((2, max_out, *staging), dtype=k.dtype, device=self.device) if cuda else None
+        self.in_buffers = torch.empty((2, 2, max_in, *staging), dtype=k.dtype, device=self.device) if cuda else None
+        self.bytes_per_chunk = 2 * self.layers * chunk_tokens * int(np.prod(self.tail)) * k.dtype.itemsize
+
+    @staticmethod
+    def num_chunks_for(num_bytes: int, config, chunk_tokens: int, dtype: torch.dtype) -> int:
+        return num_bytes // (2 * config.num_layers * chunk_tokens * config.num_kv_heads * config.head_dim * dtype.itemsize)
+
+    # out --------------------------------------------------------------------------------------
+    def swap_out(self, plan, compute_stream) -> None:
+        blocks, hosts = plan.swap_out_blocks, plan.swap_out_host
+        if self.copy_stream is None:
+            index = torch.from_numpy(blocks.reshape(-1).astype(np.int64))
+            for layer in range(self.layers):
+                for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
+                    chunks = source.index_select(0, index).view(len(hosts), self.chunk_tokens, *self.tail)
+                    self.host[layer, kv].index_copy_(0, torch.from_numpy(hosts), chunks)
+            plan.done = True
+            return
+        m = len(hosts)
+        index = torch.from_numpy(blocks.reshape(-1).astype(np.int64)).to(self.device, non_blocking=True)
+        runs = _runs(hosts)
+        stream = self.copy_stream
+        stream.wait_stream(compute_stream)
+        with torch.cuda.stream(stream):
+            for layer in range(self.layers):
+                for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
+                    staged = self.out_buffer[kv, :m]
+                    torch.index_select(source, 0, index, out=staged.view(m * self.per_chunk, self.block_size, *self.tail))
+                    for at, host, n in runs:
+                        self.host[layer, kv, host:host + n].copy_(staged[at:at + n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        index.record_stream(stream)
+        plan.done = done
+
+    # in ---------------------------------------------------------------------------------------
+    def swap_in(self, plan, compute_stream) -> "_SwapIn":
+        return _SwapIn(self, plan, compute_stream)
+
+
+class _SwapIn:
+    """One iteration's copies in; `before_attention(layer)` is called by the forward pass."""
+
+    def __init__(self, tier: HostTier, plan, compute_stream):
+        self.tier = tier
+        self.hosts = plan.swap_in_host
+        self.n = len(self.hosts)
+        index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64))
+        self.compute = compute_stream
+        if tier.copy_stream is None:
+            self.index = index
+            return
+        self.index = index.to(tier.device, non_blocking=True)
+        self.runs = _runs(self.hosts)
+        self.ready = [torch.cuda.Event() for _ in range(tier.layers)]
+        self.consumed = [torch.cuda.Event() for _ in range(tier.layers)]
+        tier.copy_stream.wait_stream(compute_stream)  # (new blocks may still be written by earlier work)
+        for layer in range(min(2, tier.layers)):
+            self._issue(layer)
+
+    def _issue(self, layer: int) -> None:
+        tier = self.tier
+        stream = tier.copy_stream
+        if layer >= 2:
+            stream.wait_event(self.consumed[layer - 2])
+        with torch.cuda.stream(stream):
+            for kv in range(2):
+                staged = tier.in_buffers[layer % 2, kv]
+                for at, host, n in self.runs:
+                    staged[at:at + n].copy_(tier.host[layer, kv, host:host + n], non_blocking=True)
+            self.ready[layer].record(stream)
+
+    def before_attention(self, layer: int) -> None:
+        tier = self.tier
+        caches = (tier.cache.k[layer], tier.cache.v[layer])
+        shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
+        if tier.copy_stream is None:
+            hosts = torch.from_numpy(self.hosts)
+            for kv in range(2):
+                caches[kv].index_copy_(0, self.index, tier.host[layer, kv].index_select(0, hosts).view(shape))
+            return
+        self.compute.wait_event(self.ready[layer])
+        for kv in range(2):
+            caches[kv].index_copy_(0, self.index, tier.in_buffers[layer % 2, kv, :self.n].view(shape))
+        self.consumed[layer].record(self.compute)
+        if layer + 2 < tier.layers:
+            self._issue(layer + 2)
+
+
+def _runs(hosts: np.ndarray) -> list[tuple[int, int, int]]:
+    """(position in the plan, first host chunk, count) of each run of consecutive host chunks."""
+    breaks = np.flatnonzero(np.diff(hosts) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    counts = np.diff(np.concatenate([starts, [len(hosts)]]))
+    return list(zip(starts.tolist(), hosts[starts].tolist(), counts.tolist()))

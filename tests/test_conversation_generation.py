@@ -1,0 +1,126 @@
+"""Conversations through the engine (batchmaker/generation.py, core/conversations.py,
+exec/kv_swap.py) with a tiny Llama and OPT on the CPU, fp32: every turn's greedy tokens equal
+HF transformers run on the whole history at once, while the cache is small enough that turns are
+served from GPU blocks, swapped back from the host tier, and partly or entirely recomputed."""
+import random
+
+import pytest
+
+from batchmaker.errors import BadRequestError, UnknownConversationError
+from test_generation import checkpoint, engine_for, hf_greedy, run_until, step  # noqa: F401 (a fixture)
+
+
+def converse(engine, family: str, scripts: list[list[tuple[list[int], int]]], rng: random.Random) -> list:
+    """Runs the conversations' turns (each sent once the previous reply is back, conversations
+    interleaved); returns per conversation [(full prompt, reply outputs)]."""
+    ids = [None] * len(scripts)
+    history = [[] for _ in scripts]
+    done = [[] for _ in scripts]
+    running = {}
+    while any(len(d) < len(s) for d, s in zip(done, scripts)):
+        for i, script in enumerate(scripts):
+            t = len(done[i])
+            if i in running or t == len(script) or rng.random() < 0.5:
+                continue
+            prompt, max_new = script[t]
+            inputs = {"tokens": prompt, "max_new_tokens": max_new, "conversation": ids[i] or True}
+            running[i] = (engine.submit(family, inputs), history[i] + prompt)
+        step(engine)
+        for i, (f, full) in list(running.items()):
+            if f.done():
+                outputs = f.result().outputs
+                ids[i] = outputs["conversation"]
+                history[i] = full + outputs["tokens"]
+                done[i].append((full, outputs))
+                del running[i]
+    return done
+
+
+def test_turns_equal_hf_on_the_whole_history_through_every_tier(checkpoint):
+    family, path, hf = checkpoint
+    # 24 blocks of 16 positions for the GPU tier, 10 chunks of 32 for the host: far less than the
+    # conversations' contexts, so their caches are copied out, dropped and recomputed
+    engine, model = engine_for(path, family, num_blocks=25, max_seqs=4, host_bytes=10 * 2 * 2 * 32 * 2 * 16 * 4,
+                               max_tokens=48)
+    rng = random.Random(11)
+    vocab = 512
+    scripts = [[([rng.randrange(vocab) for _ in range(rng.randrange(3, 40))], rng.randrange(1, 12))
+                for _ in range(rng.randrange(3, 6))] for _ in range(10)]
+    try:
+        turns = converse(engine, family, scripts, rng)
+        for conversation in turns:
+            for full, outputs in conversation:
+                assert outputs["tokens"] == hf_greedy(hf, full, len(outputs["tokens"]))
+                assert outputs["finish_reason"] == "length"
+        stats = engine.stats()["conversations"][family]
+        assert stats["gpu_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0
+        context = [o["context"] for c in turns for _, o in c[1:]]
+        assert sum(c["cached"] + c["swapped_in"] + c["recomputed"] for c in context) == \
+            stats["gpu_hit_tokens"] + stats["host_hit_tokens"] + stats["recomputed_tokens"]
+        for cache in engine.structured[family].caches.values():
+            cache.check()
+    finally:
+        engine.stop()
+
+
+def test_conversation_errors_and_ending(checkpoint):
+    family, path, hf = checkpoint
+    engine, model = engine_for(path, family, num_blocks=40)
+    try:
+        f = engine.submit(family, {"tokens": [1, 2, 3], "max_new_tokens": 2, "conversation": True})
+        run_until(engine, f.done)
+        cid = f.result().outputs["conversation"]
+        # a second turn while one runs, an unknown id, a bad value: typed errors, nothing else lost
+        a = engine.submit(family, {"tokens": [4], "max_new_tokens": 30, "conversation": cid, "ignore_eos": True})
+        b = engine.submit(family, {"tokens": [5], "max_new_tokens": 2, "conversation": cid})
+        c = engine.submit(family, {"tokens": [5], "conversation": "nope"})
+        d = engine.submit(family, {"tokens": [5], "conversation": 7})
+        e = engine.submit(family, {"end": True, "conversation": "nope"})
+        run_until(engine, lambda: all(x.done() for x in (a, b, c, d, e)))
+        assert len(a.result().outputs["tokens"]) == 30
+        with pytest.raises(BadRequestError, match="running"):
+            b.result()
+        with pytest.raises(UnknownConversationError, match="nope"):
+            c.result()
+        with pytest.raises(BadRequestError, match="conversation"):
+            d.result()
+        with pytest.raises(UnknownConversationError):
+            e.result()
+        # a full conversation: the prompt does not fit after what was said
+        g = engine.submit(family, {"tokens": [1] * 230, "conversation": cid})
+        run_until(engine, g.done)
+        with pytest.raises(BadRequestError, match="after the conversation's"):
+            g.result()
+        end = engine.submit(family, {"end": True, "conversation": cid})
+        run_until(engine, end.done)
+        assert end.result().outputs == {"conversation": cid, "ended": True, "turns": 2}
+        h = engine.submit(family, {"tokens": [1], "conversation": cid})
+        run_until(engine, h.done)
+        with pytest.raises(UnknownConversationError):
+            h.result()
+        run_until(engine, lambda: engine.stats()["kv_blocks_used"][family] == [0])
+        for cache in engine.structured[family].caches.values():
+            cache.check()
+            assert cache.num_held == 0
+    finally:
+        engine.stop()
+
+
+def test_a_cancelled_turn_leaves_the_conversation_as_before(checkpoint):
+    family, path, hf = checkpoint
+    engine, model = engine_for(path, family, num_blocks=40)
+    try:
+        f = engine.submit(family, {"tokens": [7, 8, 9], "max_new_tokens": 3, "conversation": True})
+        run_until(engine, f.done)
+        cid, first = f.result().outputs["conversation"], f.result().outputs["tokens"]
+        g = engine.submit(family, {"tokens": [3], "max_new_tokens": 100, "ignore_eos": True, "conversation": cid})
+        run_until(engine, lambda: engine.stats()["kv_blocks_used"][family][0] > 1)
+        engine.cancel(g.request_id)
+        run_until(engine, g.done)
+        h = engine.submit(family, {"tokens": [5, 6], "max_new_tokens": 4, "conversation": cid})
+        run_until(engine, h.done)
+        assert h.result().outputs["tokens"] == hf_greedy(hf, [7, 8, 9] + first + [5, 6], 4)
+        # (the cancelled turn took the cache: the history is recomputed, all but the last token)
+        assert h.result().outputs["context"] == {"cached": 0, "swapped_in": 0, "recomputed": 3 + 3 - 1}
+    finally:
+        engine.stop()

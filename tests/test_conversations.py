@@ -1,0 +1,235 @@
+"""Conversations' caches across turns (core/conversations.py with core/sequences.py), without
+torch: the fake device of tests/test_sequences.py, plus a host tier of token ids. A turn must
+sample what a stateless request with the whole history as its prompt samples, whatever happened
+to its cache in between (kept on the GPU, copied out and back in, partly or entirely dropped and
+recomputed); blocks and host chunks are accounted for after every step.
+"""
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from batchmaker.core.blocks import BlockTables
+from batchmaker.core.conversations import Conversation, ConversationCache
+from batchmaker.core.sequences import MAX_STOPS
+from batchmaker.core.waiting import Chunk
+from test_sequences import VOCAB, FakeDevice, FakeFuture, Harness, reference
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TieredDevice(FakeDevice):
+    """The fake device with host chunks: copies out, then in, then the iteration's tokens."""
+
+    def __init__(self, blocks: BlockTables, num_slots: int, host_chunks: int, chunk_tokens: int):
+        super().__init__(blocks, num_slots)
+        self.host = np.full((max(host_chunks, 1), chunk_tokens), -4, dtype=np.int64)
+        self.num_in = self.num_out = 0
+
+    def _positions(self, blocks: np.ndarray) -> np.ndarray:
+        return (blocks[:, :, None] * self.block_size + np.arange(self.block_size)).reshape(len(blocks), -1)
+
+    def run(self, task) -> None:
+        plan = task.cache_plan
+        if plan is not None:
+            if len(plan.swap_out_host):
+                self.host[plan.swap_out_host] = self.cache[self._positions(plan.swap_out_blocks)]
+                plan.done = True
+                self.num_out += len(plan.swap_out_host)
+            if len(plan.swap_in_host):
+                self.cache[self._positions(plan.swap_in_blocks)] = self.host[plan.swap_in_host]
+                self.cache[:self.block_size] = -2  # (the scratch block takes what falls past a context)
+                self.num_in += len(plan.swap_in_host)
+        super().run(task)
+
+
+class ConversationHarness(Harness):
+    def __init__(self, host_chunks=6, chunk_tokens=8, policy="value", threshold=0.25, **kwargs):
+        self.host_chunks, self.chunk_tokens, self.policy, self.threshold = host_chunks, chunk_tokens, policy, threshold
+        self.clock = Clock()
+        super().__init__(**kwargs)
+        for w, q in self.seqs.items():
+            self.devices[w] = TieredDevice(q.blocks, len(q.owner), host_chunks, chunk_tokens)
+
+    def make_caches(self) -> dict:
+        cost = np.arange(1, 100, dtype=np.float64)
+        return {w: ConversationCache(q.blocks, self.host_chunks, self.chunk_tokens, cost, self.policy, self.threshold,
+                                     max_out=4, max_in=32, clock=self.clock) for w, q in self.seqs.items()}
+
+    def turn(self, conversation: Conversation | None, prompt: list[int], max_new: int) -> FakeFuture:
+        """One request: a turn of `conversation` (None: a stateless request)."""
+        f = FakeFuture(len(self.expected))
+        history = list(conversation.tokens) if conversation is not None else []
+        self.expected[f] = reference(history + prompt, max_new, (), self.max_len)
+        self.full[f], self.stops[f] = history + prompt + self.expected[f], []
+        if conversation is not None:
+            conversation.turn = f
+        row = {"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+               "seed": f.request_id, "stops": [-1] * MAX_STOPS, "priority": 0, "first": math.nan, "streams": False,
+               "history": len(history)}
+        owners = np.empty(1, dtype=object)
+        owners[0] = f
+        columns = {name: np.array([value]) for name, value in row.items()}
+        columns["conversation"] = np.empty(1, dtype=object)
+        columns["conversation"][0] = conversation
+        self.queue.add(columns["priority"], Chunk.of(owners, columns, np.array(prompt, dtype=np.int64),
+                                                     np.array([len(prompt)])))
+        return f
+
+    def step(self, w=0) -> bool:
+        self.clock.now += 1.0
+        return super().step(w)
+
+
+def drive(h: ConversationHarness, scripts: list[list[tuple[list[int], int, int]]], rng: random.Random) -> list:
+    """Runs conversations: each script is its turns (prompt, max_new, steps to wait after the
+    previous reply). Returns the Conversations."""
+    conversations = [Conversation(f"c{i}") for i in range(len(scripts))]
+    pending = {i: [None, 0] for i in range(len(scripts))}  # i -> [the running turn's future, turn index]
+    wait = {i: rng.randrange(3) for i in range(len(scripts))}
+    for _ in range(3_000):
+        for i, (f, t) in list(pending.items()):
+            if f is not None and not f._done:
+                continue
+            if f is not None:
+                assert f.result == h.expected[f], f"conversation {i} turn {t - 1}"
+                assert not conversations[i].busy
+            if t == len(scripts[i]):
+                del pending[i]
+                continue
+            if wait[i] > 0:
+                wait[i] -= 1
+                continue
+            prompt, max_new, delay = scripts[i][t]
+            wait[i] = delay
+            pending[i] = [h.turn(conversations[i], prompt, max_new), t + 1]
+        if not pending:
+            break
+        if not any([h.step(w) for w in h.seqs]):
+            h.clock.now += 1.0
+    assert not pending, "conversations left unfinished"
+    h.run()
+    return conversations
+
+
+def scripts_of(rng: random.Random, n: int, max_turns: int = 4) -> list:
+    return [[([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))], rng.randrange(1, 7), rng.randrange(6))
+             for _ in range(rng.randrange(1, max_turns + 1))] for _ in range(n)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**31), num_blocks=st.integers(14, 40), host_chunks=st.integers(0, 10),
+       policy=st.sampled_from(["value", "lru"]), depth=st.integers(1, 2), eager=st.booleans(),
+       budget=st.sampled_from([4, 9, 16]))
+def test_turns_equal_stateless_requests_whatever_the_cache_did(seed, num_blocks, host_chunks, policy, depth, eager,
+                                                               budget):
+    rng = random.Random(seed)
+    h = ConversationHarness(host_chunks=host_chunks, policy=policy, num_blocks=num_blocks, block_size=4,
+                            max_batch=budget, num_slots=4, max_len=64, depth=depth, eager=eager)
+    drive(h, scripts_of(rng, rng.randrange(1, 7)), rng)
+    h.check_results()
+
+
+def test_every_tier_is_exercised_and_tokens_still_match():
+    """A workload sized so that turns hit the GPU, come back from the host and are recomputed."""
+    rng = random.Random(3)
+    h = ConversationHarness(host_chunks=4, num_blocks=24, block_size=4, max_batch=16, num_slots=4, max_len=64)
+    drive(h, scripts_of(rng, 8, max_turns=5), rng)
+    h.check_results()
+    stats = h.caches[0].stats
+    assert stats["gpu_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0
+    assert stats["chunks_out"] > 0 and stats["chunks_in"] > 0 and stats["chunks_dropped"] > 0
+    assert h.devices[0].num_in == stats["chunks_in"]
+
+
+def test_an_entirely_evicted_conversation_is_recomputed():
+    rng = random.Random(5)
+    h = ConversationHarness(host_chunks=0, num_blocks=20, block_size=4, max_batch=16, num_slots=2, max_len=64)
+    [first] = drive(h, [[([1, 2, 3, 4, 5, 6, 7, 8, 9], 6, 0)]], rng)
+    assert h.caches[0].held(first.row) > 0
+    others = drive(h, scripts_of(rng, 4), rng)  # these need every block: the first loses its cache
+    assert first.row >= 0 and h.caches[0].held(first.row) == 0 and h.caches[0].dropped[first.row] > 0
+    f = h.turn(first, [4, 4], 5)
+    h.run()
+    assert f.result == h.expected[f]
+    assert h.caches[0].stats["recomputed_tokens"] >= len(first.tokens) - 5 - 2 - 1
+    assert others
+
+
+def _idle_cache(policy: str, lengths: list[int], idle_since: list[float], host_chunks=0, max_out=32):
+    clock = Clock()
+    blocks = BlockTables(200, 4, 4, 64)
+    cache = ConversationCache(blocks, host_chunks, 8, np.arange(1, 9, dtype=np.float64) ** 2, policy, 0.25,
+                              max_out=max_out, clock=clock)
+    rows = []
+    for n, t in zip(lengths, idle_since):
+        clock.now = t
+        slot_blocks = blocks.take(-(-(n + 1) // 4))
+        rows.append(cache.retire(slot_blocks, n))
+    return cache, clock, rows
+
+
+def test_eviction_follows_the_value_function():
+    """value = Cost(position) / idle time: a long conversation idle for a while keeps its later
+    (dearer) chunks over a short one's, and everything goes from the leading end."""
+    cache, clock, rows = _idle_cache("value", [32, 32], [0.0, 9.0])
+    clock.now = 10.0  # row 0 idle 10 s, row 1 idle 1 s
+    order = []
+    while cache.num_held:
+        before = cache.dropped.copy()
+        cache.reclaim(1)
+        order += [(r, int(k)) for r in rows for k in range(before[r], cache.dropped[r])]
+    values = {(r, k): (k + 1) ** 2 / (10.0 if r == rows[0] else 1.0) for r, k in order}
+    assert [values[o] for o in order] == sorted(values[o] for o in order)
+    for r in rows:  # leading end first
+        ks = [k for rr, k in order if rr == r]
+        assert ks == sorted(ks) == list(range(4))
+
+
+def test_lru_evicts_the_least_recently_active_conversation_first():
+    cache, clock, rows = _idle_cache("lru", [32, 32], [5.0, 0.0])
+    clock.now = 10.0
+    cache.reclaim(8)  # four chunks of two blocks: all of row 1 (idle longest), none of row 0
+    assert cache.dropped[rows[1]] == 4 and cache.dropped[rows[0]] == 0
+
+
+def test_chunks_go_to_the_host_ahead_of_time_below_the_threshold_and_back():
+    cache, clock, rows = _idle_cache("value", [60, 60, 60], [0.0, 1.0, 2.0], host_chunks=16, max_out=4)
+    clock.now = 3.0  # idle 3, 2 and 1 s: chunk values (k + 1)^2 / 3, / 2, / 1
+    blocks = cache.blocks
+    assert cache.plan_swap_out() is None  # plenty free
+    taken = blocks.take(blocks.num_free - 20)  # leave 20 of 199 free: below 25%
+    plan = cache.plan_swap_out()
+    # the four cheapest: row 0's chunks 0 and 1 (1/3, 4/3), row 1's chunk 0 (1/2), row 2's chunk 0 (1)
+    assert sorted(zip(cache.hosted[rows].tolist(), rows)) == sorted([(2, rows[0]), (1, rows[1]), (1, rows[2])])
+    assert len(plan.swap_out_host) == 4 and (plan.swap_out_blocks > 0).all()
+    assert cache.available() == blocks.num_free  # (conversations with copies in flight give nothing yet)
+    plan.done = True
+    cache.poll()
+    assert cache.ready[rows].tolist() == [2, 1, 1] and cache.available() == blocks.num_free + cache.num_held
+    free = blocks.num_free
+    assert cache.reclaim(8) == 8 and blocks.num_free == free + 8  # the copied chunks' blocks, lazily
+    assert cache.held(rows[0]) == 15 - 4
+    table = np.zeros(16, dtype=np.int32)
+    recompute, cached, copies = cache.restore(rows[0], table)
+    assert (recompute, cached) == (0, 60) and len(copies.swap_in_host) == 2
+    assert (table[:15] > 0).all() and len(set(table[:15].tolist())) == 15
+    blocks.give_back(taken)
+    blocks.give_back(table[:15])
+    cache.check()
+
+
+def test_the_cache_rejects_bad_settings():
+    blocks = BlockTables(10, 4, 2, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        ConversationCache(blocks, 0, 6, np.ones(4))
+    with pytest.raises(ValueError, match="policy"):
+        ConversationCache(blocks, 0, 8, np.ones(4), policy="fifo")
