@@ -1,5 +1,6 @@
 """Chat serving on one GPU: a ShareGPT-like workload (Pensieve Table 3.2 statistics), each turn sent
-with its whole history (stateless), Poisson arrivals. BatchMaker against HF transformers'
+with its whole history (stateless), Poisson arrivals (with --stateful: as conversations whose KV
+cache is kept across turns, bench/chat_stateful.py). BatchMaker against HF transformers'
 continuous batching and static batching, in one run, with the same random weights.
 
     python bench/chat.py --device cuda:0 --preset llama-2-7b --dtype bf16
@@ -21,9 +22,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import chat_stateful  # noqa: E402
 from bench.common import write_results  # noqa: E402
 
-TURNS, INPUT, OUTPUT = 5.56, 37.77, 204.58  # Pensieve Table 3.2: mean turns, input and output tokens per turn
+from bench.common import INPUT, OUTPUT, TURNS  # noqa: E402
 
 
 def conversations(n_requests: int, max_context: int, seed: int) -> list[tuple[int, int]]:
@@ -216,6 +218,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.23e12, help="copy bandwidth (bytes/s) for the roofline")
     ap.add_argument("--peak", type=float, default=805e12, help="matmul peak (FLOP/s) for the roofline")
     ap.add_argument("--seed", type=int, default=0)
+    chat_stateful.add_arguments(ap)
     args = ap.parse_args()
     from batchmaker import Engine, EngineConfig
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
@@ -223,12 +226,22 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     config = PRESETS[args.preset]
     t0 = time.perf_counter()
+    num_blocks = None
+    if args.stateful:  # a fixed GPU tier, as Pensieve's evaluation
+        from batchmaker.exec.iterations import KVCache
+        from batchmaker.unfolders.common import as_dtype
+        per_block = KVCache.bytes_per_block(config, 16, as_dtype(args.dtype))
+        num_blocks = int(args.kv_gib * 2**30 // per_block)
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
-                        max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024)
+                        max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,
+                        num_blocks=num_blocks)
     lm = model.cells["decoder"].lm
     itemsize = lm.embed_tokens.weight.element_size()
     params = num_parameters(config)
     print(f"built {args.preset} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.stateful:
+        chat_stateful.run(args, model, config, write_results)
+        return
     work = conversations(args.requests, config.max_positions, args.seed)
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(1, config.vocab_size, p).tolist() for p, _ in work]

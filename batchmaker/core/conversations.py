@@ -322,6 +322,30 @@ class ConversationCache:
             live = self.idle[rows]
             self.ready[rows[live]] = np.maximum(self.ready[rows[live]], ends[live])
 
+    def demote(self, r: int, drop: bool = False) -> CachePlan | None:
+        """Send all of idle row r's GPU chunks to the host (a plan of copies out for the worker;
+        then `poll` and `release_copied`), or drop its whole cache: for tests and benchmarks that
+        need a turn restored from a given tier."""
+        n = int(self._num_chunks(np.array([r]))[0])
+        if drop:
+            self._drop_through(r, n - 1)
+            return None
+        first = int(self.hosted[r])
+        if n - first > len(self.host_free):
+            raise RuntimeError(f"{n - first} host chunks wanted, {len(self.host_free)} free")
+        hosts = np.array([self.host_free.pop() for _ in range(n - first)], dtype=np.int64)
+        self.host[r, first:n] = hosts
+        self.hosted[r] = n
+        index = np.arange(first * self.per_chunk, n * self.per_chunk).clip(max=self.gpu.shape[1] - 1)
+        plan = CachePlan(swap_out_blocks=self.gpu[r, index].astype(np.int64).reshape(n - first, self.per_chunk),
+                         swap_out_host=hosts)
+        self.pending.append((plan, np.array([r]), np.array([n])))
+        return plan
+
+    def release_copied(self, r: int) -> int:
+        """Free the GPU blocks of row r's chunks whose copies on the host are complete."""
+        return sum(self._free_gpu(r, k) for k in range(int(self.dropped[r]), int(self.ready[r])))
+
     def check(self) -> None:
         """Accounting at idle (tests): every block is free, held by one conversation, or by a sequence."""
         held = self.gpu[self.idle]

@@ -24,6 +24,7 @@ EXAMPLES = """examples:
   batchmaker serve --models llama --set checkpoint=/models/Llama-2-7b-hf --set dtype=bfloat16 --devices cuda:0
   batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
   batchmaker client infer llama '{"tokens": [1, 450, 73], "max_new_tokens": 16}' --stream
+  batchmaker client chat llama '{"max_new_tokens": 16}' < turns.txt   # one turn of token ids a line
   batchmaker client models | stats | health
   batchmaker keygen NAME                  # NAME.key (secret) and NAME.pub (public), for CurveZMQ"""
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -130,12 +131,17 @@ def _parser() -> argparse.ArgumentParser:
 
     client = sub.add_parser("client", help="send one request to a server and print the JSON reply",
                             description="Send one request and print the reply as JSON (a failed request:\n"
-                                        "JSON on stderr, exit status 1).", **options)
-    client.add_argument("op", choices=["infer", "models", "stats", "health"], help="the request to send")
-    client.add_argument("model", nargs="?", help="infer: the model name")
-    client.add_argument("inputs", nargs="?", help="infer: the inputs as JSON, e.g. '{\"tokens\": [5, 6]}'")
+                                        "JSON on stderr, exit status 1). `chat` holds a conversation with a\n"
+                                        "decoder: one turn per line of stdin, one reply per turn, ended at EOF.",
+                            **options)
+    client.add_argument("op", choices=["infer", "chat", "models", "stats", "health"], help="the request to send")
+    client.add_argument("model", nargs="?", help="infer, chat: the model name")
+    client.add_argument("inputs", nargs="?", help="infer: the inputs as JSON, e.g. '{\"tokens\": [5, 6]}'; "
+                                                  "chat: settings sent with every turn, e.g. '{\"max_new_tokens\": 16}'")
     client.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's tcp://HOST:PORT or ipc:///PATH")
-    client.add_argument("--stream", action="store_true", help="infer: print streamed outputs as they come")
+    client.add_argument("--stream", action="store_true", help="infer, chat: print streamed outputs as they come")
+    client.add_argument("--text", action="store_true",
+                        help="chat: send each line as a text prompt (a model with a tokenizer), not as token ids")
     client.add_argument("--priority", type=int, default=0, metavar="N",
                         help="infer: higher runs first among requests of the same model (32-bit integer)")
     client.add_argument("--deadline-ms", type=float, default=None, metavar="MS",
@@ -209,30 +215,78 @@ def _client(args) -> int:
                     curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"))
     if args.op == "infer" and (args.model is None or args.inputs is None):
         raise UsageError("infer needs MODEL and INPUTS (JSON), e.g. client infer lstm '{\"tokens\": [5, 6]}'")
+    if args.op == "chat" and args.model is None:
+        raise UsageError("chat needs MODEL, e.g. client chat llama '{\"max_new_tokens\": 16}' < turns.txt")
 
     from batchmaker.errors import BatchMakerError
     from batchmaker.serving.client import Client
 
     with Client(args.address, timeout=args.timeout, **keys) as client:
         try:
-            if args.op != "infer":
+            if args.op not in ("infer", "chat"):
                 print(json.dumps(getattr(client, args.op)(timeout=args.timeout), indent=2, default=_jsonable))
                 return 0
             options = dict(priority=args.priority, deadline=None if args.deadline_ms is None else args.deadline_ms / 1e3)
-            inputs = json.loads(args.inputs)
-            if args.stream:
-                stream = client.stream(args.model, inputs, **options)
-                for partial in stream:
-                    print(json.dumps({"partial": partial}, default=_jsonable), flush=True)
-                result = stream.result()
-            else:
-                result = client.submit(args.model, inputs, **options).result()
-            print(json.dumps({"outputs": result.outputs, "latency_ms": round(result.timing.latency * 1e3, 3)},
-                             default=_jsonable))
+            inputs = json.loads(args.inputs or "{}")
+            if args.op == "chat":
+                return _chat(client, args, inputs, options)
+            _print_reply(client.stream(args.model, inputs, **options) if args.stream else
+                         client.submit(args.model, inputs, **options))
             return 0
         except (BatchMakerError, json.JSONDecodeError) as e:
-            print(json.dumps({"error": getattr(e, "code", "bad_request"), "message": str(e)}), file=sys.stderr)
+            _print_error(e)
             return 1
+
+
+def _chat(client, args, settings: dict, options: dict) -> int:
+    """One turn per line of stdin (token ids, or text with --text). A bad_request turn is reported
+    and skipped; any other failure (an unknown or expired conversation too) ends the chat. The
+    conversation is ended at EOF, and the end's reply printed."""
+    from batchmaker.errors import BadRequestError, UnknownConversationError
+
+    if not isinstance(settings, dict):
+        raise UsageError(f"chat: the settings must be a JSON object, got {args.inputs}")
+    status = 0
+    with client.conversation(args.model, **options, **settings) as chat:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                turn = dict(prompt=line.rstrip("\n")) if args.text else dict(tokens=_token_ids(line))
+                _print_reply(chat.stream(**turn) if args.stream else chat.submit(**turn))
+            except BadRequestError as e:
+                _print_error(e)
+                status = 1
+                if isinstance(e, UnknownConversationError):
+                    return 1
+        if (ended := chat.end()) is not None:
+            print(json.dumps(ended), flush=True)
+    return status
+
+
+def _token_ids(line: str) -> list[int]:
+    from batchmaker.errors import BadRequestError
+
+    try:
+        return [int(t) for t in re.split(r"[\s,\[\]]+", line) if t]
+    except ValueError:
+        raise BadRequestError(f"expected token ids separated by spaces or commas, got {line.strip()!r} "
+                              "(--text sends text)") from None
+
+
+def _print_reply(reply) -> None:
+    """reply: a Future, or a Stream whose partials are printed as they come; then its outputs."""
+    if hasattr(reply, "future"):  # a Stream
+        for partial in reply:
+            print(json.dumps({"partial": partial}, default=_jsonable), flush=True)
+        reply = reply.future
+    result = reply.result()
+    print(json.dumps({"outputs": result.outputs, "latency_ms": round(result.timing.latency * 1e3, 3)},
+                     default=_jsonable), flush=True)
+
+
+def _print_error(error: Exception) -> None:
+    print(json.dumps({"error": getattr(error, "code", "bad_request"), "message": str(error)}), file=sys.stderr)
 
 
 def _keygen(args) -> int:

@@ -15,6 +15,8 @@ Decoder models ("llama", "opt") take a prompt and generation settings as inputs
     for partial in stream:              # {'tokens': [id], 'text': '...'} ('text' for a text prompt)
         ...                             # stream.cancel() stops it: the loop then raises CancelledError
     stream.result().outputs             # {'tokens': [...], 'finish_reason': 'stop' | 'length', 'text': '...'}
+    with client.conversation("llama", max_new_tokens=16) as chat:  # turns share a KV cache kept on the server
+        chat.send([1, 450, 73]); chat.send([29, 31])                 # the second follows the first and its reply
 
 One I/O thread owns a DEALER socket; calls from any thread hand it messages through a Mailbox.
 Every call has a timeout, and a server that is down, unreachable, lost mid-request or refuses
@@ -39,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from batchmaker.errors import ServerUnavailableError, error_from_code
 from batchmaker.serving import protocol
+from batchmaker.serving.conversation import Conversation
 from batchmaker.serving.mailbox import Mailbox
 
 if TYPE_CHECKING:
@@ -112,6 +115,13 @@ class Client:
     def stream(self, model: str, inputs: dict[str, Any], **options) -> "Stream":
         """Iterate over the streamed partial outputs; `.result()` afterwards gives the Result."""
         return Stream(self, model, inputs, options)
+
+    def conversation(self, model: str, *, priority: int = 0, deadline: float | None = None,
+                     timeout: float | None = None, **settings) -> Conversation:
+        """A multi-turn conversation with a decoder model, its KV cache kept across turns
+        (serving/conversation.py); `settings` (max_new_tokens, temperature, ...) go with every
+        turn, and priority, deadline and timeout apply to each turn as in `submit`."""
+        return Conversation(self, model, settings, dict(priority=priority, deadline=deadline, timeout=timeout))
 
     def cancel(self, future: Future) -> bool:
         """Ask the server to cancel the request behind `future` (it then fails with

@@ -1,0 +1,245 @@
+"""Multi-turn chat with each conversation's KV cache kept across turns (Pensieve, thesis ch. 3):
+the ShareGPT-like workload of bench/chat.py as conversations. Each conversation starts at a
+Poisson arrival; each turn is sent once the previous reply is back plus an exponential user
+reaction time (mean 60 s in ShareGPT; compressed here by --compress, stated in the results).
+In one run, with the same weights and the same GPU KV budget:
+
+  stateless   every turn sends its whole history (no conversation: the cache is not kept)
+  gpu         turns name their conversation; the cache lives in GPU blocks only
+  gpu+cpu     ... and in a host tier (pinned memory) behind them (eviction: Pensieve's value)
+  gpu+cpu-lru the same with LRU eviction (recomputed tokens compared at the highest rate)
+
+Per system and conversation rate: output tokens/s, normalized latency (latency / output tokens)
+p50/p90 over all turns and over conversations of >= 5 turns. Then, on an idle engine, one turn's
+latency (max_new_tokens 1: its prefill) after a context of L tokens served from each tier.
+
+    python bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16
+"""
+import heapq
+import queue
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from bench.common import INPUT, OUTPUT, TURNS
+
+SYSTEMS = {"stateless": dict(host_bytes=0), "gpu": dict(host_bytes=0), "gpu+cpu": dict(eviction="value"),
+           "gpu+cpu-lru": dict(eviction="lru")}
+
+
+@dataclass
+class Script:
+    start: float  # seconds after the run starts
+    turns: list  # (new prompt tokens, output tokens, reaction seconds before this turn)
+
+
+def scripts(n: int, rate: float, reaction: float, max_context: int, vocab: int, seed: int) -> list[Script]:
+    rng = np.random.default_rng(seed)
+    starts = np.cumsum(rng.exponential(1 / rate, n))
+    out = []
+    for start in starts:
+        turns, context = [], 0
+        for t in range(rng.geometric(1 / TURNS)):
+            new = max(1, int(rng.lognormal(np.log(INPUT) - 0.5, 1.0)))
+            answer = max(1, min(1024, int(rng.lognormal(np.log(OUTPUT) - 0.5, 1.0))))
+            if context + new + answer > max_context:
+                break
+            turns.append((rng.integers(1, vocab, new).tolist(), answer, 0.0 if t == 0 else rng.exponential(reaction)))
+            context += new + answer
+        if turns:
+            out.append(Script(float(start), turns))
+    return out
+
+
+def converse(engine, model: str, work: list[Script], stateful: bool, timeout: float = 900.0) -> tuple[list, float]:
+    """Runs the conversations; returns one record per turn and the span (first send to last reply)."""
+    done: queue.Queue = queue.Queue()
+    due = [(s.start, i, 0) for i, s in enumerate(work)]
+    heapq.heapify(due)
+    ids, history, records = [None] * len(work), [[] for _ in work], []
+    left = sum(len(s.turns) for s in work)
+    start = time.perf_counter()
+    deadline = start + timeout
+    while left:
+        now = time.perf_counter() - start
+        while due and due[0][0] <= now:
+            _, i, t = heapq.heappop(due)
+            tokens, answer, _ = work[i].turns[t]
+            inputs = {"max_new_tokens": answer, "ignore_eos": True}
+            if stateful:
+                inputs.update(tokens=tokens, conversation=ids[i] or True)
+            else:
+                inputs.update(tokens=history[i] + tokens)
+            f = engine.submit(model, inputs)
+            f.add_done_callback(lambda f, i=i, t=t, sent=time.perf_counter(): done.put((i, t, sent, time.perf_counter(), f)))
+        wait = (due[0][0] - (time.perf_counter() - start)) if due else 1.0
+        try:
+            i, t, sent, finished, f = done.get(timeout=max(min(wait, 1.0), 0.0005))
+        except queue.Empty:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{left} turns unfinished")
+            continue
+        outputs = f.result().outputs
+        tokens, answer, _ = work[i].turns[t]
+        assert len(outputs["tokens"]) == answer
+        history[i] += tokens + outputs["tokens"]
+        ids[i] = outputs.get("conversation")
+        context = outputs.get("context", {})
+        records.append({"conversation": i, "turn": t, "turns": len(work[i].turns), "latency": finished - sent,
+                        "output": answer, "history": len(history[i]) - len(tokens) - answer, **context})
+        left -= 1
+        if t + 1 < len(work[i].turns):
+            heapq.heappush(due, (finished - start + work[i].turns[t + 1][2], i, t + 1))
+    span = time.perf_counter() - start
+    if stateful:
+        for cid in ids:
+            engine.submit(model, {"conversation": cid, "end": True}).result(60)
+    return records, span
+
+
+def summarize(system: str, rate: float, records: list, span: float, stats: dict | None) -> dict:
+    def part(rows):
+        norm = np.array([r["latency"] / r["output"] for r in rows])
+        return {"turns": len(rows), "output_tokens": int(sum(r["output"] for r in rows)),
+                "norm_latency_p50_ms": float(np.percentile(norm, 50) * 1e3),
+                "norm_latency_p90_ms": float(np.percentile(norm, 90) * 1e3)}
+    row = {"system": system, "conversations_per_s": rate, "wall_s": span, **part(records)}
+    row["tokens_per_s"] = row["output_tokens"] / span
+    long = [r for r in records if r["turns"] >= 5]
+    if long:
+        row["five_turns_or_more"] = part(long)
+    for key in ("cached", "swapped_in", "recomputed"):
+        row[f"history_{key}"] = int(sum(r.get(key, 0) for r in records))
+    row["history_tokens"] = int(sum(r["history"] for r in records))
+    if stats is not None:
+        row["cache_stats"] = stats
+    return row
+
+
+def tier_latency(engine, model: str, contexts: list[int], prompt: int, vocab: int, repeats: int = 5) -> list[dict]:
+    """One turn's latency (max_new_tokens 1) after a context of L tokens kept on the GPU, copied
+    back from the host, or recomputed; and a stateless request of the whole L + prompt tokens.
+    The engine is stepped here (started with thread=False), so the cache is moved between steps."""
+    gen = engine.structured[model]
+    runner = next(iter(engine.workers[0].iterations.values()))
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def turn(inputs):
+        start = time.perf_counter()
+        f = engine.submit(model, {**inputs, "max_new_tokens": 1, "ignore_eos": True})
+        while not f.done():
+            engine.step()
+        return time.perf_counter() - start, f.result().outputs
+
+    for context in contexts:
+        for tier in ("gpu", "host", "recompute", "stateless"):
+            seconds = []
+            for _ in range(repeats):
+                first = rng.integers(1, vocab, context - 1).tolist()
+                new = rng.integers(1, vocab, prompt).tolist()
+                if tier == "stateless":
+                    seconds.append(turn({"tokens": first + [5] + new})[0])
+                    continue
+                _, out = turn({"tokens": first, "conversation": True})
+                cid = out["conversation"]
+                _demote(gen, runner, cid, tier)
+                took, out = turn({"tokens": new, "conversation": cid})
+                assert out["context"]["cached" if tier == "gpu" else "swapped_in" if tier == "host" else "recomputed"] > 0
+                seconds.append(took)
+                f = engine.submit(model, {"conversation": cid, "end": True})
+                while not f.done():
+                    engine.step()
+            rows.append({"context": context, "prompt": prompt, "tier": tier, "latency_ms": float(np.median(seconds) * 1e3),
+                         "samples_ms": [s * 1e3 for s in seconds]})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _demote(gen, runner, cid: str, tier: str) -> None:
+    """Move an idle conversation's cache to `tier` (between the engine's steps)."""
+    conversation = gen.conversations[cid]
+    cache = gen.caches[conversation.worker]
+    if tier == "recompute":
+        cache.demote(conversation.row, drop=True)
+    elif tier == "host":
+        plan = cache.demote(conversation.row)
+        cuda = runner.device.type == "cuda"
+        runner.host.swap_out(plan, (runner.stream or torch.cuda.current_stream(runner.device)) if cuda else None)
+        if cuda:
+            plan.done.synchronize()
+        cache.poll()
+        cache.release_copied(conversation.row)
+
+
+def run(args, model, config, write_results) -> None:
+    from batchmaker import Engine, EngineConfig
+    cell = model.cells["decoder"]
+    base_kv = cell.kv
+    rates = [float(r) for r in args.conversation_rates.split(",")]
+    reaction = 60.0 / args.compress
+    rows, tiers = [], []
+    payload = {"preset": args.preset, "dtype": args.dtype, "kv_gpu_blocks": cell.kv.num_blocks,
+               "block_size": cell.block_size, "host_gib": args.host_gib, "conversations": args.conversations,
+               "reaction_mean_s": reaction, "reaction_compression": args.compress, "max_tokens": args.max_tokens,
+               "rows": rows, "tier_latency": tiers}
+
+    def save() -> None:
+        def plot(fig):
+            for k, (key, title) in enumerate([(None, "all turns"), ("five_turns_or_more", ">= 5 turns")]):
+                ax = fig.add_subplot(1, 2, k + 1)
+                for system in dict.fromkeys(r["system"] for r in rows):
+                    pts = sorted((r["tokens_per_s"], (r[key] if key else r)["norm_latency_p90_ms"])
+                                 for r in rows if r["system"] == system and (key is None or key in r))
+                    ax.plot(*zip(*pts), marker="o", label=system)
+                ax.set_xlabel("output tokens/s")
+                ax.set_ylabel("normalized latency p90 (ms/token)")
+                ax.set_yscale("log")
+                ax.set_title(f"{args.preset}: {title}")
+                ax.legend()
+        print(write_results(f"chat-stateful-{args.preset}", args.device, payload, plot), flush=True)
+
+    for system in args.stateful_systems:
+        cell.kv = replace(base_kv, **SYSTEMS[system], **({} if "host_bytes" in SYSTEMS[system] else
+                                                          {"host_bytes": int(args.host_gib * 2**30)}))
+        engine = Engine([model], EngineConfig(devices=(args.device,))).start()
+        try:
+            gen = engine.structured["llama"]
+            for rate in rates if system != "gpu+cpu-lru" else rates[-1:]:
+                work = scripts(args.conversations, rate, reaction, config.max_positions, config.vocab_size, args.seed)
+                records, span = converse(engine, "llama", work, stateful=system != "stateless")
+                stats = gen.conversation_stats() if system != "stateless" else None
+                rows.append(summarize(system, rate, records, span, stats))
+                print({k: v for k, v in rows[-1].items() if k != "cache_stats"}, stats, flush=True)
+                for cache in gen.caches.values():  # reset the counters between rates
+                    cache.stats = dict.fromkeys(cache.stats, 0)
+            save()
+        finally:
+            engine.stop()
+        del engine
+        torch.cuda.empty_cache()
+        if system == "gpu+cpu" and args.tier_contexts:
+            engine = Engine([model], EngineConfig(devices=(args.device,))).start(thread=False)
+            try:
+                contexts = [int(c) for c in args.tier_contexts.split(",")]
+                tiers += tier_latency(engine, "llama", contexts, args.tier_prompt, config.vocab_size)
+                save()
+            finally:
+                engine.stop()
+            del engine
+            torch.cuda.empty_cache()
+    cell.kv = base_kv
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--stateful", action="store_true", help="multi-turn conversations (this module)")
+    ap.add_argument("--stateful-systems", nargs="+", default=list(SYSTEMS))
+    ap.add_argument("--conversations", type=int, default=150, help="conversations per rate")
+    ap.add_argument("--conversation-rates", default="0.5,1,2", help="conversations started per second")
+    ap.add_argument("--compress", type=float, default=10.0, help="reaction time: mean 60 s / this")
+    ap.add_argument("--kv-gib", type=float, default=40.0, help="the GPU tier (Pensieve's evaluation: 40 GB)")
+    ap.add_argument("--host-gib", type=float, default=40.0, help="the host tier, pinned")
+    ap.add_argument("--tier-contexts", default="1024,2048", help="contexts of the per-tier turn latency")
+    ap.add_argument("--tier-prompt", type=int, default=64)

@@ -1,0 +1,85 @@
+"""Conversations on a GPU (exec/kv_swap.py: copies out on a side stream, copies in layer by
+layer before each layer's attention) against HF transformers on the whole history, fp32 with TF32
+off, under the near-tie rule of tests/test_generation_gpu.py; and a turn restored from the host
+tier equal, token for token, to the same turn served from the GPU tier."""
+import random
+
+import pytest
+import torch
+
+from helpers import needs_gpu
+
+transformers = pytest.importorskip("transformers")
+
+from batchmaker import Engine, EngineConfig  # noqa: E402
+from batchmaker.registry import build_model  # noqa: E402
+from test_conversation_generation import converse  # noqa: E402
+from test_generation_gpu import CONFIG, NEAR_TIE, checkpoint, hf_reference, near_tie_or_equal  # noqa: E402,F401
+
+pytestmark = [pytest.mark.gpu, needs_gpu]
+
+
+def gpu_engine(path: str, **options):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_model("llama", checkpoint=path, device="cuda:0", dtype="float32", **options)
+    return Engine([model], EngineConfig(devices=("cuda:0",))).start(thread=False)
+
+
+def finish(engine, f):
+    while not f.done():
+        engine.step()
+    return f.result().outputs
+
+
+def test_turns_follow_hf_through_every_tier_on_the_gpu(checkpoint):
+    path, hf = checkpoint
+    hf = hf.to("cuda:0").float()
+    per_chunk = 2 * CONFIG.num_layers * 32 * CONFIG.num_kv_heads * CONFIG.head_dim * 4
+    engine = gpu_engine(path, num_blocks=61, max_seqs=8, host_bytes=12 * per_chunk, max_tokens=96)
+    rng = random.Random(5)
+    scripts = [[([rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(3, 90))], rng.randrange(1, 24))
+                for _ in range(rng.randrange(3, 6))] for _ in range(12)]
+    try:
+        turns = converse(engine, "llama", scripts, rng)
+        stats = engine.stats()["conversations"]["llama"]
+        print(stats)
+        assert stats["gpu_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0
+        identical = 0
+        for conversation in turns:
+            for full, outputs in conversation:
+                ref, logits = hf_reference(hf, full, len(outputs["tokens"]))
+                same, ok = near_tie_or_equal(outputs["tokens"], ref, logits, NEAR_TIE)
+                assert ok, (full, outputs)
+                identical += same
+        print(f"{identical} of {sum(map(len, turns))} turns identical to HF")
+        for cache in engine.structured["llama"].caches.values():
+            cache.check()
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("context", [40, 300])
+def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context):
+    from bench.chat_stateful import _demote
+    path, _ = checkpoint
+    engine = gpu_engine(path, num_blocks=200, host_bytes=64 << 20)
+    gen = engine.structured["llama"]
+    runner = next(iter(engine.workers[0].iterations.values()))
+    rng = random.Random(context)
+    first = [rng.randrange(CONFIG.vocab_size) for _ in range(context)]
+    new = [rng.randrange(CONFIG.vocab_size) for _ in range(17)]
+    try:
+        replies = {}
+        for tier in ("gpu", "host", "recompute"):
+            cid = finish(engine, engine.submit("llama", {"tokens": first, "max_new_tokens": 5, "conversation": True,
+                                                        "ignore_eos": True}))["conversation"]
+            _demote(gen, runner, cid, tier)
+            replies[tier] = finish(engine, engine.submit("llama", {"tokens": new, "max_new_tokens": 12,
+                                                                  "conversation": cid, "ignore_eos": True}))
+        positions = context + 5 - 1
+        assert replies["gpu"]["context"] == {"cached": positions, "swapped_in": 0, "recomputed": 0}
+        assert replies["host"]["context"] == {"cached": 0, "swapped_in": positions, "recomputed": 0}
+        assert replies["recompute"]["context"] == {"cached": 0, "swapped_in": 0, "recomputed": positions}
+        assert replies["host"]["tokens"] == replies["gpu"]["tokens"]  # the same K/V, bit for bit
+    finally:
+        engine.stop()
