@@ -55,16 +55,15 @@ class HostTier:
         for first in range(0, len(hosts), step):  # (in pieces the staging buffer holds)
             part = hosts[first:first + step]
             m = len(part)
-            index = torch.from_numpy(blocks[first:first + step].reshape(-1).astype(np.int64)).to(self.device)
             runs = _runs(part)
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):  # (the index is copied on the stream that reads it)
+                index = torch.from_numpy(blocks[first:first + step].reshape(-1).astype(np.int64)).to(self.device)
                 for layer in range(self.layers):
                     for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
                         staged = self.out_buffer[kv, :m]
                         torch.index_select(source, 0, index, out=staged.view(m * self.per_chunk, self.block_size, *self.tail))
                         for at, host, n in runs:
                             self.host[layer, kv, host:host + n].copy_(staged[at:at + n], non_blocking=True)
-            index.record_stream(stream)
         with torch.cuda.stream(stream):
             done = torch.cuda.Event()
             done.record(stream)
