@@ -15,6 +15,7 @@ latency (max_new_tokens 1: its prefill) after a context of L tokens served from 
 
     python bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16
 """
+import gc
 import heapq
 import queue
 import time
@@ -53,18 +54,24 @@ def scripts(n: int, rate: float, reaction: float, max_context: int, vocab: int, 
     return out
 
 
-def converse(engine, model: str, work: list[Script], stateful: bool, timeout: float = 900.0) -> tuple[list, float]:
-    """Runs the conversations; returns one record per turn and the span (first send to last reply)."""
+def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: float = float("inf"),
+             drain: float = 30.0) -> tuple[list, float]:
+    """Runs the conversations, sending no turn after `stop_at` seconds; the turns in flight then
+    have `drain` seconds to finish, and those that do not are cancelled and recorded with their
+    latency so far (a lower bound). Returns one record per turn (send and finish times from the
+    start) and the span."""
     done: queue.Queue = queue.Queue()
     due = [(s.start, i, 0) for i, s in enumerate(work)]
     heapq.heapify(due)
     ids, history, records = [None] * len(work), [[] for _ in work], []
-    left = sum(len(s.turns) for s in work)
+    left = 0
     start = time.perf_counter()
-    deadline = start + timeout
-    while left:
+    deadline = start + stop_at + drain
+    flight = {}
+    while left or (due and due[0][0] <= stop_at):
         now = time.perf_counter() - start
-        while due and due[0][0] <= now:
+        while due and due[0][0] <= min(now, stop_at):
+            left += 1
             _, i, t = heapq.heappop(due)
             tokens, answer, _ = work[i].turns[t]
             inputs = {"max_new_tokens": answer, "ignore_eos": True}
@@ -73,14 +80,18 @@ def converse(engine, model: str, work: list[Script], stateful: bool, timeout: fl
             else:
                 inputs.update(tokens=history[i] + tokens)
             f = engine.submit(model, inputs)
+            flight[i] = (t, time.perf_counter(), f)
             f.add_done_callback(lambda f, i=i, t=t, sent=time.perf_counter(): done.put((i, t, sent, time.perf_counter(), f)))
-        wait = (due[0][0] - (time.perf_counter() - start)) if due else 1.0
+        wait = (due[0][0] - (time.perf_counter() - start)) if due and due[0][0] <= stop_at else 1.0
         try:
             i, t, sent, finished, f = done.get(timeout=max(min(wait, 1.0), 0.0005))
         except queue.Empty:
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"{left} turns unfinished")
+                break
             continue
+        if i not in flight or flight[i][0] != t:
+            continue
+        del flight[i]
         outputs = f.result().outputs
         tokens, answer, _ = work[i].turns[t]
         assert len(outputs["tokens"]) == answer
@@ -88,25 +99,43 @@ def converse(engine, model: str, work: list[Script], stateful: bool, timeout: fl
         ids[i] = outputs.get("conversation")
         context = outputs.get("context", {})
         records.append({"conversation": i, "turn": t, "turns": len(work[i].turns), "latency": finished - sent,
+                        "sent": sent - start, "finished": finished - start,
                         "output": answer, "history": len(history[i]) - len(tokens) - answer, **context})
         left -= 1
         if t + 1 < len(work[i].turns):
             heapq.heappush(due, (finished - start + work[i].turns[t + 1][2], i, t + 1))
     span = time.perf_counter() - start
+    for i, (t, sent, f) in flight.items():  # overloaded: cancelled, latency so far
+        engine.cancel(f.request_id)
+        tokens, answer, _ = work[i].turns[t]
+        records.append({"conversation": i, "turn": t, "turns": len(work[i].turns), "latency": span - (sent - start),
+                        "sent": sent - start, "finished": float("inf"), "output": answer, "history": len(history[i]),
+                        "unfinished": True})
+    for _, _, f in flight.values():
+        try:
+            f.result(60)
+        except Exception:
+            pass
     if stateful:
         for cid in ids:
-            engine.submit(model, {"conversation": cid, "end": True}).result(60)
+            if cid is not None:
+                engine.submit(model, {"conversation": cid, "end": True}).result(60)
     return records, span
 
 
-def summarize(system: str, rate: float, records: list, span: float, stats: dict | None) -> dict:
+def summarize(system: str, rate: float, records: list, window: tuple[float, float], stats: dict | None) -> dict:
+    """Over the steady window (a, b) of the run: output tokens of the turns finished in it per
+    second, and the normalized latency of the turns sent in it."""
+    a, b = window
+
     def part(rows):
-        norm = np.array([r["latency"] / r["output"] for r in rows])
-        return {"turns": len(rows), "output_tokens": int(sum(r["output"] for r in rows)),
+        norm = np.array([r["latency"] / r["output"] for r in rows if a <= r["sent"] < b])
+        tokens = sum(r["output"] for r in rows if a <= r["finished"] < b)
+        return {"turns": len(norm), "tokens_per_s": tokens / (b - a),
+                "unfinished": sum(1 for r in rows if r.get("unfinished") and a <= r["sent"] < b),
                 "norm_latency_p50_ms": float(np.percentile(norm, 50) * 1e3),
                 "norm_latency_p90_ms": float(np.percentile(norm, 90) * 1e3)}
-    row = {"system": system, "conversations_per_s": rate, "wall_s": span, **part(records)}
-    row["tokens_per_s"] = row["output_tokens"] / span
+    row = {"system": system, "conversations_per_s": rate, "window_s": [a, b], **part(records)}
     long = [r for r in records if r["turns"] >= 5]
     if long:
         row["five_turns_or_more"] = part(long)
@@ -182,7 +211,7 @@ def run(args, model, config, write_results) -> None:
     reaction = 60.0 / args.compress
     rows, tiers = [], []
     payload = {"preset": args.preset, "dtype": args.dtype, "kv_gpu_blocks": cell.kv.num_blocks,
-               "block_size": cell.block_size, "host_gib": args.host_gib, "conversations": args.conversations,
+               "block_size": cell.block_size, "host_gib": args.host_gib, "arrival_seconds": args.arrival_seconds,
                "reaction_mean_s": reaction, "reaction_compression": args.compress, "max_tokens": args.max_tokens,
                "rows": rows, "tier_latency": tiers}
 
@@ -208,17 +237,20 @@ def run(args, model, config, write_results) -> None:
         try:
             gen = engine.structured["llama"]
             for rate in rates if system != "gpu+cpu-lru" else rates[-1:]:
-                work = scripts(args.conversations, rate, reaction, config.max_positions, config.vocab_size, args.seed)
-                records, span = converse(engine, "llama", work, stateful=system != "stateless")
+                n = int(rate * args.arrival_seconds)
+                work = scripts(n, rate, reaction, config.max_positions, config.vocab_size, args.seed)
+                stop = work[-1].start
+                records, span = converse(engine, "llama", work, stateful=system != "stateless", stop_at=stop)
                 stats = gen.conversation_stats() if system != "stateless" else None
-                rows.append(summarize(system, rate, records, span, stats))
+                rows.append(summarize(system, rate, records, (args.warm_fraction * stop, stop), stats))
                 print({k: v for k, v in rows[-1].items() if k != "cache_stats"}, stats, flush=True)
                 for cache in gen.caches.values():  # reset the counters between rates
                     cache.stats = dict.fromkeys(cache.stats, 0)
             save()
         finally:
             engine.stop()
-        del engine
+        del engine, gen  # (before the next engine takes the memory)
+        gc.collect()
         torch.cuda.empty_cache()
         if system == "gpu+cpu" and args.tier_contexts:
             engine = Engine([model], EngineConfig(devices=(args.device,))).start(thread=False)
@@ -229,6 +261,7 @@ def run(args, model, config, write_results) -> None:
             finally:
                 engine.stop()
             del engine
+            gc.collect()
             torch.cuda.empty_cache()
     cell.kv = base_kv
 
@@ -236,7 +269,9 @@ def run(args, model, config, write_results) -> None:
 def add_arguments(ap) -> None:
     ap.add_argument("--stateful", action="store_true", help="multi-turn conversations (this module)")
     ap.add_argument("--stateful-systems", nargs="+", default=list(SYSTEMS))
-    ap.add_argument("--conversations", type=int, default=150, help="conversations per rate")
+    ap.add_argument("--arrival-seconds", type=float, default=60.0,
+                    help="conversations start for this long at each rate; no turn is sent after")
+    ap.add_argument("--warm-fraction", type=float, default=0.4, help="of the arrivals, before measuring")
     ap.add_argument("--conversation-rates", default="0.5,1,2", help="conversations started per second")
     ap.add_argument("--compress", type=float, default=10.0, help="reaction time: mean 60 s / this")
     ap.add_argument("--kv-gib", type=float, default=40.0, help="the GPU tier (Pensieve's evaluation: 40 GB)")
