@@ -63,13 +63,18 @@ def test_turns_equal_hf_on_the_whole_history_through_every_tier(checkpoint):
         engine.stop()
 
 
+def start(engine, family: str, tokens: list[int], max_new: int) -> dict:
+    """A conversation's first turn, run to its reply."""
+    f = engine.submit(family, {"tokens": tokens, "max_new_tokens": max_new, "conversation": True})
+    run_until(engine, f.done)
+    return f.result().outputs
+
+
 def test_conversation_errors_and_ending(checkpoint):
     family, path, hf = checkpoint
     engine, model = engine_for(path, family, num_blocks=40)
     try:
-        f = engine.submit(family, {"tokens": [1, 2, 3], "max_new_tokens": 2, "conversation": True})
-        run_until(engine, f.done)
-        cid = f.result().outputs["conversation"]
+        cid = start(engine, family, [1, 2, 3], 2)["conversation"]
         # a second turn while one runs, an unknown id, a bad value: typed errors, nothing else lost
         a = engine.submit(family, {"tokens": [4], "max_new_tokens": 30, "conversation": cid, "ignore_eos": True})
         b = engine.submit(family, {"tokens": [5], "max_new_tokens": 2, "conversation": cid})
@@ -110,9 +115,8 @@ def test_a_cancelled_turn_leaves_the_conversation_as_before(checkpoint):
     family, path, hf = checkpoint
     engine, model = engine_for(path, family, num_blocks=40)
     try:
-        f = engine.submit(family, {"tokens": [7, 8, 9], "max_new_tokens": 3, "conversation": True})
-        run_until(engine, f.done)
-        cid, first = f.result().outputs["conversation"], f.result().outputs["tokens"]
+        outputs = start(engine, family, [7, 8, 9], 3)
+        cid, first = outputs["conversation"], outputs["tokens"]
         g = engine.submit(family, {"tokens": [3], "max_new_tokens": 100, "ignore_eos": True, "conversation": cid})
         run_until(engine, lambda: engine.stats()["kv_blocks_used"][family][0] > 1)
         engine.cancel(g.request_id)
