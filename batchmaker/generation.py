@@ -226,7 +226,7 @@ class GenerativeModel(Finisher):
         for cache in self.caches.values():
             for k, v in cache.stats.items():
                 stats[k] = stats.get(k, 0) + v
-            stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.num_host - len(cache.host_free)
+            stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.num_host - cache.num_host_free
             stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
         return stats
 

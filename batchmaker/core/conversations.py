@@ -28,6 +28,7 @@ import numpy as np
 from batchmaker.core.blocks import BlockTables
 
 _NONE = np.zeros(0, dtype=np.int64)
+MIN_RECLAIM = 64  # blocks: copied chunks are reclaimed in batches of at least this many
 
 
 @dataclass(slots=True, eq=False)
@@ -83,14 +84,16 @@ class ConversationCache:
         self.chunk_tokens = chunk_tokens
         self.per_chunk = chunk_tokens // blocks.block_size  # blocks per chunk
         self.max_chunks = -(-blocks.max_blocks // self.per_chunk)
-        # cost[k]: recomputing chunk k (its positions end at (k + 1) * chunk_tokens); never decreasing
-        self.cost = np.ones(self.max_chunks) if policy == "lru" else np.maximum.accumulate(
+        # cost[k]: recomputing chunk k (its positions end at (k + 1) * chunk_tokens); increasing (a
+        # tiny ramp breaks ties), so a conversation's chunks are valued in leading-end order
+        cost = np.ones(self.max_chunks) if policy == "lru" else np.maximum.accumulate(
             np.asarray(cost, dtype=np.float64)[:self.max_chunks])
+        self.cost = cost + np.arange(len(cost)) * 1e-9 * float(cost.max())
         self.swap_threshold = swap_threshold
         self.max_out = max_out
         self.max_in = max_in  # host chunks one iteration can swap in (the worker's staging)
-        self.host_free = list(range(host_chunks - 1, -1, -1))
-        self.num_host = host_chunks
+        self.host_is_free = np.ones(host_chunks, dtype=bool)
+        self.num_host = self.num_host_free = host_chunks
         self.pending: list[tuple[CachePlan, np.ndarray, np.ndarray]] = []  # swap-outs: plan, rows, hosted after
         self.num_held = 0  # GPU blocks held by idle conversations
         self.stats = {"gpu_hit_tokens": 0, "host_hit_tokens": 0, "recomputed_tokens": 0, "chunks_out": 0,
@@ -178,7 +181,7 @@ class ConversationCache:
             index = moves[:, None] * pc + np.arange(pc)
             blocks = np.where(index < nb, table_row[index.clip(max=nb - 1)], 0).astype(np.int64)  # (past the end: scratch)
             plan = CachePlan(swap_in_host=self.host[r, moves].copy(), swap_in_blocks=blocks)
-        self.host_free.extend(self.host[r, dropped:hosted].tolist())
+        self._free_host(self.host[r, dropped:hosted])
         recompute = min(dropped * self.chunk_tokens, cached)
         swapped = min(len(moves) * self.chunk_tokens, cached - recompute)
         self.stats["recomputed_tokens"] += recompute
@@ -196,7 +199,7 @@ class ConversationCache:
         held = self.gpu[r][self.gpu[r] != 0]
         self.blocks.give_back(held)
         self.num_held -= len(held)
-        self.host_free.extend(self.host[r, self.dropped[r]:self.hosted[r]].tolist())
+        self._free_host(self.host[r, self.dropped[r]:self.hosted[r]])
         self._clear(r)
 
     def _clear(self, r: int) -> None:
@@ -209,13 +212,46 @@ class ConversationCache:
     def value(self, rows: np.ndarray, chunks: np.ndarray, now: float) -> np.ndarray:
         return self.cost[chunks] / np.maximum(now - self.last_active[rows], 1e-6)
 
-    def _chunks(self, start: np.ndarray, stop: np.ndarray, rows: np.ndarray):
-        """(rows, chunk indices) of the ranges [start, stop) of `rows`, lowest value first."""
+    def _chunks(self, start: np.ndarray, stop: np.ndarray, rows: np.ndarray, limit: int | None = None,
+                held: bool = False):
+        """(rows, chunk indices) of the ranges [start, stop) of `rows` (with `held`: those whose GPU
+        blocks are held), lowest value first; with `limit`, the `limit` lowest only (a partition,
+        not a sort: this runs in iterations)."""
         counts = np.maximum(stop - start, 0)
         rr = np.repeat(rows, counts)
         kk = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-        order = np.lexsort((kk, self.value(rr, kk, self.clock())))
+        if held:
+            on = self.gpu[rr, kk * self.per_chunk] != 0
+            rr, kk = rr[on], kk[on]
+        values = self.value(rr, kk, self.clock())
+        if limit is not None and limit < len(values):
+            part = np.argpartition(values, limit)[:limit]
+            rr, kk, values = rr[part], kk[part], values[part]
+        order = np.argsort(values, kind="stable")
         return rr[order], kk[order]
+
+    def _free_host(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids)
+        ids = ids[ids >= 0]
+        self.host_is_free[ids] = True
+        self.num_host_free += len(ids)
+
+    def _take_host(self, n: int) -> np.ndarray:
+        """n free host chunks, in as few runs of consecutive ones as the free space allows (each
+        run is one copy per layer)."""
+        edges = np.diff(np.concatenate([[0], self.host_is_free.view(np.int8), [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        taken, left = [], n
+        for i in np.argsort(starts - ends, kind="stable").tolist():  # longest runs first
+            if left == 0:
+                break
+            m = min(left, int(ends[i] - starts[i]))
+            taken.append(np.arange(starts[i], starts[i] + m))
+            left -= m
+        ids = np.sort(np.concatenate(taken)) if taken else np.zeros(0, dtype=np.int64)
+        self.host_is_free[ids] = False
+        self.num_host_free -= len(ids)
+        return ids.astype(np.int64)
 
     def _num_chunks(self, rows):
         return -(-self.cached[rows] // self.chunk_tokens)
@@ -224,27 +260,38 @@ class ConversationCache:
         rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
         if not len(rows):
             return 0
-        rr, kk = self._chunks(self.dropped[rows], self.ready[rows], rows)
-        return int((self.gpu[rr, kk * self.per_chunk] != 0).sum()) * self.per_chunk
+        counts = self.ready[rows] - self.dropped[rows]
+        kk = np.repeat(self.dropped[rows] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        return int((self.gpu[np.repeat(rows, counts), kk * self.per_chunk] != 0).sum()) * self.per_chunk
 
     def reclaim(self, need: int) -> int:
         """Free at least `need` GPU blocks if the idle conversations can give them: first those of
         chunks already copied to the host, then by dropping chunks (from the leading end).
-        Returns the blocks freed."""
-        freed = 0
+        Returns the blocks freed. Copied chunks are let go at least `MIN_RECLAIM` blocks at a time
+        (they are on the host anyway), so that a run of sequences short of a block costs one pass."""
+        goal = max(need, MIN_RECLAIM)
         rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
-        rr, kk = self._chunks(self.dropped[rows], self.ready[rows], rows)
-        for r, k in zip(rr.tolist(), kk.tolist()):
-            if freed >= need:
-                return freed
-            freed += self._free_gpu(r, k)
+        freed = self._release(self.dropped[rows], self.ready[rows], rows, goal, self._free_gpu, held=True)
+        if freed >= need:
+            return freed
         # the GPU chunks of conversations without copies in flight, cheapest first
         rows = np.flatnonzero(self.idle & (self.ready == self.hosted) & (self._num_chunks_all() > self.hosted))
-        rr, kk = self._chunks(self.hosted[rows], self._num_chunks(rows), rows)
-        for r, k in zip(rr.tolist(), kk.tolist()):
-            if freed >= need:
+        return freed + self._release(self.hosted[rows], self._num_chunks(rows), rows, need - freed,
+                                     self._drop_through)
+
+    def _release(self, start, stop, rows, goal: int, release, held: bool = False) -> int:
+        """`release(row, chunk)` on the cheapest chunks of the ranges until `goal` blocks are
+        freed: a partition of the few likely needed first (a chunk may hold fewer than its
+        blocks), all of them if those fall short."""
+        freed = 0
+        for limit in (2 * -(-goal // self.per_chunk) + 8, None):
+            rr, kk = self._chunks(start, stop, rows, limit=limit, held=held)
+            for r, k in zip(rr.tolist(), kk.tolist()):
+                if freed >= goal:
+                    return freed
+                freed += release(r, k)
+            if limit is None or len(rr) < limit:
                 break
-            freed += self._drop_through(r, k)
         return freed
 
     def _num_chunks_all(self):
@@ -265,7 +312,7 @@ class ConversationCache:
             return 0
         freed = sum(self._free_gpu(r, j) for j in range(d, k + 1))
         hosted = int(self.hosted[r])
-        self.host_free.extend(self.host[r, d:min(k + 1, hosted)].tolist())
+        self._free_host(self.host[r, d:min(k + 1, hosted)])
         self.host[r, d:k + 1] = -1
         self.dropped[r] = k + 1
         self.hosted[r] = max(hosted, k + 1)
@@ -275,8 +322,11 @@ class ConversationCache:
 
     def plan_swap_out(self) -> CachePlan | None:
         """Ahead-of-time copies to the host while free blocks are below the threshold (None when
-        nothing is to copy). The chunks' blocks stay held until the copies are done (`poll`)."""
+        nothing is to copy). The chunks' blocks stay held until the copies are done (`poll`); one
+        plan is in flight at a time."""
         self.poll()
+        if self.pending:
+            return None
         total = self.blocks.num_blocks - 1
         short = int(self.swap_threshold * total) - self.blocks.num_free
         if short <= 0 or self.num_host == 0:
@@ -285,26 +335,27 @@ class ConversationCache:
         if short <= 0:
             return None
         rows = np.flatnonzero(self.idle & (self._num_chunks_all() > self.hosted))
-        rr, kk = self._chunks(self.hosted[rows], self._num_chunks(rows), rows)
-        want = min(len(rr), self.max_out, -(-short // self.per_chunk))
+        want = min(self.max_out, -(-short // self.per_chunk))
+        rr, kk = self._chunks(self.hosted[rows], self._num_chunks(rows), rows, limit=want)
+        want = min(want, len(rr))
         if want == 0:
             return None
         rr, kk = rr[:want], kk[:want]
-        if len(self.host_free) < want:  # make room: drop the host's cheapest ready chunks
+        if self.num_host_free < want:  # make room: drop the host's cheapest ready chunks
             rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
-            dr, dk = self._chunks(self.dropped[rows], self.ready[rows], rows)
+            dr, dk = self._chunks(self.dropped[rows], self.ready[rows], rows, limit=want - self.num_host_free)
             for r, k in zip(dr.tolist(), dk.tolist()):
-                if len(self.host_free) >= want:
+                if self.num_host_free >= want:
                     break
                 self._drop_through(r, k)
-            want = min(want, len(self.host_free))
+            want = min(want, self.num_host_free)
             rr, kk = rr[:want], kk[:want]
         # (dropping host chunks may have dropped these rows' chunks too: keep those still GPU-only)
         keep = kk >= self.hosted[rr]
         rr, kk = rr[keep], kk[keep]
         if not len(rr):
             return None
-        hosts = np.array([self.host_free.pop() for _ in range(len(rr))], dtype=np.int64)
+        hosts = self._take_host(len(rr))
         self.host[rr, kk] = hosts
         np.maximum.at(self.hosted, rr, kk + 1)
         index = (kk[:, None] * self.per_chunk + np.arange(self.per_chunk)).clip(max=self.gpu.shape[1] - 1)
@@ -331,9 +382,9 @@ class ConversationCache:
             self._drop_through(r, n - 1)
             return None
         first = int(self.hosted[r])
-        if n - first > len(self.host_free):
-            raise RuntimeError(f"{n - first} host chunks wanted, {len(self.host_free)} free")
-        hosts = np.array([self.host_free.pop() for _ in range(n - first)], dtype=np.int64)
+        if n - first > self.num_host_free:
+            raise RuntimeError(f"{n - first} host chunks wanted, {self.num_host_free} free")
+        hosts = self._take_host(n - first)
         self.host[r, first:n] = hosts
         self.hosted[r] = n
         index = np.arange(first * self.per_chunk, n * self.per_chunk).clip(max=self.gpu.shape[1] - 1)
@@ -354,5 +405,6 @@ class ConversationCache:
         assert len(held) == self.num_held, "the held count is off"
         hosts = self.host[self.idle]
         hosts = hosts[hosts >= 0]
-        assert len(np.unique(hosts)) == len(hosts) and not set(hosts.tolist()) & set(self.host_free)
-        assert len(hosts) + len(self.host_free) == self.num_host, "a host chunk leaked"
+        assert len(np.unique(hosts)) == len(hosts) and not self.host_is_free[hosts].any()
+        assert len(hosts) + int(self.host_is_free.sum()) == self.num_host == len(hosts) + self.num_host_free, \
+            "a host chunk leaked"
