@@ -48,6 +48,7 @@ class TieredDevice(FakeDevice):
                 self.cache[self._positions(plan.swap_in_blocks)] = self.host[plan.swap_in_host]
                 self.cache[:self.block_size] = -2  # (the scratch block takes what falls past a context)
                 self.num_in += len(plan.swap_in_host)
+                plan.done = True
         super().run(task)
 
 

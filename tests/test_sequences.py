@@ -241,7 +241,7 @@ def check_blocks(q: Sequences, cache=None) -> None:
     if cache is not None:
         cache.check()
         idle = cache.gpu[cache.idle]
-        held = np.concatenate([held, idle[idle != 0]])
+        held = np.concatenate([held, idle[idle != 0], *[ids for _, ids in q.quarantine]])
     assert (q.blocks.count[~q.active] == 0).all()
     assert len(set(held.tolist())) == len(held) and (held > 0).all()
     assert len(held) + q.blocks.num_free == q.blocks.num_blocks - 1

@@ -67,6 +67,8 @@ class Sequences:
         self.conversation = np.empty(num_slots, dtype=object)  # its turn's Conversation, or None
         self.skip_from = np.zeros(num_slots, dtype=np.int64)  # positions [skip_from, skip_to) are cached
         self.skip_to = np.zeros(num_slots, dtype=np.int64)
+        self.restoring = np.empty(num_slots, dtype=object)  # a deferred swap-in (CachePlan) it waits for
+        self.quarantine: list = []  # (CachePlan, block ids) of slots that left while their copies ran
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -90,6 +92,7 @@ class Sequences:
         self.prompt_len[s] = columns["prompt_len"] + history
         self.limit[s] = min(int(self.prompt_len[s] + columns["max_new"]), self.max_len)
         self.conversation[s] = columns["conversation"]
+        self.restoring[s] = None
         self.skip_from[s] = self.skip_to[s] = 0
         for name in _CARRIED:
             getattr(self, name)[s] = columns[name]
@@ -97,6 +100,10 @@ class Sequences:
         return s
 
     def leave(self, s: int) -> None:
+        plan = self.restoring[s]
+        if plan is not None and not plan.finished:  # copies still write its blocks: free them later
+            self.quarantine.append((plan, self.blocks.detach(s)))
+        self.restoring[s] = None
         self.blocks.release(s)
         self.active[s] = False
         self.owner[s] = None
@@ -174,9 +181,13 @@ class SequenceQueue:
             self._purge(epoch)
         if worker_id in self.caches:
             self.caches[worker_id].poll()
+        if q.quarantine:
+            for copies, ids in [e for e in q.quarantine if e[0].finished]:
+                q.blocks.give_back(ids)
+            q.quarantine = [e for e in q.quarantine if not e[0].finished]
         budget = self.cell_type.max_batch
         plan: list[tuple[np.ndarray, ...]] = []  # (slots, starts, tokens each, occupants' serials)
-        swap_ins: list[CachePlan] = []
+        incoming = CachePlan()  # this iteration's swap-ins
         # running decodes first, one token each: only those entering a new block are grown one by one
         decoding = np.flatnonzero(q.active & (q.computed >= q.target) & (q.planned < q.limit))
         decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
@@ -193,12 +204,19 @@ class SequenceQueue:
         for s in prefilling[np.argsort(q.order[prefilling], kind="stable")].tolist():
             if budget <= 0:
                 break
+            restoring = q.restoring[s]
+            if restoring is not None:  # its copies in run on the side: its prefill waits for them
+                if not restoring.finished:
+                    continue
+                q.restoring[s] = None
             if q.active[s]:
                 budget = self._prefill(q, worker_id, s, budget, plan)
         while budget > 0 and q._free and (self.waiting or self.pinned[worker_id]):
-            s = self._join(q, worker_id, swap_ins)
+            s = self._join(q, worker_id, incoming, plan)
             if s is None:
                 break
+            if q.restoring[s] is not None:
+                continue
             budget = self._prefill(q, worker_id, s, budget, plan)
             if not q.active[s]:  # suspended for want of blocks: no more joins now
                 break
@@ -208,7 +226,7 @@ class SequenceQueue:
         slots, starts, counts = slots[keep], starts[keep], counts[keep]
         if not len(slots):
             return []
-        return [self._task(q, worker_id, slots, starts, counts, self._copies(worker_id, swap_ins))]
+        return [self._task(q, worker_id, slots, starts, counts, self._copies(worker_id, incoming))]
 
     def _prefill(self, q: Sequences, worker_id: int, s: int, budget: int, plan: list) -> int:
         """Plan `s`'s next prompt chunks within `budget` (two where its dropped leading tokens end
@@ -226,9 +244,11 @@ class SequenceQueue:
             budget -= n
         return budget
 
-    def _join(self, q: Sequences, worker_id: int, swap_ins: list) -> int | None:
+    def _join(self, q: Sequences, worker_id: int, incoming: CachePlan, plan: list) -> int | None:
         """The first waiting request (a turn of a conversation cached here first) joins a slot if
-        its blocks leave the reserve free (or nothing else runs here)."""
+        its blocks leave the reserve free (or nothing else runs here). A turn whose cache comes
+        back from the host in an iteration that has other work waits for its copies on the side
+        (`restoring`: the batch does not); alone, it is copied in layer by layer as it runs."""
         line = self.pinned[worker_id] if self.pinned[worker_id] else self.waiting
         chunk = line.take(1)
         columns = {k: v[0] for k, v in chunk.columns.items()}
@@ -239,9 +259,9 @@ class SequenceQueue:
         own = cache.held(row) if cache is not None else 0
         available = (cache.available() if cache is not None else q.blocks.num_free) - own
         need = q.blocks.blocks_for(history + int(chunk.lengths[0]) + 1) - own
-        incoming = cache.to_swap_in(row) + sum(len(c.swap_in_host) for c in swap_ins) if cache is not None else 0
+        copies_in = cache.to_swap_in(row) + len(incoming.swap_in_host) if cache is not None else 0
         if (q.num_active and available - need < self._reserve[worker_id]) or need > available or \
-                (incoming and incoming > cache.max_in):
+                (copies_in and copies_in > cache.max_in):
             line.push_front(int(columns["priority"]), chunk)
             return None
         self._joined += 1
@@ -260,7 +280,11 @@ class SequenceQueue:
                 swapped = 0 if copies is None else min(len(copies.swap_in_host) * cache.chunk_tokens, cached - recompute)
                 conversation.restored = (cached - recompute - swapped, swapped, recompute)
                 if copies is not None:
-                    swap_ins.append(copies)
+                    if incoming.deferred is None:
+                        incoming.deferred = any(len(entry[0]) for entry in plan)
+                    incoming.add_swap_in(copies.swap_in_host, copies.swap_in_blocks)
+                    if incoming.deferred:
+                        q.restoring[s] = incoming
             conversation.row = -1
         return s
 
@@ -272,7 +296,11 @@ class SequenceQueue:
             short = int(q.blocks.blocks_for(num_tokens) - q.blocks.count[s]) - q.blocks.num_free
             if cache is not None and cache.reclaim(short) > 0:
                 continue
-            victim = int(np.flatnonzero(q.active)[np.argmax(q.order[q.active])])
+            restoring = np.array([r is not None and not r.finished for r in q.restoring], dtype=bool)
+            candidates = np.flatnonzero(q.active & ~restoring)  # (copies may still write a restoring one's blocks)
+            if not len(candidates):
+                return False
+            victim = int(candidates[np.argmax(q.order[candidates])])
             self.suspend(q, victim, worker_id)
             if victim == s:
                 return False
@@ -294,13 +322,12 @@ class SequenceQueue:
         q.leave(s)
         self.num_suspended += 1
 
-    def _copies(self, worker_id: int, swap_ins: list[CachePlan]) -> CachePlan | None:
+    def _copies(self, worker_id: int, incoming: CachePlan) -> CachePlan | None:
         """This iteration's copies: the joining conversations' swap-ins; or, in an iteration
         without them (swapping in goes first), ahead-of-time copies out."""
         cache = self.caches.get(worker_id)
-        if swap_ins:
-            return CachePlan(swap_in_host=np.concatenate([c.swap_in_host for c in swap_ins]),
-                             swap_in_blocks=np.concatenate([c.swap_in_blocks for c in swap_ins]))
+        if len(incoming.swap_in_host):
+            return incoming
         return cache.plan_swap_out() if cache is not None else None
 
     def _task(self, q: Sequences, worker_id: int, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,

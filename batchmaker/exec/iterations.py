@@ -174,7 +174,12 @@ class IterationRunner:
             return None
         if len(plan.swap_out_host):
             self.host.swap_out(plan, compute_stream)
-        return self.host.swap_in(plan, compute_stream) if len(plan.swap_in_host) else None
+        if not len(plan.swap_in_host):
+            return None
+        if plan.deferred:
+            self.host.restore(plan, compute_stream)
+            return None
+        return self.host.swap_in(plan, compute_stream)
 
     def finish(self, task: IterationTask) -> None:
         if task.handle is not None:

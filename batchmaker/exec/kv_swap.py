@@ -71,7 +71,33 @@ class HostTier:
 
     # in ---------------------------------------------------------------------------------------
     def swap_in(self, plan, compute_stream) -> "_SwapIn":
+        """Copies in that the iteration's layers wait for, one by one."""
         return _SwapIn(self, plan, compute_stream)
+
+    def restore(self, plan, compute_stream) -> None:
+        """Copies in on the side stream, every layer (its turns are prefilled in a later
+        iteration, once `plan.done` has passed)."""
+        hosts = plan.swap_in_host
+        n = len(hosts)
+        shape = (n * self.per_chunk, self.block_size, *self.tail)
+        if self.copy_stream is None:
+            _SwapIn(self, plan, None).all_layers()
+            plan.done = True
+            return
+        stream = self.copy_stream
+        stream.wait_stream(compute_stream)  # (the new blocks may still be written by earlier work)
+        with torch.cuda.stream(stream):
+            index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64)).to(self.device)
+            runs = _runs(hosts)
+            for layer in range(self.layers):
+                for kv, cache in enumerate((self.cache.k[layer], self.cache.v[layer])):
+                    staged = self.in_buffers[0, kv, :n]
+                    for at, host, m in runs:
+                        staged[at:at + m].copy_(self.host[layer, kv, host:host + m], non_blocking=True)
+                    cache.index_copy_(0, index, staged.view(shape))
+            done = torch.cuda.Event()
+            done.record(stream)
+        plan.done = done
 
 
 class _SwapIn:
@@ -105,6 +131,10 @@ class _SwapIn:
                 for at, host, n in self.runs:
                     staged[at:at + n].copy_(tier.host[layer, kv, host:host + n], non_blocking=True)
             self.ready[layer].record(stream)
+
+    def all_layers(self) -> None:
+        for layer in range(self.tier.layers):
+            self.before_attention(layer)
 
     def before_attention(self, layer: int) -> None:
         tier = self.tier
