@@ -267,8 +267,6 @@ class GenerativeModel(Finisher):
             gpu, swapped, recomputed = conversation.restored
             outputs["conversation"] = conversation.id
             outputs["context"] = {"cached": gpu, "swapped_in": swapped, "recomputed": recomputed}
-            if reason == "length" and not generated:  # (max_new_tokens 0: the turn is not kept)
-                conversation.turn = None
         if self._texts.pop(owner, None) is not None:
             outputs["text"] = self.tokenizer.decode(generated)
         now = time.perf_counter()

@@ -220,7 +220,7 @@ def test_chunks_go_to_the_host_ahead_of_time_below_the_threshold_and_back():
     assert cache.reclaim(8) == 8 and blocks.num_free == free + 8  # the copied chunks' blocks, lazily
     assert cache.held(rows[0]) == 15 - 4
     table = np.zeros(16, dtype=np.int32)
-    recompute, cached, copies = cache.restore(rows[0], table)
+    recompute, _, cached, copies = cache.restore(rows[0], table)
     assert (recompute, cached) == (0, 60) and len(copies.swap_in_host) == 2
     assert (table[:15] > 0).all() and len(set(table[:15].tolist())) == 15
     blocks.give_back(taken)

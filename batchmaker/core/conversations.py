@@ -163,15 +163,16 @@ class ConversationCache:
         chunks = np.arange(self.dropped[r], self.hosted[r])
         return int((self.gpu[r, chunks * self.per_chunk] == 0).sum())
 
-    def restore(self, r: int, table_row: np.ndarray) -> tuple[int, int, CachePlan | None]:
+    def restore(self, r: int, table_row: np.ndarray) -> tuple[int, int, int, CachePlan | None]:
         """Row r's cache into a sequence's table row; its blocks leave the row (which is freed).
         Blocks are taken for swapped and dropped chunks (reclaiming others' as needed; the caller
-        made sure enough are available). Returns (recompute up to, cached positions, swap-in)."""
+        made sure enough are available). Returns (recompute up to, positions swapped in, cached
+        positions, the swap-in)."""
         self.idle[r] = False
         cached, dropped, hosted, pc = int(self.cached[r]), int(self.dropped[r]), int(self.hosted[r]), self.per_chunk
         nb = int(self.blocks.blocks_for(cached))
-        ids = self.gpu[r, :nb].copy()
         ids_held = self.gpu[r].copy()
+        ids = ids_held[:nb].copy()
         missing = np.flatnonzero(ids == 0)
         self.num_held -= nb - len(missing)
         self.gpu[r] = 0  # (its blocks are the sequence's now: reclaiming passes them by)
@@ -196,7 +197,14 @@ class ConversationCache:
         self.stats["gpu_hit_tokens"] += cached - recompute - swapped
         self.stats["chunks_in"] += len(moves)
         self._clear(r)
-        return recompute, cached, plan
+        return recompute, swapped, cached, plan
+
+    def recomputed(self, tokens: int, instead_of_gpu: int = 0, instead_of_host: int = 0) -> None:
+        """Count `tokens` restored positions as recomputed after all (the turn lost its cache),
+        taking back the hits they were counted as."""
+        self.stats["recomputed_tokens"] += tokens
+        self.stats["gpu_hit_tokens"] -= instead_of_gpu
+        self.stats["host_hit_tokens"] -= instead_of_host
 
     def forget(self, r: int) -> None:
         """Row r's conversation ended or expired: its blocks and host chunks are free."""
@@ -225,8 +233,7 @@ class ConversationCache:
         blocks are held), lowest value first; with `limit`, the `limit` lowest only (a partition,
         not a sort: this runs in iterations)."""
         counts = np.maximum(stop - start, 0)
-        rr = np.repeat(rows, counts)
-        kk = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        rr, kk = np.repeat(rows, counts), _ranges(start, counts)
         if held:
             on = self.gpu[rr, kk * self.per_chunk] != 0
             rr, kk = rr[on], kk[on]
@@ -268,7 +275,7 @@ class ConversationCache:
         if not len(rows):
             return 0
         counts = self.ready[rows] - self.dropped[rows]
-        kk = np.repeat(self.dropped[rows] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        kk = _ranges(self.dropped[rows], counts)
         return int((self.gpu[np.repeat(rows, counts), kk * self.per_chunk] != 0).sum()) * self.per_chunk
 
     def reclaim(self, need: int) -> int:
@@ -330,9 +337,8 @@ class ConversationCache:
 
     def plan_swap_out(self) -> CachePlan | None:
         """Ahead-of-time copies to the host while free blocks are below the threshold (None when
-        nothing is to copy). The chunks' blocks stay held until the copies are done (`poll`); one
-        plan is in flight at a time."""
-        self.poll()
+        nothing is to copy). The chunks' blocks stay held until the copies are done (`poll`, which
+        the caller runs first); one plan is in flight at a time."""
         if self.pending:
             return None
         total = self.blocks.num_blocks - 1
@@ -416,3 +422,8 @@ class ConversationCache:
         assert len(np.unique(hosts)) == len(hosts) and not self.host_is_free[hosts].any()
         assert len(hosts) + int(self.host_is_free.sum()) == self.num_host == len(hosts) + self.num_host_free, \
             "a host chunk leaked"
+
+
+def _ranges(start: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """start[i], start[i] + 1, ..., start[i] + counts[i] - 1, for each i, one after another."""
+    return np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))

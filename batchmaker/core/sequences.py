@@ -111,6 +111,16 @@ class Sequences:
         self.serial[s] += 1
         self._free.append(s)
 
+    def release_quarantined(self) -> None:
+        """Blocks of slots that left during their copies in, once those are done."""
+        running = []
+        for copies, ids in self.quarantine:
+            if copies.finished:
+                self.blocks.give_back(ids)
+            else:
+                running.append((copies, ids))
+        self.quarantine = running
+
     def waiting_row(self, s: int) -> Chunk:
         """A suspended sequence as a waiting request: its known tokens become its prompt."""
         columns = {name: getattr(self, name)[s:s + 1].copy() for name in _CARRIED}
@@ -182,9 +192,7 @@ class SequenceQueue:
         if worker_id in self.caches:
             self.caches[worker_id].poll()
         if q.quarantine:
-            for copies, ids in [e for e in q.quarantine if e[0].finished]:
-                q.blocks.give_back(ids)
-            q.quarantine = [e for e in q.quarantine if not e[0].finished]
+            q.release_quarantined()
         budget = self.cell_type.max_batch
         plan: list[tuple[np.ndarray, ...]] = []  # (slots, starts, tokens each, occupants' serials)
         incoming = CachePlan()  # this iteration's swap-ins
@@ -272,12 +280,11 @@ class SequenceQueue:
             if row < 0 and history:  # its cache went with a failed or cancelled turn
                 conversation.restored = (0, 0, history - 1)
                 if cache is not None:
-                    cache.stats["recomputed_tokens"] += history - 1
+                    cache.recomputed(history - 1)
             if row >= 0:
-                recompute, cached, copies = cache.restore(row, q.blocks.table[s])
+                recompute, swapped, cached, copies = cache.restore(row, q.blocks.table[s])
                 q.blocks.count[s] = q.blocks.blocks_for(cached)
                 q.skip_from[s], q.skip_to[s] = recompute, cached
-                swapped = 0 if copies is None else min(len(copies.swap_in_host) * cache.chunk_tokens, cached - recompute)
                 conversation.restored = (cached - recompute - swapped, swapped, recompute)
                 if copies is not None:
                     if incoming.deferred is None:
@@ -312,10 +319,7 @@ class SequenceQueue:
         conversation = q.conversation[s]
         if conversation is not None:  # its cache goes with the blocks: all of it is recomputed
             gpu, swapped, recomputed = conversation.restored
-            stats = self.caches[worker_id].stats
-            stats["gpu_hit_tokens"] -= gpu
-            stats["host_hit_tokens"] -= swapped
-            stats["recomputed_tokens"] += gpu + swapped
+            self.caches[worker_id].recomputed(gpu + swapped, gpu, swapped)
             conversation.restored = (0, 0, gpu + swapped + recomputed)
             conversation.worker = None
         self.waiting.push_front(int(row.columns["priority"][0]), row)

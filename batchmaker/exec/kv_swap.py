@@ -70,6 +70,11 @@ class HostTier:
         plan.done = done
 
     # in ---------------------------------------------------------------------------------------
+    def fetch(self, staged: torch.Tensor, layer: int, kv: int, runs: list) -> None:
+        """One layer's K (kv 0) or V (kv 1) of the runs' host chunks into a staging buffer."""
+        for at, host, n in runs:
+            staged[at:at + n].copy_(self.host[layer, kv, host:host + n], non_blocking=True)
+
     def swap_in(self, plan, compute_stream) -> "_SwapIn":
         """Copies in that the iteration's layers wait for, one by one."""
         return _SwapIn(self, plan, compute_stream)
@@ -92,8 +97,7 @@ class HostTier:
             for layer in range(self.layers):
                 for kv, cache in enumerate((self.cache.k[layer], self.cache.v[layer])):
                     staged = self.in_buffers[0, kv, :n]
-                    for at, host, m in runs:
-                        staged[at:at + m].copy_(self.host[layer, kv, host:host + m], non_blocking=True)
+                    self.fetch(staged, layer, kv, runs)
                     cache.index_copy_(0, index, staged.view(shape))
             done = torch.cuda.Event()
             done.record(stream)
@@ -127,9 +131,7 @@ class _SwapIn:
             stream.wait_event(self.consumed[layer - 2])
         with torch.cuda.stream(stream):
             for kv in range(2):
-                staged = tier.in_buffers[layer % 2, kv]
-                for at, host, n in self.runs:
-                    staged[at:at + n].copy_(tier.host[layer, kv, host:host + n], non_blocking=True)
+                tier.fetch(tier.in_buffers[layer % 2, kv], layer, kv, self.runs)
             self.ready[layer].record(stream)
 
     def all_layers(self) -> None:
