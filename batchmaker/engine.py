@@ -53,6 +53,11 @@ class EngineConfig:
     # torch's CPU threads while the engine runs: None lets the engine choose (CPU workers: the
     # cores, split among them; else unchanged); a number sets it. stop() restores the old count.
     cpu_threads: int | None = None
+    # The collector's young-generation threshold while the engine runs (Python's default: 700).
+    # Every request allocates a few tracked objects (its future, inputs, result); at 700 a
+    # collection runs every ~200 requests and walks the live ones: 2.7 µs per LSTM request on the
+    # manager at saturation, 0.3 µs at 10,000. None leaves it; stop() restores the old value.
+    gc_young_threshold: int | None = 10_000
 
 
 class Engine:
@@ -101,6 +106,9 @@ class Engine:
         # Long-lived objects (torch, models) leave the collector's view: full collections would
         # otherwise walk them while many requests are live.
         gc.freeze()
+        self._gc_before = gc.get_threshold()
+        if self.config.gc_young_threshold is not None:
+            gc.set_threshold(self.config.gc_young_threshold, *self._gc_before[1:])
         self._running = True
         if thread:
             self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
@@ -123,6 +131,7 @@ class Engine:
             worker.close()
         torch.set_num_threads(self._threads_before)
         gc.unfreeze()  # (start froze them) the collector may free a dropped engine's cycles again
+        gc.set_threshold(*self._gc_before)
 
     def __enter__(self) -> "Engine":
         return self.start()

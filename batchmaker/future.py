@@ -88,13 +88,17 @@ class RequestFuture:
             if self._done:
                 raise RuntimeError(f"request {self.request_id} resolved twice")
             self._done = True
-            callbacks, waiters = self._callbacks, self._waiters
         self.inputs = self.on_partial = None  # nothing the request no longer needs stays alive
-        if waiters is not None:
-            for waiter in waiters:
+        if self._waiters is not None or self._callbacks is not None:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Done: release the waiters and call the callbacks (neither list changes once done)."""
+        if self._waiters is not None:
+            for waiter in self._waiters:
                 waiter.release()
-        if callbacks is not None:
-            for fn in callbacks:
+        if self._callbacks is not None:
+            for fn in self._callbacks:
                 _call(fn, self)
 
     def _wait(self, timeout: float | None) -> None:
@@ -113,6 +117,21 @@ class RequestFuture:
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("failed" if self._error is not None else "done")
         return f"<RequestFuture {self.request_id} {self.model} {state}>"
+
+
+def resolve_many(futures: list, values: list) -> None:
+    """set_result(value) for many futures at once (the manager thread): one lock for all, and no
+    method call per future unless a thread waits on it or a callback is registered."""
+    with _lock:
+        for f, value in zip(futures, values):
+            if f._done:
+                raise RuntimeError(f"request {f.request_id} resolved twice")
+            f._value = value
+            f._done = True
+    for f in futures:
+        f.inputs = f.on_partial = None
+        if f._waiters is not None or f._callbacks is not None:
+            f._wake()
 
 
 def _call(fn, future: RequestFuture) -> None:

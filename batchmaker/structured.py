@@ -21,6 +21,7 @@ from batchmaker.core.trees import Forest, TreeSpec
 from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError
 from batchmaker.forms import Chain, DecodeLoop, Tree
+from batchmaker.future import resolve_many
 from batchmaker.request import Result
 
 
@@ -79,6 +80,7 @@ class StructuredModel(Finisher):
             self.required = list(first.steps.values()) if isinstance(first, Chain) else []
             last = self.forms[-1]
             self.optional = [last.max_len_input] if isinstance(last, DecodeLoop) and last.max_len_input else []
+        self._required = frozenset(self.required)
         self.queues: list = []
         self.forest: Forest | None = None
         self.first: ChainQueue | None = None
@@ -130,7 +132,7 @@ class StructuredModel(Finisher):
         errors: dict[int, BaseException] = {}
         for i, f in enumerate(futures):
             inputs = f.inputs
-            if not (type(inputs) is dict and len(inputs) == len(self.required) and all(k in inputs for k in self.required)):
+            if not (type(inputs) is dict and inputs.keys() == self._required):  # (a set compare in C)
                 try:
                     check_keys(inputs, self.required, self.optional)
                 except BadRequestError as e:
@@ -221,18 +223,28 @@ class StructuredModel(Finisher):
     # the Finisher side (manager thread) --------------------------------------------------------
     def resolve(self, owners, outputs: dict, first_cell: np.ndarray) -> None:
         now = time.perf_counter()
-        rows = [(key, v.unbind(0) if isinstance(v, torch.Tensor) else v) for key, v in outputs.items()]
+        owners = owners.tolist() if isinstance(owners, np.ndarray) else list(owners)
         firsts = first_cell.tolist()
+        if any(o._done for o in owners):  # cancelled or expired meanwhile
+            live = [i for i, o in enumerate(owners) if not o._done]
+            owners, firsts = [owners[i] for i in live], [firsts[i] for i in live]
+            outputs = {key: v[live] if isinstance(v, torch.Tensor) else [v[i] for i in live] for key, v in outputs.items()}
+        if not owners:
+            return
+        columns = [v.unbind(0) if isinstance(v, torch.Tensor) else v for v in outputs.values()]
+        if len(outputs) == 1:  # (the common case: one output, no dict comprehension per request)
+            (key,) = outputs
+            rows = [{key: value} for value in columns[0]]
+        else:
+            rows = [dict(zip(outputs, values)) for values in zip(*columns)]
+        arrivals = [o.arrival for o in owners]
         accounting = self.accounting
-        latencies, live = accounting.latencies[self.name], accounting.live
-        for i, owner in enumerate(owners.tolist() if isinstance(owners, np.ndarray) else owners):
-            if owner._done:  # cancelled or expired meanwhile
-                continue
-            arrival = owner.arrival
-            accounting.num_finished += 1  # counted before the future resolves (a waiter may read stats at once)
-            live.pop(owner.request_id, None)
-            latencies.append(now - arrival)
-            owner.set_result(Result({key: values[i] for key, values in rows}, None, (arrival, firsts[i], now)))
+        accounting.num_finished += len(owners)  # counted before the futures resolve (a waiter may read stats at once)
+        live = accounting.live
+        for o in owners:
+            live.pop(o.request_id, None)
+        accounting.latencies[self.name].extend([now - a for a in arrivals])
+        resolve_many(owners, [Result(r, None, (a, f, now)) for r, a, f in zip(rows, arrivals, firsts)])
 
 
 def _within(counts: np.ndarray) -> np.ndarray:

@@ -143,10 +143,13 @@ class ChainGroup:
         self._free_slots = list(range(cap - 1, -1, -1))
         self._next_serial = 1
         # where things go in a task's index, and each kept output's pool
-        self._write_slots = [layout.writes[o] for o in kept]
-        self._read_slots = [layout.reads[x] for x in stage.carry]
-        self._carried = np.array([kept.index(o) for o in stage.carry.values()], dtype=np.int64)
-        self._value_slots = [layout.values[x] for x in stage.step_inputs]
+        # (slices where the positions are consecutive, as they usually are: views, not fancy indexing)
+        self._write_slots = _positions([layout.writes[o] for o in kept])
+        self._read_slots = _positions([layout.reads[x] for x in stage.carry])
+        self._carried = _positions([kept.index(o) for o in stage.carry.values()])
+        self._value_slots = _positions([layout.values[x] for x in stage.step_inputs])
+        self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
+                                        + [layout.values[n] for n in stage.start])
         self._kept_ix = np.arange(len(kept))[None, :, None]
         self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
         self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
@@ -175,8 +178,9 @@ class ChainGroup:
         order = np.argsort(-left, kind="stable")  # lanes stepping at step j are a prefix
         lanes, steps = stepping[order], np.minimum(left[order], k)
         pos0 = self.pos[lanes]
-        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, steps, k),
-                         num_active=np.searchsorted(-steps, -np.arange(k), side="left"), last=steps - 1,
+        num_active = np.searchsorted(-steps, -np.arange(k), side="left")  # lanes stepping at step j
+        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
+                         num_active=num_active, last=steps - 1,
                          carry=stage.carry, saved=stage.kept, record=tuple(stage.collect.values()),
                          owners=self.owner[lanes])
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
@@ -190,10 +194,11 @@ class ChainGroup:
             self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (pos0[ending] + steps[ending] - 1) & 1)
         return task
 
-    def _index(self, lanes: np.ndarray, pos0: np.ndarray, steps: np.ndarray, k: int) -> np.ndarray:
+    def _index(self, lanes: np.ndarray, pos0: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
         """[k, num_slices, B]. A lane's parity alternates, so its writes alternate between two rows
         (`at_even`, `at_odd` steps of the round) and its reads are the previous step's writes:
-        a few slice copies, not a pass per step. Lanes past their last step are fixed up after."""
+        a few slice copies, not a pass per step. Lanes past their last step (a suffix: lanes are sorted
+        by their steps) are fixed up after, a slice per step."""
         stage, layout = self.stage, self.stage.cell_type.layout
         b = len(lanes)
         index = np.zeros((k, layout.num_slices, b), dtype=np.int64)
@@ -215,14 +220,10 @@ class ChainGroup:
             index[:, self._value_slots] = self.values[at].transpose(0, 2, 1)
         for name, value in stage.start.items():  # decode: the first step's token
             index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
-        early = np.flatnonzero(steps < k)  # lanes that end inside the round: padding after their end
-        if len(early):
-            sub = index[:, :, early]
-            past = np.arange(k)[:, None] >= steps[early][None, :]  # [k, E]
-            sub[:, self._write_slots] = np.where(past[:, None, :], self._scratch, sub[:, self._write_slots])
-            reads = self._read_slots + self._value_slots + [layout.values[n] for n in stage.start]
-            sub[:, reads] = np.where(past[:, None, :], 0, sub[:, reads])
-            index[:, :, early] = sub
+        for j in np.flatnonzero(num_active < b).tolist():  # lanes past their last step: a suffix at step j
+            a = int(num_active[j])
+            index[j, self._write_slots, a:] = self._scratch[0]
+            index[j, self._padded_reads, a:] = 0
         return index
 
     def _join(self, chunk: Chunk) -> None:
@@ -382,6 +383,13 @@ class ChainGroup:
         self.length[slots] = 0
         self.pos[slots] = 0
         self._free_slots += slots.tolist()
+
+
+def _positions(positions: list[int]) -> slice | list[int]:
+    """A slice if the positions are consecutive and ascending (indexing with it gives a view)."""
+    if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+        return slice(positions[0], positions[0] + len(positions))
+    return positions
 
 
 @dataclass(slots=True)
