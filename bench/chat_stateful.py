@@ -147,6 +147,27 @@ def summarize(system: str, rate: float, records: list, window: tuple[float, floa
     return row
 
 
+def _engine_counters(engine, gen) -> dict:
+    """What the whole run (all its turns) cost the engine: iterations, tokens, manager time."""
+    stats = engine.stats()
+    iterations = tokens = 0
+    for key, n in stats["batch_sizes"].items():  # "cell:tokens" -> iterations
+        iterations += n
+        tokens += n * int(key.rsplit(":", 1)[1])
+    return {"time_s": time.perf_counter(), "iterations": iterations, "tokens": tokens,
+            "suspended": gen.queue.num_suspended, **gen.queue.counters, **{f"{k}_ms": v for k, v in stats["stage_ms"].items()}}
+
+
+def _engine_delta(before: dict, after: dict) -> dict:
+    delta = {k: after[k] - before[k] for k in after}
+    n = max(delta["iterations"], 1)
+    delta["tokens_per_iteration"] = delta["tokens"] / n
+    delta["running_per_iteration"] = delta.pop("running") / max(delta["planned"], 1)
+    delta["ms_per_iteration"] = delta.pop("time_s") * 1e3 / n
+    delta["manager_ms_per_iteration"] = sum(delta[f"{k}_ms"] for k in ("admit", "complete", "schedule")) / n
+    return delta
+
+
 def tier_latency(engine, model: str, contexts: list[int], prompt: int, vocab: int, repeats: int = 5) -> list[dict]:
     """One turn's latency (max_new_tokens 1) after a context of L tokens kept on the GPU, copied
     back from the host, or recomputed; and a stateless request of the whole L + prompt tokens.
@@ -240,9 +261,11 @@ def run(args, model, config, write_results) -> None:
                 n = int(rate * args.arrival_seconds)
                 work = scripts(n, rate, reaction, config.max_positions, config.vocab_size, args.seed)
                 stop = work[-1].start
+                before = _engine_counters(engine, gen)
                 records, span = converse(engine, "llama", work, stateful=system != "stateless", stop_at=stop)
                 stats = gen.conversation_stats() if system != "stateless" else None
                 rows.append(summarize(system, rate, records, (args.warm_fraction * stop, stop), stats))
+                rows[-1]["engine"] = _engine_delta(before, _engine_counters(engine, gen))
                 print({k: v for k, v in rows[-1].items() if k != "cache_stats"}, stats, flush=True)
                 for cache in gen.caches.values():  # reset the counters between rates
                     cache.stats = dict.fromkeys(cache.stats, 0)

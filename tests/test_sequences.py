@@ -50,6 +50,7 @@ class FakeCellType:
 class FakeFuture:
     def __init__(self, request_id: int, priority: int = 0):
         self.request_id, self.priority, self.on_partial = request_id, priority, None
+        self.arrival = float(request_id)  # (ids are given in submission order)
         self._done = False
         self.streamed: list[int] = []
         self.result: list[int] | None = None

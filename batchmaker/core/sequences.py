@@ -153,6 +153,10 @@ class SequenceQueue:
         self.num_running_tasks = 0
         self.num_skips = 0
         self.num_suspended = 0
+        # what planning saw (benchmarks read them): iterations planned, running sequences summed
+        # over them, joins from each line, joins refused for want of blocks or of copy slots
+        self.counters = dict.fromkeys(("planned", "running", "joins_pinned", "joins_waiting",
+                                       "refused_blocks", "refused_copies"), 0)
         self._reserve = {w: int(np.ceil(reserve * (q.blocks.num_blocks - 1))) for w, q in sequences.items()}
         self._joined = 0
         self._epoch = 0
@@ -228,6 +232,8 @@ class SequenceQueue:
             budget = self._prefill(q, worker_id, s, budget, plan)
             if not q.active[s]:  # suspended for want of blocks: no more joins now
                 break
+        self.counters["planned"] += 1
+        self.counters["running"] += q.num_active
         slots, starts, counts, serials = (np.concatenate(column) for column in zip(*plan))
         # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
         keep = q.active[slots] & (q.serial[slots] == serials)
@@ -253,11 +259,11 @@ class SequenceQueue:
         return budget
 
     def _join(self, q: Sequences, worker_id: int, incoming: CachePlan, plan: list) -> int | None:
-        """The first waiting request (a turn of a conversation cached here first) joins a slot if
+        """The first waiting request (of the shared line or of this worker's, see `_line`) joins a slot if
         its blocks leave the reserve free (or nothing else runs here). A turn whose cache comes
         back from the host in an iteration that has other work waits for its copies on the side
         (`restoring`: the batch does not); alone, it is copied in layer by layer as it runs."""
-        line = self.pinned[worker_id] if self.pinned[worker_id] else self.waiting
+        line = self._line(worker_id)
         chunk = line.take(1)
         columns = {k: v[0] for k, v in chunk.columns.items()}
         conversation = columns["conversation"]
@@ -271,7 +277,9 @@ class SequenceQueue:
         if (q.num_active and available - need < self._reserve[worker_id]) or need > available or \
                 (copies_in and copies_in > cache.max_in):
             line.push_front(int(columns["priority"]), chunk)
+            self.counters["refused_copies" if copies_in and copies_in > cache.max_in else "refused_blocks"] += 1
             return None
+        self.counters["joins_pinned" if line is self.pinned[worker_id] else "joins_waiting"] += 1
         self._joined += 1
         tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
         s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
@@ -294,6 +302,16 @@ class SequenceQueue:
                         q.restoring[s] = incoming
             conversation.row = -1
         return s
+
+    def _line(self, worker_id: int) -> Waiting:
+        """The line whose first request goes first: higher priority, then earlier arrival (turns
+        of conversations cached here do not overtake older requests: long histories first would
+        fill the blocks with few sequences and starve new conversations)."""
+        pinned, shared = self.pinned[worker_id], self.waiting
+        if not pinned or not shared:
+            return pinned if pinned else shared
+        (p1, a1), (p2, a2) = pinned.first(), shared.first()
+        return pinned if (-p1, a1) <= (-p2, a2) else shared
 
     def _grow(self, q: Sequences, worker_id: int, s: int, num_tokens: int) -> bool:
         """Blocks for `s` up to `num_tokens` positions: reclaimed from idle conversations, then by

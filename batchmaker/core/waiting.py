@@ -106,6 +106,11 @@ class Waiting:
         queue.appendleft(chunk)
         self.num_waiting += len(chunk)
 
+    def first(self) -> tuple[int, float]:
+        """(priority, arrival) of the request `take` would give first (the line is not empty)."""
+        level, queue = next((level, queue) for level, queue in self.levels.items() if queue)
+        return level, queue[0].owners[0].arrival
+
     def take(self, n: int, weights: str | None = None) -> Chunk | None:
         """Up to n requests from the front, highest priority first; None if none wait. With
         `weights` (a column of positive ints), the requests whose weights first add up to n."""
