@@ -2,6 +2,7 @@
 gives the same results and the same typed failures as the one-request checks; the engine's
 request accounting stays exact; the light future keeps concurrent.futures' reading contract."""
 import concurrent.futures
+import itertools
 import random
 import threading
 import time
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from batchmaker import BadRequestError, CancelledError, Engine, EngineConfig, EngineStoppedError, build_model
 from batchmaker.core.admission import check_token_lists, check_tokens, in_range
-from batchmaker.core.tree_input import _tree_to_arrays, parse_tree, parse_trees
+from batchmaker.core.tree_input import MAX_DEPTH, _tree_to_arrays, parse_tree, parse_trees
 from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.future import RequestFuture
 from helpers import wait_idle
@@ -85,8 +86,27 @@ def mutate(rng: random.Random, text: str) -> str:
         if rng.random() < 0.4 and s:
             del s[min(i, len(s) - 1)]
         else:
-            s.insert(i, rng.choice(["(", ")", " ", "a", "\t", "(2 x)", ")("]))
+            s.insert(i, rng.choice(["(", ")", " ", "a", "\t", "(2 x)", ")(", "(1 ", "(2 x y)",
+                                    "(2 (2 a) (2 b) (2 c))"]))
     return "".join(s)
+
+
+def assert_parsed_as_each(values: list, max_depth: int = MAX_DEPTH) -> None:
+    """parse_trees gives each tree as parse_tree does, and each bad one parse_tree's error."""
+    arrays, good, errors = parse_trees(values, VOCAB, max_depth)
+    k = 0
+    for i, value in enumerate(values):
+        try:
+            want = _tree_to_arrays(parse_tree(value, VOCAB, max_depth))
+        except BadRequestError as e:
+            assert str(errors[i]) == str(e)
+            continue
+        assert good[k] == i
+        n, tokens, children = arrays.tree(k)
+        assert n == want[0] and tokens.tolist() == want[1].tolist() and children.tolist() == want[2].tolist()
+        k += 1
+    assert k == len(good) and len(good) + len(errors) == len(values)
+    assert arrays.tokens.dtype == arrays.children.dtype == np.int64
 
 
 @settings(max_examples=150, deadline=None)
@@ -97,19 +117,48 @@ def test_parsing_many_trees_equals_parsing_each(batch, seed):
     for tree in batch:
         words_only = all(isinstance(x, str) for x in _leaves(tree))
         values.append(mutate(rng, to_brackets(tree)) if words_only and rng.random() < 0.7 else tree)
-    arrays, good, errors = parse_trees(values, VOCAB)
-    k = 0
-    for i, value in enumerate(values):
-        try:
-            want = _tree_to_arrays(parse_tree(value, VOCAB))
-        except BadRequestError as e:
-            assert str(errors[i]) == str(e)
-            continue
-        assert good[k] == i
-        n, tokens, children = arrays.tree(k)
-        assert n == want[0] and tokens.tolist() == want[1].tolist() and children.tolist() == want[2].tolist()
-        k += 1
-    assert k == len(good)
+    assert_parsed_as_each(values)
+
+
+# words and labels hold anything but brackets and the ASCII spaces (U+00A0, U+2003, U+0085 and
+# control characters are parts of words); words over 64 bytes are hashed apart from the others
+odd_words = (st.text(st.characters(exclude_characters="() \t\n\x0b\x0c\r\x1c\x1d\x1e\x1f", exclude_categories=["Cs"]),
+                     min_size=1, max_size=6)
+             | st.sampled_from(["x" * 65, "é" * 40, "\x00", "8\xa01", "\u2003", "\x85"]))
+SPACES = [" ", "  ", "\t", "\n ", "\r\n", "\x0b", "\x0c", "\x1c", "\x1f "]
+
+
+def bracket_trees():
+    """("word", label, word) | ("one", label, T) for "(label T)" | ("two", label, T1, T2)."""
+    return st.recursive(st.tuples(st.just("word"), odd_words, odd_words),
+                        lambda sub: (st.tuples(st.just("one"), odd_words, sub)
+                                     | st.tuples(st.just("two"), odd_words, sub, sub)),
+                        max_leaves=12)
+
+
+def render(tree, rng: random.Random) -> str:
+    """A bracket string of the tree, spaced at random (a space is needed only between label and word)."""
+    space = lambda: rng.choice(SPACES) if rng.random() < 0.4 else ""  # noqa: E731
+    kind, label, *children = tree
+    inner = rng.choice(SPACES) + children[0] if kind == "word" else "".join(space() + render(c, rng) for c in children)
+    return "(" + space() + label + inner + space() + ")"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(bracket_trees(), min_size=16, max_size=48), st.integers(0, 2**16), st.sampled_from([3, 8, MAX_DEPTH]))
+def test_parsing_a_batch_of_bracket_strings_at_once_equals_parsing_each(batch, seed, max_depth):
+    rng = random.Random(seed)
+    values = [render(tree, rng) for tree in batch]
+    assert_parsed_as_each([mutate(rng, v) if rng.random() < 0.3 else v for v in values], max_depth)
+
+
+def test_bad_strings_in_a_batch_get_the_one_request_errors():
+    bad = ["", "   ", "(", ")", "(2 a", "(2 a))", "(2 a) (2 b)", "(2)", "()", "( (2 a))", "a", "(2 (2 a) (2 b) (2 c))",
+           "(2 a b)", "(2 a (2 b))", "(2 (2 b) a)", "(1 " * 9 + "a" + ")" * 9, [1, 2, 3], None]
+    good = ["(3 (2 It) (4 (2 's) (2 good)))", "(\ud800 word)", "(2 word )", "(1(2 a)(3 b))", "(0 " + "w" * 100 + ")",
+            [1, 2]]
+    assert_parsed_as_each([x for pair in zip(bad, itertools.cycle(good)) for x in pair], max_depth=8)
+    assert_parsed_as_each(good * 4, max_depth=8)
 
 
 def _leaves(tree):

@@ -10,9 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchmaker.core.tree_input import _tree_to_arrays
+from batchmaker.data import read_trees
 from batchmaker.errors import BadRequestError
 from batchmaker.registry import build_model
-from batchmaker.unfolders.trees import MAX_DEPTH, load_sst_sample, num_leaves, parse_tree, word_id
+from batchmaker.unfolders.trees import MAX_DEPTH, load_sst_sample, num_leaves, parse_tree, parse_trees, word_id
 from reference import EagerGraph, run_eagerly, treelstm_reference
 
 VOCAB = 100
@@ -52,6 +54,20 @@ def test_sst_sample_parses():
         assert lines == shared.read_text(encoding="utf-8").splitlines()[:200]
     for line in lines:
         assert num_leaves(parse_tree(line, 30000)) == len(SST_WORD.findall(line))
+
+
+def test_sst_batches_parse_as_each_line():
+    lines = load_sst_sample()
+    shared = Path(__file__).parents[2] / "shared" / "data" / "sst" / "dev.txt"
+    if shared.exists():
+        lines = read_trees(shared)
+    for batch in (lines[:16], lines[16:80], lines):
+        arrays, good, errors = parse_trees(batch, 30000)
+        assert good == list(range(len(batch))) and not errors
+        for k, line in enumerate(batch):
+            n, tokens, children = arrays.tree(k)
+            want = _tree_to_arrays(parse_tree(line, 30000))
+            assert n == want[0] and tokens.tolist() == want[1].tolist() and children.tolist() == want[2].tolist()
 
 
 BAD_TREES = [
