@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchmaker import Engine
 from batchmaker.core.tree_input import _tree_to_arrays
 from batchmaker.data import read_trees
 from batchmaker.errors import BadRequestError
@@ -122,6 +123,16 @@ def test_sst_trees_match_reference():
         n = len(SST_WORD.findall(line))
         assert graph.count == {"leaf": n, "internal": n - 1}
         torch.testing.assert_close(got["h"], treelstm_reference(model, {"tree": line})["h"], atol=1e-5, rtol=0)
+
+
+def test_sst_trees_of_mixed_priorities_in_the_engine_match_reference():
+    model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5)
+    lines = load_sst_sample()[:48]
+    with Engine([model]) as engine:
+        futures = [engine.submit("treelstm", {"tree": line}, priority=i % 3) for i, line in enumerate(lines)]
+        for line, f in zip(lines, futures):
+            want = treelstm_reference(model, {"tree": line})["h"]
+            torch.testing.assert_close(f.result(30).outputs["h"], want, atol=1e-5, rtol=0)
 
 
 def test_single_leaf_tree():

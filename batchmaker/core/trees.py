@@ -146,24 +146,25 @@ class TreeGroup:
         self.num_prioritized += int(np.count_nonzero(self.priority[trees]))
         self.size[trees] = sizes
         self.live[trees] = True
-        first = self.num_nodes + np.cumsum(sizes) - sizes  # each tree's first node id
-        ids = np.arange(self.num_nodes, self.num_nodes + total)
-        base = np.repeat(first, sizes)
-        nodes = chunk.values.reshape(-1, 3)  # (token, left, right); children as numbers within the tree
+        at = slice(self.num_nodes, self.num_nodes + total)  # the new nodes' ids
+        nodes = chunk.values.reshape(-1, 3)  # (token, left, right); children as numbers within the tree, else -1
         internal = nodes[:, 1] >= 0
-        self.token[ids] = np.where(internal, 0, nodes[:, 0])
-        self.left[ids] = np.where(internal, base + nodes[:, 1], -1)
-        self.right[ids] = np.where(internal, base + nodes[:, 2], -1)
-        self.parent[ids] = -1
-        self.parent[self.left[ids[internal]]] = ids[internal]
-        self.parent[self.right[ids[internal]]] = ids[internal]
-        self.pending[ids] = np.where(internal, 2, 0)
-        self.tree[ids] = np.repeat(trees, sizes)
+        inner = self.num_nodes + np.flatnonzero(internal)
+        leaves = self.num_nodes + np.flatnonzero(~internal)
+        base = np.repeat(self.num_nodes + np.cumsum(sizes) - sizes, sizes)[internal]  # the tree's first node id
+        self.token[at] = nodes[:, 0]
+        self.token[inner] = 0
+        self.left[at] = self.right[at] = self.parent[at] = -1
+        self.left[inner] = left = base + nodes[internal, 1]
+        self.right[inner] = right = base + nodes[internal, 2]
+        self.parent[left] = self.parent[right] = inner
+        self.pending[at] = 0
+        self.pending[inner] = 2
+        self.tree[at] = np.repeat(trees, sizes)
         for out in self.spec.kept:
-            self.rows[out][ids] = 0
+            self.rows[out][at] = 0
         self.num_nodes += total
-        leaves = ids[~internal]
-        self._enqueue(LEAF, leaves, self.priority[self.tree[leaves]])
+        self._enqueue(LEAF, leaves)
 
     def _tree_slots(self, n: int) -> np.ndarray:
         while len(self._free_trees) < n:
@@ -248,7 +249,7 @@ class TreeGroup:
             ready.sort()
             ready = ready[np.concatenate(([True], ready[1:] != ready[:-1]))]
         if len(ready):
-            self._enqueue(INTERNAL, ready, self.priority[self.tree[ready]])
+            self._enqueue(INTERNAL, ready)
         if is_root.any():
             lanes = np.flatnonzero(is_root)
             task.fetch = {out: lanes for out in spec.outputs.values()}
@@ -279,11 +280,16 @@ class TreeGroup:
         self.num_ready[kind] -= len(ids)
         return ids
 
-    def _enqueue(self, kind: int, ids: np.ndarray, priorities: np.ndarray) -> None:
+    def _enqueue(self, kind: int, ids: np.ndarray) -> None:
+        """Nodes of live trees become ready (all at priority 0 while no live tree has another)."""
         fifos = self.fifos[kind]
-        one_level = not self.num_prioritized or (priorities == priorities[0]).all()
-        for level in ([int(priorities[0])] if one_level else np.unique(priorities).tolist()):
-            part = ids if one_level else ids[priorities == level]
+        if self.num_prioritized:
+            priorities = self.priority[self.tree[ids]]
+            levels = [int(priorities[0])] if (priorities == priorities[0]).all() else np.unique(priorities).tolist()
+        else:
+            priorities, levels = None, [0]
+        for level in levels:
+            part = ids if len(levels) == 1 else ids[priorities == level]
             if level not in fifos:
                 fifos[level] = deque()
                 self.fifos = tuple(dict(sorted(f.items(), reverse=True)) if f is fifos else f for f in self.fifos)
@@ -295,7 +301,7 @@ class TreeGroup:
     def _free_rows(self, ids: np.ndarray) -> None:
         for out, rows in self.rows.items():
             held = rows[ids]
-            self.pools[out].free_many(held[held != 0].tolist())
+            self.pools[out].free_many(held[held != 0])
             rows[ids] = 0
 
     def _finish_trees(self, trees: np.ndarray) -> None:
