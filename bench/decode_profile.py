@@ -1,8 +1,12 @@
 """Where a decode step's GPU time goes: the decoder's forward + head + argmax for B sequences at a
 fixed context, as one CUDA graph (timed) and eagerly under the profiler (kernels by name), against
-the weight-bytes floor (parameters x bytes / copy bandwidth).
+the weight-bytes floor (parameters x bytes / copy bandwidth), and the kernels one step launches
+(per step, per layer, by name). Two ways to attend (--attend): `fused` (kernels/paged_attention.py
+PagedAttend bounded by the step's context: K/V written inside the RoPE kernel, decode without
+split-KV up to SHORT_CONTEXT_LEN) and `engine` (what exec/iterations.py runs today: write_kv, then
+paged_attention bounded by the block table's width, max_positions).
 
-    python bench/decode_profile.py --preset llama-2-7b --batch 1 --context 360
+    python bench/decode_profile.py --preset llama-2-7b --batch 1 64 --context 360
 """
 import argparse
 import json
@@ -20,18 +24,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=360)
     ap.add_argument("--bandwidth", type=float, default=4.23e12)
+    ap.add_argument("--attend", nargs="+", choices=("fused", "engine"), default=["fused", "engine"])
     ap.add_argument("--engine-window", type=float, default=0.0,
                     help="also profile the engine decoding one request for this many seconds: GPU busy fraction")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
-    from batchmaker.kernels.paged_attention import paged_attention, write_kv
+    from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv
     config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
     report = {"preset": args.preset, "context": args.context, "floor_ms": floor_ms, "device": torch.cuda.get_device_name(), "rows": []}
-    for batch in args.batch:
+    for batch, how in ((b, a) for b in args.batch for a in args.attend):
         per_seq = -(-args.context // bs)
         shape = (config.num_layers, batch * per_seq + 1, bs, config.num_kv_heads, config.head_dim)
         kc, vc = torch.randn(shape, dtype=torch.bfloat16, device=dev), torch.randn(shape, dtype=torch.bfloat16, device=dev)
@@ -42,9 +47,14 @@ def main() -> None:
         slots = tables[:, -1].long() * bs + (args.context - 1) % bs
         tokens = torch.randint(1, config.vocab_size, (batch,), device=dev)
 
-        def attend(layer, q, k, v):
-            write_kv(k, v, kc[layer], vc[layer], slots)
-            return paged_attention(q, kc[layer], vc[layer], tables, query_start, context, 1, config.head_dim ** -0.5)
+        scale = config.head_dim ** -0.5
+        if how == "fused":
+            attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, scale, max_context_len=args.context)
+        else:
+            def attend(layer, q, k, v):
+                write_kv(k, v, kc[layer], vc[layer], slots)
+                return paged_attention(q, kc[layer], vc[layer], tables, query_start, context, 1, scale,
+                                       max_context_len=config.max_positions)
 
         def step():
             return lm.head(lm(tokens, positions, attend)).argmax(-1)
@@ -73,9 +83,13 @@ def main() -> None:
                 kernels[e.key[:90]] = (e.count, e.device_time_total / 1e3)
         total = sum(ms for _, ms in kernels.values())
         top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
-        row = {"batch": batch, "graph_step_ms": graph_ms, "vs_floor": graph_ms / floor_ms,
-               "kernels_per_step": sum(c for c, _ in kernels.values()), "kernel_ms_eager": total,
-               "top_kernels": [{"name": k, "count": c, "ms": ms} for k, (c, ms) in top]}
+        num_kernels = sum(c for c, _ in kernels.values())
+        per_layer = {k: c // config.num_layers for k, (c, _) in kernels.items() if c >= config.num_layers}
+        row = {"batch": batch, "attend": how, "graph_step_ms": graph_ms, "vs_floor": graph_ms / floor_ms,
+               "kernels_per_step": num_kernels, "kernels_per_layer": sum(per_layer.values()),
+               "kernels_outside_layers": num_kernels - config.num_layers * sum(per_layer.values()),
+               "kernel_ms_eager": total, "top_kernels": [{"name": k, "count": c, "ms": ms} for k, (c, ms) in top],
+               "layer_kernels": dict(sorted(per_layer.items(), key=lambda kv: -kv[1]))}
         report["rows"].append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.engine_window:

@@ -6,9 +6,16 @@ every layer projects q/k/v for the `T` tokens and hands them to `attend(layer_in
 which stores k/v wherever it likes and returns the attention output. `dense_logits` is the plain
 one-sequence path (causal attention over the sequence itself), the reference for everything else.
 
+An `attend` over a KV cache may also let the model write the new K/V itself: with
+`kv_cache(layer_index) -> (k_cache, v_cache, slots)` and `attend_cached(layer_index, q)`
+(kernels/paged_attention.py `PagedAttend`), a model with rotary embeddings writes the rotated k and
+v into the cache inside its RoPE kernel and asks for attention over the cache.
+
 Everything on the token path is free of host syncs and data-dependent shapes, so one iteration
 can be captured in a CUDA graph for a fixed `T`. Llama and OPT share this base, the attention
-block and the pre-norm layer; their files add norms, MLPs and position handling.
+block and the pre-norm layer; their files add norms, MLPs and position handling. Layers hand the
+residual stream on unsummed (the MLP's output and the sum before it), so that the next layer's
+norm adds them (one kernel for Llama's add + RMSNorm).
 """
 from collections.abc import Callable
 
@@ -57,9 +64,13 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if rotate is not None:
-            q, k = rotate(q, k)
-        out = attend(self.layer_index, q, k, v)  # [T, Hq, D]
+        if rotate is not None and hasattr(attend, "attend_cached"):  # k, v written with the rotation
+            q = rotate.write_kv(q, k, v, *attend.kv_cache(self.layer_index))
+            out = attend.attend_cached(self.layer_index, q)
+        else:
+            if rotate is not None:
+                q, k = rotate(q, k)
+            out = attend(self.layer_index, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.sizes[0]))
 
 
@@ -70,9 +81,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
-        x, normed = add_and_norm(self.mlp_norm, self.attn(self.attn_norm(x), rotate, attend), x)
-        return x + self.mlp(normed)
+    def forward(self, x: Tensor, residual: Tensor | None, rotate, attend: Attend) -> tuple[Tensor, Tensor]:
+        """The block's input is x + residual (x alone when residual is None); returns (the MLP's
+        output, the residual before it): their sum, the block's output, is left to the next norm."""
+        if residual is None:
+            residual, normed = x, self.attn_norm(x)
+        else:
+            residual, normed = add_and_norm(self.attn_norm, x, residual)
+        residual, normed = add_and_norm(self.mlp_norm, self.attn(normed, rotate, attend), residual)
+        return self.mlp(normed), residual
 
 
 def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,18 +117,19 @@ class DecoderLM(nn.Module):
         """tokens, positions: LongTensor [T] -> [T, H]."""
         raise NotImplementedError
 
-    def rotary(self, positions: Tensor) -> Callable | None:
-        """A function rotating (q [T, Hq, D], k [T, Hkv, D]) to `positions` -> (q, k), or None without
-        rotary embeddings."""
+    def rotary(self, positions: Tensor):
+        """None without rotary embeddings; else an object rotating to `positions`: called as
+        rotate(q [T, Hq, D], k [T, Hkv, D]) -> (q, k), and rotate.write_kv(q, k, v, k_cache,
+        v_cache, slots) -> q, which writes the rotated k and v into the caches at slots."""
         return None
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         """tokens, positions: LongTensor [T] -> hidden states [T, H] before the final norm."""
-        hidden = self.embed(tokens, positions)
+        hidden, residual = self.embed(tokens, positions), None
         rotate = self.rotary(positions)  # computed once, shared by every layer
         for layer in self.layers:
-            hidden = layer(hidden, rotate, attend)
-        return hidden
+            hidden, residual = layer(hidden, residual, rotate, attend)
+        return hidden if residual is None else hidden + residual
 
     def head(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> float32 logits [N, vocab] (final norm, then the LM head)."""

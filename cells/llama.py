@@ -2,19 +2,21 @@
 
 Numerics follow HF's modeling_llama: RMSNorm in float32 and cast back before the weight; RoPE in
 the rotate-half layout (the two halves of each head are the pairs rotated together), cos/sin
-computed in float32 and cast to the activations' dtype. On CUDA the norms and RoPE run as one Triton
-kernel each (kernels/fused_decoder.py); elsewhere as their PyTorch twins, the code HF runs.
+computed in float32 and cast to the activations' dtype. On CUDA the norms (with the residual add
+before them), RoPE (with the K/V cache write, when the caller's attend offers it) and SiLU(gate) x up
+run as one Triton kernel each (kernels/fused_decoder.py); elsewhere as their PyTorch twins, the code
+HF runs.
 """
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
 from batchmaker.cells.decoder_config import DecoderConfig, rope_type
 from batchmaker.kernels.fused_decoder import (add_rms_norm, can_fuse, reference_add_rms_norm, reference_rms_norm,
-                                              reference_rope, rms_norm, rope)
+                                              reference_rope, reference_rope_write_kv, reference_silu_mul,
+                                              rms_norm, rope, rope_write_kv, silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +47,24 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate | up
+        return self.down_proj(silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
+
+
+class Rotary:
+    """Rotate-half RoPE at one forward's positions (cos, sin [T, D/2] in the activations' dtype)."""
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: Tensor, sin: Tensor):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return (rope if can_fuse(q) else reference_rope)(q, k, self.cos, self.sin)
+
+    def write_kv(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> Tensor:
+        """q rotated; k rotated and v written into the caches at slots (one kernel on CUDA)."""
+        fn = rope_write_kv if can_fuse(q) else reference_rope_write_kv
+        return fn(q, k, v, self.cos, self.sin, k_cache, v_cache, slots)
 
 
 def rope_inv_freq(config: DecoderConfig) -> Tensor:
@@ -93,8 +111,7 @@ class LlamaLM(DecoderLM):
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.embed_tokens(tokens)
 
-    def rotary(self, positions: Tensor):
+    def rotary(self, positions: Tensor) -> Rotary:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2], float32
         dtype = self.embed_tokens.weight.dtype
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return lambda q, k: (rope if can_fuse(q) else reference_rope)(q, k, cos, sin)
+        return Rotary(freqs.cos().to(dtype), freqs.sin().to(dtype))

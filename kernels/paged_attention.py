@@ -16,8 +16,14 @@ K/V are already in the cache. Query i of n_s sits at position context_lens[s] - 
 
 The kernel launch depends only on tensor shapes and host ints (max_query_len, max_context_len),
 never on tensor values, so it can be captured in a CUDA graph and replayed with new contents.
+Decode at contexts up to SHORT_CONTEXT_LEN (by the host's bound) runs one program per (sequence, kv
+head) over the whole context: one launch, no split-KV combine.
+
+`PagedAttend` is a decoder's `attend` (cells/decoder.py) over the caches of every layer: it writes
+the new tokens' K/V and attends, or lets the model write them itself (Llama: inside its RoPE kernel).
 """
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,8 @@ MIN_SPLIT_LEN = 128  # context positions per split slice worth a program of its 
 MIN_PREFILL_SPLIT_LEN = 2048  # the same for query tiles of more than 16 rows, whose partials weigh more:
 # 512 new tokens over a 512 context took 2x as long in 4 slices as in one (H200)
 MAX_SPLITS = 32
+SHORT_CONTEXT_LEN = 512  # decode up to this bound: no split, so no combine launch (batch 1, context 360
+# split in two took ~9 us plus the combine on the H200; not yet measured without: bench/decode_profile.py)
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
 _kernels = None
 
@@ -154,9 +162,12 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     """The tile shape and split count of a launch, from host ints only (`config`, `num_splits`:
     the caller's choice, kept)."""
     cfg = config or pick_config(max_query_len, _pow2(group))
+    is_decode_tile = cfg.block_m * _pow2(group) <= 16
+    if num_splits is None and is_decode_tile and max_context_len <= SHORT_CONTEXT_LEN:
+        num_splits = 1  # one program per (sequence, kv head) covers the whole context
     if num_splits is None:
         num_tiles = max(1, -(-max_query_len // cfg.block_m))
-        min_len = MIN_SPLIT_LEN if cfg.block_m * _pow2(group) <= 16 else MIN_PREFILL_SPLIT_LEN
+        min_len = MIN_SPLIT_LEN if is_decode_tile else MIN_PREFILL_SPLIT_LEN
         num_splits = pick_num_splits(num_seqs * num_kv_heads * num_tiles, max_context_len, num_sms, min_len)
     if num_splits > 1 and config is None:
         cfg = pick_config(max_query_len, _pow2(group), is_split=True)
@@ -181,6 +192,44 @@ def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_l
     if num_programs >= 2 * num_sms:
         return 1
     return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
+
+
+@dataclass(slots=True)
+class PagedAttend:
+    """A decoder's `attend` over a paged cache (cells/decoder.py calls it per layer; no host syncs).
+
+    Called as attend(layer, q, k, v) it writes k, v at `slots` and attends. A model that writes K/V
+    itself (Llama, fused into its RoPE kernel) calls kv_cache(layer) -> (k_cache, v_cache, slots)
+    first, then attend_cached(layer, q). `before_layer(layer)` runs before the layer's K/V are
+    written (e.g. waiting for blocks copied in). `max_context_len` bounds every context (a host
+    int, or None: what a block table row holds): it picks the launch, so it must be known when the
+    launch is planned (captured)."""
+    k_cache: torch.Tensor  # [layers, num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # int64 [T]: block * block_size + offset of each new token
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    query_start: torch.Tensor  # int32 [S + 1]
+    context_lens: torch.Tensor  # int32 [S]
+    max_query_len: int
+    scale: float
+    max_context_len: int | None = None
+    before_layer: Callable[[int], None] | None = None
+    attention: Callable | None = None  # None: the kernel on CUDA, else the twin
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_kv(k, v, *self.kv_cache(layer))
+        return self.attend_cached(layer, q)
+
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.before_layer is not None:
+            self.before_layer(layer)
+        return self.k_cache[layer], self.v_cache[layer], self.slots
+
+    def attend_cached(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D] over the layer's cache, which holds the new tokens' K/V already."""
+        attention = self.attention or (paged_attention if q.is_cuda else reference_paged_attention)
+        return attention(q, self.k_cache[layer], self.v_cache[layer], self.block_tables, self.query_start,
+                         self.context_lens, self.max_query_len, self.scale, max_context_len=self.max_context_len)
 
 
 def _pow2(x: int) -> int:
@@ -226,5 +275,5 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
                          f"[{num_seqs}], got {tuple(query_start.shape)}, {tuple(context_lens.shape)}")
 
 
-__all__ = ["AttentionConfig", "paged_attention", "pick_config", "pick_launch", "pick_num_splits",
-           "reference_paged_attention", "write_kv"]
+__all__ = ["AttentionConfig", "PagedAttend", "SHORT_CONTEXT_LEN", "paged_attention", "pick_config", "pick_launch",
+           "pick_num_splits", "reference_paged_attention", "write_kv"]

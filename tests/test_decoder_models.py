@@ -1,6 +1,7 @@
 """Decoder-only models (Llama, OPT): equal to HF transformers' logits when loaded from a checkpoint
-that transformers saved; token-wise forward over packed sequences equals each sequence alone;
-seeded builds, presets, config round trips, loader errors and the tokenizer file."""
+that transformers saved; token-wise forward over packed sequences equals each sequence alone, also
+over a paged KV cache (prefill, then decode); seeded builds, presets, config round trips, loader
+errors and the tokenizer file."""
 import json
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ from batchmaker.cells.checkpoint import load_checkpoint, load_tokenizer
 from batchmaker.cells.decoder import build_decoder, causal_attend, repeat_kv
 from batchmaker.cells.decoder_config import (PRESETS, DecoderConfig, from_hf, num_parameters, scaling_tuple,
                                              to_hf)
+from batchmaker.kernels.paged_attention import PagedAttend
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -106,6 +108,42 @@ def test_packed_forward_equals_each_sequence_alone(config):
     q_shape = (18, config.num_heads, config.head_dim)
     kv_shape = (18, config.num_kv_heads, config.head_dim)
     assert calls == [(i, q_shape, kv_shape, kv_shape) for i in range(config.num_layers)]
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, TINY_OPT], ids=["llama", "opt"])
+def test_paged_prefill_then_decode_equals_each_sequence_alone(config, monkeypatch):
+    """Through PagedAttend (the CPU twins): Llama writes K/V with its rotation (kv_cache, then
+    attend_cached), OPT through attend(layer, q, k, v). Two sequences prefill all but their last
+    token in one iteration, then decode it in the next."""
+    if config.family == "llama":
+        monkeypatch.setattr(PagedAttend, "__call__", lambda *a: pytest.fail("Llama writes K/V itself"))
+    model = build_decoder(config, seed=5)
+    block_size = 4
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (10, 6)]
+    tables = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)
+    shape = (config.num_layers, 6, block_size, config.num_kv_heads, config.head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))  # block 0 too: unread
+
+    def iteration(chunks):  # [(sequence, first position, tokens)] -> logits of each chunk's last token
+        positions = torch.cat([torch.arange(first, first + len(t)) for _, first, t in chunks])
+        seq_ids = torch.cat([torch.full((len(t),), s) for s, _, t in chunks])
+        lens = torch.tensor([len(t) for _, _, t in chunks])
+        query_start = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).int()
+        context_lens = torch.tensor([first + len(t) for _, first, t in chunks], dtype=torch.int32)
+        slots = tables[seq_ids, positions // block_size].long() * block_size + positions % block_size
+        seen = []
+        attend = PagedAttend(k_cache, v_cache, slots, tables, query_start, context_lens, int(lens.max()),
+                             config.head_dim ** -0.5, before_layer=seen.append)
+        with torch.no_grad():
+            hidden = model(torch.cat([t for _, _, t in chunks]), positions, attend)
+            assert seen == list(range(config.num_layers))
+            return model.head(hidden[query_start[1:].long() - 1])
+    prefill = iteration([(s, 0, t[:-1]) for s, t in enumerate(seqs)])
+    decode = iteration([(s, len(t) - 1, t[-1:]) for s, t in enumerate(seqs)])
+    for s, t in enumerate(seqs):
+        dense = model.dense_logits(t)
+        torch.testing.assert_close(prefill[s], dense[-2], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode[s], dense[-1], atol=1e-5, rtol=1e-5)
 
 
 def test_build_decoder_is_seeded():

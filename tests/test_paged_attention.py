@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from batchmaker.kernels.paged_attention import (AttentionConfig, paged_attention, pick_num_splits,
-                                                reference_paged_attention, write_kv)
+from batchmaker.kernels.paged_attention import (SHORT_CONTEXT_LEN, AttentionConfig, PagedAttend, paged_attention,
+                                                pick_launch, pick_num_splits, reference_paged_attention, write_kv)
 from helpers import interpreter, needs_gpu, run_interpreted
 
 TOLERANCE = {  # (rtol, atol) of the kernel against the twin, outputs of O(1): about 2 ulps of the dtype
@@ -177,6 +177,42 @@ def test_split_count_depends_on_programs_and_the_context_bound():
     assert 1 < pick_num_splits(1, 1 << 20, sms) <= 32
 
 
+def test_short_decode_contexts_run_in_one_pass():
+    sms = 132
+    for group in (1, 4, 8):  # Llama-2-7B: 32 kv heads, G = 1; decode tiles of 16 rows
+        assert pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN, sms)[1] == 1  # one program per kv head
+        assert pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN + 1, sms)[1] > 1  # split
+        assert pick_launch(1, 32 // group, group, 1, 4096, sms)[1] > 1
+    assert pick_launch(1, 8, 4, 1, 360, sms, num_splits=3)[1] == 3  # the caller's count is kept
+    assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
+
+
+def paged_attend_case(seed=0, **kw):
+    """A PagedAttend over 2 layers of a case's cache (its K/V put in both), and the case."""
+    case = make_case([1, 3, 0], [9, 20, 4], 2, 2, 32, 8, seed=seed)
+    q, k_cache, v_cache, block_tables, query_start, context_lens, n, scale = case.args
+    caches = k_cache.expand(2, *k_cache.shape).clone(), v_cache.expand(2, *v_cache.shape).clone()
+    slots = torch.tensor([7, 8, 9, 10, 11, 12, 13])[:q.shape[0]]
+    return PagedAttend(*caches, slots, block_tables, query_start, context_lens, n, scale, **kw), case
+
+
+def test_paged_attend_writes_then_attends():
+    seen = []
+    attend, case = paged_attend_case(before_layer=seen.append)
+    q = case.q.nan_to_num()
+    k, v = torch.randn(q.shape[0], 2, 32), torch.randn(q.shape[0], 2, 32)
+    out = attend(1, q, k, v)
+    assert seen == [1]
+    assert torch.equal(attend.k_cache[1].flatten(0, 1)[attend.slots], k)
+    assert torch.equal(attend.v_cache[1].flatten(0, 1)[attend.slots], v)
+    want = reference_paged_attention(q, attend.k_cache[1], attend.v_cache[1], *case.args[3:])
+    assert torch.equal(out, want)
+    k_cache, v_cache, slots = attend.kv_cache(0)  # the model's own write, then attention over the cache
+    assert seen == [1, 0] and k_cache.data_ptr() == attend.k_cache[0].data_ptr() and slots is attend.slots
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(attend.attend_cached(0, q), want)
+
+
 def test_module_imports_without_triton_and_the_kernel_says_why():
     code = textwrap.dedent("""
         import sys
@@ -206,6 +242,12 @@ def test_kernel_in_the_interpreter(seed):
     if seed < 2:  # split-KV, and fp16 dots
         check_kernel(make_case([1, 3, 0], [70, 90, 5], 2, 2, 32, 16, seed=seed), num_splits=3)
         check_kernel(make_case([1, 1], [40, 20], 1, 4, 32, 8, torch.float16, seed=seed), num_splits=2)
+    if seed == 2:  # short decode contexts: one pass, the same as split in two
+        case = make_case([1, 1, 0, 1], [300, 1, 3, 129], 2, 1, 32, 16, seed=seed)
+        one_pass = check_kernel(case, max_context_len=SHORT_CONTEXT_LEN)
+        torch.testing.assert_close(check_kernel(case, num_splits=2), one_pass, rtol=1e-5, atol=1e-5)
+        attend, case = paged_attend_case(seed, attention=paged_attention)  # the kernel through PagedAttend
+        torch.testing.assert_close(attend.attend_cached(0, case.q), reference_paged_attention(*case.args))
 
 
 def test_the_interpreter_in_a_subprocess():
@@ -257,6 +299,19 @@ def test_split_kv(num_splits, dtype):
 def test_other_tile_shapes(block_m, block_n):
     case = make_case([40, 1, 9], [300, 64, 9], 2, 4, 64, 16, torch.float16, "cuda", seed=4)
     check_kernel(case, config=AttentionConfig(block_m, block_n, 4, 2))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("max_context_len,num_launches", [(SHORT_CONTEXT_LEN, 1), (4096, 2)])
+def test_short_decode_contexts_are_one_launch(max_context_len, num_launches):
+    case = make_case([1] * 2, [SHORT_CONTEXT_LEN, 3], 32, 1, 128, 16, torch.bfloat16, "cuda", seed=7)
+    check_kernel(case, max_context_len=max_context_len)  # (compiles outside the profile)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        paged_attention(*case.args, max_context_len=max_context_len)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum(e.count for e in kernels if "attention" in e.key or "combine" in e.key) == num_launches, kernels
 
 
 @pytest.mark.gpu
