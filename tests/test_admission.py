@@ -161,6 +161,23 @@ def test_bad_strings_in_a_batch_get_the_one_request_errors():
     assert_parsed_as_each(good * 4, max_depth=8)
 
 
+def test_a_word_that_is_not_valid_unicode_fails_its_request_only():
+    """A lone surrogate (possible in-process, not over msgpack) in a word: bad_request for that
+    request, in the reference, in a batch, and in the engine, where the others go on."""
+    good = "(3 (2 It) (4 (2 's) (2 good)))"
+    for value in ("(2 \ud800)", ["\ud800", "x"]):
+        with pytest.raises(BadRequestError, match="not valid Unicode"):
+            parse_tree(value, VOCAB)
+    arrays, ok, errors = parse_trees([good] * 20 + ["(2 \ud800)", ["x", "\ud800"]], VOCAB)
+    assert ok == list(range(20)) and sorted(errors) == [20, 21]
+    with Engine([build_model("treelstm", **SMALL)]) as engine:
+        futures = [engine.submit("treelstm", {"tree": t}) for t in [good] * 20 + ["(2 \ud800)"] + [good] * 5]
+        with pytest.raises(BadRequestError, match="not valid Unicode"):
+            futures[20].result(30)
+        for f in futures[:20] + futures[21:]:
+            assert f.result(30).outputs["h"].shape == (SMALL["hidden"],)
+
+
 def _leaves(tree):
     return [x for t in tree for x in _leaves(t)] if isinstance(tree, tuple) else [tree]
 

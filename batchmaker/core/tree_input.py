@@ -33,7 +33,10 @@ MAX_DEPTH = 512  # SST trees are at most ~30 deep; nesting is never recursed on,
 
 
 def word_id(word: str | bytes, vocab: int) -> int:
-    data = word.encode("utf-8") if isinstance(word, str) else word
+    try:
+        data = word.encode("utf-8") if isinstance(word, str) else word
+    except UnicodeEncodeError:  # a lone surrogate (possible in-process only): the request's own error
+        raise BadRequestError(f"tree: word {word!r:.40} is not valid Unicode text") from None
     return FIRST_WORD_ID + zlib.crc32(data) % (vocab - FIRST_WORD_ID)
 
 
