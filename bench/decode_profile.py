@@ -77,10 +77,11 @@ def main() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
-        kernels = {}
+        kernels = {}  # name (cut at 90 characters) -> (launches, ms)
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[e.key[:90]] = (e.count, e.device_time_total / 1e3)
+                count, ms = kernels.get(e.key[:90], (0, 0.0))
+                kernels[e.key[:90]] = (count + e.count, ms + e.device_time_total / 1e3)
         total = sum(ms for _, ms in kernels.values())
         top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
         num_kernels = sum(c for c, _ in kernels.values())

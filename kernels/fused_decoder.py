@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting
-from batchmaker.kernels.paged_attention import write_kv
+from batchmaker.kernels.paged_attention import reference_write_kv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # checked once; triton itself is imported lazily
 ROPE_BLOCK_ELEMENTS = 1024  # (heads x D/2) per rope program: D = 128 -> 16 heads
@@ -63,7 +63,7 @@ def reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tens
 def reference_rope_write_kv(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, slots: Tensor) -> Tensor:
     q, k = reference_rope(q, k, cos, sin)
-    write_kv(k, v, k_cache, v_cache, slots)
+    reference_write_kv(k, v, k_cache, v_cache, slots)
     return q
 
 

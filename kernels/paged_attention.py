@@ -4,7 +4,7 @@ live in fixed-size blocks of a shared cache (grouped-query attention: query head
 h // G). One Triton launch per call (two with split-KV); `reference_paged_attention` is the
 pure-PyTorch twin with the same arguments, and what the engine runs on the CPU.
 
-    write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first
+    write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first (one launch on CUDA)
     out = paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens,
                           max_query_len, scale=head_dim ** -0.5)
 
@@ -52,9 +52,34 @@ class AttentionConfig:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """k_cache, v_cache at slot[t] = k[t], v[t] (slot = block * block_size + offset; int64 [T]).
-    k, v: [T, Hkv, D] of the caches' dtype. In place, no host sync (graph-capturable)."""
+    k, v: [T, Hkv, D] of the caches' dtype (views with a unit last stride are fine). In place, no
+    host sync (graph-capturable). One Triton launch on CUDA (`triton_write_kv`), else the twin."""
+    (triton_write_kv if k.is_cuda else reference_write_kv)(k, v, k_cache, v_cache, slots)
+
+
+def reference_write_kv(k, v, k_cache, v_cache, slots) -> None:
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def triton_write_kv(k, v, k_cache, v_cache, slots) -> None:
+    """The kernel twin of `reference_write_kv` (CUDA, or Triton's interpreter)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:], (
+        k.shape, v.shape, k_cache.shape)
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slots.shape == (num_tokens,), (k.dtype, slots.shape)
+    if not (k.is_cuda or is_interpreting()):
+        raise KernelUnavailableError(f"triton_write_kv runs on CUDA tensors, got {k.device}; use reference_write_kv")
+    k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (k, v))
+    assert k_cache.stride(3) == v_cache.stride(3) == 1, "the caches need a unit last stride"
+    if num_tokens == 0:
+        return
+    d_pad = _pow2(head_dim)
+    block_h = min(_pow2(num_kv_heads), max(1, 2048 // d_pad))
+    _load_kernels().write_kv_kernel[(num_tokens, -(-num_kv_heads // block_h))](
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], num_kv_heads, D=head_dim, D_PAD=d_pad, BLOCK_H=block_h, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4)
 
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
@@ -276,4 +301,4 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
 
 
 __all__ = ["AttentionConfig", "PagedAttend", "SHORT_CONTEXT_LEN", "paged_attention", "pick_config", "pick_launch",
-           "pick_num_splits", "reference_paged_attention", "write_kv"]
+           "pick_num_splits", "reference_paged_attention", "reference_write_kv", "triton_write_kv", "write_kv"]

@@ -13,6 +13,8 @@ Steps wholly below the tile's first query position (all of decode but its last s
 masks; the rest mask by position.
 Scores are in log2 units (scale * log2(e) folded into the scale) so the softmax uses exp2.
 
+`write_kv_kernel` puts the new tokens' K and V into their cache slots (one launch for both).
+
 Split-KV (flash-decoding): with num_splits > 1, the programs of one tile each take a slice of its
 context and write a normalized partial output and its log-sum-exp; `combine_splits_kernel` merges
 them. Slices are cut from the sequence's actual context length, read on the device, so the split
@@ -168,3 +170,23 @@ def combine_splits_kernel(
     total = tl.sum(w, 0)
     result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))
+
+
+@triton.jit
+def write_kv_kernel(
+    k, v, k_cache, v_cache, slots,  # k, v: [T, Hkv, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; slots int64 [T]
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
+    stride_vch, num_kv_heads,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    # grid (T, head blocks): BLOCK_H heads of token t's k and v to the caches' position slots[t]
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, D_PAD)[None, :]
+    mask = (heads < num_kv_heads) & (cols < D)
+    slot = tl.load(slots + t).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    key = tl.load(k + t * stride_kt + heads * stride_kh + cols, mask=mask)
+    tl.store(k_cache + block * stride_kcb + offset * stride_kco + heads * stride_kch + cols, key, mask=mask)
+    value = tl.load(v + t * stride_vt + heads * stride_vh + cols, mask=mask)
+    tl.store(v_cache + block * stride_vcb + offset * stride_vco + heads * stride_vch + cols, value, mask=mask)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from batchmaker.kernels.paged_attention import (SHORT_CONTEXT_LEN, AttentionConfig, PagedAttend, paged_attention,
-                                                pick_launch, pick_num_splits, reference_paged_attention, write_kv)
+                                                pick_launch, pick_num_splits, reference_paged_attention,
+                                                reference_write_kv, triton_write_kv, write_kv)
 from helpers import interpreter, needs_gpu, run_interpreted
 
 TOLERANCE = {  # (rtol, atol) of the kernel against the twin, outputs of O(1): about 2 ulps of the dtype
@@ -158,6 +159,21 @@ def test_write_kv_round_trip():
     assert not k_cache.view(48, 2, 32)[untouched].any() and not v_cache.view(48, 2, 32)[untouched].any()
 
 
+def check_write_kv(num_tokens, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+    """The kernel against the twin: k, v as slices of a fused projection, caches NaN elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-num_tokens // block_size) + 2
+    kv = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=g).to(device, dtype)  # (q, k, v) columns
+    k, v = kv[:, 1], kv[:, 2]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(device)
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype,
+                         device=device) for _ in range(4)]
+    triton_write_kv(k, v, caches[0], caches[1], slots)
+    reference_write_kv(k, v, caches[2], caches[3], slots)
+    for got, want in zip(caches[:2], caches[2:]):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_bad_shapes_raise_value_errors():
     case = make_case([1], [4], 2, 2, 32, 8)
     q, k_cache, v_cache, block_tables, query_start, context_lens, n, scale = case.args
@@ -248,6 +264,9 @@ def test_kernel_in_the_interpreter(seed):
         torch.testing.assert_close(check_kernel(case, num_splits=2), one_pass, rtol=1e-5, atol=1e-5)
         attend, case = paged_attend_case(seed, attention=paged_attention)  # the kernel through PagedAttend
         torch.testing.assert_close(attend.attend_cached(0, case.q), reference_paged_attention(*case.args))
+    if seed == 3:  # the cache write: heads not a power of two, a block of one position
+        check_write_kv(5, 3, 32, 4, torch.float32, "cpu")
+        check_write_kv(3, 2, 12, 1, torch.float32, "cpu", seed=1)
 
 
 def test_the_interpreter_in_a_subprocess():
@@ -299,6 +318,16 @@ def test_split_kv(num_splits, dtype):
 def test_other_tile_shapes(block_m, block_n):
     case = make_case([40, 1, 9], [300, 64, 9], 2, 4, 64, 16, torch.float16, "cuda", seed=4)
     check_kernel(case, config=AttentionConfig(block_m, block_n, 4, 2))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 2048])
+@pytest.mark.parametrize("heads", [(32, 128), (8, 128), (3, 64)])
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_write_kv_kernel(dtype, num_tokens, heads, block_size):
+    check_write_kv(num_tokens, *heads, block_size, dtype, "cuda", seed=num_tokens)
 
 
 @pytest.mark.gpu
