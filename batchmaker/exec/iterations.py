@@ -51,8 +51,9 @@ class IterationRunner:
         self.last_token = torch.zeros(module.max_seqs + 1, dtype=torch.int64, device=device)
         self.scale = self.config.head_dim ** -0.5
         cuda = device.type == "cuda"
+        self.kernels = kernels
         self.attention = kernels.paged_attention if cuda else kernels.reference_paged_attention
-        self.write_kv = kernels.write_kv
+        self._short = kernels.SHORT_CONTEXT_LEN  # decode graphs for contexts up to it: one attention launch
         self.stream = None  # the CUDA worker's stream
         self.landing = Landing(1 << 16) if cuda else None
         self._packers: dict[tuple, _Packed] = {}
@@ -115,18 +116,16 @@ class IterationRunner:
         return np.maximum.accumulate(np.interp(ends, points, seconds[1:]))
 
     # the computation ---------------------------------------------------------------------------
-    def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in) -> torch.Tensor:
-        """The iteration on tensors already on the device; returns the sampled tokens [N]."""
+    def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in,
+                 max_context_len: int | None = None) -> torch.Tensor:
+        """The iteration on tensors already on the device; returns the sampled tokens [N].
+        max_context_len: a host bound on every context (it picks the attention launch; None: the
+        block tables' width)."""
         tokens = torch.where(t["tokens"] >= 0, t["tokens"], self.last_token[t["token_slots"]])
-        cache, attention, write_kv = self.cache, self.attention, self.write_kv
-
-        def attend(layer: int, q, k, v):
-            if swap_in is not None:
-                swap_in.before_attention(layer)
-            write_kv(k, v, cache.k[layer], cache.v[layer], t["kv_slots"])
-            return attention(q, cache.k[layer], cache.v[layer], t["block_tables"], t["query_start"],
-                             t["context_lens"], max_query_len, self.scale)
-
+        attend = self.kernels.PagedAttend(
+            self.cache.k, self.cache.v, t["kv_slots"], t["block_tables"], t["query_start"], t["context_lens"],
+            max_query_len, self.scale, max_context_len=max_context_len,
+            before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention)
         hidden = self.lm(tokens, t["positions"], attend)
         logits = self.lm.head(hidden.index_select(0, t["sample_token"]))
         chosen = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"], greedy_only)
@@ -153,17 +152,19 @@ class IterationRunner:
         greedy = not (task.temperature > 0).any()
         n = len(task.sample)
         swap_in = self._copies(task.cache_plan, self.stream or torch.cuda.current_stream(self.device))
+        longest = int(task.context_lens.max())  # (host arrays: no device sync)
         if task.decode_only and self.graphs.enabled and swap_in is None:
             bucket = self.cell_type.bucket(len(task.slots))
             packed = self._packer(bucket, bucket, bucket)
             packed.load(_host_arrays(task), self._padding(bucket, len(task.slots)))
-            out = self.graphs.run(("iteration", self.cell_type, bucket, greedy),
-                                  lambda: self._forward(packed.tensors, 1, greedy, None), [])
+            bound = self._short if longest <= self._short else None  # a graph per bucket for each
+            out = self.graphs.run(("iteration", self.cell_type, bucket, greedy, bound),
+                                  lambda: self._forward(packed.tensors, 1, greedy, None, bound), [])
             self.num_graph_iterations += 1
         else:
             packed = self._packer(task.batch, len(task.slots), n)
             packed.load(_host_arrays(task), None)
-            out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in)
+            out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in, longest)
         region = self.landing.open()
         task.handle = (region, region.to_host(out[:n]))
         self.num_iterations += 1
@@ -198,8 +199,9 @@ class IterationRunner:
             packed = self._packer(bucket, bucket, bucket)
             packed.load(None, self._padding(bucket, 0))
             for greedy in (True, False):
-                self.graphs.capture(("iteration", self.cell_type, bucket, greedy),
-                                    lambda: self._forward(packed.tensors, 1, greedy, None), [], warm=True)
+                for bound in (self._short, None):  # decode at short contexts: one attention launch
+                    self.graphs.capture(("iteration", self.cell_type, bucket, greedy, bound),
+                                        lambda: self._forward(packed.tensors, 1, greedy, None, bound), [], warm=True)
 
     def _padding(self, bucket: int, used: int) -> dict | None:
         """Host arrays of the padded sequences of a decode graph: each one token at position 0 of
