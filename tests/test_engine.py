@@ -246,6 +246,17 @@ def test_cpu_thread_policy_is_set_while_running_and_restored_at_stop():
         torch.set_num_threads(before)
 
 
+def test_the_collector_threshold_is_raised_while_running_and_restored_at_stop():
+    before = gc.get_threshold()
+    with Engine([toy_model()]) as engine:
+        assert gc.get_threshold() == (10_000, *before[1:])
+        assert engine.infer("toy", {"xs": [1, 2]}) is not None
+    assert gc.get_threshold() == before
+    with Engine([toy_model()], EngineConfig(gc_young_threshold=None)):
+        assert gc.get_threshold() == before
+    assert gc.get_threshold() == before
+
+
 def test_a_stopped_engine_is_freed():
     """start() freezes the collector's view (gc.freeze) and workers refer to each other: stop()
     unfreezes, so a dropped engine, its workers and their memory (a decoder's KV cache) are freed."""
