@@ -417,3 +417,26 @@ def test_random_schedules_give_each_request_its_own_tokens(seed, num_requests, b
     assert not pending
     h.run()
     h.check_results()
+
+
+def test_a_workers_own_line_does_not_overtake_older_requests():
+    """Turns of conversations cached on a worker wait in its own line; the worker takes the
+    earlier of the two heads (priority first, then arrival), not its own line first."""
+    from batchmaker.core.waiting import Waiting
+
+    def line(*futures):
+        w = Waiting()
+        for f in futures:
+            owners = np.empty(1, dtype=object)
+            owners[0] = f
+            w.add(np.array([f.priority]), Chunk.of(owners, {}))
+        return w
+
+    queue = SequenceQueue.__new__(SequenceQueue)  # (only the lines matter here)
+    queue.waiting, queue.pinned = line(FakeFuture(1), FakeFuture(4)), {0: line(FakeFuture(2), FakeFuture(3))}
+    order = []
+    while queue.waiting or queue.pinned[0]:
+        order.append(queue._line(0).take(1).owners[0].request_id)
+    assert order == [1, 2, 3, 4]
+    queue.waiting, queue.pinned = line(FakeFuture(1)), {0: line(FakeFuture(2, priority=1))}
+    assert queue._line(0) is queue.pinned[0]  # a higher priority goes first whatever its arrival
