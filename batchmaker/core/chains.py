@@ -151,6 +151,7 @@ class ChainGroup:
         self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
                                         + [layout.values[n] for n in stage.start])
         self._kept_ix = np.arange(len(kept))[None, :, None]
+        self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
         self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
         self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
         by_pool: dict[int, list] = {}
@@ -202,22 +203,24 @@ class ChainGroup:
         stage, layout = self.stage, self.stage.cell_type.layout
         b = len(lanes)
         index = np.zeros((k, layout.num_slices, b), dtype=np.int64)
-        rows = self.R[:, :, lanes]  # [2, O, B]
-        even = (pos0 & 1) == 0
-        at_even = np.where(even, rows[0], rows[1])  # [O, B]: written at steps 0, 2, ...
-        at_odd = np.where(even, rows[1], rows[0])  # and at steps 1, 3, ...
+        # R[pos0 & 1] and R[1 - (pos0 & 1)] at the lanes, as flat takes (a fancy index over the
+        # last axis of R is several times slower)
+        rows = self._row_at[:, None] + lanes[None, :]  # [O, B]: R[0, o, lane] in the flat R
+        parity = (pos0 & 1) * self.R[0].size
+        at_even = self.R.reshape(-1).take(rows + parity)  # [O, B]: written at steps 0, 2, ...
+        at_odd = self.R.reshape(-1).take(rows + (self.R[0].size - parity))  # and at steps 1, 3, ...
         index[0::2, self._write_slots] = at_even
         index[1::2, self._write_slots] = at_odd
         for slot, scratch in self._other_writes:
             index[:, slot] = scratch
         if stage.carry:
             carried = self._carried
-            index[0, self._read_slots] = np.where(pos0 == 0, self.I[:, lanes], at_odd[carried])
+            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[carried])
             index[1::2, self._read_slots] = at_even[carried]
             index[2::2, self._read_slots] = at_odd[carried]
         if stage.step_inputs:  # host values per step (tokens)
             at = np.minimum(self.base[lanes] + pos0 + np.arange(k)[:, None], self.num_values - 1)
-            index[:, self._value_slots] = self.values[at].transpose(0, 2, 1)
+            index[:, self._value_slots] = self.values.take(at, axis=0).transpose(0, 2, 1)
         for name, value in stage.start.items():  # decode: the first step's token
             index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
         for j in np.flatnonzero(num_active < b).tolist():  # lanes past their last step: a suffix at step j
