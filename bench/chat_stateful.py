@@ -264,6 +264,10 @@ def run(args, model, config, write_results) -> None:
                 before = _engine_counters(engine, gen)
                 records, span = converse(engine, "llama", work, stateful=system != "stateless", stop_at=stop)
                 stats = gen.conversation_stats() if system != "stateless" else None
+                if gen.caches and "chunk_cost_ms" not in payload and system.endswith("cpu"):
+                    cost = next(iter(gen.caches.values())).cost  # the value policy's Cost(l), profiled
+                    payload["chunk_cost_ms"] = {int((k + 1) * cell.kv.chunk_tokens): float(cost[k] * 1e3)
+                                                for k in (0, 1, 3, 7, 15, 31, 63, 127) if k < len(cost)}
                 rows.append(summarize(system, rate, records, (args.warm_fraction * stop, stop), stats))
                 rows[-1]["engine"] = _engine_delta(before, _engine_counters(engine, gen))
                 print({k: v for k, v in rows[-1].items() if k != "cache_stats"}, stats, flush=True)
