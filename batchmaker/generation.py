@@ -73,6 +73,7 @@ class GenerativeModel(Finisher):
             self.caches[worker] = ConversationCache(sequences[worker].blocks, pool["host_chunks"], pool["chunk_tokens"],
                                                     pool["chunk_costs"], kv.eviction, kv.swap_threshold,
                                                     pool["max_swap_out"], pool["max_swap_in"])
+        self._chunk_bytes = {worker: by_cell[self.form.cell].get("chunk_bytes", 0) for worker, by_cell in pools.items()}
         self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches)
         self.queues = [self.queue]
         return self.queues
@@ -222,10 +223,12 @@ class GenerativeModel(Finisher):
                 self._forget(conversation)
 
     def conversation_stats(self) -> dict:
-        stats = {"conversations": len(self.conversations)}
-        for cache in self.caches.values():
+        stats = {"conversations": len(self.conversations), "bytes_out": 0, "bytes_in": 0}
+        for worker, cache in self.caches.items():
             for k, v in cache.stats.items():
                 stats[k] = stats.get(k, 0) + v
+            stats["bytes_out"] += cache.stats["chunks_out"] * self._chunk_bytes[worker]  # K/V copied to the host
+            stats["bytes_in"] += cache.stats["chunks_in"] * self._chunk_bytes[worker]  # and back
             stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.num_host - cache.num_host_free
             stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
         return stats

@@ -54,6 +54,10 @@ def test_turns_equal_hf_on_the_whole_history_through_every_tier(checkpoint):
                 assert outputs["finish_reason"] == "length"
         stats = engine.stats()["conversations"][family]
         assert stats["gpu_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0
+        c = model.cells["decoder"].lm.config  # K and V x layers x 32 positions x kv heads x head dim x fp32
+        per_chunk = 2 * c.num_layers * 32 * c.num_kv_heads * c.head_dim * 4
+        assert stats["chunks_in"] > 0 and stats["bytes_in"] == stats["chunks_in"] * per_chunk
+        assert stats["bytes_out"] == stats["chunks_out"] * per_chunk
         context = [o["context"] for c in turns for _, o in c[1:]]
         assert sum(c["cached"] + c["swapped_in"] + c["recomputed"] for c in context) == \
             stats["gpu_hit_tokens"] + stats["host_hit_tokens"] + stats["recomputed_tokens"]

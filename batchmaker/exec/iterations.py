@@ -78,7 +78,7 @@ class IterationRunner:
             self._costs = self.chunk_costs()
         return {"num_blocks": self.cache.num_blocks, "host_chunks": self.host.num_chunks if self.host else 0,
                 "chunk_tokens": self.chunk_tokens, "chunk_costs": self._costs, "max_swap_in": self.max_swap_in,
-                "max_swap_out": self.max_swap_out}
+                "max_swap_out": self.max_swap_out, "chunk_bytes": self.host.bytes_per_chunk if self.host else 0}
 
     def chunk_costs(self) -> np.ndarray:
         """Seconds to recompute chunk k of a context (its positions end at (k + 1) * chunk_tokens),
