@@ -28,7 +28,8 @@ import numpy as np
 from batchmaker.core.admission import check_keys, check_tokens, is_int
 from batchmaker.core.blocks import BlockTables
 from batchmaker.core.conversations import Conversation, ConversationCache
-from batchmaker.core.sequences import MAX_STOPS, Sequences, SequenceQueue
+from batchmaker.core.sequence_queue import SequenceQueue
+from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError, UnknownConversationError
 from batchmaker.request import Result

@@ -163,6 +163,8 @@ def _engine_delta(before: dict, after: dict) -> dict:
     n = max(delta["iterations"], 1)
     delta["tokens_per_iteration"] = delta["tokens"] / n
     delta["running_per_iteration"] = delta.pop("running") / max(delta["planned"], 1)
+    delta["idle_held_per_iteration"] = delta.pop("idle_held") / max(delta["planned"], 1)  # blocks
+    delta["idle_locked_per_iteration"] = delta.pop("idle_locked") / max(delta["planned"], 1)  # by copies out
     delta["ms_per_iteration"] = delta.pop("time_s") * 1e3 / n
     delta["manager_ms_per_iteration"] = sum(delta[f"{k}_ms"] for k in ("admit", "complete", "schedule")) / n
     return delta

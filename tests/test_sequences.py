@@ -1,4 +1,4 @@
-"""Decoder iteration planning (core/sequences.py, core/blocks.py) without torch or a model.
+"""Decoder iteration planning (core/sequences.py, core/sequence_queue.py, core/blocks.py) without torch or a model.
 
 A fake device runs each IterationTask over a paged cache of token ids: it writes the iteration's
 tokens (a decode's -1 read from the slot's last sampled token) at `kv_slots`, and samples, for
@@ -17,7 +17,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from batchmaker.core.blocks import BlockTables
-from batchmaker.core.sequences import MAX_STOPS, Sequences, SequenceQueue
+from batchmaker.core.sequence_queue import SequenceQueue
+from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
 
 VOCAB = 50
