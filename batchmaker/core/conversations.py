@@ -144,12 +144,16 @@ class ConversationCache:
     def available(self) -> int:
         """Blocks a sequence could get: free ones and those idle conversations hold (but not those
         of conversations with copies out in flight, past their last copied chunk)."""
-        return self.blocks.num_free + self.num_held - self._in_flight()
+        return self.blocks.num_free + self.num_held - self.num_locked
 
     def held(self, r: int) -> int:
         return int((self.gpu[r] != 0).sum()) if r >= 0 and self.idle[r] else 0
 
-    def _in_flight(self) -> int:
+    @property
+    def num_locked(self) -> int:
+        """Blocks idle conversations hold that copies out in flight keep from being reclaimed."""
+        if not self.pending:
+            return 0
         n = 0
         for r in {r for _, rows, _ in self.pending for r in rows.tolist()}:
             if self.idle[r] and self.hosted[r] > self.ready[r]:

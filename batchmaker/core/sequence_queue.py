@@ -125,7 +125,7 @@ class SequenceQueue:
         if worker_id in self.caches:
             cache = self.caches[worker_id]
             self.counters["idle_held"] += cache.num_held
-            self.counters["idle_locked"] += cache.num_held + cache.blocks.num_free - cache.available()
+            self.counters["idle_locked"] += cache.num_locked
         slots, starts, counts, serials = (np.concatenate(column) for column in zip(*plan))
         # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
         keep = q.active[slots] & (q.serial[slots] == serials)
