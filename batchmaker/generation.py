@@ -73,7 +73,7 @@ class GenerativeModel(Finisher):
             pool = by_cell[self.form.cell]
             self.caches[worker] = ConversationCache(sequences[worker].blocks, pool["host_chunks"], pool["chunk_tokens"],
                                                     pool["chunk_costs"], kv.eviction, kv.swap_threshold,
-                                                    pool["max_swap_out"], pool["max_swap_in"])
+                                                    pool["max_swap_out"], pool["max_swap_in"], kv.swap_out_rows)
         self._chunk_bytes = {worker: by_cell[self.form.cell].get("chunk_bytes", 0) for worker, by_cell in pools.items()}
         self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches)
         self.queues = [self.queue]

@@ -206,8 +206,27 @@ def tier_latency(engine, model: str, contexts: list[int], prompt: int, vocab: in
                     engine.step()
             rows.append({"context": context, "prompt": prompt, "tier": tier, "latency_ms": float(np.median(seconds) * 1e3),
                          "samples_ms": [s * 1e3 for s in seconds]})
+            if tier == "host" and runner.device.type == "cuda":  # the bound: the bytes' copy alone
+                rows[-1]["copy_in_alone_ms"] = _copy_in_ms(runner, context)
             print(rows[-1], flush=True)
     return rows
+
+
+def _copy_in_ms(runner, context: int, repeats: int = 5) -> float:
+    """One pinned host buffer of `context` positions' K/V copied to the GPU at once (median ms):
+    the least time a restored turn's swap-in can take on this machine's host link."""
+    nbytes = runner.host.bytes_per_chunk // runner.chunk_tokens * context
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=runner.device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
 
 
 def _demote(gen, runner, cid: str, tier: str) -> None:
@@ -236,6 +255,7 @@ def run(args, model, config, write_results) -> None:
     payload = {"preset": args.preset, "dtype": args.dtype, "kv_gpu_blocks": cell.kv.num_blocks,
                "block_size": cell.block_size, "host_gib": args.host_gib, "arrival_seconds": args.arrival_seconds,
                "reaction_mean_s": reaction, "reaction_compression": args.compress, "max_tokens": args.max_tokens,
+               "swap_out_rows": args.swap_out_rows or base_kv.swap_out_rows,
                "rows": rows, "tier_latency": tiers}
 
     def save() -> None:
@@ -255,7 +275,8 @@ def run(args, model, config, write_results) -> None:
 
     for system in args.stateful_systems:
         cell.kv = replace(base_kv, **SYSTEMS[system], **({} if "host_bytes" in SYSTEMS[system] else
-                                                          {"host_bytes": int(args.host_gib * 2**30)}))
+                                                          {"host_bytes": int(args.host_gib * 2**30)}),
+                          **({"swap_out_rows": args.swap_out_rows} if args.swap_out_rows else {}))
         engine = Engine([model], EngineConfig(devices=(args.device,))).start()
         try:
             gen = engine.structured["llama"]
@@ -307,3 +328,4 @@ def add_arguments(ap) -> None:
     ap.add_argument("--host-gib", type=float, default=40.0, help="the host tier, pinned")
     ap.add_argument("--tier-contexts", default="1024,2048", help="contexts of the per-tier turn latency")
     ap.add_argument("--tier-prompt", type=int, default=64)
+    ap.add_argument("--swap-out-rows", type=int, default=None, help="conversations per copy-out plan (KVSettings)")

@@ -25,6 +25,7 @@ class KVSettings:
     chunk_tokens: int = 32  # the unit of eviction (a multiple of block_size)
     host_bytes: int | None = None  # the host tier; None: 8 GiB beside a GPU, 32 MiB beside a CPU
     swap_threshold: float = 0.25  # copy chunks out ahead of time below this fraction of free blocks
+    swap_out_rows: int = 4  # conversations one batch of copies out takes chunks from (their blocks wait for it)
     eviction: str = "value"  # "value" (Pensieve's Cost(l) / T) or "lru"
 
 

@@ -228,6 +228,23 @@ def test_chunks_go_to_the_host_ahead_of_time_below_the_threshold_and_back():
     cache.check()
 
 
+def test_a_copy_out_plan_takes_its_chunks_from_few_conversations():
+    """A conversation with copies in flight keeps all its GPU blocks until they land (chunks go
+    from the leading end), so a plan takes the cheapest chunks of at most max_out_rows of them."""
+    cache, clock, rows = _idle_cache("lru", [24] * 6, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], host_chunks=32, max_out=8)
+    cache.max_out_rows = 2
+    clock.now = 6.0
+    taken = cache.blocks.take(cache.blocks.num_free - 20)
+    plan = cache.plan_swap_out()
+    # all three chunks of each of the two least recently active conversations (not 3 + 3 + 2)
+    assert len(plan.swap_out_host) == 6 and cache.hosted[rows].tolist() == [3, 3, 0, 0, 0, 0]
+    assert cache.num_locked == cache.held(rows[0]) + cache.held(rows[1])
+    plan.done = True
+    cache.poll()
+    assert cache.num_locked == 0
+    cache.blocks.give_back(taken)
+
+
 def test_the_cache_rejects_bad_settings():
     blocks = BlockTables(10, 4, 2, 16)
     with pytest.raises(ValueError, match="multiple"):

@@ -79,7 +79,7 @@ class ConversationCache:
 
     def __init__(self, blocks: BlockTables, host_chunks: int, chunk_tokens: int, cost: np.ndarray,
                  policy: str = "value", swap_threshold: float = 0.25, max_out: int = 32, max_in: int = 256,
-                 clock=None):
+                 max_out_rows: int = 4, clock=None):
         if chunk_tokens % blocks.block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the block size {blocks.block_size}")
         if policy not in ("value", "lru"):
@@ -97,6 +97,7 @@ class ConversationCache:
         self.cost = cost + np.arange(len(cost)) * 1e-9 * float(cost.max())
         self.swap_threshold = swap_threshold
         self.max_out = max_out
+        self.max_out_rows = max_out_rows  # conversations one copy-out plan touches (it locks their blocks)
         self.max_in = max_in  # host chunks one iteration can swap in (the worker's staging)
         self.host_is_free = np.ones(host_chunks, dtype=bool)
         self.num_host = self.num_host_free = host_chunks
@@ -342,7 +343,9 @@ class ConversationCache:
     def plan_swap_out(self) -> CachePlan | None:
         """Ahead-of-time copies to the host while free blocks are below the threshold (None when
         nothing is to copy). The chunks' blocks stay held until the copies are done (`poll`, which
-        the caller runs first); one plan is in flight at a time."""
+        the caller runs first); one plan is in flight at a time. Chunks go from the leading end,
+        so no chunk of a conversation with copies in flight can be dropped: a plan takes its
+        cheapest chunks from at most `max_out_rows` conversations, not one chunk each of many."""
         if self.pending:
             return None
         total = self.blocks.num_blocks - 1
@@ -354,6 +357,9 @@ class ConversationCache:
             return None
         rows = np.flatnonzero(self.idle & (self._num_chunks_all() > self.hosted))
         want = min(self.max_out, -(-short // self.per_chunk))
+        if len(rows) > self.max_out_rows:  # those of the cheapest chunks: a plan locks all their blocks
+            rr, _ = self._chunks(self.hosted[rows], self._num_chunks(rows), rows, limit=want)
+            rows = np.fromiter(dict.fromkeys(rr.tolist()), dtype=np.int64)[:self.max_out_rows]
         rr, kk = self._chunks(self.hosted[rows], self._num_chunks(rows), rows, limit=want)
         want = min(want, len(rr))
         if want == 0:
