@@ -293,6 +293,10 @@ def run(args, model, config, write_results) -> None:
                                                 for k in (0, 1, 3, 7, 15, 31, 63, 127) if k < len(cost)}
                 rows.append(summarize(system, rate, records, (args.warm_fraction * stop, stop), stats))
                 rows[-1]["engine"] = _engine_delta(before, _engine_counters(engine, gen))
+                host = next(iter(engine.workers[0].iterations.values())).host
+                if host is not None:  # host time issuing copies
+                    rows[-1]["copies"] = dict(host.counters)
+                    host.counters = dict.fromkeys(host.counters, 0)
                 print({k: v for k, v in rows[-1].items() if k != "cache_stats"}, stats, flush=True)
                 for cache in gen.caches.values():  # reset the counters between rates
                     cache.stats = dict.fromkeys(cache.stats, 0)

@@ -2,18 +2,26 @@
 out of the GPU blocks ahead of time, and copied back in, layer by layer, as a turn resumes. The
 manager decides what moves (core/conversations.py: a CachePlan per iteration); this moves it.
 
-Host chunks are [layers, 2 (K, V), chunks, chunk_tokens, kv heads, head dim] (pinned on CUDA),
-so one layer's K (or V) of consecutive chunks is one contiguous copy. On CUDA the copies run on
-a side stream through small staging buffers on the device:
-  out: gather the blocks of a layer, copy them to the host; `plan.done` is the event after the
-       last layer (the manager lets the blocks go once it has passed)
+Host chunks are [2 (K, V), layers, chunks, chunk_tokens, kv heads, head dim] (pinned on CUDA),
+so one layer's K (or V) of consecutive chunks is one contiguous piece, and the same piece of
+every layer is one strided copy (exec/copy2d.py). On CUDA the copies run on a side stream through
+staging buffers on the device:
+  out: gather the blocks of every layer (8 chunks at a time), copy each run of consecutive host
+       chunks with one call per K and V; `plan.done` is the event after the last (the manager
+       lets the blocks go once it has passed)
   in:  layer l's chunks are copied to a staging buffer (two layers in flight), and the compute
        stream waits for them only just before layer l's attention, then scatters them into the
        blocks: the copy of layer l + 2 waits until layer l's buffer is consumed
 On the CPU both are plain indexed copies.
 """
+import time
+
 import numpy as np
 import torch
+
+from batchmaker.exec.copy2d import copy_2d
+
+OUT_STAGING_CHUNKS = 8  # chunks of every layer gathered at once for copies out (128 MiB for Llama-2-7B)
 
 
 class HostTier:
@@ -25,14 +33,18 @@ class HostTier:
         self.tail = tuple(k.shape[3:])  # (kv heads, head dim)
         self.device = k.device
         cuda = self.device.type == "cuda"
-        self.host = torch.zeros((self.layers, 2, num_chunks, chunk_tokens, *self.tail), dtype=k.dtype,
+        self.host = torch.zeros((2, self.layers, num_chunks, chunk_tokens, *self.tail), dtype=k.dtype,
                                 pin_memory=cuda)
         self.num_chunks, self.chunk_tokens = num_chunks, chunk_tokens
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         staging = (chunk_tokens, *self.tail)
-        self.out_buffer = torch.empty((2, max_out, *staging), dtype=k.dtype, device=self.device) if cuda else None
+        self.out_chunks = min(max_out, OUT_STAGING_CHUNKS)  # every layer of this many chunks at a time
+        self.out_buffer = torch.empty((2, self.layers * self.out_chunks * chunk_tokens * int(np.prod(self.tail))),
+                                      dtype=k.dtype, device=self.device) if cuda else None
         self.in_buffers = torch.empty((2, 2, max_in, *staging), dtype=k.dtype, device=self.device) if cuda else None
         self.bytes_per_chunk = 2 * self.layers * chunk_tokens * int(np.prod(self.tail)) * k.dtype.itemsize
+        # host time spent issuing copies (benchmarks): plans and runs of host chunks, each way
+        self.counters = {"out_plans": 0, "out_runs": 0, "out_ms": 0.0, "in_plans": 0, "in_runs": 0, "in_ms": 0.0}
 
     @staticmethod
     def num_chunks_for(num_bytes: int, config, chunk_tokens: int, dtype: torch.dtype) -> int:
@@ -40,30 +52,38 @@ class HostTier:
 
     # out --------------------------------------------------------------------------------------
     def swap_out(self, plan, compute_stream) -> None:
+        start = time.perf_counter()
+        self._swap_out(plan, compute_stream)
+        c = self.counters
+        c["out_plans"] += 1
+        c["out_runs"] += len(_runs(plan.swap_out_host))
+        c["out_ms"] += (time.perf_counter() - start) * 1e3
+
+    def _swap_out(self, plan, compute_stream) -> None:
         blocks, hosts = plan.swap_out_blocks, plan.swap_out_host
         if self.copy_stream is None:
             index = torch.from_numpy(blocks.reshape(-1).astype(np.int64))
             for layer in range(self.layers):
                 for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
                     chunks = source.index_select(0, index).view(len(hosts), self.chunk_tokens, *self.tail)
-                    self.host[layer, kv].index_copy_(0, torch.from_numpy(hosts), chunks)
+                    self.host[kv, layer].index_copy_(0, torch.from_numpy(hosts), chunks)
             plan.done = True
             return
         stream = self.copy_stream
         stream.wait_stream(compute_stream)
-        step = self.out_buffer.shape[1]
+        step = self.out_chunks
         for first in range(0, len(hosts), step):  # (in pieces the staging buffer holds)
             part = hosts[first:first + step]
             m = len(part)
-            runs = _runs(part)
             with torch.cuda.stream(stream):  # (the index is copied on the stream that reads it)
-                index = torch.from_numpy(blocks[first:first + step].reshape(-1).astype(np.int64)).to(self.device)
-                for layer in range(self.layers):
-                    for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
-                        staged = self.out_buffer[kv, :m]
-                        torch.index_select(source, 0, index, out=staged.view(m * self.per_chunk, self.block_size, *self.tail))
-                        for at, host, n in runs:
-                            self.host[layer, kv, host:host + n].copy_(staged[at:at + n], non_blocking=True)
+                index = _on_device(blocks[first:first + step], self.device)
+                for kv, source in enumerate((self.cache.k, self.cache.v)):
+                    staged = self.out_buffer[kv, :source[:, :m * self.per_chunk].numel()]
+                    staged = staged.view(self.layers, m * self.per_chunk, self.block_size, *self.tail)
+                    torch.index_select(source, 1, index, out=staged)  # every layer's blocks at once
+                    chunks = staged.view(self.layers, m, self.chunk_tokens, *self.tail)
+                    for at, host, n in _runs(part):  # a run: one contiguous piece per layer
+                        copy_2d(self.host[kv, :, host:host + n], chunks[:, at:at + n], stream)
         with torch.cuda.stream(stream):
             done = torch.cuda.Event()
             done.record(stream)
@@ -71,17 +91,33 @@ class HostTier:
 
     # in ---------------------------------------------------------------------------------------
     def fetch(self, staged: torch.Tensor, layer: int, kv: int, runs: list) -> None:
-        """One layer's K (kv 0) or V (kv 1) of the runs' host chunks into a staging buffer."""
+        """One layer's K (kv 0) or V (kv 1) of the runs' host chunks into a staging buffer (on
+        the current stream)."""
+        stream = torch.cuda.current_stream(self.device)
         for at, host, n in runs:
-            staged[at:at + n].copy_(self.host[layer, kv, host:host + n], non_blocking=True)
+            copy_2d(staged[None, at:at + n], self.host[None, kv, layer, host:host + n], stream)
 
     def swap_in(self, plan, compute_stream) -> "_SwapIn":
         """Copies in that the iteration's layers wait for, one by one."""
-        return _SwapIn(self, plan, compute_stream)
+        start = time.perf_counter()
+        copies = _SwapIn(self, plan, compute_stream)
+        self._count_in(plan, (time.perf_counter() - start) * 1e3)
+        return copies
+
+    def _count_in(self, plan, ms: float) -> None:
+        c = self.counters
+        c["in_plans"] += 1
+        c["in_runs"] += len(_runs(plan.swap_in_host))
+        c["in_ms"] += ms
 
     def restore(self, plan, compute_stream) -> None:
         """Copies in on the side stream, every layer (its turns are prefilled in a later
         iteration, once `plan.done` has passed)."""
+        start = time.perf_counter()
+        self._restore(plan, compute_stream)
+        self._count_in(plan, (time.perf_counter() - start) * 1e3)
+
+    def _restore(self, plan, compute_stream) -> None:
         hosts = plan.swap_in_host
         n = len(hosts)
         shape = (n * self.per_chunk, self.block_size, *self.tail)
@@ -92,7 +128,7 @@ class HostTier:
         stream = self.copy_stream
         stream.wait_stream(compute_stream)  # (the new blocks may still be written by earlier work)
         with torch.cuda.stream(stream):
-            index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64)).to(self.device)
+            index = _on_device(plan.swap_in_blocks, self.device)
             runs = _runs(hosts)
             for layer in range(self.layers):
                 for kv, cache in enumerate((self.cache.k[layer], self.cache.v[layer])):
@@ -116,7 +152,7 @@ class _SwapIn:
         if tier.copy_stream is None:
             self.index = index
             return
-        self.index = index.to(tier.device, non_blocking=True)
+        self.index = _on_device(plan.swap_in_blocks, tier.device)
         self.runs = _runs(self.hosts)
         self.ready = [torch.cuda.Event() for _ in range(tier.layers)]
         self.consumed = [torch.cuda.Event() for _ in range(tier.layers)]
@@ -139,13 +175,18 @@ class _SwapIn:
             self.before_attention(layer)
 
     def before_attention(self, layer: int) -> None:
+        start = time.perf_counter()
+        self._before_attention(layer)
+        self.tier.counters["in_ms"] += (time.perf_counter() - start) * 1e3
+
+    def _before_attention(self, layer: int) -> None:
         tier = self.tier
         caches = (tier.cache.k[layer], tier.cache.v[layer])
         shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
         if tier.copy_stream is None:
             hosts = torch.from_numpy(self.hosts)
             for kv in range(2):
-                caches[kv].index_copy_(0, self.index, tier.host[layer, kv].index_select(0, hosts).view(shape))
+                caches[kv].index_copy_(0, self.index, tier.host[kv, layer].index_select(0, hosts).view(shape))
             return
         self.compute.wait_event(self.ready[layer])
         for kv in range(2):
@@ -153,6 +194,12 @@ class _SwapIn:
         self.consumed[layer].record(self.compute)
         if layer + 2 < tier.layers:
             self._issue(layer + 2)
+
+
+def _on_device(blocks: np.ndarray, device) -> torch.Tensor:
+    """Block ids as an index on the device, through pinned memory: a copy from pageable memory
+    would first wait for everything queued on the stream (the running iteration)."""
+    return torch.from_numpy(blocks.reshape(-1).astype(np.int64)).pin_memory().to(device, non_blocking=True)
 
 
 def _runs(hosts: np.ndarray) -> list[tuple[int, int, int]]:
