@@ -53,6 +53,10 @@ class EngineConfig:
     # torch's CPU threads while the engine runs: None lets the engine choose (CPU workers: the
     # cores, split among them; else unchanged); a number sets it. stop() restores the old count.
     cpu_threads: int | None = None
+    # A CPU worker runs its tasks on the manager thread (no hand-off, no GIL contention between
+    # the two: batchmaker/exec/worker.py): None lets the engine choose (when it is the only worker).
+    # False gives it a thread of its own, so that the manager admits and cancels while a task runs.
+    cpu_inline: bool | None = None
     # The collector's young-generation threshold while the engine runs (Python's default: 700).
     # Every request allocates a few tracked objects (its future, inputs, result); at 700 a
     # collection runs every ~200 requests and walks the live ones: 2.7 µs per LSTM request on the
@@ -101,7 +105,8 @@ class Engine:
             self.workers.append(make_worker(len(self.workers), device, cells, self._distinct, self.workers,
                                             use_graphs=self.config.cuda_graphs,
                                             max_steps=self.config.scheduler.max_round_steps,
-                                            on_done=self._wake.set, warm=warm))
+                                            on_done=self._wake.set, warm=warm,
+                                            inline=self._is_inline()))
         self._build_queues()
         # Long-lived objects (torch, models) leave the collector's view: full collections would
         # otherwise walk them while many requests are live.
@@ -388,6 +393,10 @@ class Engine:
         if num_cpu:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             torch.set_num_threads(max(1, cores // num_cpu))
+
+    def _is_inline(self) -> bool:
+        inline = self.config.cpu_inline
+        return len(self.config.devices) == 1 if inline is None else inline
 
     def _num_live_structured(self) -> int:
         processor = self.processor

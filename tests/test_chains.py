@@ -27,7 +27,8 @@ def engine_for(model, devices=("cpu",), steps=3, **kwargs) -> Engine:
 
 def submit_held(engine: Engine, model: Model, tokens: list[int]):
     """Submit a request whose first step (token GATE) holds the model's "mix" cell; return its
-    future once that step has started. `model.cells["mix"].release.set()` lets it go on."""
+    future once that step has started. `model.cells["mix"].release.set()` lets it go on. (The
+    engine's CPU worker must have a thread of its own: `cpu_inline=False`.)"""
     cell = model.cells["mix"]
     cell.release.clear()
     future = engine.submit(model.name, {"tokens": tokens})
@@ -160,7 +161,7 @@ def test_bad_requests_in_a_batch_get_their_own_errors_and_the_good_ones_run():
 def test_cancel_while_the_round_is_in_flight_frees_its_rows_once():
     model = chain_model(max_batch=4)
     cell = model.cells["mix"]
-    engine = engine_for(model, steps=3)
+    engine = engine_for(model, steps=3, cpu_inline=False)  # (the manager works while a task is held)
     with engine:
         victim = submit_held(engine, model, [GATE] + [1] * 29)  # its first round is in flight, held
         others = [{"tokens": [2]}, {"tokens": [3, 4, 5, 6, 7]}, {"tokens": [8, 9, 10, 11, 12, 14, 15]}]
@@ -179,7 +180,7 @@ def test_cancel_while_the_round_is_in_flight_frees_its_rows_once():
 def test_waiting_requests_join_by_priority_then_arrival():
     model = chain_model(max_batch=1)
     cell = model.cells["mix"]
-    with engine_for(model, steps=2) as engine:
+    with engine_for(model, steps=2, cpu_inline=False) as engine:
         first = submit_held(engine, model, [GATE, 1, 1, 1, 1])
         order = [(20, 0), (21, 0), (22, 5), (23, 2), (24, 5), (25, -1)]  # (token, priority)
         futures = [engine.submit("chain", {"tokens": [t, t]}, priority=p) for t, p in order]
@@ -195,7 +196,7 @@ def test_waiting_requests_join_by_priority_then_arrival():
 def test_a_high_priority_request_overtakes_waiting_ones_of_its_model():
     model = talk_model(max_batch=1)
     cell = model.cells["mix"]
-    with engine_for(model, steps=2) as engine:
+    with engine_for(model, steps=2, cpu_inline=False) as engine:
         first = submit_held(engine, model, [GATE, 1])
         low = [engine.submit("talk", {"tokens": [1] * 6}) for _ in range(4)]
         high = engine.submit("talk", {"tokens": [1] * 6}, priority=3)
@@ -247,7 +248,7 @@ class Inputs(dict):
 def test_cancelled_waiting_requests_are_not_kept_alive():
     model = chain_model(max_batch=1)
     cell = model.cells["mix"]
-    with engine_for(model, steps=2) as engine:
+    with engine_for(model, steps=2, cpu_inline=False) as engine:
         first = submit_held(engine, model, [GATE, 1])
         inputs = [Inputs(tokens=[2, 3]) for _ in range(3)]
         futures = [engine.submit("chain", inp) for inp in inputs]

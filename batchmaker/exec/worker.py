@@ -113,47 +113,69 @@ class Worker:
 
 
 class CPUWorker(Worker):
-    """Runs tasks in submission order on a thread of its own (torch releases the GIL)."""
+    """Runs tasks in submission order: inline, on the manager thread, when it is the engine's only
+    worker; else on a thread of its own (torch releases the GIL inside its ops).
 
-    def __init__(self, *args, on_done: Callable[[], None], **kwargs):
+    Inline, a task costs what its ops cost. On a thread, each of a task's ~25 torch calls takes
+    the GIL back from the manager, which holds it while it forms and admits: under load the
+    TreeLSTM's tasks ran 1.7x slower on a 2-core machine (bench/results/README.md, issue 10).
+    Inline, the newest task is reported done one manager turn after it ran, as a worker with a
+    task in flight would report it: Algorithm 1's rule (b) (a type with no running task goes
+    first) then still lets new trees' leaves in ahead of the internal cells' priority, instead of
+    leaving them to wait until every started tree finished."""
+
+    def __init__(self, *args, on_done: Callable[[], None], inline: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_done = on_done
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[Task] = deque()
-        self._thread = threading.Thread(target=self._run, name=f"batchmaker-cpu-{self.id}", daemon=True)
-        self._thread.start()
+        self._held: Task | None = None  # inline: the newest task, done but reported next turn
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name=f"batchmaker-cpu-{self.id}", daemon=True)
+            self._thread.start()
 
     def submit(self, task: Task) -> None:
-        self._inbox.put((task, self._prepare(task)))
+        runnable = self._prepare(task)
         self.num_in_flight += 1
         self.num_tasks += 1
+        if self._thread is None:
+            self._execute(task, runnable)
+        else:
+            self._inbox.put((task, runnable))
 
     def poll(self) -> list[Task]:
+        held = None
+        if self._thread is None and self._done and self._done[-1] is not self._held:
+            held = self._held = self._done.pop()
         done = []
         while self._done:
             task = self._done.popleft()
             self._finish(task)
             done.append(task)
+        if held is not None:
+            self._done.append(held)
+            self._on_done()  # (the manager takes another turn)
         return done
 
     def close(self) -> None:
-        self._inbox.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         with torch.inference_mode():  # for this thread's life
-            self._serve()
+            while (item := self._inbox.get()) is not None:
+                self._execute(*item)
+                self._on_done()
 
-    def _serve(self) -> None:
-        while (item := self._inbox.get()) is not None:
-            task, runnable = item
-            try:
-                self._runner(runnable).execute(runnable)
-            except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
-                runnable.error = e
-                self.steps.forget_outputs()
-            self._done.append(task)
-            self._on_done()
+    def _execute(self, task: Task, runnable: Task) -> None:
+        try:
+            self._runner(runnable).execute(runnable)
+        except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
+            runnable.error = e
+            self.steps.forget_outputs()
+        self._done.append(task)
 
 
 class _ManagerStream(threading.local):
@@ -254,10 +276,11 @@ class CUDAWorker(Worker):
 
 
 def make_worker(worker_id: int, device: torch.device, cells: dict, cell_types: list, peers: list, *,
-                use_graphs: bool, max_steps: int, on_done: Callable[[], None], warm: list) -> Worker:
+                use_graphs: bool, max_steps: int, on_done: Callable[[], None], warm: list, inline: bool) -> Worker:
+    """inline: a CPU worker runs its tasks on the manager thread (the engine's only worker)."""
     if device.type == "cuda":
         return CUDAWorker(worker_id, device, cells, cell_types, peers, use_graphs, max_steps, warm=warm)
-    return CPUWorker(worker_id, device, cells, cell_types, peers, False, max_steps, on_done=on_done)
+    return CPUWorker(worker_id, device, cells, cell_types, peers, False, max_steps, on_done=on_done, inline=inline)
 
 
 def place_cell(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
