@@ -55,11 +55,12 @@ class TreeInternalCell(Cell):
         )
 
     def forward(self, h_l, c_l, h_r, c_r) -> dict[str, torch.Tensor]:
-        # every input: [B, hidden]
-        # (the gates' 2.6 MB weight, packed once: batchmaker/cells/packed_linear.py)
-        i, f_l, f_r, o, u = linear(self.gates, torch.cat([h_l, h_r], dim=-1)).chunk(5, dim=-1)
-        c = torch.sigmoid(i) * torch.tanh(u) + torch.sigmoid(f_l) * c_l + torch.sigmoid(f_r) * c_r
-        h = torch.sigmoid(o) * torch.tanh(c)
+        # every input: [B, hidden]; the gates' weight is packed once (cells/packed_linear.py)
+        gates = linear(self.gates, torch.cat([h_l, h_r], dim=-1))  # [B, 5 * hidden]
+        split = 4 * h_l.shape[-1]  # one sigmoid over i, f_l, f_r, o (few rows: ops, not flops, cost)
+        i, f_l, f_r, o = torch.sigmoid(gates[:, :split]).chunk(4, dim=-1)
+        c = torch.addcmul(torch.addcmul(i * torch.tanh(gates[:, split:]), f_l, c_l), f_r, c_r)
+        h = o * torch.tanh(c)
         return {"h": h, "c": c}
 
     def fused_step(self, layout, buckets):
