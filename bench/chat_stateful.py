@@ -306,6 +306,7 @@ def run(args, model, config, write_results) -> None:
         del engine, gen  # (before the next engine takes the memory)
         gc.collect()
         torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # (the host tier's pinned memory too)
         if system == "gpu+cpu" and args.tier_contexts:
             engine = Engine([model], EngineConfig(devices=(args.device,))).start(thread=False)
             try:
@@ -317,6 +318,7 @@ def run(args, model, config, write_results) -> None:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
     cell.kv = base_kv
 
 

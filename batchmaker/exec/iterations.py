@@ -82,8 +82,9 @@ class IterationRunner:
 
     def chunk_costs(self) -> np.ndarray:
         """Seconds to recompute chunk k of a context (its positions end at (k + 1) * chunk_tokens),
-        measured at powers of two and interpolated (Pensieve Eq. 3.6). Runs on free blocks, before
-        serving."""
+        measured at powers of two and interpolated (Pensieve Eq. 3.6). Each measurement recomputes
+        up to 16 such chunks in one iteration (the time per chunk of a batch: one alone would time
+        the host's launches, the same at every position). Runs on free blocks, before serving."""
         import time
         ct, bs = self.chunk_tokens, self.module.block_size
         ends = (np.arange(-(-self.config.max_positions // ct)) + 1) * ct
@@ -94,17 +95,20 @@ class IterationRunner:
         with torch.inference_mode():
             for end in [points[0]] + points:  # (the first run warms up)
                 n_blocks = -(-end // bs)
-                table = np.zeros((1, self.max_blocks), dtype=np.int64)
-                table[0, :n_blocks] = np.arange(1, n_blocks + 1)
-                positions = np.arange(end - ct, end)
-                host = {"tokens": np.zeros(ct, dtype=np.int64), "positions": positions,
-                        "kv_slots": table[0, positions // bs] * bs + positions % bs,
-                        "token_slots": np.full(ct, self.scratch_slot), "query_start": np.array([0, ct], dtype=np.int32),
-                        "context_lens": np.array([end], dtype=np.int32), "block_tables": table,
-                        "sample_token": np.array([ct - 1]), "sample_slots": np.array([self.scratch_slot]),
-                        "seeds": np.zeros(1, dtype=np.int64), "counters": np.zeros(1, dtype=np.int64),
-                        "top_k": np.zeros(1, dtype=np.int64), "temperature": np.zeros(1, dtype=np.float32),
-                        "top_p": np.ones(1, dtype=np.float32)}
+                rows = max(1, min(16, self.module.max_seqs, (self.cache.num_blocks - 1) // n_blocks))
+                table = np.zeros((rows, self.max_blocks), dtype=np.int64)
+                table[:, :n_blocks] = 1 + np.arange(rows * n_blocks).reshape(rows, n_blocks)
+                positions = np.tile(np.arange(end - ct, end), rows)
+                row = np.repeat(np.arange(rows), ct)
+                host = {"tokens": np.zeros(rows * ct, dtype=np.int64), "positions": positions,
+                        "kv_slots": table[row, positions // bs] * bs + positions % bs,
+                        "token_slots": np.full(rows * ct, self.scratch_slot),
+                        "query_start": (np.arange(rows + 1) * ct).astype(np.int32),
+                        "context_lens": np.full(rows, end, dtype=np.int32), "block_tables": table,
+                        "sample_token": np.arange(1, rows + 1) * ct - 1, "sample_slots": np.full(rows, self.scratch_slot),
+                        "seeds": np.zeros(rows, dtype=np.int64), "counters": np.zeros(rows, dtype=np.int64),
+                        "top_k": np.zeros(rows, dtype=np.int64), "temperature": np.zeros(rows, dtype=np.float32),
+                        "top_p": np.ones(rows, dtype=np.float32)}
                 t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in host.items()}
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -112,7 +116,7 @@ class IterationRunner:
                 self._forward(t, ct, True, None)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                seconds.append(time.perf_counter() - start)
+                seconds.append((time.perf_counter() - start) / rows)
         return np.maximum.accumulate(np.interp(ends, points, seconds[1:]))
 
     # the computation ---------------------------------------------------------------------------
