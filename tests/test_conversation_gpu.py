@@ -58,8 +58,10 @@ def test_turns_follow_hf_through_every_tier_on_the_gpu(checkpoint):
         engine.stop()
 
 
-@pytest.mark.parametrize("context", [40, 300])
-def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context):
+@pytest.mark.parametrize("context,busy", [(40, False), (300, False), (300, True)])
+def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context, busy):
+    """Alone, a restored turn's chunks are copied in layer by layer as it runs; beside other
+    work (`busy`), all at once on the side stream before it is prefilled (HostTier.restore)."""
     from bench.chat_stateful import _demote
     path, _ = checkpoint
     engine = gpu_engine(path, num_blocks=200, host_bytes=64 << 20)
@@ -68,14 +70,24 @@ def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context):
     rng = random.Random(context)
     first = [rng.randrange(CONFIG.vocab_size) for _ in range(context)]
     new = [rng.randrange(CONFIG.vocab_size) for _ in range(17)]
+    filler = {"tokens": first[:20], "max_new_tokens": 30, "ignore_eos": True}
+    deferred = []
+    restore = runner.host.restore
+    runner.host.restore = lambda plan, stream: (deferred.append(len(plan.swap_in_host)), restore(plan, stream))
     try:
         replies = {}
         for tier in ("gpu", "host", "recompute"):
             cid = finish(engine, engine.submit("llama", {"tokens": first, "max_new_tokens": 5, "conversation": True,
                                                         "ignore_eos": True}))["conversation"]
             _demote(gen, runner, cid, tier)
+            other = engine.submit("llama", filler) if busy else None
+            if busy:
+                engine.step()  # (the filler runs when the turn comes)
             replies[tier] = finish(engine, engine.submit("llama", {"tokens": new, "max_new_tokens": 12,
                                                                   "conversation": cid, "ignore_eos": True}))
+            if other is not None:
+                finish(engine, other)
+        assert bool(deferred) == busy
         positions = context + 5 - 1
         assert replies["gpu"]["context"] == {"cached": positions, "swapped_in": 0, "recomputed": 0}
         assert replies["host"]["context"] == {"cached": 0, "swapped_in": positions, "recomputed": 0}

@@ -3,7 +3,7 @@ twin, a `copy_` per row, both ways; the CPU path and bad arguments."""
 import pytest
 import torch
 
-from batchmaker.exec.copy2d import copy_2d, copy_rows
+from batchmaker.exec.copy2d import copy_2d, copy_rows, copy_to_device
 from helpers import needs_gpu
 
 
@@ -45,3 +45,15 @@ def test_copy_2d_equals_its_twin_both_ways_on_a_side_stream(dtype):
     assert torch.equal(back[:, 0:3].cpu(), host[0, :, 1:4]) and not back[:, 3:].any()
     with pytest.raises(ValueError, match="pinned"):
         copy_2d(torch.zeros(3, 2, 4, 2, 5, dtype=dtype), gpu[:, :2], stream)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_copy_to_device_moves_the_bytes_it_is_given():
+    host = _host_tier(True)
+    gpu = torch.zeros(4, 4, 2, 5, device="cuda")
+    stream = torch.cuda.Stream()
+    size = host[0, 0, 0].numel() * host.element_size()
+    copy_to_device(gpu[1].data_ptr(), host[1, 2, 3].data_ptr(), 2 * size, stream.cuda_stream)  # two chunks
+    stream.synchronize()
+    assert torch.equal(gpu[1:3].cpu(), host[1, 2, 3:5]) and not gpu[0].any() and not gpu[3].any()

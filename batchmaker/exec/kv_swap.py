@@ -9,9 +9,13 @@ staging buffers on the device:
   out: gather the blocks of every layer (8 chunks at a time), copy each run of consecutive host
        chunks with one call per K and V; `plan.done` is the event after the last (the manager
        lets the blocks go once it has passed)
-  in:  layer l's chunks are copied to a staging buffer (two layers in flight), and the compute
-       stream waits for them only just before layer l's attention, then scatters them into the
-       blocks: the copy of layer l + 2 waits until layer l's buffer is consumed
+  in, deferred (`restore`, the turn is prefilled once `plan.done` has passed): every layer of
+       8 chunks at a time through the same staging buffer, one strided copy per run and K/V,
+       one scatter per K/V
+  in, layer by layer (`swap_in`, a turn alone in its iteration): layer l's chunks are copied to
+       a staging buffer (two layers in flight), and the compute stream waits for them only just
+       before layer l's attention, then scatters them into the blocks: the copy of layer l + 2
+       waits until layer l's buffer is consumed
 On the CPU both are plain indexed copies.
 """
 import time
@@ -19,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from batchmaker.exec.copy2d import copy_2d
+from batchmaker.exec.copy2d import copy_2d, copy_to_device
 
 OUT_STAGING_CHUNKS = 8  # chunks of every layer gathered at once for copies out (128 MiB for Llama-2-7B)
 
@@ -92,10 +96,13 @@ class HostTier:
     # in ---------------------------------------------------------------------------------------
     def fetch(self, staged: torch.Tensor, layer: int, kv: int, runs: list) -> None:
         """One layer's K (kv 0) or V (kv 1) of the runs' host chunks into a staging buffer (on
-        the current stream)."""
-        stream = torch.cuda.current_stream(self.device)
+        the current stream): one driver copy per run, addresses computed, no tensor slices."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        size = self.host[0, 0, 0].numel() * self.host.element_size()  # one chunk of one layer's K or V
+        first = self.host.data_ptr() + (kv * self.layers + layer) * self.num_chunks * size
+        dst = staged.data_ptr()
         for at, host, n in runs:
-            copy_2d(staged[None, at:at + n], self.host[None, kv, layer, host:host + n], stream)
+            copy_to_device(dst + at * size, first + host * size, n * size, stream)
 
     def swap_in(self, plan, compute_stream) -> "_SwapIn":
         """Copies in that the iteration's layers wait for, one by one."""
@@ -120,21 +127,25 @@ class HostTier:
     def _restore(self, plan, compute_stream) -> None:
         hosts = plan.swap_in_host
         n = len(hosts)
-        shape = (n * self.per_chunk, self.block_size, *self.tail)
         if self.copy_stream is None:
             _SwapIn(self, plan, None).all_layers()
             plan.done = True
             return
         stream = self.copy_stream
         stream.wait_stream(compute_stream)  # (the new blocks may still be written by earlier work)
-        with torch.cuda.stream(stream):
+        step, pc = self.out_chunks, self.per_chunk
+        with torch.cuda.stream(stream):  # every layer at once, through the copies' staging buffer
             index = _on_device(plan.swap_in_blocks, self.device)
-            runs = _runs(hosts)
-            for layer in range(self.layers):
-                for kv, cache in enumerate((self.cache.k[layer], self.cache.v[layer])):
-                    staged = self.in_buffers[0, kv, :n]
-                    self.fetch(staged, layer, kv, runs)
-                    cache.index_copy_(0, index, staged.view(shape))
+            for first in range(0, n, step):
+                part = hosts[first:first + step]
+                m = len(part)
+                for kv, cache in enumerate((self.cache.k, self.cache.v)):
+                    staged = self.out_buffer[kv, :cache[:, :m * pc].numel()]
+                    chunks = staged.view(self.layers, m, self.chunk_tokens, *self.tail)
+                    for at, host, count in _runs(part):
+                        copy_2d(chunks[:, at:at + count], self.host[kv, :, host:host + count], stream)
+                    cache.index_copy_(1, index[first * pc:(first + m) * pc],
+                                      staged.view(self.layers, m * pc, self.block_size, *self.tail))
             done = torch.cuda.Event()
             done.record(stream)
         plan.done = done
