@@ -228,6 +228,24 @@ def test_chunks_go_to_the_host_ahead_of_time_below_the_threshold_and_back():
     cache.check()
 
 
+def test_recompute_time_follows_the_profiled_cost_of_the_positions():
+    """stats["recomputed_seconds"]: Cost of the recomputed chunks (cost (k + 1)^2 for chunk k of 8
+    tokens), by position, whatever the policy; a lost cache adds its positions after the dropped ones."""
+    for policy in ("value", "lru"):
+        cache, clock, rows = _idle_cache(policy, [30], [0.0])
+        clock.now = 1.0
+        cache.reclaim(4)  # chunks 0 and 1 (two blocks each) dropped
+        assert cache.dropped[rows[0]] == 2
+        table = np.zeros(16, dtype=np.int32)
+        recompute, _, cached, _ = cache.restore(rows[0], table)
+        assert (recompute, cached) == (16, 30)
+        assert cache.stats["recomputed_seconds"] == 1 + 4
+        cache.recomputed(cached - recompute, instead_of_gpu=cached - recompute, start=recompute)
+        assert cache.stats["recomputed_seconds"] == 1 + 4 + 9 + 16  # positions 16-29: chunks 2 and 3
+        assert cache.stats["recomputed_tokens"] == 30 and cache.stats["gpu_hit_tokens"] == 0
+        cache.blocks.give_back(table[:8])
+
+
 def test_a_copy_out_plan_takes_its_chunks_from_few_conversations():
     """A conversation with copies in flight keeps all its GPU blocks until they land (chunks go
     from the leading end), so a plan takes the cheapest chunks of at most max_out_rows of them."""

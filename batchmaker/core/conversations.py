@@ -92,8 +92,9 @@ class ConversationCache:
         self.max_chunks = -(-blocks.max_blocks // self.per_chunk)
         # cost[k]: recomputing chunk k (its positions end at (k + 1) * chunk_tokens); increasing (a
         # tiny ramp breaks ties), so a conversation's chunks are valued in leading-end order
-        cost = np.ones(self.max_chunks) if policy == "lru" else np.maximum.accumulate(
-            np.asarray(cost, dtype=np.float64)[:self.max_chunks])
+        profiled = np.maximum.accumulate(np.asarray(cost, dtype=np.float64)[:self.max_chunks])
+        self._cost_upto = np.concatenate([[0.0], np.cumsum(profiled)])  # recomputing chunks [0, k): [k]
+        cost = np.ones(self.max_chunks) if policy == "lru" else profiled
         self.cost = cost + np.arange(len(cost)) * 1e-9 * float(cost.max())
         self.swap_threshold = swap_threshold
         self.max_out = max_out
@@ -104,8 +105,8 @@ class ConversationCache:
         self.pending: list[tuple[CachePlan, np.ndarray, np.ndarray]] = []  # swap-outs: plan, rows, hosted after
         self.num_held = 0  # GPU blocks held by idle conversations
         self.min_reclaim = max(1, min(MIN_RECLAIM, (blocks.num_blocks - 1) // 50))
-        self.stats = {"gpu_hit_tokens": 0, "host_hit_tokens": 0, "recomputed_tokens": 0, "chunks_out": 0,
-                      "chunks_in": 0, "chunks_dropped": 0}
+        self.stats = {"gpu_hit_tokens": 0, "host_hit_tokens": 0, "recomputed_tokens": 0, "recomputed_seconds": 0.0,
+                      "chunks_out": 0, "chunks_in": 0, "chunks_dropped": 0}
         self._grow_rows(64)
 
     def _grow_rows(self, n: int) -> None:
@@ -197,16 +198,20 @@ class ConversationCache:
         self._free_host(self.host[r, dropped:hosted])
         recompute = min(dropped * self.chunk_tokens, cached)
         swapped = min(len(moves) * self.chunk_tokens, cached - recompute)
-        self.stats["recomputed_tokens"] += recompute
+        self.recomputed(recompute)
         self.stats["host_hit_tokens"] += swapped
         self.stats["gpu_hit_tokens"] += cached - recompute - swapped
         self.stats["chunks_in"] += len(moves)
         self._clear(r)
         return recompute, swapped, cached, plan
 
-    def recomputed(self, tokens: int, instead_of_gpu: int = 0, instead_of_host: int = 0) -> None:
-        """Count `tokens` restored positions as recomputed after all (the turn lost its cache),
-        taking back the hits they were counted as."""
+    def recomputed(self, tokens: int, instead_of_gpu: int = 0, instead_of_host: int = 0, start: int = 0) -> None:
+        """Count positions [start, start + tokens) of a context as recomputed (also after all,
+        when a turn lost its cache: taking back the hits they were counted as), and their
+        recompute time by the profiled Cost(l) (what the value policy minimizes; LRU too)."""
+        ct, upto = self.chunk_tokens, self._cost_upto
+        first, last = min(start // ct, len(upto) - 1), min(-(-(start + tokens) // ct), len(upto) - 1)
+        self.stats["recomputed_seconds"] += float(upto[last] - upto[first]) if tokens > 0 else 0.0
         self.stats["recomputed_tokens"] += tokens
         self.stats["gpu_hit_tokens"] -= instead_of_gpu
         self.stats["host_hit_tokens"] -= instead_of_host

@@ -229,7 +229,7 @@ class SequenceQueue:
         conversation = q.conversation[s]
         if conversation is not None:  # its cache goes with the blocks: all of it is recomputed
             gpu, swapped, recomputed = conversation.restored
-            self.caches[worker_id].recomputed(gpu + swapped, gpu, swapped)
+            self.caches[worker_id].recomputed(gpu + swapped, gpu, swapped, start=recomputed)
             conversation.restored = (0, 0, gpu + swapped + recomputed)
             conversation.worker = None
         self.waiting.push_front(int(row.columns["priority"][0]), row)
