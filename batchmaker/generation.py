@@ -230,7 +230,7 @@ class GenerativeModel(Finisher):
                 stats[k] = stats.get(k, 0) + v
             stats["bytes_out"] += cache.stats["chunks_out"] * self._chunk_bytes[worker]  # K/V copied to the host
             stats["bytes_in"] += cache.stats["chunks_in"] * self._chunk_bytes[worker]  # and back
-            stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.num_host - cache.num_host_free
+            stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.host_chunks.num - cache.host_chunks.num_free
             stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
         return stats
 

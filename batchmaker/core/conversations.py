@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchmaker.core.blocks import BlockTables
+from batchmaker.core.cache_plan import CachePlan
+from batchmaker.core.host_chunks import HostChunks
 
 _NONE = np.zeros(0, dtype=np.int64)
 MIN_RECLAIM = 64  # blocks (at most 2% of them) reclaimed at a time: one pass per batch, not per block
@@ -47,31 +49,6 @@ class Conversation:
     @property
     def busy(self) -> bool:
         return self.turn is not None and not self.turn._done
-
-
-@dataclass(slots=True, eq=False)
-class CachePlan:
-    """Copies between the GPU blocks and the host chunks of one worker, run with an iteration.
-    swap_in: host chunks [n] -> GPU blocks [n, blocks per chunk], before each layer's attention
-    of the iteration (or, `deferred`, on the side: the turns wait, the iteration does not);
-    swap_out: GPU blocks [m, blocks per chunk] -> host chunks [m], on the side; `done` is set by
-    the worker once the copies out are complete (a flag, or an object with `query()`)."""
-
-    swap_in_host: np.ndarray = field(default_factory=lambda: _NONE)
-    swap_in_blocks: np.ndarray = field(default_factory=lambda: _NONE.reshape(0, 1))
-    swap_out_blocks: np.ndarray = field(default_factory=lambda: _NONE.reshape(0, 1))
-    swap_out_host: np.ndarray = field(default_factory=lambda: _NONE)
-    done: object = None
-    deferred: bool | None = None  # swap-in on the side, its turns prefilled once done (else: per layer)
-
-    @property
-    def finished(self) -> bool:
-        done = self.done
-        return done is True or (done is not None and done is not False and done.query())
-
-    def add_swap_in(self, hosts: np.ndarray, blocks: np.ndarray) -> None:
-        self.swap_in_host = np.concatenate([self.swap_in_host, hosts])
-        self.swap_in_blocks = np.concatenate([self.swap_in_blocks.reshape(-1, blocks.shape[1]), blocks])
 
 
 class ConversationCache:
@@ -100,8 +77,7 @@ class ConversationCache:
         self.max_out = max_out
         self.max_out_rows = max_out_rows  # conversations one copy-out plan touches (it locks their blocks)
         self.max_in = max_in  # host chunks one iteration can swap in (the worker's staging)
-        self.host_is_free = np.ones(host_chunks, dtype=bool)
-        self.num_host = self.num_host_free = host_chunks
+        self.host_chunks = HostChunks(host_chunks)  # which host chunk ids are free
         self.pending: list[tuple[CachePlan, np.ndarray, np.ndarray]] = []  # swap-outs: plan, rows, hosted after
         self.num_held = 0  # GPU blocks held by idle conversations
         self.min_reclaim = max(1, min(MIN_RECLAIM, (blocks.num_blocks - 1) // 50))
@@ -195,7 +171,7 @@ class ConversationCache:
             index = moves[:, None] * pc + np.arange(pc)
             blocks = np.where(index < nb, table_row[index.clip(max=nb - 1)], 0).astype(np.int64)  # (past the end: scratch)
             plan = CachePlan(swap_in_host=self.host[r, moves].copy(), swap_in_blocks=blocks)
-        self._free_host(self.host[r, dropped:hosted])
+        self.host_chunks.give_back(self.host[r, dropped:hosted])
         recompute = min(dropped * self.chunk_tokens, cached)
         swapped = min(len(moves) * self.chunk_tokens, cached - recompute)
         self.recomputed(recompute)
@@ -224,7 +200,7 @@ class ConversationCache:
         held = self.gpu[r][self.gpu[r] != 0]
         self.blocks.give_back(held)
         self.num_held -= len(held)
-        self._free_host(self.host[r, self.dropped[r]:self.hosted[r]])
+        self.host_chunks.give_back(self.host[r, self.dropped[r]:self.hosted[r]])
         self._clear(r)
 
     def _clear(self, r: int) -> None:
@@ -253,29 +229,6 @@ class ConversationCache:
             rr, kk, values = rr[part], kk[part], values[part]
         order = np.argsort(values, kind="stable")
         return rr[order], kk[order]
-
-    def _free_host(self, ids: np.ndarray) -> None:
-        ids = np.asarray(ids)
-        ids = ids[ids >= 0]
-        self.host_is_free[ids] = True
-        self.num_host_free += len(ids)
-
-    def _take_host(self, n: int) -> np.ndarray:
-        """n free host chunks, in as few runs of consecutive ones as the free space allows (each
-        run is one copy per layer)."""
-        edges = np.diff(np.concatenate([[0], self.host_is_free.view(np.int8), [0]]))
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-        taken, left = [], n
-        for i in np.argsort(starts - ends, kind="stable").tolist():  # longest runs first
-            if left == 0:
-                break
-            m = min(left, int(ends[i] - starts[i]))
-            taken.append(np.arange(starts[i], starts[i] + m))
-            left -= m
-        ids = np.sort(np.concatenate(taken)) if taken else np.zeros(0, dtype=np.int64)
-        self.host_is_free[ids] = False
-        self.num_host_free -= len(ids)
-        return ids.astype(np.int64)
 
     def _num_chunks(self, rows):
         return -(-self.cached[rows] // self.chunk_tokens)
@@ -337,7 +290,7 @@ class ConversationCache:
             return 0
         freed = sum(self._free_gpu(r, j) for j in range(d, k + 1))
         hosted = int(self.hosted[r])
-        self._free_host(self.host[r, d:min(k + 1, hosted)])
+        self.host_chunks.give_back(self.host[r, d:min(k + 1, hosted)])
         self.host[r, d:k + 1] = -1
         self.dropped[r] = k + 1
         self.hosted[r] = max(hosted, k + 1)
@@ -355,7 +308,7 @@ class ConversationCache:
             return None
         total = self.blocks.num_blocks - 1
         short = int(self.swap_threshold * total) - self.blocks.num_free
-        if short <= 0 or self.num_host == 0:
+        if short <= 0 or self.host_chunks.num == 0:
             return None
         short -= self._num_reclaimable()
         if short <= 0:
@@ -370,21 +323,21 @@ class ConversationCache:
         if want == 0:
             return None
         rr, kk = rr[:want], kk[:want]
-        if self.num_host_free < want:  # make room: drop the host's cheapest ready chunks
+        if self.host_chunks.num_free < want:  # make room: drop the host's cheapest ready chunks
             rows = np.flatnonzero(self.idle & (self.ready > self.dropped))
-            dr, dk = self._chunks(self.dropped[rows], self.ready[rows], rows, limit=want - self.num_host_free)
+            dr, dk = self._chunks(self.dropped[rows], self.ready[rows], rows, limit=want - self.host_chunks.num_free)
             for r, k in zip(dr.tolist(), dk.tolist()):
-                if self.num_host_free >= want:
+                if self.host_chunks.num_free >= want:
                     break
                 self._drop_through(r, k)
-            want = min(want, self.num_host_free)
+            want = min(want, self.host_chunks.num_free)
             rr, kk = rr[:want], kk[:want]
         # (dropping host chunks may have dropped these rows' chunks too: keep those still GPU-only)
         keep = kk >= self.hosted[rr]
         rr, kk = rr[keep], kk[keep]
         if not len(rr):
             return None
-        hosts = self._take_host(len(rr))
+        hosts = self.host_chunks.take(len(rr))
         self.host[rr, kk] = hosts
         np.maximum.at(self.hosted, rr, kk + 1)
         index = (kk[:, None] * self.per_chunk + np.arange(self.per_chunk)).clip(max=self.gpu.shape[1] - 1)
@@ -411,9 +364,9 @@ class ConversationCache:
             self._drop_through(r, n - 1)
             return None
         first = int(self.hosted[r])
-        if n - first > self.num_host_free:
-            raise RuntimeError(f"{n - first} host chunks wanted, {self.num_host_free} free")
-        hosts = self._take_host(n - first)
+        if n - first > self.host_chunks.num_free:
+            raise RuntimeError(f"{n - first} host chunks wanted, {self.host_chunks.num_free} free")
+        hosts = self.host_chunks.take(n - first)
         self.host[r, first:n] = hosts
         self.hosted[r] = n
         index = np.arange(first * self.per_chunk, n * self.per_chunk).clip(max=self.gpu.shape[1] - 1)
@@ -434,8 +387,8 @@ class ConversationCache:
         assert len(held) == self.num_held, "the held count is off"
         hosts = self.host[self.idle]
         hosts = hosts[hosts >= 0]
-        assert len(np.unique(hosts)) == len(hosts) and not self.host_is_free[hosts].any()
-        assert len(hosts) + int(self.host_is_free.sum()) == self.num_host == len(hosts) + self.num_host_free, \
+        assert len(np.unique(hosts)) == len(hosts) and not self.host_chunks.is_free[hosts].any()
+        assert len(hosts) + int(self.host_chunks.is_free.sum()) == self.host_chunks.num == len(hosts) + self.host_chunks.num_free, \
             "a host chunk leaked"
 
 

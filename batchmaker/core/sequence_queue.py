@@ -15,7 +15,8 @@ recomputed first, as a sub-request of their own that shares the sequence's block
 """
 import numpy as np
 
-from batchmaker.core.conversations import CachePlan, ConversationCache
+from batchmaker.core.cache_plan import CachePlan
+from batchmaker.core.conversations import ConversationCache
 from batchmaker.core.sequences import Sequences
 from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
