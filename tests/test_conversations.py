@@ -15,7 +15,7 @@ from batchmaker.core.blocks import BlockTables
 from batchmaker.core.conversations import Conversation, ConversationCache
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.core.waiting import Chunk
-from test_sequences import VOCAB, FakeDevice, FakeFuture, Harness, reference
+from sequence_harness import VOCAB, FakeDevice, FakeFuture, Harness, reference
 
 
 class Clock:
