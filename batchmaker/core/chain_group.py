@@ -1,0 +1,329 @@
+"""ChainGroup: the running requests of one stage on one worker, as slots of aligned arrays: their
+positions, lengths, step values and state rows (the queue and the stages: core/chains.py).
+
+A round of k <= MaxTasksToSubmit steps is formed at once with numpy over those arrays: waiting
+requests join at its start, chains that end inside it drop out of its later steps, and its index
+says, per step and lane, which rows to read and write (every kept output has two rows per request,
+written on even and odd steps, so that a step never writes what it reads).
+
+A chain's end is known when its round is formed: its final rows are handed to the next stage (on
+the same worker) or fetched to the host in the same launch, so the next stage may start in the
+very next round. A decode loop's end (its `stop` value) is learned when a round completes, from
+the values it recorded: one numpy pass over [k, batch]. Rounds formed meanwhile carry the lane
+along and their results for it are dropped (a slot's serial tells a new occupant from an old one).
+"""
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from batchmaker.core.rows import RowAllocator
+from batchmaker.core.task import RoundTask
+from batchmaker.core.waiting import Chunk, Waiting
+from batchmaker.errors import CellError
+
+if TYPE_CHECKING:
+    from batchmaker.core.chains import Finisher, Stage
+
+
+class ChainGroup:
+    """The running requests of one stage on one worker, in slots [0, max_batch). Manager thread only.
+
+    Rows: R[parity, o, slot] is the row slot's request writes output kept[o] to at steps of that
+    parity (2 rows per kept output); I[c, slot] the row carried input c reads at step 0 (0: zeros).
+    """
+
+    def __init__(self, stage: "Stage", worker_id: int, pools: dict[str, RowAllocator]):
+        self.stage = stage
+        self.worker_id = worker_id
+        self.pools = pools  # output -> its pool's rows (a carried input reads its output's pool)
+        cap = stage.cell_type.max_batch
+        layout, kept = stage.cell_type.layout, stage.kept
+        self.serial = np.zeros(cap, dtype=np.int64)  # 0: a free slot
+        self.owner = np.empty(cap, dtype=object)
+        self.pos = np.zeros(cap, dtype=np.int64)  # steps formed so far
+        self.length = np.zeros(cap, dtype=np.int64)  # chain: its steps; decode: at most this many
+        self.lengths = np.zeros((cap, 1), dtype=np.int64)  # every stage's length (handed on)
+        self.priority = np.zeros(cap, dtype=np.int64)
+        self.first_cell = np.zeros(cap)
+        self.streams = np.zeros(cap, dtype=bool)
+        self.R = np.zeros((2, len(kept), cap), dtype=np.int64)
+        self.I = np.zeros((len(stage.carry), cap), dtype=np.int64)
+        self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
+        self.values = np.zeros((4096, len(stage.step_inputs)), dtype=np.int64)  # [:num_values] in use
+        self.num_values = 0
+        self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
+        self.num_stepping = 0  # requests with steps left (kept in step: the scheduler reads it often)
+        self._free_slots = list(range(cap - 1, -1, -1))
+        self._next_serial = 1
+        # where things go in a task's index, and each kept output's pool
+        # (slices where the positions are consecutive, as they usually are: views, not fancy indexing)
+        self._write_slots = _positions([layout.writes[o] for o in kept])
+        self._read_slots = _positions([layout.reads[x] for x in stage.carry])
+        self._carried = _positions([kept.index(o) for o in stage.carry.values()])
+        self._value_slots = _positions([layout.values[x] for x in stage.step_inputs])
+        self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
+                                        + [layout.values[n] for n in stage.start])
+        self._kept_ix = np.arange(len(kept))[None, :, None]
+        self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
+        self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
+        self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
+        by_pool: dict[int, list] = {}
+        for o, out in enumerate(kept):
+            by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
+        self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
+
+    @property
+    def num_live(self) -> int:
+        return len(self.serial) - len(self._free_slots)
+
+    # forming a round ------------------------------------------------------------------------
+    def form(self, queues: tuple[Waiting, ...], max_steps: int) -> RoundTask | None:
+        for queue in queues:
+            if self._free_slots and len(queue):
+                chunk = queue.take(len(self._free_slots))
+                if chunk is not None and len(chunk):
+                    self._join(chunk)
+        if not self.num_stepping:
+            return None
+        stage = self.stage
+        stepping = np.flatnonzero(self.pos < self.length)  # (free slots have length 0)
+        left = self.length[stepping] - self.pos[stepping]
+        k = int(min(max_steps, left.max()))
+        order = np.argsort(-left, kind="stable")  # lanes stepping at step j are a prefix
+        lanes, steps = stepping[order], np.minimum(left[order], k)
+        pos0 = self.pos[lanes]
+        num_active = np.searchsorted(-steps, -np.arange(k), side="left")  # lanes stepping at step j
+        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
+                         num_active=num_active, last=steps - 1,
+                         carry=stage.carry, saved=stage.kept, record=tuple(stage.collect.values()),
+                         owners=self.owner[lanes])
+        if stage.init:  # rows handed over by the previous stage: read at this round's first step
+            self._free_init(lanes[pos0 == 0])
+        if stage.is_decode:
+            task.info = _DecodeLanes(lanes, self.serial[lanes], pos0, steps)
+        self.pos[lanes] = pos0 + steps
+        ending = np.flatnonzero(pos0 + steps >= self.length[lanes])
+        self.num_stepping -= len(ending)
+        if len(ending) and not stage.is_decode:
+            self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (pos0[ending] + steps[ending] - 1) & 1)
+        return task
+
+    def _index(self, lanes: np.ndarray, pos0: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
+        """[k, num_slices, B]. A lane's parity alternates, so its writes alternate between two rows
+        (`at_even`, `at_odd` steps of the round) and its reads are the previous step's writes:
+        a few slice copies, not a pass per step. Lanes past their last step (a suffix: lanes are sorted
+        by their steps) are fixed up after, a slice per step."""
+        stage, layout = self.stage, self.stage.cell_type.layout
+        b = len(lanes)
+        index = np.zeros((k, layout.num_slices, b), dtype=np.int64)
+        # R[pos0 & 1] and R[1 - (pos0 & 1)] at the lanes, as flat takes (a fancy index over the
+        # last axis of R is several times slower)
+        rows = self._row_at[:, None] + lanes[None, :]  # [O, B]: R[0, o, lane] in the flat R
+        parity = (pos0 & 1) * self.R[0].size
+        at_even = self.R.reshape(-1).take(rows + parity)  # [O, B]: written at steps 0, 2, ...
+        at_odd = self.R.reshape(-1).take(rows + (self.R[0].size - parity))  # and at steps 1, 3, ...
+        index[0::2, self._write_slots] = at_even
+        index[1::2, self._write_slots] = at_odd
+        for slot, scratch in self._other_writes:
+            index[:, slot] = scratch
+        if stage.carry:
+            carried = self._carried
+            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[carried])
+            index[1::2, self._read_slots] = at_even[carried]
+            index[2::2, self._read_slots] = at_odd[carried]
+        if stage.step_inputs:  # host values per step (tokens)
+            at = np.minimum(self.base[lanes] + pos0 + np.arange(k)[:, None], self.num_values - 1)
+            index[:, self._value_slots] = self.values.take(at, axis=0).transpose(0, 2, 1)
+        for name, value in stage.start.items():  # decode: the first step's token
+            index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
+        for j in np.flatnonzero(num_active < b).tolist():  # lanes past their last step: a suffix at step j
+            a = int(num_active[j])
+            index[j, self._write_slots, a:] = self._scratch[0]
+            index[j, self._padded_reads, a:] = 0
+        return index
+
+    def _join(self, chunk: Chunk) -> None:
+        n, stage = len(chunk), self.stage
+        if stage.step_inputs:
+            self._append_values(np.flatnonzero(self.serial > 0), chunk)
+        slots = np.array(self._free_slots[len(self._free_slots) - n:][::-1], dtype=np.int64)
+        del self._free_slots[len(self._free_slots) - n:]
+        self.serial[slots] = np.arange(self._next_serial, self._next_serial + n)
+        self._next_serial += n
+        self.owner[slots] = chunk.owners
+        self.pos[slots] = 0
+        lengths = chunk.columns["lengths"]
+        if self.lengths.shape[1] != lengths.shape[1]:
+            self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
+        self.lengths[slots] = lengths
+        self.length[slots] = lengths[:, stage.position]
+        self.num_stepping += n
+        self.priority[slots] = chunk.columns["priority"]
+        first = chunk.columns["first_cell"]
+        self.first_cell[slots] = np.where(np.isnan(first), time.perf_counter(), first)
+        self.streams[slots] = chunk.columns["streams"]
+        for pool, ix in self._pool_groups:
+            self.R[:, ix[:, None], slots[None, :]] = pool.alloc_many(2 * len(ix) * n).reshape(2, len(ix), n)
+        for c, name in enumerate(stage.carry):
+            self.I[c, slots] = chunk.columns.get("init:" + name, 0)
+        if stage.step_inputs:
+            self.base[slots] = self._next_base
+        longest = int(self.length[slots].max())
+        for out, buf in self.collected.items():
+            if buf.shape[1] < longest:
+                grown = np.zeros((len(buf), longest), dtype=np.int64)
+                grown[:, :buf.shape[1]] = buf
+                self.collected[out] = grown
+
+    def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
+        """The joining chains' step values after those of the `others` (the live chains), which
+        are repacked first once the buffer is full of stale ones; `_next_base`: where each new one starts."""
+        values = chunk.values.reshape(len(chunk.values), -1)
+        if self.num_values + len(values) > len(self.values):
+            lengths = self.length[others]
+            used = int(lengths.sum())
+            starts = np.cumsum(lengths) - lengths
+            kept = self.values[np.repeat(self.base[others] - starts, lengths) + np.arange(used)]
+            self.values = np.zeros((max(len(self.values), 2 * (used + len(values))), values.shape[1]), dtype=np.int64)
+            self.values[:used] = kept
+            self.base[others] = starts
+            self.num_values = used
+        self._next_base = self.num_values + chunk.bounds[:-1] - chunk.bounds[0]
+        self.values[self.num_values:self.num_values + len(values)] = values
+        self.num_values += len(values)
+
+    def _end_chains(self, task: RoundTask, slots: np.ndarray, rows: np.ndarray, final_parity: np.ndarray) -> None:
+        """Chains whose last step is in this round: their final rows go to the next stage or to
+        the host; their other rows are freed (later launches run after this one)."""
+        stage, kept = self.stage, self.stage.kept
+        e = np.arange(len(slots))[None, :]
+        outputs = self._kept_ix[0]  # [O, 1]
+        final = rows[final_parity[None, :], outputs, e]  # [O, E]
+        spare = rows[1 - final_parity[None, :], outputs, e]
+        handed = np.zeros(len(kept), dtype=bool)
+        if stage.next is not None:
+            columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
+                       "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
+            for name, out in stage.next.stage.init.items():
+                columns["init:" + name] = final[kept.index(out)]
+                handed[kept.index(out)] = True
+            stage.next.add(self.priority[slots], Chunk.of(self.owner[slots], columns), self.worker_id)
+            task.info = _Ending(self.owner[slots], self.first_cell[slots], handed_on=True)
+        else:
+            task.fetch = {out: final[kept.index(out)] for out in stage.outputs.values()}
+            task.info = _Ending(self.owner[slots], self.first_cell[slots])
+        for pool, ix in self._pool_groups:
+            pool.free_many(spare[ix].ravel())
+            pool.free_many(final[ix[~handed[ix]]].ravel())
+        self._release(slots)
+
+    # completion -----------------------------------------------------------------------------
+    def complete(self, task: RoundTask) -> None:
+        if task.error is not None:  # every request of the round fails (wherever it went since)
+            error = CellError(f"cell {self.stage.cell_type.name} failed: {task.error!r}")
+            self.stage_finisher.fail([o for o in task.owners if not o._done], error)
+            self.purge()  # (the next stage purges those handed on: the engine's cancel epoch moves)
+        elif self.stage.is_decode:
+            self._complete_decode(task, task.info)
+        elif isinstance(task.info, _Ending) and not task.info.handed_on:
+            outputs = {key: task.fetched[out] for key, out in self.stage.outputs.items()}
+            self.stage_finisher.resolve(task.info.owners, outputs, task.info.first_cell)
+
+    @property
+    def stage_finisher(self) -> "Finisher":
+        stage = self.stage
+        while stage.next is not None:  # a failure anywhere is reported by the last stage's finisher
+            stage = stage.next.stage
+        return stage.finisher
+
+    def _complete_decode(self, task: RoundTask, lanes: "_DecodeLanes") -> None:
+        stage, k = self.stage, task.num_steps
+        current = self.serial[lanes.slots] == lanes.serials  # not dropped or refilled since
+        j = np.arange(k)[:, None]
+        active = (j < lanes.steps[None, :]) & current[None, :]
+        out, value = stage.stop
+        hit = (task.recorded[out] == value) & active
+        stopped = hit.any(axis=0)
+        produced = np.where(stopped, hit.argmax(axis=0) + 1, lanes.steps)  # values kept this round
+        keep = active & (j < produced[None, :])
+        at_slot = np.broadcast_to(lanes.slots[None, :], keep.shape)[keep]
+        at_pos = (lanes.pos0[None, :] + j)[keep]
+        for o in stage.collect.values():
+            self.collected[o][at_slot, at_pos] = task.recorded[o][keep]
+        ends = lanes.pos0 + produced
+        for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():  # once per round
+            slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
+            stage.finisher.stream(self.owner[slot], {key: self.collected[o][slot, a:b].tolist()
+                                                     for key, o in stage.collect.items()})
+        done = current & (stopped | (ends >= self.length[lanes.slots]))
+        if done.any():
+            slots, ends = lanes.slots[done], ends[done].tolist()
+            outputs = {key: [self.collected[o][s, :e].tolist() for s, e in zip(slots.tolist(), ends)]
+                       for key, o in stage.collect.items()}
+            stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
+            self._drop(slots)
+
+    # dropping -------------------------------------------------------------------------------
+    def purge(self) -> None:
+        """Drop running requests whose future is done (cancelled, expired or failed)."""
+        live = np.flatnonzero(self.serial > 0)
+        if len(live):
+            done = np.fromiter((o._done for o in self.owner[live]), dtype=bool, count=len(live))
+            if done.any():
+                self._drop(live[done])
+
+    def free_init(self, chunk: Chunk) -> None:
+        """Rows that dropped waiting requests held from the previous stage."""
+        for name, out in self.stage.carry.items():
+            rows = chunk.columns.get("init:" + name)
+            if rows is not None:
+                self.pools[out].free_many(rows[rows != 0])
+
+    def _drop(self, slots: np.ndarray) -> None:
+        """Free the slots and every row they hold (later launches run after those in flight)."""
+        self._free_init(slots)
+        self.num_stepping -= int(np.count_nonzero(self.pos[slots] < self.length[slots]))
+        for pool, ix in self._pool_groups:
+            pool.free_many(self.R[:, ix[:, None], slots[None, :]].ravel())
+        self._release(slots)
+
+    def _free_init(self, slots: np.ndarray) -> None:
+        for c, out in enumerate(self.stage.carry.values()):
+            rows = self.I[c, slots]
+            self.pools[out].free_many(rows[rows != 0])
+            self.I[c, slots] = 0
+
+    def _release(self, slots: np.ndarray) -> None:
+        self.serial[slots] = 0
+        self.owner[slots] = None
+        self.length[slots] = 0
+        self.pos[slots] = 0
+        self._free_slots += slots.tolist()
+
+
+def _positions(positions: list[int]) -> slice | list[int]:
+    """A slice if the positions are consecutive and ascending (indexing with it gives a view)."""
+    if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+        return slice(positions[0], positions[0] + len(positions))
+    return positions
+
+
+@dataclass(slots=True)
+class _DecodeLanes:
+    """What a decode round's completion needs: its lanes' slots and occupants, first positions."""
+
+    slots: np.ndarray
+    serials: np.ndarray
+    pos0: np.ndarray
+    steps: np.ndarray
+
+
+@dataclass(slots=True)
+class _Ending:
+    """Chains of the last stage that end in a round: resolved once its fetched rows arrive."""
+
+    owners: np.ndarray
+    first_cell: np.ndarray
+    handed_on: bool = False  # to the next stage (then nothing to resolve here)
