@@ -6,7 +6,7 @@ command line's client side import without torch, and the engine without pyzmq.
 import importlib
 
 _EXPORTS = {
-    "Cell": "batchmaker.cell", "Engine": "batchmaker.engine", "EngineConfig": "batchmaker.engine",
+    "Cell": "batchmaker.cell", "Engine": "batchmaker.engine", "EngineConfig": "batchmaker.engine_config",
     "BadRequestError": "batchmaker.errors", "BatchMakerError": "batchmaker.errors",
     "CancelledError": "batchmaker.errors", "CellError": "batchmaker.errors",
     "DeadlineExceededError": "batchmaker.errors", "EngineStoppedError": "batchmaker.errors",

@@ -17,14 +17,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
-from batchmaker.core.scheduler import Scheduler, SchedulerConfig
+from batchmaker.core.scheduler import Scheduler
+from batchmaker.engine_config import EngineConfig
 from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, OverloadedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, make_worker, place_cell
@@ -34,34 +34,10 @@ from batchmaker.generation import GenerativeModel
 from batchmaker.model import Model, cell_types_of, check_cell_sharing
 from batchmaker.registry import build_model
 from batchmaker.request import Request, Result
+from batchmaker.stats import engine_stats
 from batchmaker.structured import Accounting, StructuredModel
 
 log = logging.getLogger("batchmaker")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    devices: tuple[str, ...] = ("cpu",)  # one worker per entry; "cpu" twice gives two CPU workers
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Admission bound: requests accepted and not yet finished. Beyond it `submit` answers
-    # OverloadedError at once, so a flood costs a reply, not memory.
-    max_requests: int = 4096
-    num_latencies_kept: int = 4096  # per model, for the latency percentiles in stats()
-    # CUDA workers: run tasks as CUDA graphs (per cell type and padded batch bucket, captured at
-    # start-up); False runs every task with eager launches.
-    cuda_graphs: bool = True
-    # torch's CPU threads while the engine runs: None lets the engine choose (CPU workers: the
-    # cores, split among them; else unchanged); a number sets it. stop() restores the old count.
-    cpu_threads: int | None = None
-    # A CPU worker runs its tasks on the manager thread (no hand-off, no GIL contention between
-    # the two: batchmaker/exec/worker.py): None lets the engine choose (when it is the only worker).
-    # False gives it a thread of its own, so that the manager admits and cancels while a task runs.
-    cpu_inline: bool | None = None
-    # The collector's young-generation threshold while the engine runs (Python's default: 700).
-    # Every request allocates a few tracked objects (its future, inputs, result); at 700 a
-    # collection runs every ~200 requests and walks the live ones: 2.7 µs per LSTM request on the
-    # manager at saturation, 0.3 µs at 10,000. None leaves it; stop() restores the old value.
-    gc_young_threshold: int | None = 10_000
 
 
 class Engine:
@@ -214,26 +190,7 @@ class Engine:
         batch_sizes: "model/cell:rows" -> tasks run; latency_ms: per model, p50/p90/p99 over the
         last `num_latencies_kept` finished requests (failed ones included).
         """
-        processor = self.processor
-        return {
-            "num_live_requests": len(self.accounting.live),
-            "num_queued_requests": self.num_accepted - self.accounting.num_finished,  # accepted, not finished
-            "max_requests": self.config.max_requests,
-            "num_live_nodes": (processor.num_live_nodes if processor else 0) + self._num_live_structured(),
-            "num_ready_nodes": self.scheduler.num_ready if self.scheduler else 0,
-            "cell_queues": self.scheduler.queue_lengths() if self.scheduler else {},
-            "num_rows_used": [w.memory.num_rows_used for w in self.workers],
-            "kv_blocks_used": {name: [q.blocks.num_used for q in s.queue.sequences.values()]
-                               for name, s in self.structured.items() if getattr(s, "queue", None)},
-            "conversations": {name: s.conversation_stats() for name, s in self.structured.items()
-                              if hasattr(s, "conversation_stats")},
-            "num_tasks_in_flight": [w.num_in_flight for w in self.workers],
-            "num_gathers_skipped": sum(w.num_gathers_skipped for w in self.workers),
-            "num_tasks": self.num_tasks,
-            "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(self.batch_sizes).items())},
-            "stage_ms": {k: v / 1e6 for k, v in self.stage_ns.items()},
-            "latency_ms": {name: _percentiles(list(lat)) for name, lat in self.accounting.latencies.items()},
-        }
+        return engine_stats(self)
 
     # the manager ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -398,11 +355,6 @@ class Engine:
         inline = self.config.cpu_inline
         return len(self.config.devices) == 1 if inline is None else inline
 
-    def _num_live_structured(self) -> int:
-        processor = self.processor
-        general = len(processor.requests) if processor else 0
-        return max(0, len(self.accounting.live) - general)
-
     def _on_general_finished(self, request: Request) -> None:
         """The general path, just before it resolves a request's future."""
         timing = request.timing
@@ -423,11 +375,3 @@ def _copy_state(source: RequestFuture, waiter: asyncio.Future) -> None:
         waiter.set_exception(error)
     else:
         waiter.set_result(source.result())
-
-
-def _percentiles(values: list[float]) -> dict[str, float | int]:
-    if not values:
-        return {"count": 0}
-    values.sort()
-    at = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3  # noqa: E731
-    return {"count": len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}

@@ -184,7 +184,8 @@ def _serve(args) -> int:
                        curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
     models = _load_models([s.strip() for s in args.models.split(",") if s.strip()], args.set, devices)
 
-    from batchmaker.engine import Engine, EngineConfig
+    from batchmaker.engine import Engine
+    from batchmaker.engine_config import EngineConfig
     from batchmaker.serving.server import Server, ServerConfig
 
     config = ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,

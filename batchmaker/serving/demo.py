@@ -11,7 +11,8 @@ from concurrent.futures import wait
 import torch
 
 from batchmaker.data import wmt_sentences
-from batchmaker.engine import Engine, EngineConfig
+from batchmaker.engine import Engine
+from batchmaker.engine_config import EngineConfig
 from batchmaker.registry import build_model
 from batchmaker.serving.client import Client
 from batchmaker.serving.server import Server, ServerConfig

@@ -1,0 +1,45 @@
+"""The engine's counters as one dict (`Engine.stats`), for benchmarks, leak checks and the server's
+stats reply: requests, rows and KV blocks in use, the cell queues, tasks and batch sizes, the
+manager's stage timers, latency percentiles. Read from any thread; approximate while busy.
+"""
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchmaker.engine import Engine
+
+
+def engine_stats(engine: "Engine") -> dict[str, Any]:
+    processor = engine.processor
+    return {
+        "num_live_requests": len(engine.accounting.live),
+        "num_queued_requests": engine.num_accepted - engine.accounting.num_finished,  # accepted, not finished
+        "max_requests": engine.config.max_requests,
+        "num_live_nodes": (processor.num_live_nodes if processor else 0) + _num_live_structured(engine),
+        "num_ready_nodes": engine.scheduler.num_ready if engine.scheduler else 0,
+        "cell_queues": engine.scheduler.queue_lengths() if engine.scheduler else {},
+        "num_rows_used": [w.memory.num_rows_used for w in engine.workers],
+        "kv_blocks_used": {name: [q.blocks.num_used for q in s.queue.sequences.values()]
+                           for name, s in engine.structured.items() if getattr(s, "queue", None)},
+        "conversations": {name: s.conversation_stats() for name, s in engine.structured.items()
+                          if hasattr(s, "conversation_stats")},
+        "num_tasks_in_flight": [w.num_in_flight for w in engine.workers],
+        "num_gathers_skipped": sum(w.num_gathers_skipped for w in engine.workers),
+        "num_tasks": engine.num_tasks,
+        "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(engine.batch_sizes).items())},
+        "stage_ms": {k: v / 1e6 for k, v in engine.stage_ns.items()},
+        "latency_ms": {name: _percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()},
+    }
+
+
+def _num_live_structured(engine: "Engine") -> int:
+    processor = engine.processor
+    general = len(processor.requests) if processor else 0
+    return max(0, len(engine.accounting.live) - general)
+
+
+def _percentiles(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"count": 0}
+    values.sort()
+    at = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3  # noqa: E731
+    return {"count": len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
