@@ -97,8 +97,9 @@ class StepRunner:
             cell.scatter(index, pools, out, cell.signature.outputs)
         self._last_out = out
         rows = _fetch_rows(task, cell)
+        # (through pinned memory: a copy from pageable memory first waits for the stream's queued work)
         fetched = {name: pools[name].index_select(0, index.new_tensor(r) if device is None else
-                                                  torch.from_numpy(r).to(device, non_blocking=True))
+                                                  torch.from_numpy(r).pin_memory().to(device, non_blocking=True))
                    for name, r in zip(task.fetch, rows)}
         if device is None:
             task.fetched = fetched
@@ -128,6 +129,7 @@ def _stage(task: StepTask, pools: dict, device) -> None:
     for name, rows, values in task.staged:
         rows = torch.as_tensor(rows)
         if device is not None:
+            values = values if values.is_cuda else values.pin_memory()  # (pageable: the copy would wait for the stream)
             rows, values = rows.pin_memory().to(device, non_blocking=True), values.to(device, non_blocking=True)
         pools[name].index_copy_(0, rows, values)
 
