@@ -2,7 +2,7 @@
 contiguous bytes each, at their own pitch on either side (the driver's cuMemcpy2DAsync: one call
 and one copy-engine job where torch would take a `copy_` per row).
 
-The host tier (exec/kv_swap.py) keeps chunks layer-major, [layers, 2, chunks, ...]; a run of
+The host tier (exec/kv_swap.py) keeps chunks as [2 (K, V), layers, chunks, ...]; a run of
 consecutive host chunks is one contiguous piece per layer, so a run's K (or V) of every layer is
 `layers` rows: one call instead of one per layer. `copy_rows` is the reference twin: the same rows
 copied one `copy_` each; it is the path wherever the driver is not (the CPU, pitches over its

@@ -82,16 +82,21 @@ class HostTier:
             with torch.cuda.stream(stream):  # (the index is copied on the stream that reads it)
                 index = _on_device(blocks[first:first + step], self.device)
                 for kv, source in enumerate((self.cache.k, self.cache.v)):
-                    staged = self.out_buffer[kv, :source[:, :m * self.per_chunk].numel()]
-                    staged = staged.view(self.layers, m * self.per_chunk, self.block_size, *self.tail)
+                    staged, chunks = self._staging(kv, m)
                     torch.index_select(source, 1, index, out=staged)  # every layer's blocks at once
-                    chunks = staged.view(self.layers, m, self.chunk_tokens, *self.tail)
                     for at, host, n in _runs(part):  # a run: one contiguous piece per layer
                         copy_2d(self.host[kv, :, host:host + n], chunks[:, at:at + n], stream)
         with torch.cuda.stream(stream):
             done = torch.cuda.Event()
             done.record(stream)
         plan.done = done
+
+    def _staging(self, kv: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staging buffer for K (kv 0) or V of every layer of m chunks, as blocks [layers,
+        m * blocks per chunk, block size, ...] and as chunks [layers, m, chunk_tokens, ...]."""
+        chunks = self.out_buffer[kv, :self.layers * m * self.chunk_tokens * int(np.prod(self.tail))]
+        chunks = chunks.view(self.layers, m, self.chunk_tokens, *self.tail)
+        return chunks.view(self.layers, m * self.per_chunk, self.block_size, *self.tail), chunks
 
     # in ---------------------------------------------------------------------------------------
     def fetch(self, staged: torch.Tensor, layer: int, kv: int, runs: list) -> None:
@@ -140,12 +145,10 @@ class HostTier:
                 part = hosts[first:first + step]
                 m = len(part)
                 for kv, cache in enumerate((self.cache.k, self.cache.v)):
-                    staged = self.out_buffer[kv, :cache[:, :m * pc].numel()]
-                    chunks = staged.view(self.layers, m, self.chunk_tokens, *self.tail)
+                    staged, chunks = self._staging(kv, m)
                     for at, host, count in _runs(part):
                         copy_2d(chunks[:, at:at + count], self.host[kv, :, host:host + count], stream)
-                    cache.index_copy_(1, index[first * pc:(first + m) * pc],
-                                      staged.view(self.layers, m * pc, self.block_size, *self.tail))
+                    cache.index_copy_(1, index[first * pc:(first + m) * pc], staged)
             done = torch.cuda.Event()
             done.record(stream)
         plan.done = done
