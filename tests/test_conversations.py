@@ -269,3 +269,24 @@ def test_the_cache_rejects_bad_settings():
         ConversationCache(blocks, 0, 6, np.ones(4))
     with pytest.raises(ValueError, match="policy"):
         ConversationCache(blocks, 0, 8, np.ones(4), policy="fifo")
+
+
+@pytest.mark.parametrize("policy", ["value", "lru"])
+def test_a_conversation_whose_turn_waits_in_line_is_active(policy):
+    """T is the time since the conversation was last active: 0 while its next turn waits to join
+    (issue 12: valued as idle since its last reply, it lost its cache first and recomputed it)."""
+    h = ConversationHarness(host_chunks=0, policy=policy, num_blocks=40, block_size=4, max_batch=16, num_slots=4)
+    [a] = drive(h, [[(list(range(1, 17)), 4, 0)]], random.Random(0))
+    [b] = drive(h, [[(list(range(2, 18)), 4, 0)]], random.Random(0))  # later: a is idle for longer
+    cache = h.caches[0]
+    f = h.turn(a, [3, 4], 2)  # waits in line (not formed yet)
+    h.clock.now += 5.0
+    cache.reclaim(1)  # the cheapest chunk goes: b's first, not a's
+    assert cache.dropped[a.row] == 0 and cache.dropped[b.row] == 1
+    h.run()
+    assert f.result == h.expected[f] and cache.stats["recomputed_tokens"] == 0
+    g = h.turn(b, [5], 2)  # cancelled while it waits: b is idle again (since its last reply)
+    g._done = True
+    h.epoch += 1
+    h.form()
+    assert b.turn is None and not cache.waiting[b.row]

@@ -17,9 +17,9 @@ their blocks are reclaimed when a sequence needs blocks. When the host is full, 
 chunks are dropped; when the GPU has nothing reclaimable left, GPU chunks are dropped (with the
 host chunks before them). A chunk's value is Cost(l) / T (Eq. 3.4-3.6): the cost of recomputing
 32 tokens at context position l (profiled per model at start-up), over the time since the
-conversation was last active. Cost grows with l, so the cheapest chunk of a conversation is its
-leading one and choosing the lowest values across all conversations keeps the order above.
-The "lru" policy sets Cost = 1: the least recently active conversation loses its chunks first.
+conversation was last active (0 while a turn of it waits in line). Cost grows with l, so the
+cheapest chunk of a conversation is its leading one and choosing the lowest values across all
+conversations keeps the order above. "lru" sets Cost = 1: the least recently active go first.
 """
 from dataclasses import dataclass, field
 
@@ -93,12 +93,11 @@ class ConversationCache:
             column = np.full((n - have, *shape), fill, dtype=dtype)
             setattr(self, name, np.concatenate([getattr(self, name), column]) if have else column)
 
-        more("cached", 0)
-        more("dropped", 0)
-        more("hosted", 0)
-        more("ready", 0)
+        for name in ("cached", "dropped", "hosted", "ready"):
+            more(name, 0)
         more("last_active", 0.0, dtype=np.float64)
         more("idle", False, dtype=bool)  # holds a cache and no turn runs
+        more("waiting", False, dtype=bool)  # ... and a turn of it waits in line (T = 0: active)
         more("gpu", 0, (self.max_chunks * self.per_chunk,), np.int32)  # block ids; 0: none
         more("host", -1, (self.max_chunks,))
         self.free_rows = [r for r in range(n - 1, have - 1, -1)] + getattr(self, "free_rows", [])
@@ -116,8 +115,11 @@ class ConversationCache:
         self.blocks.give_back(ids[keep:])
         self.cached[r], self.dropped[r], self.hosted[r], self.ready[r] = cached, 0, 0, 0
         self.last_active[r] = self.clock()
-        self.idle[r] = True
+        self.idle[r], self.waiting[r] = True, False
         return r
+
+    def wait(self, r: int, waiting: bool = True) -> None:  # a turn of idle row r's conversation is in line
+        self.waiting[r] = waiting
 
     def available(self) -> int:
         """Blocks a sequence could get: free ones and those idle conversations hold (but not those
@@ -211,7 +213,7 @@ class ConversationCache:
 
     # eviction -------------------------------------------------------------------------------------
     def value(self, rows: np.ndarray, chunks: np.ndarray, now: float) -> np.ndarray:
-        return self.cost[chunks] / np.maximum(now - self.last_active[rows], 1e-6)
+        return self.cost[chunks] / np.maximum(np.where(self.waiting[rows], 0.0, now - self.last_active[rows]), 1e-6)
 
     def _chunks(self, start: np.ndarray, stop: np.ndarray, rows: np.ndarray, limit: int | None = None,
                 held: bool = False):

@@ -74,6 +74,9 @@ class SequenceQueue:
             for w in set(worker[pinned].tolist()):
                 here = worker == w
                 self.pinned[w].add(priorities[here], chunk.select(here))
+                for conversation in chunk.columns["conversation"][here]:  # active again (T = 0): evicted last
+                    if conversation.row >= 0 and w in self.caches:
+                        self.caches[w].wait(conversation.row)
             chunk, priorities = chunk.select(~pinned), priorities[~pinned]
         self.waiting.add(priorities, chunk)
 
@@ -318,6 +321,8 @@ class SequenceQueue:
                 for conversation, owner in zip(chunk.columns["conversation"], chunk.owners):
                     if conversation is not None and conversation.turn is owner:
                         conversation.turn = None
+                        if conversation.row >= 0 and conversation.worker in self.caches:
+                            self.caches[conversation.worker].wait(conversation.row, False)
         for q in self.sequences.values():
             active = np.flatnonzero(q.active)
             done = np.fromiter((o._done for o in q.owner[active]), dtype=bool, count=len(active))
