@@ -27,8 +27,15 @@ def main() -> None:
     ap.add_argument("--attend", nargs="+", choices=("fused", "engine"), default=["fused", "engine"])
     ap.add_argument("--engine-window", type=float, default=0.0,
                     help="also profile the engine decoding one request for this many seconds: GPU busy fraction")
+    ap.add_argument("--gemv-configs", default=None,
+                    help="a bench/gemv.py JSON: its fastest block shapes for the one-token projections")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.gemv_configs:
+        from batchmaker.kernels import gemv
+        for key, shape in json.loads(Path(args.gemv_configs).read_text())["best"].items():
+            n, k, silu = map(int, key.split(","))
+            gemv.CONFIGS[(n, k, bool(silu))] = gemv.GemvConfig(*shape[:4])
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
     from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv

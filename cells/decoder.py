@@ -59,8 +59,12 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
         # x: [T, H]
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        return self.o_proj(self.mix(self.qkv_proj(x), rotate, attend))
+
+    def mix(self, qkv: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
+        """The projected q | k | v [T, (Hq + 2 Hkv) D] -> attention's output [T, Hq D], before o_proj."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -71,7 +75,7 @@ class Attention(nn.Module):
             if rotate is not None:
                 q, k = rotate(q, k)
             out = attend(self.layer_index, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.sizes[0]))
+        return out.reshape(num_tokens, self.sizes[0])
 
 
 class DecoderLayer(nn.Module):

@@ -5,15 +5,19 @@ the rotate-half layout (the two halves of each head are the pairs rotated togeth
 computed in float32 and cast to the activations' dtype. On CUDA the norms (with the residual add
 before them), RoPE (with the K/V cache write, when the caller's attend offers it) and SiLU(gate) x up
 run as one Triton kernel each (kernels/fused_decoder.py); elsewhere as their PyTorch twins, the code
-HF runs.
+HF runs. A forward of one token on CUDA (a batch-1 decode step) runs each layer as four
+matrix-vector products with the norms and SiLU x up inside them (kernels/gemv.py), plus RoPE and
+attention.
 """
 import math
+import os
 
 import torch
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
 from batchmaker.cells.decoder_config import DecoderConfig, rope_type
+from batchmaker.kernels import gemv
 from batchmaker.kernels.fused_decoder import (add_rms_norm, can_fuse, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope, reference_rope_write_kv, reference_silu_mul,
                                               rms_norm, rope, rope_write_kv, silu_mul)
@@ -49,6 +53,29 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]: gate | up
         return self.down_proj(silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
+
+
+class LlamaLayer(DecoderLayer):
+    """DecoderLayer, with a one-token path on CUDA: qkv = W rms_norm(x + residual) in one launch,
+    RoPE and attention, o_proj, then silu(gate) * up of W rms_norm(...) in one launch, down_proj."""
+
+    def __init__(self, config: DecoderConfig, layer_index: int):
+        super().__init__(RMSNorm(config.hidden_size, config.norm_eps), Attention(config, layer_index),
+                         RMSNorm(config.hidden_size, config.norm_eps), GatedMLP(config))
+        self.one_token = USE_GEMV and not (config.has_attention_bias or config.has_mlp_bias)
+
+    def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
+        qkv_weight = self.attn.qkv_proj.weight
+        if not (self.one_token and gemv.can_gemv(x, qkv_weight)):
+            return super().forward(x, residual, rotate, attend)
+        eps = self.attn_norm.eps
+        residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight)
+        out = gemv.linear(self.attn.mix(qkv, rotate, attend), self.attn.o_proj.weight)
+        residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight)
+        return gemv.linear(act, self.mlp.down_proj.weight), residual
+
+
+USE_GEMV = os.environ.get("BATCHMAKER_GEMV", "1") == "1"  # benchmarks compare with the cuBLAS path
 
 
 class Rotary:
@@ -100,16 +127,19 @@ class LlamaLM(DecoderLM):
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(RMSNorm(c.hidden_size, c.norm_eps), Attention(c, i),
-                         RMSNorm(c.hidden_size, c.norm_eps), GatedMLP(c))
-            for i in range(c.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # float32 [D/2]
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.embed_tokens(tokens)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.layers[0].one_token and gemv.can_gemv(hidden, weight):
+            return gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight)[1].float()
+        return super().head(hidden)
 
     def rotary(self, positions: Tensor) -> Rotary:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2], float32

@@ -1,0 +1,149 @@
+"""One token's projections (kernels/gemv.py) against cuBLAS: each Llama-2-7B projection over
+`layers` distinct weights (so that none is served from L2), as one CUDA graph, for a sweep of
+block shapes; then a layer's four projections in a chain of `layers` layers, with and without
+programmatic dependent launch, against the cuBLAS path with the fused norm and SiLU kernels
+between its GEMVs (what a Llama layer ran before). Bandwidth = weight bytes / time.
+
+    python bench/gemv.py --out bench/results/gemv-NVIDIA-H200-DATE.json
+"""
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
+from batchmaker.kernels import gemv  # noqa: E402
+from batchmaker.kernels.fused_decoder import add_rms_norm, silu_mul  # noqa: E402
+
+
+def graph_ms(fn, replays: int = 20) -> float:
+    """Median ms of one replay of `fn` captured as a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import triton
+    c, dev, dt = PRESETS[args.preset], torch.device("cuda"), torch.bfloat16
+    h, i = c.hidden_size, c.intermediate_size
+    qkv_n = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def weights(n, k):
+        return [torch.randn(n, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
+
+    shapes = {"qkv": (qkv_n, h, False), "o": (h, h, False), "gate_up": (i, h, True), "down": (h, i, False)}
+    w = {name: weights(2 * n if silu else n, k) for name, (n, k, silu) in shapes.items()}
+    x = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}
+    res = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}
+    nw = torch.ones(h, device=dev, dtype=dt)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "preset": args.preset, "layers": args.layers, "command": "python " + " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "shapes": {}, "chain": {}}
+
+    def ours(name):
+        n, k, silu = shapes[name]
+        if name == "qkv":
+            return lambda: [gemv.norm_linear(x[name], res[name], nw, 1e-5, wl) for wl in w[name]]
+        if name == "gate_up":
+            return lambda: [gemv.norm_gate_up(x[name], res[name], nw, 1e-5, wl) for wl in w[name]]
+        return lambda: [gemv.linear(x[name], wl) for wl in w[name]]
+
+    def cublas(name):
+        if name == "qkv":
+            return lambda: [torch.nn.functional.linear(add_rms_norm(x[name], res[name], nw, 1e-5)[1], wl) for wl in w[name]]
+        if name == "gate_up":
+            return lambda: [silu_mul(torch.nn.functional.linear(add_rms_norm(x[name], res[name], nw, 1e-5)[1], wl))
+                            for wl in w[name]]
+        return lambda: [torch.nn.functional.linear(x[name], wl) for wl in w[name]]
+
+    candidates = [gemv.GemvConfig(bn, bk, nwarps, st) for bn, bk, nwarps, st in
+                  itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))]
+    best = {}
+    for name, (n, k, silu) in shapes.items():
+        nbytes = w[name][0].numel() * 2
+        row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": []}
+        for cfg in candidates:
+            if n % cfg.block_n:
+                continue
+            gemv.CONFIGS[(n, k, silu)] = cfg
+            try:
+                ms = graph_ms(ours(name)) / args.layers
+            except Exception as e:  # a config the compiler refuses (registers, shared memory)
+                row["sweep"].append({"config": cfg.__repr__(), "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            row["sweep"].append({"config": repr(cfg), "ms": ms, "tb_per_s": nbytes / ms / 1e9})
+            if (n, k, silu) not in best or ms < best[(n, k, silu)][1]:
+                best[(n, k, silu)] = (cfg, ms)
+        cfg, ms = best[(n, k, silu)]
+        gemv.CONFIGS[(n, k, silu)] = cfg
+        row.update(best=repr(cfg), best_ms=ms, best_tb_per_s=nbytes / ms / 1e9,
+                   cublas_tb_per_s=nbytes / row["cublas_ms"] / 1e9, weight_bytes=nbytes)
+        report["shapes"][name] = row
+        print(f"{name:8s} n={n} k={k}: cuBLAS{' + small kernels' if name in ('qkv', 'gate_up') else ''} "
+              f"{row['cublas_ms'] * 1e3:.1f} us ({row['cublas_tb_per_s']:.2f} TB/s), ours {ms * 1e3:.1f} us "
+              f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}", flush=True)
+
+    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages]
+                      for key, (c, _) in best.items()}  # what decode_profile.py --gemv-configs reads
+    layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
+
+    def chain_ours():
+        hidden, residual = x["qkv"], res["qkv"]
+        for layer in range(args.layers):
+            residual, qkv = gemv.norm_linear(hidden, residual, nw, 1e-5, w["qkv"][layer])
+            out = gemv.linear(qkv[:, :h].contiguous(), w["o"][layer])
+            residual, act = gemv.norm_gate_up(out, residual, nw, 1e-5, w["gate_up"][layer])
+            hidden = gemv.linear(act, w["down"][layer])
+
+    def chain_cublas():
+        hidden, residual = x["qkv"], res["qkv"]
+        lin = torch.nn.functional.linear
+        for layer in range(args.layers):
+            residual, normed = add_rms_norm(hidden, residual, nw, 1e-5)
+            qkv = lin(normed, w["qkv"][layer])
+            out = lin(qkv[:, :h].contiguous(), w["o"][layer])
+            residual, normed = add_rms_norm(out, residual, nw, 1e-5)
+            hidden = lin(silu_mul(lin(normed, w["gate_up"][layer])), w["down"][layer])
+
+    chain = {"cublas_ms": graph_ms(chain_cublas)}
+    for pdl in (False, True):
+        gemv.USE_PDL = pdl
+        try:
+            chain["pdl_ms" if pdl else "ours_ms"] = graph_ms(chain_ours)
+        except Exception as e:
+            chain["pdl_error" if pdl else "ours_error"] = f"{type(e).__name__}: {e}"[:300]
+    chain["bytes"] = layer_bytes * args.layers
+    chain["floor_ms"] = chain["bytes"] / 4.23e12 * 1e3
+    report["chain"] = chain
+    print("chain of", args.layers, "layers (4 projections each; no RoPE or attention):",
+          {k: round(v, 4) if isinstance(v, float) else v for k, v in chain.items()}, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

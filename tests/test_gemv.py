@@ -1,0 +1,138 @@
+"""One token's fused projections (kernels/gemv.py): the Triton kernel equals its twins (the model's
+PyTorch code: the RMSNorm twin, F.linear, the SiLU x up twin) in Triton's interpreter and on the
+GPU, also inside a CUDA graph, with and without programmatic dependent launch; and a Llama
+model's one-token forward through them gives the logits of the unfused path.
+
+    python -m pytest -q tests/test_gemv.py          # CPU (+ the interpreter, when triton is installed)
+    python -m pytest -q -m gpu tests/test_gemv.py   # the kernels on a CUDA device
+"""
+import pytest
+import torch
+
+from batchmaker.cells.decoder import build_decoder
+from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.kernels import gemv
+from helpers import interpreter, needs_gpu, run_interpreted
+
+TOLERANCE = {  # (rtol, atol) against the twin for outputs of O(1): fp32 sums in another order, 1 ulp of the output
+    torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def case(n_out, k_in, silu, dtype, device, seed=0):
+    """x, residual [1, k_in] and a norm weight of O(1); a weight [n_out (x 2 with silu), k_in] scaled so outputs are O(1)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x, residual = torch.randn(1, k_in, generator=g) * 3, torch.randn(1, k_in, generator=g)
+    norm_weight = 1 + 0.5 * torch.randn(k_in, generator=g)
+    weight = torch.randn(2 * n_out if silu else n_out, k_in, generator=g) * k_in ** -0.5
+    return tuple(t.to(device, dtype) for t in (x, residual, norm_weight, weight))
+
+
+def check(n_out, k_in, dtype, device, seed=0):
+    rtol, atol = TOLERANCE[dtype]
+    x, residual, norm_weight, weight = case(n_out, k_in, False, dtype, device, seed)
+    torch.testing.assert_close(gemv.linear(x, weight), gemv.reference_linear(x, weight), rtol=rtol, atol=atol)
+    for res in (None, residual):
+        total, out = gemv.norm_linear(x, res, norm_weight, 1e-5, weight)
+        want_total, want = gemv.reference_norm_linear(x, res, norm_weight, 1e-5, weight)
+        assert torch.equal(total, want_total)  # the residual sum is exact (one rounding, as x + residual)
+        torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
+    x, residual, norm_weight, weight = case(n_out, k_in, True, dtype, device, seed + 1)
+    for res in (None, residual):
+        total, act = gemv.norm_gate_up(x, res, norm_weight, 1e-5, weight)
+        want_total, want = gemv.reference_norm_gate_up(x, res, norm_weight, 1e-5, weight)
+        assert torch.equal(total, want_total) and act.shape == (1, n_out)
+        torch.testing.assert_close(act, want, rtol=rtol, atol=atol)
+
+
+def test_the_twins_are_the_models_steps():
+    x, residual, norm_weight, weight = case(8, 64, True, torch.float32, "cpu")
+    total, act = gemv.reference_norm_gate_up(x, residual, norm_weight, 1e-5, weight)
+    normed = norm_weight * ((x + residual) * torch.rsqrt((x + residual).pow(2).mean(-1, keepdim=True) + 1e-5))
+    gate, up = torch.nn.functional.linear(normed, weight).chunk(2, dim=-1)
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up)
+
+
+def test_default_configs_divide_the_outputs():
+    for n_out, k_in, silu in ((12288, 4096, False), (4096, 11008, False), (11008, 4096, True), (32000, 4096, False),
+                              (48, 64, False), (16, 96, True)):
+        config = gemv.default_config(n_out, k_in, silu)
+        assert n_out % config.block_n == 0 and config.block_k in (64, 128, 256, 512, 1024), config
+
+
+def test_can_gemv_takes_one_16_bit_token_on_cuda_only():
+    x, weight = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not gemv.can_gemv(x, weight)  # (the CPU)
+    with pytest.raises(gemv.KernelUnavailableError):
+        gemv.linear(x, weight)
+
+
+@interpreter
+def test_kernels_in_the_interpreter():
+    for n_out, k_in in ((32, 64), (48, 192), (16, 96)):  # (96: no tile divides it, the masked path)
+        check(n_out, k_in, torch.float32, "cpu")
+    gemv.CONFIGS[(48, 192, False)] = gemv.CONFIGS[(48, 192, True)] = gemv.GemvConfig(16, 64, 8, 3)  # 3 tiles a row
+    check(48, 192, torch.float32, "cpu")
+
+
+def test_the_interpreter_in_a_subprocess():
+    """Runs the test above under TRITON_INTERPRET=1, on machines with triton but no GPU."""
+    assert "1 passed" in run_interpreted(__file__, "test_kernels_in_the_interpreter", timeout=180)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("pdl", (False, True))
+@pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
+def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, monkeypatch):
+    monkeypatch.setattr(gemv, "USE_PDL", pdl)
+    check(n_out, k_in, dtype, "cuda", seed=n_out + k_in)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pdl", (False, True))
+def test_kernels_replay_in_a_cuda_graph(pdl, monkeypatch):
+    monkeypatch.setattr(gemv, "USE_PDL", pdl)
+    x, residual, norm_weight, weight = case(256, 512, True, torch.bfloat16, "cuda")
+
+    def step():  # a chain, as in a layer: each launch reads the previous one's output
+        total, act = gemv.norm_gate_up(x, residual, norm_weight, 1e-5, weight)
+        total2, out = gemv.norm_linear(act[:, :256].repeat(1, 2), total, norm_weight, 1e-5, weight[:512])
+        return total, act, total2, out, gemv.linear(out[:, :512], weight)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in range(3):
+        new_x, new_residual, _, _ = case(256, 512, True, torch.bfloat16, "cuda", seed=seed + 1)
+        x.copy_(new_x)
+        residual.copy_(new_residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, expected in zip(outs, step()):
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_one_token_forward_equals_the_unfused_path(dtype):
+    model = build_decoder(PRESETS["tiny-llama"], seed=0, dtype=dtype, device="cuda")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):  # weights other than 1, so that the norms' weights count
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    token = torch.randint(0, 512, (1,), generator=g).cuda()
+    assert all(layer.one_token for layer in model.layers) and gemv.can_gemv(
+        torch.zeros(1, model.config.hidden_size, dtype=dtype, device="cuda"), model.layers[0].attn.qkv_proj.weight)
+    fused = model.dense_logits(token)
+    for layer in model.layers:
+        layer.one_token = False
+    reference = model.dense_logits(token)
+    tolerance = {torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]  # logits of O(1) after 2 layers
+    torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
+    assert not torch.equal(fused, torch.zeros_like(fused))
