@@ -1,7 +1,8 @@
 """Attention over a paged KV cache: a batch of sequences, each with n_s new query tokens (decode:
 1, a prefill chunk: many, a padded sequence: 0) attending causally to its whole context, whose K/V
 live in fixed-size blocks of a shared cache (grouped-query attention: query head h reads kv head
-h // G). One Triton launch per call (two with split-KV); `reference_paged_attention` is the
+h // G). One Triton launch per call (split-KV into a few slices included: the last program of a
+tile merges them; more slices take a second launch); `reference_paged_attention` is the
 pure-PyTorch twin with the same arguments, and what the engine runs on the CPU.
 
     write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first (one launch on CUDA)
@@ -16,8 +17,8 @@ K/V are already in the cache. Query i of n_s sits at position context_lens[s] - 
 
 The kernel launch depends only on tensor shapes and host ints (max_query_len, max_context_len),
 never on tensor values, so it can be captured in a CUDA graph and replayed with new contents.
-Decode at contexts up to SHORT_CONTEXT_LEN (by the host's bound) runs one program per (sequence, kv
-head) over the whole context: one launch, no split-KV combine.
+Decode splits the context into slices of at least MIN_SPLIT_LEN positions when (sequence, kv head)
+programs alone would not fill the GPU (batch 1 at 360 positions: 3 slices per head).
 
 `PagedAttend` is a decoder's `attend` (cells/decoder.py) over the caches of every layer: it writes
 the new tokens' K/V and attends, or lets the model write them itself (Llama: inside its RoPE kernel).
@@ -35,8 +36,10 @@ MIN_SPLIT_LEN = 128  # context positions per split slice worth a program of its 
 MIN_PREFILL_SPLIT_LEN = 2048  # the same for query tiles of more than 16 rows, whose partials weigh more:
 # 512 new tokens over a 512 context took 2x as long in 4 slices as in one (H200)
 MAX_SPLITS = 32
-SHORT_CONTEXT_LEN = 512  # decode up to this bound: no split, so no combine launch (batch 1, context 360
-# split in two took ~9 us plus the combine on the H200; not yet measured without: bench/decode_profile.py)
+SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and for longer ones
+COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
+COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
+# at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
 _kernels = None
 
@@ -167,14 +170,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=q.device) if is_split else out
     part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device) if is_split else out
+    counters = _counters(q.device) if 1 < num_splits <= COMBINE_MAX_SPLITS and \
+        num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
+    combine = counters is not None
     kernels.paged_attention_kernel[(num_kv_heads * num_splits, num_seqs + 1, num_tiles)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start, context_lens,
+        q, k_cache, v_cache, out, part_out, part_lse, part_lse if counters is None else counters, block_tables,
+        query_start, context_lens,
         scale * LOG2_E, num_seqs, num_tokens, num_q_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=group, G_PAD=_pow2(group), D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        IS_SPLIT=is_split, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if is_split:
+        IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
             out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1)
@@ -188,8 +196,6 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     the caller's choice, kept)."""
     cfg = config or pick_config(max_query_len, _pow2(group))
     is_decode_tile = cfg.block_m * _pow2(group) <= 16
-    if num_splits is None and is_decode_tile and max_context_len <= SHORT_CONTEXT_LEN:
-        num_splits = 1  # one program per (sequence, kv head) covers the whole context
     if num_splits is None:
         num_tiles = max(1, -(-max_query_len // cfg.block_m))
         min_len = MIN_SPLIT_LEN if is_decode_tile else MIN_PREFILL_SPLIT_LEN
@@ -259,6 +265,19 @@ class PagedAttend:
 
 def _pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The in-kernel combine's tile counters: zero, and every launch leaves them zero. Allocated on
+    the first split launch outside a graph capture (the engine warms its graphs up eagerly); None
+    before that (the launch then merges with the combine kernel)."""
+    counters = _COUNTERS.get(device)
+    if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        counters = _COUNTERS[device] = torch.zeros(COMBINE_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 @functools.cache

@@ -16,9 +16,13 @@ Scores are in log2 units (scale * log2(e) folded into the scale) so the softmax 
 `write_kv_kernel` puts the new tokens' K and V into their cache slots (one launch for both).
 
 Split-KV (flash-decoding): with num_splits > 1, the programs of one tile each take a slice of its
-context and write a normalized partial output and its log-sum-exp; `combine_splits_kernel` merges
-them. Slices are cut from the sequence's actual context length, read on the device, so the split
-count is the only host-side choice and the launch stays capturable in a CUDA graph.
+context and write a normalized partial output and its log-sum-exp. With COMBINE, the last of a
+tile's programs to finish merges them, in the same launch: each program counts itself in on the
+tile's counter (an atomic add that releases its partials), and the one that brings it to
+num_splits reads every partial (acquired; loads that bypass L1) and puts the counter back to 0 for
+the next launch. Without COMBINE `combine_splits_kernel` merges them (a second launch). Slices are
+cut from the sequence's actual context length, read on the device, so the split count is the only
+host-side choice and the launch stays capturable in a CUDA graph.
 """
 import triton
 import triton.language as tl
@@ -79,12 +83,13 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
 def paged_attention_kernel(
     q, k_cache, v_cache, out,  # q, out: [T, Hq, D]; caches: [num_blocks, BLOCK_SIZE, Hkv, D]
     part_out, part_lse,  # split-KV partials, fp32 [num_splits, T, Hq, D] and [num_splits, T, Hq]
+    counters,  # COMBINE: int32 [Hkv * T], zero; a tile's is at kv_head * T + its first token
     block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
     scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens
     kv_head, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
@@ -93,7 +98,7 @@ def paged_attention_kernel(
     offs_d = tl.arange(0, D)
     q_start = tl.load(query_start + seq)
     if seq == num_seqs:
-        if not IS_SPLIT:  # (the combine kernel zeroes them when split)
+        if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
             _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, BLOCK_M)
         return
     n = tl.load(query_start + seq + 1) - q_start
@@ -130,6 +135,13 @@ def paged_attention_kernel(
         part_row = (split * num_tokens + q_start + tok) * num_q_heads + head  # [M]
         tl.store(part_out + part_row[:, None] * D + offs_d[None, :], acc, mask=is_row[:, None])
         tl.store(part_lse + part_row, tl.where(has_key, m_i + tl.log2(l_i), float("-inf")), mask=is_row)
+        if COMBINE:
+            counter = counters + kv_head * num_tokens + q_start + tile * BLOCK_M
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _combine_tile(part_out, part_lse, out, tok + q_start, head, is_row, num_tokens, num_q_heads,
+                              num_splits, stride_ot, stride_oh, D)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  acc.to(out.dtype.element_ty), mask=is_row[:, None])
@@ -148,6 +160,32 @@ def _zero_padding(out, first, num_tokens, tile, kv_head, stride_ot, stride_oh,
         is_row = (tok < tl.minimum(t0 + BLOCK_M, num_tokens)) & (rows % G_PAD < G)
         tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], zeros,
                  mask=is_row[:, None])
+
+
+@triton.jit
+def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_heads, num_splits, stride_ot,
+                  stride_oh, D: tl.constexpr):
+    # rows (tok [M], head [M]) of out = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max lse), from the
+    # partials other programs wrote (.cg: from L2, never a stale L1 line)
+    offs_d = tl.arange(0, D)
+    top = tl.full(tok.shape, float("-inf"), tl.float32)
+    for j in range(num_splits):
+        lse = tl.load(part_lse + (j * num_tokens + tok) * num_q_heads + head, mask=is_row, other=float("-inf"),
+                      cache_modifier=".cg")
+        top = tl.maximum(top, lse)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros(tok.shape, tl.float32)
+    acc = tl.zeros([tok.shape[0], D], tl.float32)
+    for j in range(num_splits):
+        row = (j * num_tokens + tok) * num_q_heads + head
+        w = tl.exp2(tl.load(part_lse + row, mask=is_row, other=float("-inf"), cache_modifier=".cg") - top)
+        o = tl.load(part_out + row[:, None] * D + offs_d[None, :], mask=is_row[:, None], other=0.0,
+                    cache_modifier=".cg")
+        total += w
+        acc += w[:, None] * o
+    result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             result.to(out.dtype.element_ty), mask=is_row[:, None])
 
 
 @triton.jit

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from batchmaker.kernels.paged_attention import (SHORT_CONTEXT_LEN, AttentionConfig, PagedAttend, paged_attention,
-                                                pick_launch, pick_num_splits, reference_paged_attention,
+from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, SHORT_CONTEXT_LEN, AttentionConfig, PagedAttend,
+                                                paged_attention, pick_launch, pick_num_splits, reference_paged_attention,
                                                 reference_write_kv, triton_write_kv, write_kv)
 from helpers import interpreter, needs_gpu, run_interpreted
 
@@ -193,12 +193,13 @@ def test_split_count_depends_on_programs_and_the_context_bound():
     assert 1 < pick_num_splits(1, 1 << 20, sms) <= 32
 
 
-def test_short_decode_contexts_run_in_one_pass():
+def test_short_decode_contexts_split_in_slices_of_the_minimum():
     sms = 132
     for group in (1, 4, 8):  # Llama-2-7B: 32 kv heads, G = 1; decode tiles of 16 rows
-        assert pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN, sms)[1] == 1  # one program per kv head
-        assert pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN + 1, sms)[1] > 1  # split
-        assert pick_launch(1, 32 // group, group, 1, 4096, sms)[1] > 1
+        assert pick_launch(1, 32 // group, group, 1, 127, sms)[1] == 1  # one program per kv head
+        assert pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN, sms)[1] == SHORT_CONTEXT_LEN // 128
+        assert pick_launch(1, 32 // group, group, 1, 4096, sms)[1] > 4
+    assert pick_launch(64, 32, 1, 1, SHORT_CONTEXT_LEN, sms)[1] == 1  # batch 64 fills the GPU
     assert pick_launch(1, 8, 4, 1, 360, sms, num_splits=3)[1] == 3  # the caller's count is kept
     assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
 
@@ -332,15 +333,19 @@ def test_write_kv_kernel(dtype, num_tokens, heads, block_size):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("max_context_len,num_launches", [(SHORT_CONTEXT_LEN, 1), (4096, 2)])
-def test_short_decode_contexts_are_one_launch(max_context_len, num_launches):
+@pytest.mark.parametrize("max_context_len", [127, SHORT_CONTEXT_LEN, 4096, 32768])
+def test_decode_launches(max_context_len):
+    """A few slices merge inside the launch (the tile's last program), more in a combine launch."""
     case = make_case([1] * 2, [SHORT_CONTEXT_LEN, 3], 32, 1, 128, 16, torch.bfloat16, "cuda", seed=7)
+    num_splits = pick_launch(2, 32, 1, 1, max_context_len, torch.cuda.get_device_properties(0).multi_processor_count)[1]
+    num_launches = 1 if num_splits <= COMBINE_MAX_SPLITS else 2
     check_kernel(case, max_context_len=max_context_len)  # (compiles outside the profile)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         paged_attention(*case.args, max_context_len=max_context_len)
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum(e.count for e in kernels if "attention" in e.key or "combine" in e.key) == num_launches, kernels
+    assert max_context_len < 4096 or num_splits > 1
 
 
 @pytest.mark.gpu
