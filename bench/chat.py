@@ -8,7 +8,8 @@ continuous batching and static batching, in one run, with the same random weight
 Reports per system and rate: output tokens/s, normalized latency (latency / output tokens) p50/p90,
 and for BatchMaker the roofline of the iterations it ran: sum over iterations of max(bytes read /
 copy bandwidth, FLOPs / matmul peak), bytes = weights + K/V of every context token read, FLOPs =
-2 x parameters x tokens (+ attention), over the wall time. The decode step alone (one request's
+2 x parameters x tokens (+ attention), over the wall time; and the bound on that fraction for
+iterations whose projections and attention run one after the other (`roofline_fraction_bound`). The decode step alone (one request's
 tokens, and B requests decoding together at a fixed context) is timed against the same floor.
 """
 import argparse
@@ -82,14 +83,21 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     return summarize("batchmaker", rate, work, latencies, end - start), trace
 
 
-def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, peak: float) -> float:
-    """Seconds the iterations would take at the roofline of each."""
+def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, peak: float,
+             serial: bool = False) -> float:
+    """Seconds the iterations would take at the roofline of each: max(bytes / bandwidth, FLOPs /
+    peak). With `serial`, the projections' roofline plus attention's instead: what an iteration
+    whose kernels run one after another (each at its own roofline) cannot beat. A mixed iteration
+    (prompt chunks: FLOPs in the GEMMs; decodes: bytes in attention) reaches at most roofline /
+    serial of the first."""
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
     total = 0.0
     for tokens, context, _ in trace:
-        bytes_read = params * itemsize + context * kv_per_token
-        flops = 2 * params * tokens + 4 * config.num_layers * config.num_heads * config.head_dim * context
-        total += max(bytes_read / bandwidth, flops / peak)
+        weight_s, gemm_s = params * itemsize / bandwidth, 2 * params * tokens / peak
+        kv_s = context * kv_per_token / bandwidth
+        attention_s = 4 * config.num_layers * config.num_heads * config.head_dim * context / peak
+        total += max(weight_s, gemm_s) + max(kv_s, attention_s) if serial else \
+            max(weight_s + kv_s, gemm_s + attention_s)
     return total
 
 
@@ -301,7 +309,9 @@ def main() -> None:
             for rate in [float(r) for r in args.rates.split(",")]:
                 row, trace = run_batchmaker(engine, work, prompts, rate, args.seed)
                 ideal = roofline(trace, config, params, itemsize, args.bandwidth, args.peak)
+                serial = roofline(trace, config, params, itemsize, args.bandwidth, args.peak, serial=True)
                 row.update(iterations=len(trace), roofline_s=ideal, roofline_fraction=ideal / row["wall_s"],
+                           serial_roofline_s=serial, roofline_fraction_bound=ideal / serial,
                            mean_tokens_per_iteration=float(np.mean([t for t, _, _ in trace])))
                 rows.append(row)
                 print(row, flush=True)
