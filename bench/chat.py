@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import chat_stateful  # noqa: E402
 from bench.common import write_results  # noqa: E402
 
-from bench.common import INPUT, OUTPUT, TURNS  # noqa: E402
+from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
 
 
 def conversations(n_requests: int, max_context: int, seed: int) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from bench.common import INPUT, OUTPUT, TURNS
+from bench.workload import conversation_draws
 
 SYSTEMS = {"stateless": dict(host_bytes=0), "gpu": dict(host_bytes=0), "gpu+cpu": dict(eviction="value"),
            "gpu+cpu-lru": dict(eviction="lru")}
@@ -37,21 +37,8 @@ class Script:
 
 
 def scripts(n: int, rate: float, reaction: float, max_context: int, vocab: int, seed: int) -> list[Script]:
-    rng = np.random.default_rng(seed)
-    starts = np.cumsum(rng.exponential(1 / rate, n))
-    out = []
-    for start in starts:
-        turns, context = [], 0
-        for t in range(rng.geometric(1 / TURNS)):
-            new = max(1, int(rng.lognormal(np.log(INPUT) - 0.5, 1.0)))
-            answer = max(1, min(1024, int(rng.lognormal(np.log(OUTPUT) - 0.5, 1.0))))
-            if context + new + answer > max_context:
-                break
-            turns.append((rng.integers(1, vocab, new).tolist(), answer, 0.0 if t == 0 else rng.exponential(reaction)))
-            context += new + answer
-        if turns:
-            out.append(Script(float(start), turns))
-    return out
+    return [Script(start, [(ids.tolist(), answer, wait) for ids, answer, wait in turns])
+            for start, turns in conversation_draws(n, rate, reaction, max_context, vocab, seed)]
 
 
 def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: float = float("inf"),

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TURNS, INPUT, OUTPUT = 5.56, 37.77, 204.58  # ShareGPT (Pensieve Table 3.2): mean turns, input and output tokens per turn
 
 
 def replay_windows(graph: "torch.cuda.CUDAGraph", calls_per_graph: int, replays: int, warm: int = 5) -> list[float]:

@@ -26,7 +26,9 @@ in line (waiting), a turn later (idle).
 import argparse
 import heapq
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,28 +38,17 @@ from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
 
-TURNS, INPUT, OUTPUT = 5.56, 37.77, 204.58  # bench/common.py (Pensieve Table 3.2), which imports torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.workload import TURNS, conversation_draws  # noqa: E402
+
 COST_MS = {32: .8093, 64: .8093, 128: .8093, 256: .8093, 512: .8093, 1024: .8216, 2048: .9525, 4096: 1.2151}
 TOKEN_BYTES = 2 * 32 * 4096 * 2  # Llama-2-7B, bf16: K and V, 32 layers, 4096 wide
 
 
 def scripts(n: int, rate: float, reaction: float, max_context: int, vocab: int, seed: int) -> list:
     """bench/chat_stateful.scripts (the same draws): (start, [(prompt length, output, reaction)])."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for start in np.cumsum(rng.exponential(1 / rate, n)):
-        turns, context = [], 0
-        for t in range(rng.geometric(1 / TURNS)):
-            new = max(1, int(rng.lognormal(np.log(INPUT) - 0.5, 1.0)))
-            answer = max(1, min(1024, int(rng.lognormal(np.log(OUTPUT) - 0.5, 1.0))))
-            if context + new + answer > max_context:
-                break
-            rng.integers(1, vocab, new)  # (the prompt's token ids: drawn, so that later draws match)
-            turns.append((new, answer, 0.0 if t == 0 else rng.exponential(reaction)))
-            context += new + answer
-        if turns:
-            out.append((float(start), turns))
-    return out
+    return [(start, [(len(ids), answer, wait) for ids, answer, wait in turns])
+            for start, turns in conversation_draws(n, rate, reaction, max_context, vocab, seed)]
 
 
 def chunk_costs(chunk_tokens: int = 32, max_positions: int = 4096) -> np.ndarray:
