@@ -55,6 +55,9 @@ class GatedMLP(nn.Module):
         return self.down_proj(silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
 
 
+USE_GEMV = os.environ.get("BATCHMAKER_GEMV", "1") == "1"  # benchmarks compare with the cuBLAS path
+
+
 class LlamaLayer(DecoderLayer):
     """DecoderLayer, with a one-token path on CUDA: qkv = W rms_norm(x + residual) in one launch,
     RoPE and attention, o_proj, then silu(gate) * up of W rms_norm(...) in one launch, down_proj."""
@@ -73,9 +76,6 @@ class LlamaLayer(DecoderLayer):
         out = gemv.linear(self.attn.mix(qkv, rotate, attend), self.attn.o_proj.weight)
         residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight)
         return gemv.linear(act, self.mlp.down_proj.weight), residual
-
-
-USE_GEMV = os.environ.get("BATCHMAKER_GEMV", "1") == "1"  # benchmarks compare with the cuBLAS path
 
 
 class Rotary:

@@ -118,8 +118,8 @@ class ConversationCache:
         self.idle[r], self.waiting[r] = True, False
         return r
 
-    def wait(self, r: int, waiting: bool = True) -> None:  # a turn of idle row r's conversation is in line
-        self.waiting[r] = waiting
+    def wait(self, rows, waiting: bool = True) -> None:  # a turn of these idle rows' conversations is in line
+        self.waiting[rows] = waiting
 
     def available(self) -> int:
         """Blocks a sequence could get: free ones and those idle conversations hold (but not those

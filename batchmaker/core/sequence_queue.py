@@ -74,9 +74,9 @@ class SequenceQueue:
             for w in set(worker[pinned].tolist()):
                 here = worker == w
                 self.pinned[w].add(priorities[here], chunk.select(here))
-                for conversation in chunk.columns["conversation"][here]:  # active again (T = 0): evicted last
-                    if conversation.row >= 0 and w in self.caches:
-                        self.caches[w].wait(conversation.row)
+                if w in self.caches:  # their caches are active again (T = 0): evicted last
+                    rows = np.fromiter((c.row for c in chunk.columns["conversation"][here]), dtype=np.int64)
+                    self.caches[w].wait(rows[rows >= 0])
             chunk, priorities = chunk.select(~pinned), priorities[~pinned]
         self.waiting.add(priorities, chunk)
 
