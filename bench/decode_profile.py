@@ -11,6 +11,7 @@ paged_attention bounded by the block table's width, max_positions).
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,14 +36,15 @@ def main() -> None:
         from batchmaker.kernels import gemv
         for key, shape in json.loads(Path(args.gemv_configs).read_text())["best"].items():
             n, k, silu = map(int, key.split(","))
-            gemv.CONFIGS[(n, k, bool(silu))] = gemv.GemvConfig(*shape[:4])
+            gemv.CONFIGS[(n, k, bool(silu))] = gemv.GemvConfig(*shape)
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
     from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv
     config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
-    report = {"preset": args.preset, "context": args.context, "floor_ms": floor_ms, "device": torch.cuda.get_device_name(), "rows": []}
+    report = {"preset": args.preset, "context": args.context, "floor_ms": floor_ms, "device": torch.cuda.get_device_name(),
+              "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "rows": []}
     for batch, how in ((b, a) for b in args.batch for a in args.attend):
         per_seq = -(-args.context // bs)
         shape = (config.num_layers, batch * per_seq + 1, bs, config.num_kv_heads, config.head_dim)

@@ -44,6 +44,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--sweep", choices=("all", "dot"), default="all",
+                    help="dot: only the tensor-core kernel's shapes (and the current CONFIGS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
@@ -82,6 +84,9 @@ def main() -> None:
 
     candidates = [gemv.GemvConfig(bn, bk, nwarps, st) for bn, bk, nwarps, st in
                   itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))]
+    dot = [gemv.GemvConfig(bn, bk, 4, st, dot=True) for bn, bk, st in
+           itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6))]
+    candidates = candidates + dot if args.sweep == "all" else list(dict.fromkeys(gemv.CONFIGS.values())) + dot
     best = {}
     for name, (n, k, silu) in shapes.items():
         nbytes = w[name][0].numel() * 2
@@ -107,7 +112,7 @@ def main() -> None:
               f"{row['cublas_ms'] * 1e3:.1f} us ({row['cublas_tb_per_s']:.2f} TB/s), ours {ms * 1e3:.1f} us "
               f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}", flush=True)
 
-    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages]
+    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
                       for key, (c, _) in best.items()}  # what decode_profile.py --gemv-configs reads
     layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
 

@@ -39,16 +39,21 @@ class GemvConfig:
     block_k: int  # reduction columns per tile
     num_warps: int
     num_stages: int
+    dot: bool = False  # gemv_dot_kernel (tensor cores, weight tiles pipelined num_stages deep) or gemv_kernel
 
 
-# (n_out, k_in, silu) -> config: the fastest of bench/gemv.py's sweep on an H200 (the Llama-2-7B shapes)
+# (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes), the set
+# whose chain of 32 layers ran fastest (single shapes within ~0.05 TB/s of each other reorder between runs)
 CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
-    (12288, 4096, False): GemvConfig(16, 1024, 8, 1),  # q | k | v
+    (12288, 4096, False): GemvConfig(8, 1024, 4, 1),  # q | k | v
     (4096, 4096, False): GemvConfig(8, 1024, 4, 1),  # o
-    (11008, 4096, True): GemvConfig(16, 512, 4, 1),  # gate | up
-    (4096, 11008, False): GemvConfig(8, 1024, 4, 1),  # down
+    (11008, 4096, True): GemvConfig(32, 128, 4, 3, dot=True),  # gate | up
+    (4096, 11008, False): GemvConfig(32, 256, 4, 6, dot=True),  # down
 }
 USE_PDL = os.environ.get("BATCHMAKER_PDL", "1") == "1"  # programmatic dependent launch, where Triton has it
+
+
+NORM_K = 4096  # input values per pass of the norm's sum of squares
 
 
 def default_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
@@ -119,10 +124,13 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     pdl = USE_PDL and not is_interpreting()
     extra = {"launch_pdl": True} if pdl else {}
-    _load_kernels().gemv_kernel[(n_out // config.block_n,)](
+    kernels = _load_kernels()
+    kernel = kernels.gemv_dot_kernel if config.dot else kernels.gemv_kernel
+    kernel[(n_out // config.block_n,)](
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
         n_out, k_in, weight.stride(0), eps, NORM=norm, RESIDUAL=has_residual, SILU=silu, PDL=pdl,
         EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra)
     return total, out
 

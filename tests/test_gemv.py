@@ -73,6 +73,9 @@ def test_kernels_in_the_interpreter():
         check(n_out, k_in, torch.float32, "cpu")
     gemv.CONFIGS[(48, 192, False)] = gemv.CONFIGS[(48, 192, True)] = gemv.GemvConfig(16, 64, 8, 3)  # 3 tiles a row
     check(48, 192, torch.float32, "cpu")
+    for n_out, k_in in ((48, 192), (16, 96)):  # the tensor-core kernel (96: masked)
+        gemv.CONFIGS[(n_out, k_in, False)] = gemv.CONFIGS[(n_out, k_in, True)] = gemv.GemvConfig(16, 64, 4, 3, dot=True)
+        check(n_out, k_in, torch.float32, "cpu")
 
 
 def test_the_interpreter_in_a_subprocess():
@@ -85,8 +88,14 @@ def test_the_interpreter_in_a_subprocess():
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
-def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, monkeypatch):
+@pytest.mark.parametrize("kernel", ("configured", "plain", "dot"))
+def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
     monkeypatch.setattr(gemv, "USE_PDL", pdl)
+    for silu in (False, True):
+        if kernel == "plain":
+            monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(8, min(k_in, 1024), 4, 1))
+        elif kernel == "dot":
+            monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True))
     check(n_out, k_in, dtype, "cuda", seed=n_out + k_in)
 
 
