@@ -65,6 +65,30 @@ def _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, RESIDUAL: tl.constexpr
 
 
 @triton.jit
+def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                   PDL: tl.constexpr, NORM_K: tl.constexpr):
+    # after the loads that need not wait: let the next kernel launch, wait for the input, and the norm's 1 / rms
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the input is the previous kernel's output
+    inv_rms = 0.0
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, RESIDUAL, NORM_K)
+    return inv_rms
+
+
+@triton.jit
+def _store(out_ptr, rows, out, up, SILU: tl.constexpr):
+    # out[rows] = the projection (rounded once), or with SILU silu(gate) * up, each rounded where HF's MLP rounds
+    if SILU:
+        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = act * up
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
@@ -79,12 +103,7 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     w_first = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
     if SILU:
         u_first = _load(u_rows + cols[None, :], first[None, :], EVEN_K)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # the input is the previous kernel's output
-    inv_rms = 0.0
-    if NORM:
-        inv_rms = _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, pid == 0, RESIDUAL, NORM_K)
+    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, pid == 0, NORM, RESIDUAL, PDL, NORM_K)
     x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
     acc = w_first.to(tl.float32) * x[None, :]
     if SILU:
@@ -96,13 +115,10 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
         acc += _load(w_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
         if SILU:
             acc_up += _load(u_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
-    out = tl.sum(acc, axis=1)
+    up = 0.0
     if SILU:
-        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded
-        up = tl.sum(acc_up, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = act * up
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+        up = tl.sum(acc_up, axis=1)
+    _store(out_ptr, rows, tl.sum(acc, axis=1), up, SILU)
 
 
 @triton.jit
@@ -118,12 +134,7 @@ def gemv_dot_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, 
     is_x = tl.arange(0, 16)[:, None] == 0  # [16, 1]: the input's row of the tile
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     u_rows = w_ptr + (rows + n_out).to(tl.int64)[:, None] * stride_w
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # the input is the previous kernel's output
-    inv_rms = 0.0
-    if NORM:
-        inv_rms = _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, pid == 0, RESIDUAL, NORM_K)
+    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, pid == 0, NORM, RESIDUAL, PDL, NORM_K)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
@@ -134,10 +145,4 @@ def gemv_dot_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, 
         acc = tl.dot(xt, tl.trans(_load(w_rows + c[None, :], m[None, :], EVEN_K)), acc)
         if SILU:
             acc_up = tl.dot(xt, tl.trans(_load(u_rows + c[None, :], m[None, :], EVEN_K)), acc_up)
-    out = tl.sum(acc, axis=0)  # row 0 (the others are zero)
-    if SILU:
-        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded
-        up = tl.sum(acc_up, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = act * up
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+    _store(out_ptr, rows, tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), SILU)  # row 0: the others are zero
