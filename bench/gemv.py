@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--sweep", choices=("all", "dot"), default="all",
-                    help="dot: only the tensor-core kernel's shapes (and the current CONFIGS)")
+                    help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS)")
     ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down"), default=None,
                     help="sweep these projections only (the chain uses CONFIGS for the others)")
     ap.add_argument("--out", default=None)
@@ -88,9 +88,9 @@ def main() -> None:
                   itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))]
     dot = [gemv.GemvConfig(bn, bk, 4, st, dot=True) for bn, bk, st in
            itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6))]
-    if args.sweep == "dot":  # also 8 warps and 2 or 5 stages
+    if args.sweep == "dot":  # also 2 or 5 stages, with 4 or 8 warps
         dot += [gemv.GemvConfig(bn, bk, nw, st, dot=True) for bn, bk, nw, st in
-                itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 5)) if (nw, st) != (4, 6)]
+                itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 5))]
     candidates = candidates + dot if args.sweep == "all" else list(dict.fromkeys(gemv.CONFIGS.values())) + dot
     best = {}
     for name, (n, k, silu) in shapes.items():

@@ -18,7 +18,9 @@ Why: at batch 1 a decode step reads the weights once (13.5 GB for Llama-2-7B) an
 kernels per layer between cuBLAS's GEMVs cost ~0.8 ms of a ~4.3 ms step on an H200
 (bench/results/README.md, issue 11). Here the norms and the SiLU ride inside the projections, and
 with programmatic dependent launch each projection starts streaming its weights while the
-previous kernel finishes.
+previous kernel finishes. Two Triton kernels compute the same products (kernels/triton_gemv.py):
+one on CUDA cores, one on tensor cores (`GemvConfig.dot`: deeper weight pipelines); `CONFIGS`
+picks per projection, and the norm reads its input NORM_K values a pass.
 """
 import os
 from dataclasses import dataclass
@@ -51,9 +53,7 @@ CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (4096, 11008, False): GemvConfig(32, 256, 4, 6, dot=True),  # down
 }
 USE_PDL = os.environ.get("BATCHMAKER_PDL", "1") == "1"  # programmatic dependent launch, where Triton has it
-
-
-NORM_K = 4096  # input values per pass of the norm's sum of squares
+NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
 
 def default_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
@@ -117,6 +117,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
     config = CONFIGS.get((n_out, k_in, silu)) or default_config(n_out, k_in, silu)
     assert n_out % config.block_n == 0, (n_out, config)
+    # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)
+    assert not config.dot or (min(config.block_n, config.block_k) >= 16
+                              and (x.dtype != torch.float32 or is_interpreting())), (config, x.dtype)
     x = x.contiguous()
     norm = norm_weight is not None
     has_residual = residual is not None

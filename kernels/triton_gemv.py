@@ -2,8 +2,8 @@
 residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection.
 kernels/gemv.py launches them; imported lazily there, so its twins import where Triton is absent.
 
-A program computes BLOCK_N outputs: it streams its BLOCK_N rows of the weight [N, K] in
-[BLOCK_N, BLOCK_K] tiles, keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the
+A program of `gemv_kernel` computes BLOCK_N outputs: it streams its BLOCK_N rows of the weight
+[N, K] in [BLOCK_N, BLOCK_K] tiles, keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the
 end (summing each tile's products at once instead measured no faster). With NORM, every program
 first sums the squares of its input row (K values, NORM_K at a time, from L2 after the first
 program reads them), then normalizes each tile of the input as it goes, rounding where
@@ -11,12 +11,12 @@ HF's RMSNorm rounds; program 0 writes the residual sum. With PDL (programmatic d
 a program loads its first weight tile before waiting for the previous kernel (the weights are
 never written), and lets the next kernel launch at once.
 
-The norm's first pass reads NORM_K values at a time, not BLOCK_K: each pass is a round trip to L2
+The norm's sum-of-squares pass reads NORM_K values at a time, not BLOCK_K: each pass is a round trip to L2
 that every program waits for before streaming its weights, and the 4-8 passes of a narrow tile
 cost a 4096-wide projection ~10% of its bandwidth (q|k|v: 3.59 -> 4.03 TB/s on an H200).
 
 `gemv_dot_kernel` computes the same products on tensor cores: the input as row 0 of a 16-row tile
-(the rest zero) times each weight tile transposed. Its weight loads feed a dot, so Triton
+(the rest zero) times each weight tile transposed, into a [16, BLOCK_N] fp32 accumulator. Its weight loads feed a dot, so Triton
 pipelines them through shared memory num_stages deep, where gemv_kernel's in-flight loads are
 bounded by the registers its accumulator leaves; it streams the wide-K down projection at ~3.9
 TB/s against ~3.55 (bench/gemv.py). It waits for the previous kernel before its first load.
