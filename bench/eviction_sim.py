@@ -6,7 +6,7 @@ device is faked: an iteration of N tokens takes `--iter-ms + --token-ms * N` of 
 fit of the H200 run's counters: 17 ms at 122 tokens, 10.6 ms at 76), samples token 0, and its
 copies (out and in) are done when it completes. As in the benchmark, no turn is sent after the
 last conversation's start, and a conversation that had its last turn stays cached until the end
-(the client ends none: --end does). Recomputed time is the profiled Cost(l) of the H200 run.
+(the client ends none: --end does, and --end-fraction p for a share p of the clients). Recomputed time is the profiled Cost(l) of the H200 run.
 
     python bench/eviction_sim.py --policies value lru value-old lru-old --host-gib 0 24 64 --seeds 0 1 2
 
@@ -118,6 +118,7 @@ def simulate(args, variant: str, host_gib: float, seed: int) -> dict:
     work = scripts(int(args.rate * args.arrival_seconds), args.rate, 60.0 / args.compress, args.max_len, 32000, seed)
     stop = work[-1][0]
     convs = [Conversation(f"c{i}") for i in range(len(work))]
+    ends = np.random.default_rng(seed + 7).random(len(work)) < (1.0 if args.end else args.end_fraction)
     due = [(start, i, 0) for i, (start, _) in enumerate(work)]
     heapq.heapify(due)
     turns = [0]
@@ -134,7 +135,7 @@ def simulate(args, variant: str, host_gib: float, seed: int) -> dict:
                     heapq.heappush(due, (now[0] + work[i][1][t + 1][2], i, t + 1))
                 if c.row >= 0:  # (retired by the queue just before this call)
                     cache.due[c.row] = now[0] + work[i][1][t + 1][2] if nxt else math.inf
-                    if not nxt and args.end:
+                    if not nxt and ends[i]:
                         cache.forget(c.row)
                         c.row, c.worker = -1, None
 
@@ -178,7 +179,8 @@ def simulate(args, variant: str, host_gib: float, seed: int) -> dict:
         queue.complete(task)
     s = cache.stats
     hist = s["gpu_hit_tokens"] + s["host_hit_tokens"] + s["recomputed_tokens"]
-    return {"variant": variant, "host_gib": host_gib, "seed": seed, "turns": turns[0], "history": hist,
+    return {"variant": variant, "host_gib": host_gib, "seed": seed, "ended": float(ends.mean()), "turns": turns[0],
+            "history": hist,
             "recomputed": s["recomputed_tokens"], "fraction": s["recomputed_tokens"] / max(hist, 1),
             "recomputed_s": s["recomputed_seconds"], "host_hit": s["host_hit_tokens"] / max(hist, 1),
             "gpu_hit": s["gpu_hit_tokens"] / max(hist, 1), **{f"dropped_{k}": v * 32 for k, v in cache.drops.items()},
@@ -202,6 +204,8 @@ def main() -> None:
     ap.add_argument("--iter-ms", type=float, default=6.0)
     ap.add_argument("--token-ms", type=float, default=0.09)
     ap.add_argument("--end", action="store_true", help="clients end a conversation after its last turn")
+    ap.add_argument("--end-fraction", type=float, default=0.0,
+                    help="the share of clients (drawn per conversation) that end theirs (--end: all of them)")
     args = ap.parse_args()
     print("variant host_gib seed turns history recomputed fraction recomputed_s host_hit gpu_hit "
           "dropped_ended dropped_waiting dropped_idle suspended span_s wall_s")
