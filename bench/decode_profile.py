@@ -30,6 +30,10 @@ def main() -> None:
                     help="also profile the engine decoding one request for this many seconds: GPU busy fraction")
     ap.add_argument("--gemv-configs", default=None,
                     help="a bench/gemv.py JSON: its fastest block shapes for the one-token projections")
+    ap.add_argument("--one-token", choices=("gemv", "gemv-rope", "cublas"), default="gemv",
+                    help="batch-1 projections: fused matrix-vector products (gemv-rope: RoPE and the K/V write inside "
+                         "q | k | v), or cuBLAS with the small kernels (cells/llama.py OneTokenConfig)")
+    ap.add_argument("--no-pdl", action="store_true", help="the matrix-vector products without PDL")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.gemv_configs:
@@ -42,9 +46,14 @@ def main() -> None:
     from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv
     config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
+    if hasattr(lm, "set_one_token"):
+        from batchmaker.cells.llama import OneTokenConfig
+        lm.set_one_token(None if args.one_token == "cublas" else
+                         OneTokenConfig(pdl=not args.no_pdl, rope_in_qkv=args.one_token == "gemv-rope"))
     floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
     report = {"preset": args.preset, "context": args.context, "floor_ms": floor_ms, "device": torch.cuda.get_device_name(),
-              "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "rows": []}
+              "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+              "one_token": args.one_token, "pdl": not args.no_pdl, "rows": []}
     for batch, how in ((b, a) for b in args.batch for a in args.attend):
         per_seq = -(-args.context // bs)
         shape = (config.num_layers, batch * per_seq + 1, bs, config.num_kv_heads, config.head_dim)

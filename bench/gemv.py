@@ -123,13 +123,13 @@ def main() -> None:
                       for key, (c, _) in best.items()}  # what decode_profile.py --gemv-configs reads
     layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
 
-    def chain_ours():
+    def chain_ours(pdl: bool):
         hidden, residual = x["qkv"], res["qkv"]
         for layer in range(args.layers):
-            residual, qkv = gemv.norm_linear(hidden, residual, nw, 1e-5, w["qkv"][layer])
-            out = gemv.linear(qkv[:, :h].contiguous(), w["o"][layer])
-            residual, act = gemv.norm_gate_up(out, residual, nw, 1e-5, w["gate_up"][layer])
-            hidden = gemv.linear(act, w["down"][layer])
+            residual, qkv = gemv.norm_linear(hidden, residual, nw, 1e-5, w["qkv"][layer], pdl=pdl)
+            out = gemv.linear(qkv[:, :h].contiguous(), w["o"][layer], pdl=pdl)
+            residual, act = gemv.norm_gate_up(out, residual, nw, 1e-5, w["gate_up"][layer], pdl=pdl)
+            hidden = gemv.linear(act, w["down"][layer], pdl=pdl)
 
     def chain_cublas():
         hidden, residual = x["qkv"], res["qkv"]
@@ -143,9 +143,8 @@ def main() -> None:
 
     chain = {"cublas_ms": graph_ms(chain_cublas)}
     for pdl in (False, True):
-        gemv.USE_PDL = pdl
         try:
-            chain["pdl_ms" if pdl else "ours_ms"] = graph_ms(chain_ours)
+            chain["pdl_ms" if pdl else "ours_ms"] = graph_ms(lambda: chain_ours(pdl))
         except Exception as e:
             chain["pdl_error" if pdl else "ours_error"] = f"{type(e).__name__}: {e}"[:300]
     chain["bytes"] = layer_bytes * args.layers

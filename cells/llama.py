@@ -6,11 +6,11 @@ computed in float32 and cast to the activations' dtype. On CUDA the norms (with 
 before them), RoPE (with the K/V cache write, when the caller's attend offers it) and SiLU(gate) x up
 run as one Triton kernel each (kernels/fused_decoder.py); elsewhere as their PyTorch twins, the code
 HF runs. A forward of one token on CUDA (a batch-1 decode step) runs each layer as four
-matrix-vector products with the norms and SiLU x up inside them (kernels/gemv.py), plus RoPE and
-attention.
+matrix-vector products with the norms and SiLU x up inside them (kernels/gemv.py), RoPE and the
+K/V cache write inside the first (when the attend is a paged cache's), plus attention.
 """
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +55,14 @@ class GatedMLP(nn.Module):
         return self.down_proj(silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
 
 
-USE_GEMV = os.environ.get("BATCHMAKER_GEMV", "1") == "1"  # benchmarks compare with the cuBLAS path
+@dataclass(frozen=True, slots=True)
+class OneTokenConfig:
+    """How a Llama layer runs a forward of one token on CUDA: as matrix-vector products with the small
+    steps fused in (kernels/gemv.py). `LlamaLM.set_one_token` installs one (None: cuBLAS and the small
+    kernels, the path of every other batch; benchmarks compare them)."""
+    pdl: bool = True  # programmatic dependent launch between the projections
+    rope_in_qkv: bool = False  # RoPE and the K/V cache write in the q | k | v projection (with a paged attend;
+    # interpreter-tested, not yet measured on a GPU, so off)
 
 
 class LlamaLayer(DecoderLayer):
@@ -65,17 +72,28 @@ class LlamaLayer(DecoderLayer):
     def __init__(self, config: DecoderConfig, layer_index: int):
         super().__init__(RMSNorm(config.hidden_size, config.norm_eps), Attention(config, layer_index),
                          RMSNorm(config.hidden_size, config.norm_eps), GatedMLP(config))
-        self.one_token = USE_GEMV and not (config.has_attention_bias or config.has_mlp_bias)
+        self.has_bias = config.has_attention_bias or config.has_mlp_bias  # (the kernels take none)
+        self.one_token: OneTokenConfig | None = None if self.has_bias else OneTokenConfig()
 
     def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
         qkv_weight = self.attn.qkv_proj.weight
-        if not (self.one_token and gemv.can_gemv(x, qkv_weight)):
+        how = self.one_token
+        if how is None or not gemv.can_gemv(x, qkv_weight):
             return super().forward(x, residual, rotate, attend)
-        eps = self.attn_norm.eps
-        residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight)
-        out = gemv.linear(self.attn.mix(qkv, rotate, attend), self.attn.o_proj.weight)
-        residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight)
-        return gemv.linear(act, self.mlp.down_proj.weight), residual
+        eps, pdl, attn = self.attn_norm.eps, how.pdl, self.attn
+        if how.rope_in_qkv and isinstance(rotate, Rotary) and hasattr(attend, "attend_cached") and \
+                gemv.qkv_takes_rope(qkv_weight, attn.head_dim):  # RoPE and the K/V write inside the projection
+            target = gemv.RopeTarget(rotate.cos, rotate.sin, *attend.kv_cache(attn.layer_index), attn.num_heads,
+                                     attn.num_kv_heads)
+            residual, q = gemv.norm_qkv_rope(x, residual, self.attn_norm.weight, eps, qkv_weight, target, pdl=pdl)
+            mixed = attend.attend_cached(attn.layer_index, q.view(1, attn.num_heads, attn.head_dim)).view(1, -1)
+        else:
+            residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight, pdl=pdl)
+            mixed = attn.mix(qkv, rotate, attend)
+        out = gemv.linear(mixed, attn.o_proj.weight, pdl=pdl)
+        residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight,
+                                          pdl=pdl)
+        return gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl), residual
 
 
 class Rotary:
@@ -135,10 +153,17 @@ class LlamaLM(DecoderLM):
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.embed_tokens(tokens)
 
+    def set_one_token(self, how: OneTokenConfig | None) -> None:
+        """How forwards of one token run on CUDA from now on (None: the general path); layers with
+        biases keep the general path."""
+        for layer in self.layers:
+            layer.one_token = None if layer.has_bias else how
+
     def head(self, hidden: Tensor) -> Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.layers[0].one_token and gemv.can_gemv(hidden, weight):
-            return gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight)[1].float()
+        how = self.layers[0].one_token
+        if how is not None and gemv.can_gemv(hidden, weight):
+            return gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight, pdl=how.pdl)[1].float()
         return super().head(hidden)
 
     def rotary(self, positions: Tensor) -> Rotary:

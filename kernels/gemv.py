@@ -4,6 +4,7 @@ batch-1 decode step of a Llama layer in four of them, each reading its weight on
     total, qkv = norm_linear(x, residual, norm_weight, eps, weight)     # qkv = W rms_norm(x + residual)
     total, act = norm_gate_up(x, residual, norm_weight, eps, weight)    # act = silu(gate) * up of W rms_norm(...)
     out = linear(x, weight)                                             # W x
+    total, q = norm_qkv_rope(x, residual, norm_weight, eps, weight, target)  # + RoPE, k and v to the KV cache
 
 x, residual [1, K] (residual may be None: then total is x), weight [N, K] (an nn.Linear's, no
 bias; gate_up's is [2I, K], gate | up). Each `reference_*` twin is the model's PyTorch code for
@@ -18,19 +19,21 @@ Why: at batch 1 a decode step reads the weights once (13.5 GB for Llama-2-7B) an
 kernels per layer between cuBLAS's GEMVs cost ~0.8 ms of a ~4.3 ms step on an H200
 (bench/results/README.md, issue 11). Here the norms and the SiLU ride inside the projections, and
 with programmatic dependent launch each projection starts streaming its weights while the
-previous kernel finishes. Two Triton kernels compute the same products (kernels/triton_gemv.py):
-one on CUDA cores, one on tensor cores (`GemvConfig.dot`: deeper weight pipelines); `CONFIGS`
-picks per projection, and the norm reads its input NORM_K values a pass.
+previous kernel finishes. One Triton kernel (kernels/triton_gemv.py) computes the products on CUDA
+cores or on tensor cores (`GemvConfig.dot`: deeper weight pipelines); `CONFIGS` picks per
+projection, and the norm reads its input NORM_K values a pass. `norm_qkv_rope` also rotates q and
+k and writes k and v into the paged cache in its epilogue (each program holds whole rotation pairs
+of one head), which saves the RoPE kernel's launch and round trips per layer.
 """
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting
-from batchmaker.kernels.fused_decoder import HAS_TRITON, reference_add_rms_norm, reference_rms_norm, reference_silu_mul
+from batchmaker.kernels.fused_decoder import (HAS_TRITON, reference_add_rms_norm, reference_rms_norm,
+                                              reference_rope_write_kv, reference_silu_mul)
 
 _kernels = None
 
@@ -52,7 +55,6 @@ CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (11008, 4096, True): GemvConfig(32, 128, 4, 3, dot=True),  # gate | up
     (4096, 11008, False): GemvConfig(32, 256, 4, 6, dot=True),  # down
 }
-USE_PDL = os.environ.get("BATCHMAKER_PDL", "1") == "1"  # programmatic dependent launch, where Triton has it
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
 
@@ -64,6 +66,10 @@ def default_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
         block_n //= 2
     block_k = next((b for b in (1024, 512, 256, 128, 64) if k_in % b == 0), 512)
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
+
+
+def pick_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
+    return CONFIGS.get((n_out, k_in, silu)) or default_config(n_out, k_in, silu)
 
 
 def can_gemv(x: Tensor, weight: Tensor) -> bool:
@@ -90,32 +96,85 @@ def reference_norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tens
     return total, reference_silu_mul(gate_up)
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """The kernel twin of `reference_linear` for one token."""
-    return _launch(x, None, None, 0.0, weight, silu=False)[1]
+@dataclass(frozen=True, slots=True)
+class RopeTarget:
+    """Where `norm_qkv_rope` puts one token's q | k | v: q rotated by cos, sin (returned), k rotated
+    and v written to the caches at the token's slot."""
+    cos: Tensor  # [1, D/2], the activations' dtype (as Rotary holds them)
+    sin: Tensor
+    k_cache: Tensor  # [blocks, block_size, Hkv, D], unit last stride
+    v_cache: Tensor
+    slots: Tensor  # int64 [1]: block * block_size + offset
+    num_q_heads: int
+    num_kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[3]
+
+    def takes(self, n_out: int, block_n: int) -> bool:
+        return n_out == (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim and can_rope(
+            n_out, self.head_dim, block_n)
 
 
-def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
-                weight: Tensor) -> tuple[Tensor, Tensor]:
+def can_rope(n_out: int, head_dim: int, block_n: int) -> bool:
+    """Whether a program's rows can be whole rotation pairs of one head: block_n / 2 pairs of head_dim / 2."""
+    return block_n % 2 == 0 and head_dim % block_n == 0 and n_out % head_dim == 0
+
+
+def reference_norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                            target: RopeTarget) -> tuple[Tensor, Tensor]:
+    total, qkv = reference_norm_linear(x, residual, norm_weight, eps, weight)
+    d, hq, hkv = target.head_dim, target.num_q_heads, target.num_kv_heads
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q = reference_rope_write_kv(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), target.cos, target.sin,
+                                target.k_cache, target.v_cache, target.slots)
+    return total, q.reshape(1, hq * d)
+
+
+def linear(x: Tensor, weight: Tensor, *, pdl: bool = True) -> Tensor:
+    """The kernel twin of `reference_linear` for one token. With `pdl` (programmatic dependent launch,
+    where Triton has it) it starts streaming its weights before the previous kernel ends; so do the others."""
+    return _launch(x, None, None, 0.0, weight, silu=False, pdl=pdl)[1]
+
+
+def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
+                pdl: bool = True) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual)) in one launch."""
-    return _launch(x, residual, norm_weight, eps, weight, silu=False)
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl)
 
 
-def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
-                 weight: Tensor) -> tuple[Tensor, Tensor]:
+def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
+                 pdl: bool = True) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_gate_up`: the norm, the gate/up projection and SiLU x up in one launch."""
-    return _launch(x, residual, norm_weight, eps, weight, silu=True)
+    return _launch(x, residual, norm_weight, eps, weight, silu=True, pdl=pdl)
+
+
+def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                  target: RopeTarget, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
+    """The kernel twin of `reference_norm_qkv_rope`: (x + residual, q [1, Hq D] rotated) in one launch
+    that also writes k rotated and v to the caches (`qkv_takes_rope` says where it applies)."""
+    assert target.cos.shape == target.sin.shape == (1, target.head_dim // 2) and target.slots.shape == (1,)
+    assert target.k_cache.stride(3) == target.v_cache.stride(3) == 1 and target.k_cache.dtype == x.dtype
+    target = replace(target, cos=target.cos.contiguous(), sin=target.sin.contiguous())
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, rope=target)
+
+
+def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
+    """Whether `norm_qkv_rope` runs for this q | k | v weight (its configured tile holds whole rotation pairs)."""
+    n_out, k_in = weight.shape
+    return can_rope(n_out, head_dim, pick_config(n_out, k_in, False).block_n)
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
-            silu: bool) -> tuple[Tensor, Tensor]:
+            silu: bool, pdl: bool, rope: RopeTarget | None = None) -> tuple[Tensor, Tensor]:
     if not (x.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"the gemv kernels run on CUDA tensors, got {x.device}; use the reference_* twins")
     k_in = x.shape[-1]
     n_out = weight.shape[0] // 2 if silu else weight.shape[0]
     assert x.shape == (1, k_in) and weight.shape[1] == k_in and weight.stride(1) == 1, (x.shape, weight.shape)
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
-    config = CONFIGS.get((n_out, k_in, silu)) or default_config(n_out, k_in, silu)
+    config = pick_config(n_out, k_in, silu)
     assert n_out % config.block_n == 0, (n_out, config)
     # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)
     assert not config.dot or (min(config.block_n, config.block_k) >= 16
@@ -124,17 +183,22 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     norm = norm_weight is not None
     has_residual = residual is not None
     total = torch.empty_like(x) if has_residual else x
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    pdl = USE_PDL and not is_interpreting()
+    out = torch.empty((1, rope.num_q_heads * rope.head_dim if rope else n_out), dtype=x.dtype, device=x.device)
+    pdl = pdl and not is_interpreting()
     extra = {"launch_pdl": True} if pdl else {}
-    kernels = _load_kernels()
-    kernel = kernels.gemv_dot_kernel if config.dot else kernels.gemv_kernel
-    kernel[(n_out // config.block_n,)](
+    if rope is None:
+        rope_args, head_dim, cache_block = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), 2, 1  # (unread)
+    else:
+        assert rope.takes(n_out, config.block_n), (rope.head_dim, n_out, config)
+        rope_args = (rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slots, *rope.k_cache.stride()[:3],
+                     *rope.v_cache.stride()[:3], rope.num_q_heads, rope.num_kv_heads)
+        head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
+    _load_kernels().gemv_kernel[(n_out // config.block_n,)](
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
-        n_out, k_in, weight.stride(0), eps, NORM=norm, RESIDUAL=has_residual, SILU=silu, PDL=pdl,
-        EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+        n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu,
+        ROPE=rope is not None, DOT=config.dot, PDL=pdl, EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()), HEAD_DIM=head_dim,
+        CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages, **extra)
     return total, out
 
 

@@ -1,25 +1,31 @@
-"""Triton kernels of one token's matrix-vector products with their neighbours fused in: the
-residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection.
+"""The Triton kernel of one token's matrix-vector products with their neighbours fused in: the
+residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection,
+RoPE and the K/V cache write after the attention's q | k | v projection.
 kernels/gemv.py launches them; imported lazily there, so its twins import where Triton is absent.
 
-A program of `gemv_kernel` computes BLOCK_N outputs: it streams its BLOCK_N rows of the weight
+A program of `gemv_kernel` computes BLOCK_N outputs. On CUDA cores it streams its BLOCK_N rows of the weight
 [N, K] in [BLOCK_N, BLOCK_K] tiles, keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the
 end (summing each tile's products at once instead measured no faster). With NORM, every program
 first sums the squares of its input row (K values, NORM_K at a time, from L2 after the first
 program reads them), then normalizes each tile of the input as it goes, rounding where
 HF's RMSNorm rounds; program 0 writes the residual sum. With PDL (programmatic dependent launch)
-a program loads its first weight tile before waiting for the previous kernel (the weights are
+a CUDA-core program loads its first weight tile before waiting for the previous kernel (the weights are
 never written), and lets the next kernel launch at once.
 
 The norm's sum-of-squares pass reads NORM_K values at a time, not BLOCK_K: each pass is a round trip to L2
 that every program waits for before streaming its weights, and the 4-8 passes of a narrow tile
 cost a 4096-wide projection ~10% of its bandwidth (q|k|v: 3.59 -> 4.03 TB/s on an H200).
 
-`gemv_dot_kernel` computes the same products on tensor cores: the input as row 0 of a 16-row tile
-(the rest zero) times each weight tile transposed, into a [16, BLOCK_N] fp32 accumulator. Its weight loads feed a dot, so Triton
-pipelines them through shared memory num_stages deep, where gemv_kernel's in-flight loads are
-bounded by the registers its accumulator leaves; it streams the wide-K down projection at ~3.9
-TB/s against ~3.55 (bench/gemv.py). It waits for the previous kernel before its first load.
+With DOT the products run on tensor cores: the input as row 0 of a 16-row tile (the rest zero)
+times each weight tile transposed, into a [16, BLOCK_N] fp32 accumulator. Those weight loads feed a
+dot, so Triton pipelines them through shared memory num_stages deep, where the CUDA-core loop's
+in-flight loads are bounded by the registers its accumulator leaves; it streams the wide-K down
+projection at ~3.9 TB/s against ~3.55 (bench/gemv.py). It waits for the previous kernel before its
+first load.
+
+With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
+c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
+in triton_decoder.py computes it) and stores q, or k and v into the paged KV cache at the token's slot.
 """
 import triton
 import triton.language as tl
@@ -78,24 +84,22 @@ def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM: tl.constex
 
 
 @triton.jit
-def _store(out_ptr, rows, out, up, SILU: tl.constexpr):
-    # out[rows] = the projection (rounded once), or with SILU silu(gate) * up, each rounded where HF's MLP rounds
-    if SILU:
-        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = act * up
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+def _rows(pid, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # this program's BLOCK_N output rows: consecutive, or with ROPE pairs (i, i + D/2) of one head, interleaved
+    # (row 2c is column c of the head's first half, row 2c + 1 its partner), so the program can rotate them
+    r = tl.arange(0, BLOCK_N)
+    if ROPE:
+        per_head: tl.constexpr = HEAD_DIM // BLOCK_N  # programs per head: each holds BLOCK_N / 2 pairs
+        first = (pid // per_head) * HEAD_DIM + (pid % per_head) * (BLOCK_N // 2)
+        return first + r // 2 + (r % 2) * (HEAD_DIM // 2)
+    return pid * BLOCK_N + r
 
 
 @triton.jit
-def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
-                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
-                EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
-    # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (n_out is a multiple of BLOCK_N);
-    # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in]
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
+                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+    # (w[rows] . in, and with SILU w[n_out + rows] . in): a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     u_rows = w_ptr + (rows + n_out).to(tl.int64)[:, None] * stride_w
@@ -103,7 +107,7 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     w_first = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
     if SILU:
         u_first = _load(u_rows + cols[None, :], first[None, :], EVEN_K)
-    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, pid == 0, NORM, RESIDUAL, PDL, NORM_K)
+    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
     acc = w_first.to(tl.float32) * x[None, :]
     if SILU:
@@ -118,23 +122,21 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     up = 0.0
     if SILU:
         up = tl.sum(acc_up, axis=1)
-    _store(out_ptr, rows, tl.sum(acc, axis=1), up, SILU)
+    return tl.sum(acc, axis=1), up
 
 
 @triton.jit
-def gemv_dot_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
-                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
-                    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
-    # gemv_kernel's product on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times
-    # the weight tile transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so
-    # Triton pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+                          EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+    # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
+    # transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so Triton
+    # pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
     cols = tl.arange(0, BLOCK_K)
     is_x = tl.arange(0, 16)[:, None] == 0  # [16, 1]: the input's row of the tile
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     u_rows = w_ptr + (rows + n_out).to(tl.int64)[:, None] * stride_w
-    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, pid == 0, NORM, RESIDUAL, PDL, NORM_K)
+    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
@@ -145,4 +147,69 @@ def gemv_dot_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, 
         acc = tl.dot(xt, tl.trans(_load(w_rows + c[None, :], m[None, :], EVEN_K)), acc)
         if SILU:
             acc_up = tl.dot(xt, tl.trans(_load(u_rows + c[None, :], m[None, :], EVEN_K)), acc_up)
-    _store(out_ptr, rows, tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), SILU)  # row 0: the others are zero
+    return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0)  # row 0: the others are zero
+
+
+@triton.jit
+def _store(out_ptr, rows, out, up, SILU: tl.constexpr):
+    # out[rows] = the projection (rounded once), or with SILU silu(gate) * up, each rounded where HF's MLP rounds
+    if SILU:
+        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = act * up
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
+                stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    # this program's pairs of one head of q | k | v (rows from _rows with ROPE), each rounded as the projection
+    # rounds: q and k rotated by cos, sin (fp32, rounded once, as rope_kernel does); q to out_ptr [Hq * D],
+    # k and v to their caches at the token's slot
+    dtype = out_ptr.dtype.element_ty
+    head = pid // (HEAD_DIM // BLOCK_N)
+    d = (pid % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # first-half columns
+    x1, x2 = tl.split(tl.reshape(out.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+    if head < num_q_heads + num_kv_heads:
+        cos = tl.load(cos_ptr + d).to(tl.float32)
+        sin = tl.load(sin_ptr + d).to(tl.float32)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if head < num_q_heads:
+        dst = out_ptr + head * HEAD_DIM
+    else:
+        slot = tl.load(slots).to(tl.int64)
+        block, offset = slot // CACHE_BLOCK, slot % CACHE_BLOCK
+        kv_head = head - num_q_heads
+        if kv_head < num_kv_heads:
+            dst = k_cache + block * stride_kb + offset * stride_ko + kv_head * stride_kh
+        else:
+            dst = v_cache + block * stride_vb + offset * stride_vo + (kv_head - num_kv_heads) * stride_vh
+    tl.store(dst + d, x1.to(dtype))
+    tl.store(dst + HEAD_DIM // 2 + d, x2.to(dtype))
+
+
+@triton.jit
+def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
+                cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+                stride_vh, num_q_heads, num_kv_heads,
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
+                PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (n_out is a multiple of BLOCK_N);
+    # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in];
+    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches
+    pid = tl.program_id(0)
+    rows = _rows(pid, ROPE, BLOCK_N, HEAD_DIM)
+    if DOT:
+        out, up = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps,
+                                        pid == 0, NORM, RESIDUAL, SILU, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+    else:
+        out, up = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps,
+                                      pid == 0, NORM, RESIDUAL, SILU, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+    if ROPE:
+        _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
+                    stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
+    else:
+        _store(out_ptr, rows, out, up, SILU)

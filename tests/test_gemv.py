@@ -11,7 +11,9 @@ import torch
 
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.cells.llama import OneTokenConfig
 from batchmaker.kernels import gemv
+from batchmaker.kernels.paged_attention import PagedAttend
 from helpers import interpreter, needs_gpu, run_interpreted
 
 TOLERANCE = {  # (rtol, atol) against the twin for outputs of O(1): fp32 sums in another order, 1 ulp of the output
@@ -27,21 +29,46 @@ def case(n_out, k_in, silu, dtype, device, seed=0):
     return tuple(t.to(device, dtype) for t in (x, residual, norm_weight, weight))
 
 
-def check(n_out, k_in, dtype, device, seed=0):
+def check(n_out, k_in, dtype, device, seed=0, pdl=True):
     rtol, atol = TOLERANCE[dtype]
     x, residual, norm_weight, weight = case(n_out, k_in, False, dtype, device, seed)
-    torch.testing.assert_close(gemv.linear(x, weight), gemv.reference_linear(x, weight), rtol=rtol, atol=atol)
+    torch.testing.assert_close(gemv.linear(x, weight, pdl=pdl), gemv.reference_linear(x, weight), rtol=rtol, atol=atol)
     for res in (None, residual):
-        total, out = gemv.norm_linear(x, res, norm_weight, 1e-5, weight)
+        total, out = gemv.norm_linear(x, res, norm_weight, 1e-5, weight, pdl=pdl)
         want_total, want = gemv.reference_norm_linear(x, res, norm_weight, 1e-5, weight)
         assert torch.equal(total, want_total)  # the residual sum is exact (one rounding, as x + residual)
         torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
     x, residual, norm_weight, weight = case(n_out, k_in, True, dtype, device, seed + 1)
     for res in (None, residual):
-        total, act = gemv.norm_gate_up(x, res, norm_weight, 1e-5, weight)
+        total, act = gemv.norm_gate_up(x, res, norm_weight, 1e-5, weight, pdl=pdl)
         want_total, want = gemv.reference_norm_gate_up(x, res, norm_weight, 1e-5, weight)
         assert torch.equal(total, want_total) and act.shape == (1, n_out)
         torch.testing.assert_close(act, want, rtol=rtol, atol=atol)
+
+
+def check_rope(num_q_heads, num_kv_heads, head_dim, k_in, dtype, device, seed=0, pdl=True):
+    """norm_qkv_rope against its twin: q returned, k and v in their caches at the slot, nothing else written."""
+    rtol, atol = TOLERANCE[dtype]
+    n_out = (num_q_heads + 2 * num_kv_heads) * head_dim
+    x, residual, norm_weight, weight = case(n_out, k_in, False, dtype, device, seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    angles = torch.rand(1, head_dim // 2, generator=g) * 6.3
+    caches = [torch.randn(3, 4, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2)]
+    slot = torch.tensor([6], device=device)  # block 1, offset 2
+
+    def target(k_cache, v_cache):
+        return gemv.RopeTarget(angles.cos().to(device, dtype), angles.sin().to(device, dtype), k_cache, v_cache, slot,
+                               num_q_heads, num_kv_heads)
+    for res in (None, residual):
+        k_cache, v_cache, want_k, want_v = (c.clone() for c in caches * 2)
+        total, q = gemv.norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(k_cache, v_cache), pdl=pdl)
+        want_total, want_q = gemv.reference_norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(want_k, want_v))
+        assert torch.equal(total, want_total) and q.shape == (1, num_q_heads * head_dim)
+        torch.testing.assert_close(q, want_q, rtol=rtol, atol=atol)
+        for got, want, before in ((k_cache, want_k, caches[0]), (v_cache, want_v, caches[1])):
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+            got[1, 2] = before[1, 2]
+            assert torch.equal(got, before)  # only the slot's row written
 
 
 def test_the_twins_are_the_models_steps():
@@ -80,6 +107,14 @@ def test_kernels_in_the_interpreter(monkeypatch):
             for silu in (False, True):
                 monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 64, 4, 3, dot=dot))
             check(n_out, k_in, torch.float32, "cpu")
+    for dot in (False, True):  # RoPE in the epilogue: 2 programs a head, GQA (4 q heads a kv head), a masked tile
+        monkeypatch.setitem(gemv.CONFIGS, ((8 + 2 * 2) * 32, 96, False), gemv.GemvConfig(16, 64, 4, 3, dot=dot))
+        check_rope(8, 2, 32, 96, torch.float32, "cpu")
+    # the whole one-token forward (fp32; can_gemv takes CPU tensors here), RoPE inside q | k | v
+    monkeypatch.setattr(gemv, "can_gemv", lambda x, weight: x.shape[0] == 1)
+    compare_paged_forwards(build_decoder(PRESETS["tiny-llama"], seed=0), "cpu", 1e-4)
+    weight = torch.empty(12288, 4096, device="meta")  # Llama-2-7B's q | k | v: 8 rows (4 pairs) a program
+    assert gemv.qkv_takes_rope(weight, 128) and not gemv.qkv_takes_rope(weight, 4)  # (a head narrower than 8 rows)
 
 
 def test_the_interpreter_in_a_subprocess():
@@ -94,7 +129,6 @@ def test_the_interpreter_in_a_subprocess():
 @pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
 @pytest.mark.parametrize("kernel", ("configured", "plain", "dot", "dot-masked"))
 def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
-    monkeypatch.setattr(gemv, "USE_PDL", pdl)
     configs = {"plain": gemv.GemvConfig(8, min(k_in, 1024), 4, 1),
                "dot": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True),
                # a last tile past k_in: 64 in one 128-wide tile, 11008 in 512-wide ones (none divides 4096)
@@ -104,7 +138,22 @@ def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
     for silu in (False, True):
         if kernel in configs:
             monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), configs[kernel])
-    check(n_out, k_in, dtype, "cuda", seed=n_out + k_in)
+    check(n_out, k_in, dtype, "cuda", seed=n_out + k_in, pdl=pdl)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("pdl", (False, True))
+@pytest.mark.parametrize("heads", ((32, 32, 128), (32, 8, 128), (8, 2, 64)))  # Llama-2-7B, GQA (Llama-3-8B), small
+@pytest.mark.parametrize("kernel", ("configured", "plain16", "dot"))
+def test_rope_epilogue_equals_the_twin(dtype, pdl, heads, kernel, monkeypatch):
+    num_q_heads, num_kv_heads, head_dim = heads
+    n_out = (num_q_heads + 2 * num_kv_heads) * head_dim
+    configs = {"plain16": gemv.GemvConfig(16, 512, 4, 1), "dot": gemv.GemvConfig(32, 128, 4, 3, dot=True)}
+    if kernel in configs:
+        monkeypatch.setitem(gemv.CONFIGS, (n_out, 4096, False), configs[kernel])
+    check_rope(num_q_heads, num_kv_heads, head_dim, 4096, dtype, "cuda", seed=n_out, pdl=pdl)
 
 
 @pytest.mark.gpu
@@ -112,16 +161,15 @@ def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("dot", (False, True))
 def test_kernels_replay_in_a_cuda_graph(pdl, dot, monkeypatch):
-    monkeypatch.setattr(gemv, "USE_PDL", pdl)
     for n_out, k_in in ((256, 512), (512, 512)):  # one kernel's output feeds the next, as in a layer
         for silu in (False, True):
             monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 128, 4, 3, dot=dot))
     x, residual, norm_weight, weight = case(256, 512, True, torch.bfloat16, "cuda")
 
     def step():  # a chain, as in a layer: each launch reads the previous one's output
-        total, act = gemv.norm_gate_up(x, residual, norm_weight, 1e-5, weight)
-        total2, out = gemv.norm_linear(act[:, :256].repeat(1, 2), total, norm_weight, 1e-5, weight[:512])
-        return total, act, total2, out, gemv.linear(out[:, :512], weight)
+        total, act = gemv.norm_gate_up(x, residual, norm_weight, 1e-5, weight, pdl=pdl)
+        total2, out = gemv.norm_linear(act[:, :256].repeat(1, 2), total, norm_weight, 1e-5, weight[:512], pdl=pdl)
+        return total, act, total2, out, gemv.linear(out[:, :512], weight, pdl=pdl)
 
     step()
     torch.cuda.synchronize()
@@ -138,22 +186,62 @@ def test_kernels_replay_in_a_cuda_graph(pdl, dot, monkeypatch):
             assert torch.equal(got, expected)
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
-def test_one_token_forward_equals_the_unfused_path(dtype):
+def tiny_llama(dtype):
     model = build_decoder(PRESETS["tiny-llama"], seed=0, dtype=dtype, device="cuda")
     g = torch.Generator(device="cpu").manual_seed(1)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):  # weights other than 1, so that the norms' weights count
             p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    token = torch.randint(0, 512, (1,), generator=g).cuda()
-    assert all(layer.one_token for layer in model.layers) and gemv.can_gemv(
+    assert all(layer.one_token == OneTokenConfig() for layer in model.layers) and gemv.can_gemv(
         torch.zeros(1, model.config.hidden_size, dtype=dtype, device="cuda"), model.layers[0].attn.qkv_proj.weight)
+    return model
+
+
+LOGIT_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 1e-1}  # logits of O(1) after 2 layers
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_one_token_forward_equals_the_unfused_path(dtype):
+    model = tiny_llama(dtype)
+    token = torch.randint(0, 512, (1,), generator=torch.Generator().manual_seed(1)).cuda()
     fused = model.dense_logits(token)
-    for layer in model.layers:
-        layer.one_token = False
+    model.set_one_token(None)
     reference = model.dense_logits(token)
-    tolerance = {torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]  # logits of O(1) after 2 layers
+    tolerance = LOGIT_TOLERANCE[dtype]
     torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
     assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+def compare_paged_forwards(model, device, tolerance) -> None:
+    """A one-token forward over a paged cache with RoPE and the K/V write inside the q | k | v
+    projection against the general path: the same logits and the same caches after."""
+    c, dtype = model.config, model.embed_tokens.weight.dtype
+    assert gemv.qkv_takes_rope(model.layers[0].attn.qkv_proj.weight, c.head_dim)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    block_size, context = 4, 11  # the new token at position 10: block 2 of the table (cache block 3), offset 2
+    caches = [torch.randn(c.num_layers, 5, block_size, c.num_kv_heads, c.head_dim, generator=g).to(device, dtype)
+              for _ in range(2)]
+    metadata = dict(slots=torch.tensor([14], device=device),
+                    block_tables=torch.tensor([[1, 4, 3]], dtype=torch.int32, device=device),
+                    query_start=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                    context_lens=torch.tensor([context], dtype=torch.int32, device=device), max_query_len=1,
+                    scale=c.head_dim ** -0.5)
+    token, position = torch.tensor([7], device=device), torch.tensor([context - 1], device=device)
+
+    def run(how: OneTokenConfig | None):
+        model.set_one_token(how)
+        k_cache, v_cache = (cache.clone() for cache in caches)
+        with torch.no_grad():
+            logits = model.head(model(token, position, PagedAttend(k_cache, v_cache, **metadata)))
+        return logits, k_cache, v_cache
+    for got, want in zip(run(OneTokenConfig(rope_in_qkv=True)), run(None)):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_one_token_forward_over_a_paged_cache(dtype):
+    compare_paged_forwards(tiny_llama(dtype), "cuda", LOGIT_TOLERANCE[dtype])
