@@ -3,6 +3,7 @@ measured copy bandwidth and against torch SDPA on the same contexts stored dense
 
     python bench/attention.py --out attention.json            # Llama-2-7B shapes, bf16, block_size 16
     python bench/attention.py --out attention.json --sweep    # also time candidate tile shapes and split counts
+    python bench/attention.py --out attention.json --short-sweep  # batch-1 decode at short contexts, swept
     TRITON_INTERPRET=1 python bench/attention.py --device cpu --smoke --out /tmp/a.json
                                          # a smoke run of this script on the CPU (times mean nothing)
 
@@ -163,6 +164,23 @@ def sweep(args, device, ceilings: dict) -> list[dict]:
     return rows
 
 
+def short_sweep(args, device, ceilings: dict) -> list[dict]:
+    """Batch-1 decode at short contexts (latency-bound: a few µs of K/V per layer): every split count
+    and decode tile shape, against the automatic choice and SDPA."""
+    rows = []
+    for ctx in (360, 1024, 2048):
+        ctxs = Contexts(1, ctx, 1, args, device, dense=True)
+        rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), "auto": True})
+        ctxs.dense = None
+        for splits in (1, 2, 3, 4, 6, 8):
+            for block_n, warps in ((32, 4), (64, 4), (64, 2), (128, 4), (128, 8)):
+                cfg = AttentionConfig(16, block_n, warps, 3)
+                rows.append({**measure(ctxs, args, device, ceilings, config=cfg, num_splits=splits),
+                             "config": [16, block_n, warps, 3], "num_splits": splits})
+        del ctxs
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -180,6 +198,7 @@ def main(argv=None) -> None:
                         help="batch:context of the prefill chunks")
     parser.add_argument("--calls", type=int, default=16, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--short-sweep", action="store_true", help="only batch-1 decode at short contexts, swept")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
     args = parser.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -192,6 +211,8 @@ def main(argv=None) -> None:
     ceilings = {"copy": copy_bandwidth(device, nbytes), "read": read_bandwidth(device, nbytes)}
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
+    if args.short_sweep:
+        args.batches, args.prefill = [], []
     for batch in args.batches:
         for ctx in args.contexts:
             if batch * ctx > args.max_tokens:
@@ -211,8 +232,8 @@ def main(argv=None) -> None:
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "block_size": args.block_size, "copy_GBps": round(ceilings["copy"], 1),
               "read_GBps": round(ceilings["read"], 1), "decode": decode, "prefill": prefill}
-    if args.sweep:
-        record["sweep"] = sweep(args, device, ceilings)
+    if args.sweep or args.short_sweep:
+        record["sweep"] = (short_sweep if args.short_sweep else sweep)(args, device, ceilings)
         for row in record["sweep"]:
             print("sweep", row, flush=True)
     with open(args.out, "w") as f:

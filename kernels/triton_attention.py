@@ -96,15 +96,18 @@ def paged_attention_kernel(
     seq, tile = tl.program_id(1), tl.program_id(2)
     M: tl.constexpr = BLOCK_M * G_PAD
     offs_d = tl.arange(0, D)
+    # the sequence's metadata, loaded at once (a dependent load each would add a round trip to every program)
+    is_seq = seq < num_seqs
     q_start = tl.load(query_start + seq)
+    q_end = tl.load(query_start + seq + 1, mask=is_seq, other=0)
+    ctx = tl.load(context_lens + seq, mask=is_seq, other=0)
     if seq == num_seqs:
         if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
             _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, BLOCK_M)
         return
-    n = tl.load(query_start + seq + 1) - q_start
+    n = q_end - q_start
     if tile * BLOCK_M >= n:
         return
-    ctx = tl.load(context_lens + seq)
     tok, head, is_row = _tile_rows(tile, kv_head, n, G, G_PAD, BLOCK_M)
     pos = ctx - n + tok  # [M] context position of each row's query
     q_tile = tl.load(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
