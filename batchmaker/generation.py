@@ -96,8 +96,12 @@ class GenerativeModel(Finisher):
             except BadRequestError as e:
                 self.fail([f], e)
                 continue
-            if row["max_new"] == 0:
-                self._resolve(f, [], "length", f.arrival, row["conversation"])
+            if row["max_new"] == 0:  # nothing to compute now; a conversation keeps the prompt for its next turn
+                conversation = row["conversation"]
+                if conversation is not None:
+                    conversation.tokens = np.concatenate([conversation.tokens, prompt])
+                    conversation.turns += 1
+                self._resolve(f, [], "length", f.arrival, conversation)
                 continue
             if row["conversation"] is not None:
                 row["conversation"].turn = f

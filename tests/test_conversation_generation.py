@@ -132,3 +132,31 @@ def test_a_cancelled_turn_leaves_the_conversation_as_before(checkpoint):
         assert h.result().outputs["context"] == {"cached": 0, "swapped_in": 0, "recomputed": 3 + 3 - 1}
     finally:
         engine.stop()
+
+
+def test_a_turn_of_zero_new_tokens_adds_its_prompt(checkpoint):
+    """max_new_tokens 0 replies at once with no tokens and keeps the prompt in the history (e.g. a
+    system prompt before the first question), first turn or later; the next turn computes it."""
+    family, path, hf = checkpoint
+    engine, model = engine_for(path, family, num_blocks=40)
+    try:
+        opening = start(engine, family, [11, 12, 13], 0)
+        cid = opening["conversation"]
+        assert opening["tokens"] == [] and opening["context"] == {"cached": 0, "swapped_in": 0, "recomputed": 0}
+
+        def turn(tokens, max_new):
+            f = engine.submit(family, {"tokens": tokens, "max_new_tokens": max_new, "conversation": cid})
+            run_until(engine, f.done)
+            return f.result().outputs
+        first = turn([4, 5], 3)
+        assert first["tokens"] == hf_greedy(hf, [11, 12, 13, 4, 5], 3)
+        assert first["context"] == {"cached": 0, "swapped_in": 0, "recomputed": 0}  # never computed: not lost
+        assert turn([6], 0)["tokens"] == []
+        second = turn([7, 8], 4)
+        assert second["tokens"] == hf_greedy(hf, [11, 12, 13, 4, 5] + first["tokens"] + [6, 7, 8], 4)
+        assert second["context"]["cached"] == 5 + 3 - 1 and second["context"]["recomputed"] == 0
+        end = engine.submit(family, {"end": True, "conversation": cid})
+        run_until(engine, end.done)
+        assert end.result().outputs["turns"] == 4
+    finally:
+        engine.stop()

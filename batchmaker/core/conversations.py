@@ -44,6 +44,8 @@ class Conversation:
     turn: object = None  # the future of its turn being served (admitted, not finished)
     touched: float = 0.0  # when a turn last came (time.monotonic; conversations expire)
     turns: int = 0
+    computed: int = 0  # leading positions of `tokens` some turn computed (a turn of max_new_tokens 0 only adds
+    # its prompt, which the next turn computes)
     restored: tuple = (0, 0, 0)  # the running turn's context: positions on the GPU, swapped in, recomputed
 
     @property

@@ -181,10 +181,11 @@ class SequenceQueue:
         s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
         if conversation is not None:
             conversation.worker = worker_id
-            if row < 0 and history:  # its cache went with a failed or cancelled turn
-                conversation.restored = (0, 0, history - 1)
+            lost = min(history - 1, conversation.computed)
+            if row < 0 and lost > 0:  # its cache went with a failed or cancelled turn
+                conversation.restored = (0, 0, lost)
                 if cache is not None:
-                    cache.recomputed(history - 1)
+                    cache.recomputed(lost)
             if row >= 0:
                 recompute, swapped, cached, copies = cache.restore(row, q.blocks.table[s])
                 q.blocks.count[s] = q.blocks.blocks_for(cached)
@@ -297,6 +298,7 @@ class SequenceQueue:
             if conversation is not None:  # its cache stays: every position but the last sampled one
                 n = int(q.length[s])
                 conversation.tokens = q.tokens[s, :n].copy()
+                conversation.computed = n - 1
                 conversation.row = self.caches[task.worker_id].retire(q.blocks.detach(s), n - 1)
                 conversation.worker = task.worker_id
                 conversation.turn = None
