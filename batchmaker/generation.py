@@ -190,11 +190,16 @@ class GenerativeModel(Finisher):
         if not isinstance(value, str):
             raise BadRequestError(f"conversation: expected true (start one) or a conversation id, got {value!r}")
         conversation = self.conversations.get(value)
+        now = time.monotonic()
+        if conversation is not None and not conversation.busy and \
+                now - conversation.touched > self.form.conversation_ttl:  # (between the sweeps of _expire)
+            self._forget(conversation)
+            conversation = None
         if conversation is None:
             raise UnknownConversationError(value, self.form.conversation_ttl)
         if conversation.busy:
             raise BadRequestError(f"conversation {value!r} has a turn running: send the next one after its reply")
-        conversation.touched = time.monotonic()
+        conversation.touched = now
         return conversation
 
     def _end(self, f) -> None:
@@ -236,6 +241,9 @@ class GenerativeModel(Finisher):
             stats["bytes_in"] += cache.stats["chunks_in"] * self._chunk_bytes[worker]  # and back
             stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.host_chunks.num - cache.host_chunks.num_free
             stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
+        context = sum(stats.get(f"{tier}_tokens", 0) for tier in ("gpu_hit", "host_hit", "recomputed"))
+        for tier in ("gpu_hit", "host_hit", "recomputed"):  # shares of the previous turns' positions
+            stats[f"{tier}_rate"] = stats.get(f"{tier}_tokens", 0) / context if context else 0.0
         return stats
 
     # the queue's finisher side (manager thread) -------------------------------------------------

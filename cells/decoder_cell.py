@@ -28,6 +28,12 @@ class KVSettings:
     swap_out_rows: int = 4  # conversations one batch of copies out takes chunks from (their blocks wait for it)
     eviction: str = "value"  # "value" (Pensieve's Cost(l) / T) or "lru"
 
+    def __post_init__(self):
+        for name in ("reserve", "swap_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}: expected a fraction of the blocks in [0, 1), got {value!r}")
+
 
 class DecoderCell(Cell):
     batch_unit = "tokens"  # what the engine batches: tokens of many sequences, not rows

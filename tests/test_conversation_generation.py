@@ -3,6 +3,7 @@ exec/kv_swap.py) with a tiny Llama and OPT on the CPU, fp32: every turn's greedy
 HF transformers run on the whole history at once, while the cache is small enough that turns are
 served from GPU blocks, swapped back from the host tier, and partly or entirely recomputed."""
 import random
+import time
 
 import pytest
 
@@ -54,6 +55,9 @@ def test_turns_equal_hf_on_the_whole_history_through_every_tier(checkpoint):
                 assert outputs["finish_reason"] == "length"
         stats = engine.stats()["conversations"][family]
         assert stats["gpu_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0
+        context = stats["gpu_hit_tokens"] + stats["host_hit_tokens"] + stats["recomputed_tokens"]
+        assert stats["host_hit_rate"] == pytest.approx(stats["host_hit_tokens"] / context)
+        assert stats["gpu_hit_rate"] + stats["host_hit_rate"] + stats["recomputed_rate"] == pytest.approx(1.0)
         c = model.cells["decoder"].lm.config  # K and V x layers x 32 positions x kv heads x head dim x fp32
         per_chunk = 2 * c.num_layers * 32 * c.num_kv_heads * c.head_dim * 4
         assert stats["chunks_in"] > 0 and stats["bytes_in"] == stats["chunks_in"] * per_chunk
@@ -158,5 +162,31 @@ def test_a_turn_of_zero_new_tokens_adds_its_prompt(checkpoint):
         end = engine.submit(family, {"end": True, "conversation": cid})
         run_until(engine, end.done)
         assert end.result().outputs["turns"] == 4
+    finally:
+        engine.stop()
+
+
+def test_an_idle_conversation_expires(checkpoint):
+    """Past conversation_ttl idle, a conversation is forgotten (its cache freed) when the next
+    request comes: its next turn is unknown_conversation; a turn within the ttl is served."""
+    family, path, hf = checkpoint
+    engine, model = engine_for(path, family, num_blocks=40, conversation_ttl=2.0)
+    try:
+        kept = start(engine, family, [1, 2, 3], 2)["conversation"]
+        gone = start(engine, family, [4, 5], 2)["conversation"]
+        assert engine.stats()["conversations"][family]["conversations"] == 2
+        time.sleep(1.2)
+        f = engine.submit(family, {"tokens": [6], "max_new_tokens": 1, "conversation": kept})
+        run_until(engine, f.done)
+        assert f.result().outputs["conversation"] == kept  # (touched again)
+        time.sleep(1.2)  # gone: idle > 2.4 s; kept: 1.2 s and its turn
+        f = engine.submit(family, {"tokens": [7], "max_new_tokens": 1, "conversation": gone})
+        run_until(engine, f.done)
+        with pytest.raises(UnknownConversationError, match=gone):
+            f.result()
+        stats = engine.stats()["conversations"][family]
+        assert stats["conversations"] == 1 and stats["gpu_blocks_cached"] == 1  # kept's 6 positions
+        for cache in engine.structured[family].caches.values():
+            cache.check()
     finally:
         engine.stop()

@@ -224,8 +224,13 @@ def test_chunks_go_to_the_host_ahead_of_time_below_the_threshold_and_back():
     assert (recompute, cached) == (0, 60) and len(copies.swap_in_host) == 2
     assert (table[:15] > 0).all() and len(set(table[:15].tolist())) == 15
     blocks.give_back(taken)
+    with pytest.raises(AssertionError, match="lost"):  # 15 blocks a sequence took and never gave back
+        cache.check()
     blocks.give_back(table[:15])
     cache.check()
+    blocks.give_back(table[:1])  # one given back twice
+    with pytest.raises(AssertionError, match="counted twice"):
+        cache.check()
 
 
 def test_recompute_time_follows_the_profiled_cost_of_the_positions():

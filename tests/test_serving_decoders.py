@@ -152,6 +152,25 @@ def test_cancel_mid_stream_and_a_deadline_free_the_sequence(served):
     wait_until(lambda: blocks_in_use(engine) == 0)
 
 
+def test_a_client_that_disconnects_mid_generation_frees_its_kv_blocks(served):
+    """Streams and plain requests of a client that goes away are cancelled: their sequences
+    leave and their blocks (and a conversation turn's) are free again; the server goes on."""
+    engine, address = served
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    long = {"tokens": [3, 4, 5], "max_new_tokens": 200, "ignore_eos": True}
+    for i, extra in enumerate([{}, {"conversation": True}, {"tokens": list(range(1, 60))}]):
+        sock.send(msgpack.packb({"v": 1, "op": "infer", "id": i, "model": "llama", "inputs": {**long, **extra},
+                                 "stream": i == 0}))
+    wait_until(lambda: blocks_in_use(engine) >= 3)
+    sock.close(linger=0)
+    wait_idle(engine)
+    wait_until(lambda: blocks_in_use(engine) == 0)
+    with Client(address, timeout=30) as client:
+        assert client.stats()["server"]["num_in_flight"] == 0
+        assert len(client.infer("llama", {"tokens": [1, 2], **GREEDY})["tokens"]) == 12
+
+
 def test_the_models_reply_documents_the_decoder_inputs(served):
     _, address = served
     with Client(address, timeout=30) as client:

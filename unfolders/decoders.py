@@ -68,17 +68,20 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
                 dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int | None = None,
                 max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
                 max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
-                chunk_tokens: int = 32, conversation_ttl: float = 3600.0) -> Model:
+                chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
+                swap_threshold: float = 0.25) -> Model:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
     lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
     the KV cache (default 8 GiB beside a GPU, 32 MiB beside a CPU; 0: the GPU tier only);
     eviction "value" (Pensieve) or "lru"; chunk_tokens, the unit of eviction; conversation_ttl,
-    seconds a conversation is kept idle."""
+    seconds a conversation is kept idle; swap_threshold, the fraction of free blocks below which
+    chunks are copied to the host ahead of time. reserve: the fraction of blocks new requests leave
+    free for running decodes."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
-                              conversation_ttl=conversation_ttl))
+                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold))
 
 
 @register_model("opt")
@@ -86,8 +89,9 @@ def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int
               dtype: torch.dtype | str | None = None, device: str = "cpu", max_tokens: int | None = None,
               max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
               max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
-              chunk_tokens: int = 32, conversation_ttl: float = 3600.0) -> Model:
+              chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
+              swap_threshold: float = 0.25) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
-                              conversation_ttl=conversation_ttl))
+                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold))

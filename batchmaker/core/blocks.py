@@ -71,6 +71,13 @@ class BlockTables:
         self._free[self._top:self._top + n] = ids
         self._top += n
 
+    def check(self, *held: np.ndarray) -> None:
+        """Accounting (tests, at idle): every block but the scratch block 0 is free, in one slot's
+        table, or in one of `held` (e.g. conversations' caches), exactly once."""
+        in_tables = self.table[np.arange(self.max_blocks)[None, :] < self.count[:, None]]
+        ids = np.sort(np.concatenate([self._free[:self._top], in_tables, *held]).astype(np.int64))
+        assert np.array_equal(ids, np.arange(1, self.num_blocks)), "a KV block is lost or counted twice"
+
     def kv_slots(self, slot: int, start: int, stop: int) -> np.ndarray:
         """Cache slots (block * block_size + offset) of positions start..stop-1 of `slot`."""
         positions = np.arange(start, stop)

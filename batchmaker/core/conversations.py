@@ -384,11 +384,12 @@ class ConversationCache:
         return sum(self._free_gpu(r, k) for k in range(int(self.dropped[r]), int(self.ready[r])))
 
     def check(self) -> None:
-        """Accounting at idle (tests): every block is free, held by one conversation, or by a sequence."""
+        """Accounting at idle (tests): every block is free, held by one conversation, or by a
+        sequence; every host chunk free or held by one conversation."""
         held = self.gpu[self.idle]
         held = held[held != 0]
-        assert len(np.unique(held)) == len(held), "a block is held twice"
         assert len(held) == self.num_held, "the held count is off"
+        self.blocks.check(held)
         hosts = self.host[self.idle]
         hosts = hosts[hosts >= 0]
         assert len(np.unique(hosts)) == len(hosts) and not self.host_chunks.is_free[hosts].any()
