@@ -73,7 +73,8 @@ class GenerativeModel(Finisher):
             pool = by_cell[self.form.cell]
             self.caches[worker] = ConversationCache(sequences[worker].blocks, pool["host_chunks"], pool["chunk_tokens"],
                                                     pool["chunk_costs"], kv.eviction, kv.swap_threshold,
-                                                    pool["max_swap_out"], pool["max_swap_in"], kv.swap_out_rows)
+                                                    pool["max_swap_out"], pool["max_swap_in"], kv.swap_out_rows,
+                                                    swap_in_seconds=pool.get("swap_in_seconds", math.inf))
         self._chunk_bytes = {worker: by_cell[self.form.cell].get("chunk_bytes", 0) for worker, by_cell in pools.items()}
         self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches)
         self.queues = [self.queue]

@@ -32,7 +32,7 @@ class TieredDevice(FakeDevice):
     def __init__(self, blocks: BlockTables, num_slots: int, host_chunks: int, chunk_tokens: int):
         super().__init__(blocks, num_slots)
         self.host = np.full((max(host_chunks, 1), chunk_tokens), -4, dtype=np.int64)
-        self.num_in = self.num_out = 0
+        self.num_in = self.num_out = self.num_in_layers = 0
 
     def _positions(self, blocks: np.ndarray) -> np.ndarray:
         return (blocks[:, :, None] * self.block_size + np.arange(self.block_size)).reshape(len(blocks), -1)
@@ -48,13 +48,17 @@ class TieredDevice(FakeDevice):
                 self.cache[self._positions(plan.swap_in_blocks)] = self.host[plan.swap_in_host]
                 self.cache[:self.block_size] = -2  # (the scratch block takes what falls past a context)
                 self.num_in += len(plan.swap_in_host)
+                self.num_in_layers += 0 if plan.deferred else len(plan.swap_in_host)
                 plan.done = True
         super().run(task)
+        task.seconds = 1.0  # (what the queue weighs copies in against: 1 s an iteration)
 
 
 class ConversationHarness(Harness):
-    def __init__(self, host_chunks=6, chunk_tokens=8, policy="value", threshold=0.25, **kwargs):
+    def __init__(self, host_chunks=6, chunk_tokens=8, policy="value", threshold=0.25, swap_in_seconds=math.inf,
+                 **kwargs):
         self.host_chunks, self.chunk_tokens, self.policy, self.threshold = host_chunks, chunk_tokens, policy, threshold
+        self.swap_in_seconds = swap_in_seconds  # a chunk's copy in, against iterations of 1 s (TieredDevice)
         self.clock = Clock()
         super().__init__(**kwargs)
         for w, q in self.seqs.items():
@@ -63,7 +67,8 @@ class ConversationHarness(Harness):
     def make_caches(self) -> dict:
         cost = np.arange(1, 100, dtype=np.float64)
         return {w: ConversationCache(q.blocks, self.host_chunks, self.chunk_tokens, cost, self.policy, self.threshold,
-                                     max_out=4, max_in=32, clock=self.clock) for w, q in self.seqs.items()}
+                                     max_out=4, max_in=32, clock=self.clock, swap_in_seconds=self.swap_in_seconds)
+                for w, q in self.seqs.items()}
 
     def turn(self, conversation: Conversation | None, prompt: list[int], max_new: int) -> FakeFuture:
         """One request: a turn of `conversation` (None: a stateless request)."""
@@ -129,12 +134,13 @@ def scripts_of(rng: random.Random, n: int, max_turns: int = 4) -> list:
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**31), num_blocks=st.integers(14, 40), host_chunks=st.integers(0, 10),
        policy=st.sampled_from(["value", "lru"]), depth=st.integers(1, 2), eager=st.booleans(),
-       budget=st.sampled_from([4, 9, 16]))
+       budget=st.sampled_from([4, 9, 16]), swap_in_seconds=st.sampled_from([math.inf, 0.3, 0.0]))
 def test_turns_equal_stateless_requests_whatever_the_cache_did(seed, num_blocks, host_chunks, policy, depth, eager,
-                                                               budget):
+                                                               budget, swap_in_seconds):
     rng = random.Random(seed)
     h = ConversationHarness(host_chunks=host_chunks, policy=policy, num_blocks=num_blocks, block_size=4,
-                            max_batch=budget, num_slots=4, max_len=64, depth=depth, eager=eager)
+                            max_batch=budget, num_slots=4, max_len=64, depth=depth, eager=eager,
+                            swap_in_seconds=swap_in_seconds)
     drive(h, scripts_of(rng, rng.randrange(1, 7)), rng)
     h.check_results()
 
@@ -149,6 +155,29 @@ def test_every_tier_is_exercised_and_tokens_still_match():
     assert stats["gpu_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0
     assert stats["chunks_out"] > 0 and stats["chunks_in"] > 0 and stats["chunks_dropped"] > 0
     assert h.devices[0].num_in == stats["chunks_in"]
+
+
+@pytest.mark.parametrize("swap_in_seconds", [math.inf, 0.6, 0.0])
+def test_copies_in_go_layer_by_layer_where_they_hide_under_the_iteration(swap_in_seconds):
+    """Iterations take 1 s (TieredDevice). A swap-in shares its iteration layer by layer when its
+    chunks copy in within that (every one at 0 s a chunk, one chunk at 0.6 s), else it goes on
+    the side (deferred: its turn waits, the iteration does not); tokens match either way."""
+    rng = random.Random(3)
+    h = ConversationHarness(host_chunks=8, num_blocks=24, block_size=4, max_batch=16, num_slots=4, max_len=64,
+                            swap_in_seconds=swap_in_seconds)
+    drive(h, scripts_of(rng, 8, max_turns=6), rng)
+    h.check_results()
+    swaps = [(len(t.cache_plan.swap_in_host), len(t.slots), t.cache_plan.deferred) for t in h.tasks
+             if t.cache_plan is not None and len(t.cache_plan.swap_in_host)]  # (chunks, sequences, deferred)
+    assert len(swaps) >= 5
+    if swap_in_seconds == 0.0:
+        assert not any(deferred for _, _, deferred in swaps)
+    elif swap_in_seconds == 0.6:
+        assert all(chunks >= 2 for chunks, _, deferred in swaps if deferred)
+        assert any(deferred for _, _, deferred in swaps)
+        assert any(n > 1 and not deferred for _, n, deferred in swaps)  # shared, layer by layer
+    else:
+        assert any(deferred for _, _, deferred in swaps)
 
 
 def test_an_entirely_evicted_conversation_is_recomputed():

@@ -21,6 +21,7 @@ conversation was last active (0 while a turn of it waits in line). Cost grows wi
 cheapest chunk of a conversation is its leading one and choosing the lowest values across all
 conversations keeps the order above. "lru" sets Cost = 1: the least recently active go first.
 """
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +59,7 @@ class ConversationCache:
 
     def __init__(self, blocks: BlockTables, host_chunks: int, chunk_tokens: int, cost: np.ndarray,
                  policy: str = "value", swap_threshold: float = 0.25, max_out: int = 32, max_in: int = 256,
-                 max_out_rows: int = 4, clock=None):
+                 max_out_rows: int = 4, clock=None, swap_in_seconds: float = math.inf):
         if chunk_tokens % blocks.block_size:
             raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the block size {blocks.block_size}")
         if policy not in ("value", "lru"):
@@ -79,6 +80,7 @@ class ConversationCache:
         self.max_out = max_out
         self.max_out_rows = max_out_rows  # conversations one copy-out plan touches (it locks their blocks)
         self.max_in = max_in  # host chunks one iteration can swap in (the worker's staging)
+        self.swap_in_seconds = swap_in_seconds  # copying one chunk in (measured by the worker; inf: unknown)
         self.host_chunks = HostChunks(host_chunks)  # which host chunk ids are free
         self.pending: list[tuple[CachePlan, np.ndarray, np.ndarray]] = []  # swap-outs: plan, rows, hosted after
         self.num_held = 0  # GPU blocks held by idle conversations
@@ -141,6 +143,10 @@ class ConversationCache:
             if self.idle[r] and self.hosted[r] > self.ready[r]:
                 n += int((self.gpu[r, self.ready[r] * self.per_chunk:] != 0).sum())
         return n
+
+    def hides(self, num_chunks: int, seconds: float) -> bool:
+        """Whether copying num_chunks in, layer by layer, fits under an iteration of `seconds`."""
+        return num_chunks * self.swap_in_seconds <= seconds
 
     def to_swap_in(self, r: int) -> int:
         """Host chunks row r would copy in if it resumed now."""

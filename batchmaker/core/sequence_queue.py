@@ -47,6 +47,7 @@ class SequenceQueue:
         self.counters = dict.fromkeys(("planned", "running", "joins_pinned", "joins_waiting",
                                        "refused_blocks", "refused_copies", "idle_held", "idle_locked"), 0)
         self._reserve = {w: int(np.ceil(reserve * (q.blocks.num_blocks - 1))) for w, q in sequences.items()}
+        self.iteration_seconds = dict.fromkeys(sequences, 0.0)  # per worker: a moving average of measured iterations
         self._joined = 0
         self._epoch = 0
 
@@ -157,8 +158,9 @@ class SequenceQueue:
     def _join(self, q: Sequences, worker_id: int, incoming: CachePlan, plan: list) -> int | None:
         """The first waiting request (of the shared line or of this worker's, see `_line`) joins a slot if
         its blocks leave the reserve free (or nothing else runs here). A turn whose cache comes
-        back from the host in an iteration that has other work waits for its copies on the side
-        (`restoring`: the batch does not); alone, it is copied in layer by layer as it runs."""
+        back from the host is copied in layer by layer as its iteration runs, alone or where the
+        copies hide under the iteration's time (`iteration_seconds`); otherwise it waits for its
+        copies on the side (`restoring`: the batch does not)."""
         line = self._line(worker_id)
         chunk = line.take(1)
         columns = {k: v[0] for k, v in chunk.columns.items()}
@@ -170,10 +172,13 @@ class SequenceQueue:
         available = (cache.available() if cache is not None else q.blocks.num_free) - own
         need = q.blocks.blocks_for(history + int(chunk.lengths[0]) + 1) - own
         copies_in = cache.to_swap_in(row) + len(incoming.swap_in_host) if cache is not None else 0
-        if (q.num_active and available - need < self._reserve[worker_id]) or need > available or \
-                (copies_in and copies_in > cache.max_in):
+        shared = any(len(entry[0]) for entry in plan)
+        # copies in layer by layer must hide under the iteration they share (else they wait for the next)
+        too_many = copies_in and (copies_in > cache.max_in or (
+            incoming.deferred is False and shared and not cache.hides(copies_in, self.iteration_seconds[worker_id])))
+        if (q.num_active and available - need < self._reserve[worker_id]) or need > available or too_many:
             line.push_front(int(columns["priority"]), chunk)
-            self.counters["refused_copies" if copies_in and copies_in > cache.max_in else "refused_blocks"] += 1
+            self.counters["refused_copies" if too_many else "refused_blocks"] += 1
             return None
         self.counters["joins_pinned" if line is self.pinned[worker_id] else "joins_waiting"] += 1
         self._joined += 1
@@ -192,8 +197,9 @@ class SequenceQueue:
                 q.skip_from[s], q.skip_to[s] = recompute, cached
                 conversation.restored = (cached - recompute - swapped, swapped, recompute)
                 if copies is not None:
-                    if incoming.deferred is None:
-                        incoming.deferred = any(len(entry[0]) for entry in plan)
+                    if incoming.deferred is None:  # on the side, unless the copies hide under the iteration
+                        incoming.deferred = shared and not cache.hides(len(copies.swap_in_host),
+                                                                       self.iteration_seconds[worker_id])
                     incoming.add_swap_in(copies.swap_in_host, copies.swap_in_blocks)
                     if incoming.deferred:
                         q.restoring[s] = incoming
@@ -277,6 +283,9 @@ class SequenceQueue:
     # completion (manager thread) ----------------------------------------------------------------
     def complete(self, task: IterationTask) -> None:
         q = self.sequences[task.worker_id]
+        if task.seconds == task.seconds:  # (measured: not NaN)
+            mean = self.iteration_seconds[task.worker_id]
+            self.iteration_seconds[task.worker_id] = task.seconds if mean == 0.0 else 0.8 * mean + 0.2 * task.seconds
         if task.error is not None:
             owners = [o for o, s, serial in zip(task.owners, task.slots, task.serials) if q.serial[s] == serial]
             for s, serial in zip(task.slots.tolist(), task.serials.tolist()):

@@ -8,6 +8,7 @@ Each kind of task has its own plan, and the worker has one runner per kind:
 `source` formed the task and completes it: `source.complete(task)` on the manager thread once the
 worker has run it (`task.error` set if the cell raised).
 """
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,3 +117,4 @@ class IterationTask(Task):
     decode_only: bool = False
     cache_plan: Any = None  # a CachePlan (core/conversations.py): copies to and from the host tier
     sampled: np.ndarray = None  # int64 [N], filled when the task finished
+    seconds: float = math.nan  # how long the iteration ran (its runner measures it where it can)

@@ -12,6 +12,9 @@ On CUDA every launch is one copy of a packed int64 buffer from pinned memory, th
 iterations where every sequence brings one token (pure decode, the common case) replay a CUDA
 graph per padded number of sequences; iterations with prompt chunks run eagerly.
 """
+import math
+import time
+
 import numpy as np
 import torch
 
@@ -76,16 +79,17 @@ class IterationRunner:
         core/conversations.py)."""
         if self._costs is None:
             self._costs = self.chunk_costs()
+            self._swap_in_seconds = self.host.measure_swap_in() if self.host else math.inf
         return {"num_blocks": self.cache.num_blocks, "host_chunks": self.host.num_chunks if self.host else 0,
                 "chunk_tokens": self.chunk_tokens, "chunk_costs": self._costs, "max_swap_in": self.max_swap_in,
-                "max_swap_out": self.max_swap_out, "chunk_bytes": self.host.bytes_per_chunk if self.host else 0}
+                "max_swap_out": self.max_swap_out, "chunk_bytes": self.host.bytes_per_chunk if self.host else 0,
+                "swap_in_seconds": self._swap_in_seconds}
 
     def chunk_costs(self) -> np.ndarray:
         """Seconds to recompute chunk k of a context (its positions end at (k + 1) * chunk_tokens),
         measured at powers of two and interpolated (Pensieve Eq. 3.6). Each measurement recomputes
         up to 16 such chunks in one iteration (the time per chunk of a batch: one alone would time
         the host's launches, the same at every position). Runs on free blocks, before serving."""
-        import time
         ct, bs = self.chunk_tokens, self.module.block_size
         ends = (np.arange(-(-self.config.max_positions // ct)) + 1) * ct
         points = [ct]
@@ -146,8 +150,10 @@ class IterationRunner:
         host = _host_arrays(task)
         t = {k: torch.from_numpy(v) for k, v in host.items()}
         greedy = not (task.temperature > 0).any()
+        start = time.perf_counter()
         swap_in = self._copies(task.cache_plan, None)
         task.sampled = self._forward(t, task.max_query_len, greedy, swap_in).numpy().copy()
+        task.seconds = time.perf_counter() - start
         self.num_iterations += 1
 
     # CUDA: the manager thread queues it on the worker's stream -----------------------------------
@@ -155,7 +161,12 @@ class IterationRunner:
         self._record(task)
         greedy = not (task.temperature > 0).any()
         n = len(task.sample)
-        swap_in = self._copies(task.cache_plan, self.stream or torch.cuda.current_stream(self.device))
+        compute = self.stream or torch.cuda.current_stream(self.device)
+        timed = self.host is not None  # (the manager weighs copies in against iterations' time)
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(compute)
+        swap_in = self._copies(task.cache_plan, compute)
         longest = int(task.context_lens.max())  # (host arrays: no device sync)
         if task.decode_only and self.graphs.enabled and swap_in is None:
             bucket = self.cell_type.bucket(len(task.slots))
@@ -169,8 +180,10 @@ class IterationRunner:
             packed = self._packer(task.batch, len(task.slots), n)
             packed.load(_host_arrays(task), None)
             out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in, longest)
+        if timed:
+            end.record(compute)  # (before the copy to the host: passed once the tokens have landed)
         region = self.landing.open()
-        task.handle = (region, region.to_host(out[:n]))
+        task.handle = (region, region.to_host(out[:n]), (start, end) if timed else None)
         self.num_iterations += 1
 
     def _copies(self, plan, compute_stream):
@@ -188,8 +201,10 @@ class IterationRunner:
 
     def finish(self, task: IterationTask) -> None:
         if task.handle is not None:
-            region, tokens = task.handle
+            region, tokens, events = task.handle
             task.sampled = tokens.numpy().copy()
+            if events is not None:
+                task.seconds = events[0].elapsed_time(events[1]) / 1e3
             self.landing.close(region)
             task.handle = None
 

@@ -4,18 +4,23 @@ manager decides what moves (core/conversations.py: a CachePlan per iteration); t
 
 Host chunks are [2 (K, V), layers, chunks, chunk_tokens, kv heads, head dim] (pinned on CUDA),
 so one layer's K (or V) of consecutive chunks is one contiguous piece, and the same piece of
-every layer is one strided copy (exec/copy2d.py). On CUDA the copies run on a side stream through
-staging buffers on the device:
+every layer is one strided copy (exec/copy2d.py). On CUDA the copies run on two side streams, one
+each way, through staging buffers on the device. Copies in have their own stream, of a higher
+priority, so a turn's swap-in never queues behind copies out in flight (they use the other copy
+engine); a copy out first waits for the copies in issued before it (the host chunks those read
+may be handed out again).
   out: gather the blocks of every layer (8 chunks at a time), copy each run of consecutive host
        chunks with one call per K and V; `plan.done` is the event after the last (the manager
        lets the blocks go once it has passed)
   in, deferred (`restore`, the turn is prefilled once `plan.done` has passed): every layer of
-       8 chunks at a time through the same staging buffer, one strided copy per run and K/V,
-       one scatter per K/V
-  in, layer by layer (`swap_in`, a turn alone in its iteration): layer l's chunks are copied to
-       a staging buffer (two layers in flight), and the compute stream waits for them only just
-       before layer l's attention, then scatters them into the blocks: the copy of layer l + 2
-       waits until layer l's buffer is consumed
+       8 chunks at a time through the copies in's staging buffer, one strided copy per run and
+       K/V, one scatter per K/V
+  in, layer by layer (`swap_in`): layer l's chunks are copied to a staging buffer (two layers in
+       flight), and the compute stream waits for them only just before layer l's attention, then
+       scatters them into the blocks: the copy of layer l + 2 waits until layer l's buffer is
+       consumed
+`swap_in_seconds` (measured at start-up) is what copying one chunk in takes: the manager goes
+layer by layer only where that hides under the iteration's compute.
 On the CPU both are plain indexed copies.
 """
 import time
@@ -40,12 +45,19 @@ class HostTier:
         self.host = torch.zeros((2, self.layers, num_chunks, chunk_tokens, *self.tail), dtype=k.dtype,
                                 pin_memory=cuda)
         self.num_chunks, self.chunk_tokens = num_chunks, chunk_tokens
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.out_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.in_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None  # (higher priority)
         staging = (chunk_tokens, *self.tail)
+        chunk_size = chunk_tokens * int(np.prod(self.tail))  # elements of one layer's K (or V) of a chunk
         self.out_chunks = min(max_out, OUT_STAGING_CHUNKS)  # every layer of this many chunks at a time
-        self.out_buffer = torch.empty((2, self.layers * self.out_chunks * chunk_tokens * int(np.prod(self.tail))),
-                                      dtype=k.dtype, device=self.device) if cuda else None
-        self.in_buffers = torch.empty((2, 2, max_in, *staging), dtype=k.dtype, device=self.device) if cuda else None
+        self.out_buffer = torch.empty((2, self.layers * self.out_chunks * chunk_size), dtype=k.dtype,
+                                      device=self.device) if cuda else None
+        # copies in: two layers of max_in chunks (layer by layer), or every layer of out_chunks (deferred)
+        size = 2 * max(2 * max_in, self.layers * self.out_chunks) * chunk_size
+        in_storage = torch.empty(size, dtype=k.dtype, device=self.device) if cuda else None
+        self.in_buffers = in_storage[:4 * max_in * chunk_size].view(2, 2, max_in, *staging) if cuda else None
+        self.restore_buffer = in_storage[:2 * self.layers * self.out_chunks * chunk_size].view(2, -1) \
+            if cuda else None
         self.bytes_per_chunk = 2 * self.layers * chunk_tokens * int(np.prod(self.tail)) * k.dtype.itemsize
         # host time spent issuing copies (benchmarks): plans and runs of host chunks, each way
         self.counters = {"out_plans": 0, "out_runs": 0, "out_ms": 0.0, "in_plans": 0, "in_runs": 0, "in_ms": 0.0}
@@ -53,6 +65,28 @@ class HostTier:
     @staticmethod
     def num_chunks_for(num_bytes: int, config, chunk_tokens: int, dtype: torch.dtype) -> int:
         return num_bytes // (2 * config.num_layers * chunk_tokens * config.num_kv_heads * config.head_dim * dtype.itemsize)
+
+    def measure_swap_in(self, max_chunks: int = 8) -> float:
+        """Seconds to copy one chunk in (every layer's K and V), timed on a few (at start-up)."""
+        n = max(1, min(self.num_chunks, max_chunks, self.in_buffers.shape[2] if self.in_buffers is not None else 8))
+        if self.in_stream is None:
+            start = time.perf_counter()
+            for layer in range(self.layers):
+                for kv in range(2):
+                    self.host[kv, layer, :n].clone()
+            return (time.perf_counter() - start) / n
+        seconds = 0.0
+        with torch.cuda.stream(self.in_stream):
+            for _ in range(2):  # (the first warms up)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for layer in range(self.layers):
+                    for kv in range(2):
+                        self.fetch(self.in_buffers[layer % 2, kv], layer, kv, [(0, 0, n)])
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+        return seconds / n
 
     # out --------------------------------------------------------------------------------------
     def swap_out(self, plan, compute_stream) -> None:
@@ -65,7 +99,7 @@ class HostTier:
 
     def _swap_out(self, plan, compute_stream) -> None:
         blocks, hosts = plan.swap_out_blocks, plan.swap_out_host
-        if self.copy_stream is None:
+        if self.out_stream is None:
             index = torch.from_numpy(blocks.reshape(-1).astype(np.int64))
             for layer in range(self.layers):
                 for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
@@ -73,8 +107,9 @@ class HostTier:
                     self.host[kv, layer].index_copy_(0, torch.from_numpy(hosts), chunks)
             plan.done = True
             return
-        stream = self.copy_stream
+        stream = self.out_stream
         stream.wait_stream(compute_stream)
+        stream.wait_stream(self.in_stream)  # (copies in still reading host chunks this may overwrite)
         step = self.out_chunks
         for first in range(0, len(hosts), step):  # (in pieces the staging buffer holds)
             part = hosts[first:first + step]
@@ -82,7 +117,7 @@ class HostTier:
             with torch.cuda.stream(stream):  # (the index is copied on the stream that reads it)
                 index = _on_device(blocks[first:first + step], self.device)
                 for kv, source in enumerate((self.cache.k, self.cache.v)):
-                    staged, chunks = self._staging(kv, m)
+                    staged, chunks = self._staging(self.out_buffer, kv, m)
                     torch.index_select(source, 1, index, out=staged)  # every layer's blocks at once
                     for at, host, n in _runs(part):  # a run: one contiguous piece per layer
                         copy_2d(self.host[kv, :, host:host + n], chunks[:, at:at + n], stream)
@@ -91,10 +126,10 @@ class HostTier:
             done.record(stream)
         plan.done = done
 
-    def _staging(self, kv: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The staging buffer for K (kv 0) or V of every layer of m chunks, as blocks [layers,
+    def _staging(self, buffer: torch.Tensor, kv: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staging buffer [2, n] for K (kv 0) or V of every layer of m chunks, as blocks [layers,
         m * blocks per chunk, block size, ...] and as chunks [layers, m, chunk_tokens, ...]."""
-        chunks = self.out_buffer[kv, :self.layers * m * self.chunk_tokens * int(np.prod(self.tail))]
+        chunks = buffer[kv, :self.layers * m * self.chunk_tokens * int(np.prod(self.tail))]
         chunks = chunks.view(self.layers, m, self.chunk_tokens, *self.tail)
         return chunks.view(self.layers, m * self.per_chunk, self.block_size, *self.tail), chunks
 
@@ -132,12 +167,14 @@ class HostTier:
     def _restore(self, plan, compute_stream) -> None:
         hosts = plan.swap_in_host
         n = len(hosts)
-        if self.copy_stream is None:
+        if self.in_stream is None:
             _SwapIn(self, plan, None).all_layers()
             plan.done = True
             return
-        stream = self.copy_stream
-        stream.wait_stream(compute_stream)  # (the new blocks may still be written by earlier work)
+        stream = self.in_stream
+        # (the new blocks may still be written by earlier work, and the staging buffer read by the
+        # compute stream's scatters of an earlier layer-by-layer swap-in)
+        stream.wait_stream(compute_stream)
         step, pc = self.out_chunks, self.per_chunk
         with torch.cuda.stream(stream):  # every layer at once, through the copies' staging buffer
             index = _on_device(plan.swap_in_blocks, self.device)
@@ -145,7 +182,7 @@ class HostTier:
                 part = hosts[first:first + step]
                 m = len(part)
                 for kv, cache in enumerate((self.cache.k, self.cache.v)):
-                    staged, chunks = self._staging(kv, m)
+                    staged, chunks = self._staging(self.restore_buffer, kv, m)
                     for at, host, count in _runs(part):
                         copy_2d(chunks[:, at:at + count], self.host[kv, :, host:host + count], stream)
                     cache.index_copy_(1, index[first * pc:(first + m) * pc], staged)
@@ -163,20 +200,20 @@ class _SwapIn:
         self.n = len(self.hosts)
         index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64))
         self.compute = compute_stream
-        if tier.copy_stream is None:
+        if tier.in_stream is None:
             self.index = index
             return
         self.index = _on_device(plan.swap_in_blocks, tier.device)
         self.runs = _runs(self.hosts)
         self.ready = [torch.cuda.Event() for _ in range(tier.layers)]
         self.consumed = [torch.cuda.Event() for _ in range(tier.layers)]
-        tier.copy_stream.wait_stream(compute_stream)  # (new blocks may still be written by earlier work)
+        tier.in_stream.wait_stream(compute_stream)  # (new blocks may still be written by earlier work)
         for layer in range(min(2, tier.layers)):
             self._issue(layer)
 
     def _issue(self, layer: int) -> None:
         tier = self.tier
-        stream = tier.copy_stream
+        stream = tier.in_stream
         if layer >= 2:
             stream.wait_event(self.consumed[layer - 2])
         with torch.cuda.stream(stream):
@@ -197,7 +234,7 @@ class _SwapIn:
         tier = self.tier
         caches = (tier.cache.k[layer], tier.cache.v[layer])
         shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
-        if tier.copy_stream is None:
+        if tier.in_stream is None:
             hosts = torch.from_numpy(self.hosts)
             for kv in range(2):
                 caches[kv].index_copy_(0, self.index, tier.host[kv, layer].index_select(0, hosts).view(shape))
