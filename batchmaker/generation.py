@@ -192,8 +192,7 @@ class GenerativeModel(Finisher):
             raise BadRequestError(f"conversation: expected true (start one) or a conversation id, got {value!r}")
         conversation = self.conversations.get(value)
         now = time.monotonic()
-        if conversation is not None and not conversation.busy and \
-                now - conversation.touched > self.form.conversation_ttl:  # (between the sweeps of _expire)
+        if conversation is not None and self._expired(conversation, now):  # (between the sweeps of _expire)
             self._forget(conversation)
             conversation = None
         if conversation is None:
@@ -230,8 +229,11 @@ class GenerativeModel(Finisher):
         """Conversations idle for longer than the form's conversation_ttl are forgotten."""
         now = self._swept = time.monotonic()
         for conversation in list(self.conversations.values()):
-            if not conversation.busy and now - conversation.touched > self.form.conversation_ttl:
+            if self._expired(conversation, now):
                 self._forget(conversation)
+
+    def _expired(self, conversation: Conversation, now: float) -> bool:
+        return not conversation.busy and now - conversation.touched > self.form.conversation_ttl
 
     def conversation_stats(self) -> dict:
         stats = {"conversations": len(self.conversations), "bytes_out": 0, "bytes_in": 0}

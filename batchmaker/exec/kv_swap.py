@@ -48,7 +48,8 @@ class HostTier:
         self.out_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None  # (higher priority)
         staging = (chunk_tokens, *self.tail)
-        chunk_size = chunk_tokens * int(np.prod(self.tail))  # elements of one layer's K (or V) of a chunk
+        # elements of one layer's K (or V) of a chunk
+        self.chunk_size = chunk_size = chunk_tokens * int(np.prod(self.tail))
         self.out_chunks = min(max_out, OUT_STAGING_CHUNKS)  # every layer of this many chunks at a time
         self.out_buffer = torch.empty((2, self.layers * self.out_chunks * chunk_size), dtype=k.dtype,
                                       device=self.device) if cuda else None
@@ -58,7 +59,7 @@ class HostTier:
         self.in_buffers = in_storage[:4 * max_in * chunk_size].view(2, 2, max_in, *staging) if cuda else None
         self.restore_buffer = in_storage[:2 * self.layers * self.out_chunks * chunk_size].view(2, -1) \
             if cuda else None
-        self.bytes_per_chunk = 2 * self.layers * chunk_tokens * int(np.prod(self.tail)) * k.dtype.itemsize
+        self.bytes_per_chunk = 2 * self.layers * chunk_size * k.dtype.itemsize
         # host time spent issuing copies (benchmarks): plans and runs of host chunks, each way
         self.counters = {"out_plans": 0, "out_runs": 0, "out_ms": 0.0, "in_plans": 0, "in_runs": 0, "in_ms": 0.0}
 
@@ -129,7 +130,7 @@ class HostTier:
     def _staging(self, buffer: torch.Tensor, kv: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A staging buffer [2, n] for K (kv 0) or V of every layer of m chunks, as blocks [layers,
         m * blocks per chunk, block size, ...] and as chunks [layers, m, chunk_tokens, ...]."""
-        chunks = buffer[kv, :self.layers * m * self.chunk_tokens * int(np.prod(self.tail))]
+        chunks = buffer[kv, :self.layers * m * self.chunk_size]
         chunks = chunks.view(self.layers, m, self.chunk_tokens, *self.tail)
         return chunks.view(self.layers, m * self.per_chunk, self.block_size, *self.tail), chunks
 
