@@ -18,7 +18,7 @@ K/V are already in the cache. Query i of n_s sits at position context_lens[s] - 
 The kernel launch depends only on tensor shapes and host ints (max_query_len, max_context_len),
 never on tensor values, so it can be captured in a CUDA graph and replayed with new contents.
 Decode splits the context into slices of at least MIN_SPLIT_LEN positions when (sequence, kv head)
-programs alone would not fill the GPU (batch 1 at 360 positions: 3 slices per head).
+programs alone would not fill the GPU (batch 1 at 360 positions: 5 slices per head).
 
 `PagedAttend` is a decoder's `attend` (cells/decoder.py) over the caches of every layer: it writes
 the new tokens' K/V and attends, or lets the model write them itself (Llama: inside its RoPE kernel).
@@ -33,9 +33,15 @@ from batchmaker.kernels.cell_launch import KernelUnavailableError, dot_precision
 
 LOG2_E = 1.4426950408889634
 MIN_SPLIT_LEN = 128  # context positions per split slice worth a program of its own (and the combine's read)
+FEW_PROGRAMS_SPLIT_LEN = 64  # the same where (sequence, kv head) programs fill under a quarter of the SMs
+# (batch 1 at 360 positions: 9.1-11.0 us in 6 slices against 11.0-11.5 in 2; batch 8 kept 2: 25-29 us
+# against 29-33 in 5; H200, bench/attention.py)
 MIN_PREFILL_SPLIT_LEN = 2048  # the same for query tiles of more than 16 rows, whose partials weigh more:
 # 512 new tokens over a 512 context took 2x as long in 4 slices as in one (H200)
 MAX_SPLITS = 32
+SHORT_MAX_SPLITS = 8  # below LONG_SPLIT_CONTEXT positions: more slices cost more in the merge than they
+LONG_SPLIT_CONTEXT = 4096  # gain (batch 1, H200: 2,048 positions 18.9 us in 8 slices, 20.2 in 16;
+# 360 positions 9.1 us in 6 slices of 64, 11.0 in 2 of 180; bench/attention.py --short-sweep)
 SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and for longer ones
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
 COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
@@ -198,20 +204,24 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     is_decode_tile = cfg.block_m * _pow2(group) <= 16
     if num_splits is None:
         num_tiles = max(1, -(-max_query_len // cfg.block_m))
-        min_len = MIN_SPLIT_LEN if is_decode_tile else MIN_PREFILL_SPLIT_LEN
-        num_splits = pick_num_splits(num_seqs * num_kv_heads * num_tiles, max_context_len, num_sms, min_len)
+        num_programs = num_seqs * num_kv_heads * num_tiles
+        min_len = MIN_PREFILL_SPLIT_LEN if not is_decode_tile else \
+            FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
+        num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
     if num_splits > 1 and config is None:
-        cfg = pick_config(max_query_len, _pow2(group), is_split=True)
+        cfg = pick_config(max_query_len, _pow2(group), split_len=-(-max_context_len // num_splits))
     return cfg, num_splits
 
 
-def pick_config(max_query_len: int, group_pad: int, is_split: bool = False) -> AttentionConfig:
+def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None) -> AttentionConfig:
     """Decode (a tile of one token's G heads) pads the dot to 16 rows: it is bound by reading K/V,
-    and with few programs (split-KV) wants more of it in flight per program. Longer query tiles
-    take 64 or 128 rows, as flash attention's prefill does. (bench/attention.py --sweep, H200.)"""
+    and with few programs (split-KV, slices of `split_len` positions) wants more of it in flight
+    per program, unless the slices are short. Longer query tiles take 64 or 128 rows, as flash
+    attention's prefill does. (bench/attention.py --sweep and --short-sweep, H200.)"""
     rows = max(max_query_len, 1) * group_pad
     if rows <= 16:
-        return AttentionConfig(max(1, 16 // group_pad), 128 if is_split else 64, 4, 3)
+        long_slices = split_len is not None and split_len > 128
+        return AttentionConfig(max(1, 16 // group_pad), 128 if long_slices else 64, 4, 3)
     if rows <= 64:
         return AttentionConfig(max(1, 64 // group_pad), 64, 4, 3)
     return AttentionConfig(max(1, 128 // group_pad), 64, 8, 3)
@@ -222,7 +232,8 @@ def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_l
     PROGRAMS_PER_SM programs per SM, none shorter than `min_len` positions (of the bound)."""
     if num_programs >= 2 * num_sms:
         return 1
-    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
+    cap = MAX_SPLITS if max_context_len >= LONG_SPLIT_CONTEXT else SHORT_MAX_SPLITS
+    return max(1, min(cap, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
 
 
 @dataclass(slots=True)

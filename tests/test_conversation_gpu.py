@@ -2,6 +2,7 @@
 layer before each layer's attention) against HF transformers on the whole history, fp32 with TF32
 off, under the near-tie rule of tests/test_generation_gpu.py; and a turn restored from the host
 tier equal, token for token, to the same turn served from the GPU tier."""
+import math
 import random
 
 import pytest
@@ -58,15 +59,21 @@ def test_turns_follow_hf_through_every_tier_on_the_gpu(checkpoint):
         engine.stop()
 
 
-@pytest.mark.parametrize("context,busy", [(40, False), (300, False), (300, True)])
-def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context, busy):
+@pytest.mark.parametrize("context,busy,copy_seconds", [(40, False, None), (300, False, None), (300, True, 0.0),
+                                                       (300, True, math.inf)])
+def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context, busy, copy_seconds):
     """Alone, a restored turn's chunks are copied in layer by layer as it runs; beside other
-    work (`busy`), all at once on the side stream before it is prefilled (HostTier.restore)."""
+    work (`busy`), too where the copies hide under the iteration (`copy_seconds` per chunk, set
+    here to force each decision), else all at once on the side stream before it is prefilled
+    (HostTier.restore)."""
     from bench.chat_stateful import _demote
     path, _ = checkpoint
     engine = gpu_engine(path, num_blocks=200, host_bytes=64 << 20)
     gen = engine.structured["llama"]
     runner = next(iter(engine.workers[0].iterations.values()))
+    if copy_seconds is not None:
+        for cache in gen.caches.values():
+            cache.swap_in_seconds = copy_seconds
     rng = random.Random(context)
     first = [rng.randrange(CONFIG.vocab_size) for _ in range(context)]
     new = [rng.randrange(CONFIG.vocab_size) for _ in range(17)]
@@ -87,7 +94,7 @@ def test_a_turn_from_the_host_tier_equals_the_gpu_hit(checkpoint, context, busy)
                                                                   "conversation": cid, "ignore_eos": True}))
             if other is not None:
                 finish(engine, other)
-        assert bool(deferred) == busy
+        assert bool(deferred) == (busy and copy_seconds == math.inf)
         positions = context + 5 - 1
         assert replies["gpu"]["context"] == {"cached": positions, "swapped_in": 0, "recomputed": 0}
         assert replies["host"]["context"] == {"cached": 0, "swapped_in": positions, "recomputed": 0}

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, SHORT_CONTEXT_LEN, AttentionConfig, PagedAttend,
+from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
+                                                SHORT_MAX_SPLITS, AttentionConfig, PagedAttend,
                                                 paged_attention, pick_launch, pick_num_splits, reference_paged_attention,
                                                 reference_write_kv, triton_write_kv, write_kv)
 from helpers import interpreter, needs_gpu, run_interpreted
@@ -189,17 +190,21 @@ def test_split_count_depends_on_programs_and_the_context_bound():
     sms = 132
     assert pick_num_splits(1 * 32, 32768, sms) > 1  # decode, batch 1: split
     assert pick_num_splits(64 * 32, 32768, sms) == 1  # batch 64 fills the GPU
-    assert pick_num_splits(32, 128, sms) == 1  # short contexts: not worth a combine
+    assert pick_num_splits(32, MIN_SPLIT_LEN * 2 - 1, sms) == 1  # short contexts: not worth a combine
+    assert pick_num_splits(32, LONG_SPLIT_CONTEXT - 1, sms) == SHORT_MAX_SPLITS  # below long: few slices
     assert 1 < pick_num_splits(1, 1 << 20, sms) <= 32
 
 
 def test_short_decode_contexts_split_in_slices_of_the_minimum():
     sms = 132
     for group in (1, 4, 8):  # Llama-2-7B: 32 kv heads, G = 1; decode tiles of 16 rows
-        assert pick_launch(1, 32 // group, group, 1, 127, sms)[1] == 1  # one program per kv head
-        assert pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN, sms)[1] == SHORT_CONTEXT_LEN // 128
+        assert pick_launch(1, 32 // group, group, 1, 2 * FEW_PROGRAMS_SPLIT_LEN - 1, sms)[1] == 1  # one per kv head
+        config, splits = pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN, sms)
+        assert splits == SHORT_CONTEXT_LEN // FEW_PROGRAMS_SPLIT_LEN and config.block_n == 64  # short slices
+        assert pick_launch(1, 32 // group, group, 1, 2048, sms)[0].block_n == 128  # longer slices, longer steps
         assert pick_launch(1, 32 // group, group, 1, 4096, sms)[1] > 4
     assert pick_launch(64, 32, 1, 1, SHORT_CONTEXT_LEN, sms)[1] == 1  # batch 64 fills the GPU
+    assert pick_launch(8, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 8: fewer, longer slices
     assert pick_launch(1, 8, 4, 1, 360, sms, num_splits=3)[1] == 3  # the caller's count is kept
     assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
 
