@@ -4,7 +4,9 @@ HF transformers run on the whole history at once, while the cache is small enoug
 served from GPU blocks, swapped back from the host tier, and partly or entirely recomputed."""
 import random
 import time
+import types
 
+import numpy as np
 import pytest
 
 from batchmaker.errors import BadRequestError, UnknownConversationError
@@ -188,5 +190,39 @@ def test_an_idle_conversation_expires(checkpoint):
         assert stats["conversations"] == 1 and stats["gpu_blocks_cached"] == 1  # kept's 6 positions
         for cache in engine.structured[family].caches.values():
             cache.check()
+    finally:
+        engine.stop()
+
+
+def test_chunk_costs_are_timed_prefills_per_chunk_interpolated(checkpoint, monkeypatch):
+    """Cost(l) (Pensieve Eq. 3.6): one iteration of 32-token chunks ending at each power of two of
+    the context, timed per chunk, interpolated between those points and flat past the last. A fake
+    clock charges each forward 1 ms + 10 us per context position for each of its chunks, so the
+    costs must lie on that line, whatever the number of chunks timed at once."""
+    from batchmaker.exec import iterations
+    family, path, _ = checkpoint
+    engine, _ = engine_for(path, family, num_blocks=25, max_seqs=4, max_tokens=48)
+    runner = next(iter(engine.workers[0].iterations.values()))
+    now, calls = [0.0], []
+    forward = runner._forward
+
+    def charged(t, *args, **kwargs):
+        rows, end = len(t["context_lens"]), int(t["context_lens"][0])
+        now[0] += rows * (1e-3 + 1e-5 * end)
+        calls.append(end)
+        return forward(t, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_forward", charged)
+    monkeypatch.setattr(iterations, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    try:
+        costs = runner.chunk_costs()
+        ct, bs = runner.chunk_tokens, runner.module.block_size
+        ends = (np.arange(len(costs)) + 1) * ct
+        assert ends[-1] >= runner.config.max_positions > ends[-1] - ct  # one cost per chunk of a context
+        top = ct * 2 ** int(np.log2(min(ends[-1], (runner.cache.num_blocks - 1) * bs) // ct))  # the last point
+        assert top > ct
+        np.testing.assert_allclose(costs, 1e-3 + 1e-5 * np.minimum(ends, top), rtol=1e-9)
+        points = [ct << k for k in range(int(np.log2(top // ct)) + 1)]
+        assert calls == [ct] + points  # a warm-up, then one iteration per power of two
     finally:
         engine.stop()
