@@ -17,8 +17,9 @@ K/V are already in the cache. Query i of n_s sits at position context_lens[s] - 
 
 The kernel launch depends only on tensor shapes and host ints (max_query_len, max_context_len),
 never on tensor values, so it can be captured in a CUDA graph and replayed with new contents.
-Decode splits the context into slices of at least MIN_SPLIT_LEN positions when (sequence, kv head)
-programs alone would not fill the GPU (batch 1 at 360 positions: 5 slices per head).
+Decode splits the context into slices of at least MIN_SPLIT_LEN positions (FEW_PROGRAMS_SPLIT_LEN
+where the programs fill under a quarter of the SMs) when (sequence, kv head) programs alone would
+not fill the GPU (batch 1 at 360 positions: 5 slices per head).
 
 `PagedAttend` is a decoder's `attend` (cells/decoder.py) over the caches of every layer: it writes
 the new tokens' K/V and attends, or lets the model write them itself (Llama: inside its RoPE kernel).
@@ -220,7 +221,7 @@ def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None
     attention's prefill does. (bench/attention.py --sweep and --short-sweep, H200.)"""
     rows = max(max_query_len, 1) * group_pad
     if rows <= 16:
-        long_slices = split_len is not None and split_len > 128
+        long_slices = split_len is not None and split_len > MIN_SPLIT_LEN
         return AttentionConfig(max(1, 16 // group_pad), 128 if long_slices else 64, 4, 3)
     if rows <= 64:
         return AttentionConfig(max(1, 64 // group_pad), 64, 4, 3)
