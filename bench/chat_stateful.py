@@ -120,8 +120,8 @@ def summarize(system: str, rate: float, records: list, window: tuple[float, floa
         tokens = sum(r["output"] for r in rows if a <= r["finished"] < b)
         return {"turns": len(norm), "tokens_per_s": tokens / (b - a),
                 "unfinished": sum(1 for r in rows if r.get("unfinished") and a <= r["sent"] < b),
-                "norm_latency_p50_ms": float(np.percentile(norm, 50) * 1e3),
-                "norm_latency_p90_ms": float(np.percentile(norm, 90) * 1e3)}
+                "norm_latency_p50_ms": float(np.percentile(norm, 50) * 1e3) if len(norm) else None,
+                "norm_latency_p90_ms": float(np.percentile(norm, 90) * 1e3) if len(norm) else None}
     row = {"system": system, "conversations_per_s": rate, "window_s": [a, b], **part(records)}
     long = [r for r in records if r["turns"] >= 5]
     if long:
@@ -157,10 +157,13 @@ def _engine_delta(before: dict, after: dict) -> dict:
     return delta
 
 
-def tier_latency(engine, model: str, contexts: list[int], prompt: int, vocab: int, repeats: int = 5) -> list[dict]:
+def tier_latency(engine, model: str, contexts: list[int], prompt: int, vocab: int, repeats: int = 5,
+                 profile: bool = False, trace_dir: str | None = None) -> list[dict]:
     """One turn's latency (max_new_tokens 1) after a context of L tokens kept on the GPU, copied
     back from the host, or recomputed; and a stateless request of the whole L + prompt tokens.
-    The engine is stepped here (started with thread=False), so the cache is moved between steps."""
+    The engine is stepped here (started with thread=False), so the cache is moved between steps.
+    profile: one more turn per tier under torch.profiler (bench/turn_profile.py), summarized (and
+    its whole trace written to trace_dir, if given)."""
     gen = engine.structured[model]
     runner = next(iter(engine.workers[0].iterations.values()))
     rng = np.random.default_rng(0)
@@ -170,31 +173,37 @@ def tier_latency(engine, model: str, contexts: list[int], prompt: int, vocab: in
         start = time.perf_counter()
         f = engine.submit(model, {**inputs, "max_new_tokens": 1, "ignore_eos": True})
         while not f.done():
-            engine.step()
+            with torch.profiler.record_function("engine.step"):
+                engine.step()
         return time.perf_counter() - start, f.result().outputs
+
+    def sample(context, tier, measure=lambda fn: (fn(), None)):
+        first = rng.integers(1, vocab, context - 1).tolist()
+        new = rng.integers(1, vocab, prompt).tolist()
+        if tier == "stateless":
+            (took, _), summary = measure(lambda: turn({"tokens": first + [5] + new}))
+            return took, summary
+        _, out = turn({"tokens": first, "conversation": True})
+        cid = out["conversation"]
+        _demote(gen, runner, cid, tier)
+        (took, out), summary = measure(lambda: turn({"tokens": new, "conversation": cid}))
+        assert out["context"]["cached" if tier == "gpu" else "swapped_in" if tier == "host" else "recomputed"] > 0
+        f = engine.submit(model, {"conversation": cid, "end": True})
+        while not f.done():
+            engine.step()
+        return took, summary
 
     for context in contexts:
         for tier in ("gpu", "host", "recompute", "stateless"):
-            seconds = []
-            for _ in range(repeats):
-                first = rng.integers(1, vocab, context - 1).tolist()
-                new = rng.integers(1, vocab, prompt).tolist()
-                if tier == "stateless":
-                    seconds.append(turn({"tokens": first + [5] + new})[0])
-                    continue
-                _, out = turn({"tokens": first, "conversation": True})
-                cid = out["conversation"]
-                _demote(gen, runner, cid, tier)
-                took, out = turn({"tokens": new, "conversation": cid})
-                assert out["context"]["cached" if tier == "gpu" else "swapped_in" if tier == "host" else "recomputed"] > 0
-                seconds.append(took)
-                f = engine.submit(model, {"conversation": cid, "end": True})
-                while not f.done():
-                    engine.step()
+            seconds = [sample(context, tier)[0] for _ in range(repeats)]
             rows.append({"context": context, "prompt": prompt, "tier": tier, "latency_ms": float(np.median(seconds) * 1e3),
                          "samples_ms": [s * 1e3 for s in seconds]})
             if tier == "host" and runner.device.type == "cuda":  # the bound: the bytes' copy alone
                 rows[-1]["copy_in_alone_ms"] = _copy_in_ms(runner, context)
+            if profile and runner.device.type == "cuda":
+                from bench.turn_profile import profiled
+                path = None if trace_dir is None else f"{trace_dir}/turn-{context}-{tier}.json.gz"
+                rows[-1]["profile"] = sample(context, tier, lambda fn: profiled(fn, path))[1]
             print(rows[-1], flush=True)
     return rows
 
@@ -250,9 +259,11 @@ def run(args, model, config, write_results) -> None:
             for k, (key, title) in enumerate([(None, "all turns"), ("five_turns_or_more", ">= 5 turns")]):
                 ax = fig.add_subplot(1, 2, k + 1)
                 for system in dict.fromkeys(r["system"] for r in rows):
-                    pts = sorted((r["tokens_per_s"], (r[key] if key else r)["norm_latency_p90_ms"])
-                                 for r in rows if r["system"] == system and (key is None or key in r))
-                    ax.plot(*zip(*pts), marker="o", label=system)
+                    parts = [r[key] if key else r for r in rows if r["system"] == system and (key is None or key in r)]
+                    pts = sorted((p["tokens_per_s"], p["norm_latency_p90_ms"]) for p in parts
+                                 if p["norm_latency_p90_ms"] is not None)
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=system)
                 ax.set_xlabel("output tokens/s")
                 ax.set_ylabel("normalized latency p90 (ms/token)")
                 ax.set_yscale("log")
@@ -298,7 +309,9 @@ def run(args, model, config, write_results) -> None:
             engine = Engine([model], EngineConfig(devices=(args.device,))).start(thread=False)
             try:
                 contexts = [int(c) for c in args.tier_contexts.split(",")]
-                tiers += tier_latency(engine, "llama", contexts, args.tier_prompt, config.vocab_size)
+                tiers += tier_latency(engine, "llama", contexts, args.tier_prompt, config.vocab_size,
+                                      profile=args.tier_profile or args.tier_trace is not None,
+                                      trace_dir=args.tier_trace)
                 save()
             finally:
                 engine.stop()
@@ -321,4 +334,6 @@ def add_arguments(ap) -> None:
     ap.add_argument("--host-gib", type=float, default=40.0, help="the host tier, pinned")
     ap.add_argument("--tier-contexts", default="1024,2048", help="contexts of the per-tier turn latency")
     ap.add_argument("--tier-prompt", type=int, default=64)
+    ap.add_argument("--tier-profile", action="store_true", help="one more turn per tier under torch.profiler")
+    ap.add_argument("--tier-trace", default=None, help="a folder for those turns' whole traces (implies --tier-profile)")
     ap.add_argument("--swap-out-rows", type=int, default=None, help="conversations per copy-out plan (KVSettings)")

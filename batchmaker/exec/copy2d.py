@@ -27,6 +27,7 @@ class _Memcpy2D(ctypes.Structure):
 
 
 _driver: dict = {}
+_HTOD_ARGS = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def _function(name: str, argtypes: list):
@@ -45,8 +46,7 @@ def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     """nbytes from pinned host address `src` to device address `dst` on the raw stream handle:
     for loops that already know their addresses (a tensor slice costs ~10 µs of Python; this
     costs the driver call)."""
-    result = _function("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])(
-        dst, src, nbytes, stream)
+    result = _function("cuMemcpyHtoDAsync_v2", _HTOD_ARGS)(dst, src, nbytes, stream)
     if result != 0:
         raise RuntimeError(f"cuMemcpyHtoDAsync failed: CUresult {result}")
 

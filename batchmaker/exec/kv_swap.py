@@ -60,6 +60,11 @@ class HostTier:
         self.restore_buffer = in_storage[:2 * self.layers * self.out_chunks * chunk_size].view(2, -1) \
             if cuda else None
         self.bytes_per_chunk = 2 * self.layers * chunk_size * k.dtype.itemsize
+        # (a layer-by-layer swap-in's per-layer host work is a few calls: what it needs is made here)
+        self.layer_caches = (cache.k.unbind(0), cache.v.unbind(0))
+        self.piece_bytes = chunk_size * k.dtype.itemsize  # one layer's K (or V) of one chunk
+        self.ready = [torch.cuda.Event() for _ in range(self.layers)] if cuda else None  # copied in (per layer)
+        self.consumed = [torch.cuda.Event() for _ in range(self.layers)] if cuda else None  # staging read
         # host time spent issuing copies (benchmarks): plans and runs of host chunks, each way
         self.counters = {"out_plans": 0, "out_runs": 0, "out_ms": 0.0, "in_plans": 0, "in_runs": 0, "in_ms": 0.0}
 
@@ -137,13 +142,16 @@ class HostTier:
     # in ---------------------------------------------------------------------------------------
     def fetch(self, staged: torch.Tensor, layer: int, kv: int, runs: list) -> None:
         """One layer's K (kv 0) or V (kv 1) of the runs' host chunks into a staging buffer (on
-        the current stream): one driver copy per run, addresses computed, no tensor slices."""
+        the current stream)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        size = self.host[0, 0, 0].numel() * self.host.element_size()  # one chunk of one layer's K or V
-        first = self.host.data_ptr() + (kv * self.layers + layer) * self.num_chunks * size
-        dst = staged.data_ptr()
-        for at, host, n in runs:
-            copy_to_device(dst + at * size, first + host * size, n * size, stream)
+        self.fetch_raw(staged.data_ptr(), layer, kv, _pieces(runs, self.piece_bytes), stream)
+
+    def fetch_raw(self, dst: int, layer: int, kv: int, pieces: list, stream: int) -> None:
+        """The same with addresses: one driver copy per (offset in dst, offset in the layer's host
+        chunks, bytes) piece on the raw stream handle, no tensor ops (it runs once per layer)."""
+        first = self.host.data_ptr() + (kv * self.layers + layer) * self.num_chunks * self.piece_bytes
+        for at, host, nbytes in pieces:
+            copy_to_device(dst + at, first + host, nbytes, stream)
 
     def swap_in(self, plan, compute_stream) -> "_SwapIn":
         """Copies in that the iteration's layers wait for, one by one."""
@@ -193,21 +201,24 @@ class HostTier:
 
 
 class _SwapIn:
-    """One iteration's copies in; `before_attention(layer)` is called by the forward pass."""
+    """One iteration's copies in; `before_attention(layer)` is called by the forward pass. Per
+    layer it costs the host a handful of calls (the forward is host-bound at small batches, so
+    every microsecond here is one of the turn's): views, addresses and events are made once."""
 
     def __init__(self, tier: HostTier, plan, compute_stream):
         self.tier = tier
         self.hosts = plan.swap_in_host
         self.n = len(self.hosts)
-        index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64))
         self.compute = compute_stream
         if tier.in_stream is None:
-            self.index = index
+            self.index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64))
             return
         self.index = _on_device(plan.swap_in_blocks, tier.device)
-        self.runs = _runs(self.hosts)
-        self.ready = [torch.cuda.Event() for _ in range(tier.layers)]
-        self.consumed = [torch.cuda.Event() for _ in range(tier.layers)]
+        shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
+        self.staged = [[tier.in_buffers[b, kv, :self.n].view(shape) for kv in range(2)] for b in range(2)]
+        self.staged_at = [[tier.in_buffers[b, kv].data_ptr() for kv in range(2)] for b in range(2)]
+        self.pieces = _pieces(_runs(self.hosts), tier.piece_bytes)
+        self.in_handle = tier.in_stream.cuda_stream
         tier.in_stream.wait_stream(compute_stream)  # (new blocks may still be written by earlier work)
         for layer in range(min(2, tier.layers)):
             self._issue(layer)
@@ -216,11 +227,11 @@ class _SwapIn:
         tier = self.tier
         stream = tier.in_stream
         if layer >= 2:
-            stream.wait_event(self.consumed[layer - 2])
-        with torch.cuda.stream(stream):
-            for kv in range(2):
-                tier.fetch(tier.in_buffers[layer % 2, kv], layer, kv, self.runs)
-            self.ready[layer].record(stream)
+            stream.wait_event(tier.consumed[layer - 2])
+        staged = self.staged_at[layer % 2]
+        for kv in range(2):
+            tier.fetch_raw(staged[kv], layer, kv, self.pieces, self.in_handle)
+        tier.ready[layer].record(stream)
 
     def all_layers(self) -> None:
         for layer in range(self.tier.layers):
@@ -233,17 +244,18 @@ class _SwapIn:
 
     def _before_attention(self, layer: int) -> None:
         tier = self.tier
-        caches = (tier.cache.k[layer], tier.cache.v[layer])
-        shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
+        k_cache, v_cache = tier.layer_caches[0][layer], tier.layer_caches[1][layer]
         if tier.in_stream is None:
             hosts = torch.from_numpy(self.hosts)
-            for kv in range(2):
-                caches[kv].index_copy_(0, self.index, tier.host[kv, layer].index_select(0, hosts).view(shape))
+            shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
+            for kv, cache in enumerate((k_cache, v_cache)):
+                cache.index_copy_(0, self.index, tier.host[kv, layer].index_select(0, hosts).view(shape))
             return
-        self.compute.wait_event(self.ready[layer])
-        for kv in range(2):
-            caches[kv].index_copy_(0, self.index, tier.in_buffers[layer % 2, kv, :self.n].view(shape))
-        self.consumed[layer].record(self.compute)
+        self.compute.wait_event(tier.ready[layer])
+        staged = self.staged[layer % 2]
+        k_cache.index_copy_(0, self.index, staged[0])
+        v_cache.index_copy_(0, self.index, staged[1])
+        tier.consumed[layer].record(self.compute)
         if layer + 2 < tier.layers:
             self._issue(layer + 2)
 
@@ -252,6 +264,11 @@ def _on_device(blocks: np.ndarray, device) -> torch.Tensor:
     """Block ids as an index on the device, through pinned memory: a copy from pageable memory
     would first wait for everything queued on the stream (the running iteration)."""
     return torch.from_numpy(blocks.reshape(-1).astype(np.int64)).pin_memory().to(device, non_blocking=True)
+
+
+def _pieces(runs: list, piece_bytes: int) -> list[tuple[int, int, int]]:
+    """Runs as (byte offset in the staging buffer, byte offset in a layer's host chunks, bytes)."""
+    return [(at * piece_bytes, host * piece_bytes, count * piece_bytes) for at, host, count in runs]
 
 
 def _runs(hosts: np.ndarray) -> list[tuple[int, int, int]]:

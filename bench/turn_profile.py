@@ -1,0 +1,96 @@
+"""Where one call's wall time goes on a CUDA device: torch.profiler around it, reduced to a few
+numbers (the whole trace would not fit a benchmark's JSON).
+
+  wall_ms          the call, host clock
+  gpu_busy_ms      the union of every kernel and copy interval on the device
+  kernel_ms, kernels, copy_ms, copies, copy_bytes
+  gpu_first_ms     from the call's start to the device's first work; gpu_last_ms: to its last end
+  idle_gaps        device gaps over 50 us between its first and last work: count and ms
+  launch_ms        host time inside cudaLaunchKernel / cuLaunchKernel(Ex) / memcpy-async calls
+  ranges_ms        each labelled range's durations (torch.profiler.record_function), ms
+  top_host_ops     the host ops, labelled ranges and runtime calls of most total time (inclusive:
+                   a range counts its children too), ms
+
+Used by bench/chat_stateful.py (`--tier-profile`): one turn per tier, after the timed ones.
+"""
+import gzip
+import json
+import os
+import tempfile
+import time
+
+_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+           "cuMemcpyHtoDAsync_v2", "cuMemcpy2DAsync_v2", "cudaGraphLaunch")
+
+
+def profiled(fn, trace_path: str | None = None):
+    """(fn(), summary dict) with fn run under torch.profiler (CPU and CUDA activity); the whole
+    trace also gzipped to `trace_path` if given (chrome://tracing, Perfetto)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start_ns = time.perf_counter_ns()
+        result = fn()
+        wall = (time.perf_counter_ns() - start_ns) / 1e6
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            text = f.read()
+        events = json.loads(text)["traceEvents"]
+        if trace_path is not None:
+            with gzip.open(trace_path, "wt") as f:
+                f.write(text)
+    finally:
+        os.unlink(path)
+    return result, summarize(events, wall)
+
+
+def summarize(events: list, wall_ms: float, gap_us: float = 50.0) -> dict:
+    """The numbers above from a chrome trace's complete events (ts and dur in microseconds)."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    if not complete:
+        return {"wall_ms": wall_ms}
+    host_start = min(e["ts"] for e in complete if e.get("cat") in ("cpu_op", "user_annotation", "python_function",
+                                                                    "cuda_runtime", "cuda_driver"))
+    device = sorted((e for e in complete if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    busy, gaps, end = 0.0, [], None
+    for e in device:
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if end is None or s > end:
+            if end is not None and s - end > gap_us:
+                gaps.append(s - end)
+            busy += e["dur"]
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    kernels = [e for e in device if e["cat"] == "kernel"]
+    copies = [e for e in device if e["cat"] == "gpu_memcpy"]
+    launch = sum(e["dur"] for e in complete if e.get("name") in _LAUNCH)
+    total: dict[str, float] = {}
+    for e in complete:
+        if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur"]
+    top = sorted(total.items(), key=lambda kv: -kv[1])[:20]
+    ranges: dict[str, list] = {}
+    for e in sorted(complete, key=lambda e: e["ts"]):
+        if e.get("cat") == "user_annotation":
+            ranges.setdefault(e["name"], []).append(round(e["dur"] / 1e3, 3))
+    return {
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": busy / 1e3,
+        "kernel_ms": sum(e["dur"] for e in kernels) / 1e3, "kernels": len(kernels),
+        "copy_ms": sum(e["dur"] for e in copies) / 1e3, "copies": len(copies),
+        "copy_bytes": int(sum(e.get("args", {}).get("bytes", 0) for e in copies)),
+        "gpu_first_ms": (device[0]["ts"] - host_start) / 1e3 if device else None,
+        "gpu_last_ms": (max(e["ts"] + e["dur"] for e in device) - host_start) / 1e3 if device else None,
+        "idle_gaps": {"count": len(gaps), "ms": sum(gaps) / 1e3, "largest_ms": max(gaps, default=0.0) / 1e3},
+        "launch_ms": launch / 1e3,
+        "ranges_ms": {name: durations[:40] for name, durations in ranges.items()},
+        "top_host_ops": {name: round(us / 1e3, 3) for name, us in top},
+    }
