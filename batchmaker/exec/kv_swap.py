@@ -81,17 +81,17 @@ class HostTier:
                 for kv in range(2):
                     self.host[kv, layer, :n].clone()
             return (time.perf_counter() - start) / n
-        seconds = 0.0
-        with torch.cuda.stream(self.in_stream):
-            for _ in range(2):  # (the first warms up)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for layer in range(self.layers):
-                    for kv in range(2):
-                        self.fetch(self.in_buffers[layer % 2, kv], layer, kv, [(0, 0, n)])
-                end.record()
-                end.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
+        seconds, stream = 0.0, self.in_stream
+        pieces = _pieces([(0, 0, n)], self.piece_bytes)
+        for _ in range(2):  # (the first warms up)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for layer in range(self.layers):
+                for kv in range(2):
+                    self.fetch(self.in_buffers[layer % 2, kv].data_ptr(), layer, kv, pieces, stream.cuda_stream)
+            end.record(stream)
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
         return seconds / n
 
     # out --------------------------------------------------------------------------------------
@@ -140,15 +140,10 @@ class HostTier:
         return chunks.view(self.layers, m * self.per_chunk, self.block_size, *self.tail), chunks
 
     # in ---------------------------------------------------------------------------------------
-    def fetch(self, staged: torch.Tensor, layer: int, kv: int, runs: list) -> None:
-        """One layer's K (kv 0) or V (kv 1) of the runs' host chunks into a staging buffer (on
-        the current stream)."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.fetch_raw(staged.data_ptr(), layer, kv, _pieces(runs, self.piece_bytes), stream)
-
-    def fetch_raw(self, dst: int, layer: int, kv: int, pieces: list, stream: int) -> None:
-        """The same with addresses: one driver copy per (offset in dst, offset in the layer's host
-        chunks, bytes) piece on the raw stream handle, no tensor ops (it runs once per layer)."""
+    def fetch(self, dst: int, layer: int, kv: int, pieces: list, stream: int) -> None:
+        """One layer's K (kv 0) or V (kv 1) of host chunks into the staging buffer at address dst:
+        one driver copy per (offset in dst, offset in the layer's host chunks, bytes) piece on the
+        raw stream handle, no tensor ops (it runs once per layer)."""
         first = self.host.data_ptr() + (kv * self.layers + layer) * self.num_chunks * self.piece_bytes
         for at, host, nbytes in pieces:
             copy_to_device(dst + at, first + host, nbytes, stream)
@@ -216,7 +211,7 @@ class _SwapIn:
         self.index = _on_device(plan.swap_in_blocks, tier.device)
         shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
         self.staged = [[tier.in_buffers[b, kv, :self.n].view(shape) for kv in range(2)] for b in range(2)]
-        self.staged_at = [[tier.in_buffers[b, kv].data_ptr() for kv in range(2)] for b in range(2)]
+        self.staged_at = [[t.data_ptr() for t in pair] for pair in self.staged]
         self.pieces = _pieces(_runs(self.hosts), tier.piece_bytes)
         self.in_handle = tier.in_stream.cuda_stream
         tier.in_stream.wait_stream(compute_stream)  # (new blocks may still be written by earlier work)
@@ -230,7 +225,7 @@ class _SwapIn:
             stream.wait_event(tier.consumed[layer - 2])
         staged = self.staged_at[layer % 2]
         for kv in range(2):
-            tier.fetch_raw(staged[kv], layer, kv, self.pieces, self.in_handle)
+            tier.fetch(staged[kv], layer, kv, self.pieces, self.in_handle)
         tier.ready[layer].record(stream)
 
     def all_layers(self) -> None:
