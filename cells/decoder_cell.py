@@ -27,12 +27,19 @@ class KVSettings:
     swap_threshold: float = 0.25  # copy chunks out ahead of time below this fraction of free blocks
     swap_out_rows: int = 4  # conversations one batch of copies out takes chunks from (their blocks wait for it)
     eviction: str = "value"  # "value" (Pensieve's Cost(l) / T) or "lru"
+    # CUDA: iterations with prompt chunks of up to this many tokens replay CUDA graphs (0: eagerly). Eagerly their
+    # launches take the host ~2x the GPU's time (H200, Llama-2-7B: a layer over 64 tokens 354 us of host, 158 us
+    # of GPU, bench/launch_costs.py); each new shape is captured the first time it comes
+    prefill_graph_tokens: int = 512
 
     def __post_init__(self):
         for name in ("reserve", "swap_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}: expected a fraction of the blocks in [0, 1), got {value!r}")
+        if isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int) or \
+                self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens: expected a count of tokens >= 0, got {self.prefill_graph_tokens!r}")
 
 
 class DecoderCell(Cell):

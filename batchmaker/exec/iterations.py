@@ -10,7 +10,11 @@ to the host in the same launch.
 
 On CUDA every launch is one copy of a packed int64 buffer from pinned memory, then the work:
 iterations where every sequence brings one token (pure decode, the common case) replay a CUDA
-graph per padded number of sequences; iterations with prompt chunks run eagerly.
+graph per padded number of sequences; iterations with prompt chunks of up to
+`KVSettings.prefill_graph_tokens` tokens replay one per padded (tokens, sequences, context
+bound), captured the first time each shape comes (eagerly their launches take the host ~2x the
+GPU's time; a turn's cache copied in from the host then comes whole before the iteration);
+longer ones run eagerly, and a turn copied in layer by layer runs in them.
 """
 import math
 import time
@@ -22,6 +26,8 @@ from batchmaker.core.task import IterationTask
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.sampling import sample
 from batchmaker.exec.staging import Landing, PinnedRing
+
+PREFILL_GRAPH_MIN_TOKENS = 16  # the smallest token bucket of those graphs
 
 
 class KVCache:
@@ -60,6 +66,7 @@ class IterationRunner:
         self.stream = None  # the CUDA worker's stream
         self.landing = Landing(1 << 16) if cuda else None
         self._packers: dict[tuple, _Packed] = {}
+        self._graph_packers: dict[tuple, _Packed] = {}
         self.num_graph_iterations = 0
         self.num_iterations = 0
         self.trace: list | None = None  # benchmarks: (tokens, context tokens read, sequences) per iteration
@@ -166,19 +173,21 @@ class IterationRunner:
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(compute)
-        swap_in = self._copies(task.cache_plan, compute)
         longest = int(task.context_lens.max())  # (host arrays: no device sync)
-        if task.decode_only and self.graphs.enabled and swap_in is None:
-            bucket = self.cell_type.bucket(len(task.slots))
-            packed = self._packer(bucket, bucket, bucket)
-            packed.load(_host_arrays(task), self._padding(bucket, len(task.slots)))
-            bound = self._short if longest <= self._short else None  # a graph per bucket for each
-            out = self.graphs.run(("iteration", self.cell_type, bucket, greedy, bound),
-                                  lambda: self._forward(packed.tensors, 1, greedy, None, bound), [])
+        shape = self._graph_shape(task, longest)
+        swap_in = self._copies(task.cache_plan, compute, whole=shape is not None)
+        if shape is not None:  # a CUDA graph per padded shape
+            tokens, seqs, bound = shape
+            packed = self._packer(tokens, seqs, seqs, graphed=True)
+            packed.load(self._padded(_host_arrays(task), tokens, seqs, seqs))
+            query = 1 if task.decode_only else tokens  # (a bound on every sequence's new tokens)
+            key = ("iteration", self.cell_type, seqs, greedy, bound) if task.decode_only else \
+                ("prefill", self.cell_type, tokens, seqs, greedy, bound)
+            out = self.graphs.run(key, lambda: self._forward(packed.tensors, query, greedy, None, bound), [])
             self.num_graph_iterations += 1
         else:
             packed = self._packer(task.batch, len(task.slots), n)
-            packed.load(_host_arrays(task), None)
+            packed.load(_host_arrays(task))
             out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in, longest)
         if timed:
             end.record(compute)  # (before the copy to the host: passed once the tokens have landed)
@@ -186,16 +195,40 @@ class IterationRunner:
         task.handle = (region, region.to_host(out[:n]), (start, end) if timed else None)
         self.num_iterations += 1
 
-    def _copies(self, plan, compute_stream):
-        """Start the iteration's copies out (on the side) and in; returns the copy in, if any."""
+    def _graph_shape(self, task: IterationTask, longest: int) -> tuple[int, int, int | None] | None:
+        """(tokens, sequences, context bound) of the CUDA graph that runs `task`, or None: eager.
+        Decode pads its sequences to a batch bucket (one token each); an iteration with prompt
+        chunks of up to `KVSettings.prefill_graph_tokens` pads its tokens to a power of two and its
+        sequences to a bucket with room for one more (the padding's), and bounds the contexts by
+        a power of two (each bound picks its attention launch)."""
+        if not self.graphs.enabled:
+            return None
+        s, buckets = len(task.slots), self.cell_type.batch_sizes
+        if task.decode_only:
+            seqs = self.cell_type.bucket(s)
+            return seqs, seqs, self._short if longest <= self._short else None
+        tokens = max(PREFILL_GRAPH_MIN_TOKENS, 1 << (task.batch - 1).bit_length())
+        with_padding = s + (tokens > task.batch)
+        if tokens > self.module.kv.prefill_graph_tokens or with_padding > min(buckets[-1], self.module.max_seqs):
+            return None
+        bound = max(self._short, 1 << (longest - 1).bit_length())
+        return tokens, self.cell_type.bucket(with_padding), None if bound >= self.max_blocks * self.module.block_size else bound
+
+    def _copies(self, plan, compute_stream, whole: bool = False):
+        """Start the iteration's copies out (on the side) and in; returns the copy in layer by
+        layer, if any. `whole`: the iteration runs as a graph, so a copy in that would go layer by
+        layer goes whole before it instead (the iteration waits for it: cheaper than an eager
+        iteration's launches, which take the host ~2x the GPU's time)."""
         if plan is None or self.host is None:
             return None
         if len(plan.swap_out_host):
             self.host.swap_out(plan, compute_stream)
         if not len(plan.swap_in_host):
             return None
-        if plan.deferred:
+        if plan.deferred or whole:
             self.host.restore(plan, compute_stream)
+            if not plan.deferred:
+                compute_stream.wait_event(plan.done)
             return None
         return self.host.swap_in(plan, compute_stream)
 
@@ -215,35 +248,52 @@ class IterationRunner:
         for bucket in self.cell_type.batch_sizes:
             if bucket > self.module.max_seqs:
                 break
-            packed = self._packer(bucket, bucket, bucket)
-            packed.load(None, self._padding(bucket, 0))
+            packed = self._packer(bucket, bucket, bucket, graphed=True)
+            packed.load(self._padded(None, bucket, bucket, bucket))
             for greedy in (True, False):
                 for bound in (self._short, None):  # decode at short contexts: one attention launch
                     self.graphs.capture(("iteration", self.cell_type, bucket, greedy, bound),
                                         lambda: self._forward(packed.tensors, 1, greedy, None, bound), [], warm=True)
 
-    def _padding(self, bucket: int, used: int) -> dict | None:
-        """Host arrays of the padded sequences of a decode graph: each one token at position 0 of
-        the scratch block, sampling into the scratch slot greedily."""
-        pad = bucket - used
-        if pad == 0:
-            return None
-        return {"tokens": np.full(pad, -1), "positions": np.zeros(pad), "kv_slots": np.zeros(pad),
-                "token_slots": np.full(pad, self.scratch_slot), "context_lens": np.ones(pad),
-                "block_tables": np.zeros((pad, self.max_blocks)), "sample_slots": np.full(pad, self.scratch_slot),
-                "seeds": np.zeros(pad), "counters": np.zeros(pad), "top_k": np.zeros(pad),
-                "temperature": np.zeros(pad), "top_p": np.ones(pad)}
+    def _padded(self, arrays: dict | None, num_tokens: int, num_seqs: int, num_samples: int) -> dict:
+        """`arrays` (of `_host_arrays`; None: nothing real) padded to a graph's shape. The padded
+        sequences take the padded tokens, one each and the rest to the first, at positions 0, 1,
+        ... of the scratch block (0): they read the scratch slot's last token and write only
+        scratch. Padded samples read row 0 and go greedily to the scratch slot."""
+        t, s, n = (0, 0, 0) if arrays is None else \
+            (len(arrays["tokens"]), len(arrays["context_lens"]), len(arrays["sample_slots"]))
+        p, q, m = num_tokens - t, num_seqs - s, num_samples - n
+        if p < 0 or q < 0 or m < 0 or (p and not q):
+            raise ValueError(f"cannot pad {t} tokens, {s} sequences, {n} samples to {num_tokens}, {num_seqs}, "
+                             f"{num_samples}")
+        counts = (np.arange(q) < p).astype(np.int64)
+        if q:
+            counts[0] += p - min(p, q)
+        positions = np.zeros(p, dtype=np.int64)
+        positions[:counts[0] if q else 0] = np.arange(counts[0] if q else 0)
+        ends = t + np.cumsum(counts)
+        pad = {"tokens": np.full(p, -1), "positions": positions, "kv_slots": positions % self.module.block_size,
+               "token_slots": np.full(p, self.scratch_slot),
+               "query_start": ends if arrays is not None else np.concatenate([[0], ends]),
+               "context_lens": np.maximum(counts, 1), "block_tables": np.zeros((q, self.max_blocks), dtype=np.int64),
+               "sample_token": np.zeros(m, dtype=np.int64), "sample_slots": np.full(m, self.scratch_slot),
+               "seeds": np.zeros(m, dtype=np.int64), "counters": np.zeros(m, dtype=np.int64),
+               "top_k": np.zeros(m, dtype=np.int64), "temperature": np.zeros(m, dtype=np.float32),
+               "top_p": np.ones(m, dtype=np.float32)}
+        if arrays is None:
+            return pad
+        return {k: np.concatenate([arrays[k], pad[k].astype(arrays[k].dtype, copy=False)]) for k in pad}
 
-    def _packer(self, num_tokens: int, num_seqs: int, num_samples: int) -> "_Packed":
-        """Static device buffers of one shape (decode graphs: one per bucket; eager: made per shape
-        and kept, since shapes repeat)."""
+    def _packer(self, num_tokens: int, num_seqs: int, num_samples: int, graphed: bool = False) -> "_Packed":
+        """Static device buffers of one shape: a graph's are kept for good (the graph reads their
+        addresses); eager shapes are kept while they are few, since shapes repeat."""
         key = (num_tokens, num_seqs, num_samples)
-        packed = self._packers.get(key)
+        kept = self._graph_packers if graphed else self._packers
+        packed = kept.get(key)
         if packed is None:
-            if len(self._packers) > 256:  # eager shapes of long runs: keep the graphs' buffers only
-                self._packers = {k: v for k, v in self._packers.items() if k[0] == k[1] == k[2]}
-            packed = self._packers[key] = _Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device,
-                                                  self.stream)
+            if not graphed and len(self._packers) > 256:  # eager shapes of long runs
+                self._packers.clear()
+            packed = kept[key] = _Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device, self.stream)
         return packed
 
 
@@ -265,8 +315,7 @@ _TORCH = {np.int32: torch.int32, np.float32: torch.float32}
 
 class _Packed:
     """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
-    the named tensors of `_host_arrays`. Decode graphs pad to their bucket: padded sequences take
-    one token each (query_start and sample_token continue as ranges)."""
+    the named tensors of `_host_arrays` (padded by `IterationRunner._padded` for a graph)."""
 
     def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream):
         sizes = {"tokens": num_tokens, "positions": num_tokens, "kv_slots": num_tokens, "token_slots": num_tokens,
@@ -289,19 +338,12 @@ class _Packed:
             self.tensors[name] = view
         self.tensors["block_tables"] = self.tensors["block_tables"].view(num_seqs, max_blocks)
 
-    def load(self, arrays: dict | None, padding: dict | None) -> None:
+    def load(self, arrays: dict) -> None:
+        """Copy the arrays (of `_host_arrays`, padded to this shape where it is a graph's)."""
         host = self.ring.next()
         for name, (start, size, words) in self.columns.items():
-            if padding is not None and name in ("query_start", "sample_token"):
-                values = np.arange(size)
-            elif padding is None:
-                values = arrays[name].reshape(-1)
-            elif arrays is None:
-                values = np.asarray(padding[name]).reshape(-1)
-            else:
-                values = np.concatenate([arrays[name].reshape(-1), np.asarray(padding[name]).reshape(-1)])
             dest = host[start:start + words]
             if name in _NARROW:
                 dest = dest.view(_NARROW[name])[:size]
-            dest[:] = values
+            dest[:] = arrays[name].reshape(-1)
         self.ring.copy_to(self.device_buffer, self.size)
