@@ -31,87 +31,80 @@ def iteration(runner, rng) -> dict:
             "top_p": np.ones(2, dtype=np.float32)}
 
 
-def test_a_padded_iteration_computes_what_the_unpadded_one_does(checkpoint):
+@pytest.fixture
+def runner(checkpoint):
+    """The iteration runner of a CPU engine on the tiny checkpoint (started without a thread: nothing steps it)."""
     family, path, _ = checkpoint
     engine, _ = engine_for(path, family, num_blocks=25, max_seqs=4, max_tokens=48)
-    runner = next(iter(engine.workers[0].iterations.values()))
     try:
-        arrays = iteration(runner, np.random.default_rng(5))
-        cache = runner.cache
-        torch.manual_seed(0)
-        cache.k.normal_(), cache.v.normal_()  # (a context for the cached positions to attend to)
-        before = cache.k.clone(), cache.v.clone(), runner.last_token.clone()
-
-        def run(host, max_query_len):
-            cache.k.copy_(before[0]), cache.v.copy_(before[1]), runner.last_token.copy_(before[2])
-            t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in host.items()}
-            with torch.inference_mode():
-                chosen = runner._forward(t, max_query_len, True, None).clone()
-            return chosen, cache.k.clone(), cache.v.clone(), runner.last_token.clone()
-
-        plain = run(arrays, 5)
-        padded_arrays = runner._padded(arrays, 16, 8, 8)
-        assert len(padded_arrays["tokens"]) == 16 and len(padded_arrays["context_lens"]) == 8
-        assert padded_arrays["query_start"][-1] == 16 and len(padded_arrays["sample_token"]) == 8
-        padded = run(padded_arrays, 16)
-        assert padded[0][:2].tolist() == plain[0].tolist()  # the real samples first, the same tokens
-        real = np.zeros(cache.num_blocks * runner.module.block_size, dtype=bool)
-        real[arrays["kv_slots"]] = True
-        for i in (1, 2):  # K, V
-            flat = [c.flatten(1, 2) for c in (before[i - 1], plain[i], padded[i])]  # [layers, slots, ...]
-            torch.testing.assert_close(flat[2][:, real], flat[1][:, real], rtol=1e-5, atol=1e-5)
-            untouched = torch.from_numpy(~real)
-            untouched[:runner.module.block_size] = False  # the scratch block: the padding's
-            assert torch.equal(flat[2][:, untouched], flat[0][:, untouched])
-        keep = torch.ones(len(before[2]), dtype=torch.bool)
-        keep[runner.scratch_slot] = False
-        assert torch.equal(padded[3][keep], plain[3][keep])
+        yield next(iter(engine.workers[0].iterations.values()))
     finally:
         engine.stop()
 
 
-def test_padding_alone_and_its_errors(checkpoint):
-    family, path, _ = checkpoint
-    engine, _ = engine_for(path, family, num_blocks=25, max_seqs=4, max_tokens=48)
-    runner = next(iter(engine.workers[0].iterations.values()))
-    try:
-        alone = runner._padded(None, 4, 4, 4)  # a decode graph's warm-up: padding only, one token each
-        assert alone["query_start"].tolist() == [0, 1, 2, 3, 4] and alone["positions"].tolist() == [0] * 4
-        assert (alone["kv_slots"] == 0).all() and (alone["token_slots"] == runner.scratch_slot).all()
-        arrays = iteration(runner, np.random.default_rng(1))
-        with pytest.raises(ValueError, match="cannot pad"):
-            runner._padded(arrays, 16, 3, 4)  # padded tokens need a padded sequence
-        with pytest.raises(ValueError, match="cannot pad"):
-            runner._padded(arrays, 8, 4, 4)  # fewer tokens than there are
-    finally:
-        engine.stop()
+def test_a_padded_iteration_computes_what_the_unpadded_one_does(runner):
+    arrays = iteration(runner, np.random.default_rng(5))
+    cache = runner.cache
+    torch.manual_seed(0)
+    cache.k.normal_(), cache.v.normal_()  # (a context for the cached positions to attend to)
+    before = cache.k.clone(), cache.v.clone(), runner.last_token.clone()
+
+    def run(host, max_query_len):
+        cache.k.copy_(before[0]), cache.v.copy_(before[1]), runner.last_token.copy_(before[2])
+        t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in host.items()}
+        with torch.inference_mode():
+            chosen = runner._forward(t, max_query_len, True, None).clone()
+        return chosen, cache.k.clone(), cache.v.clone(), runner.last_token.clone()
+
+    plain = run(arrays, 5)
+    padded_arrays = runner._padded(arrays, 16, 8, 8)
+    assert len(padded_arrays["tokens"]) == 16 and len(padded_arrays["context_lens"]) == 8
+    assert padded_arrays["query_start"][-1] == 16 and len(padded_arrays["sample_token"]) == 8
+    padded = run(padded_arrays, 16)
+    assert padded[0][:2].tolist() == plain[0].tolist()  # the real samples first, the same tokens
+    real = np.zeros(cache.num_blocks * runner.module.block_size, dtype=bool)
+    real[arrays["kv_slots"]] = True
+    for i in (1, 2):  # K, V
+        flat = [c.flatten(1, 2) for c in (before[i - 1], plain[i], padded[i])]  # [layers, slots, ...]
+        torch.testing.assert_close(flat[2][:, real], flat[1][:, real], rtol=1e-5, atol=1e-5)
+        untouched = torch.from_numpy(~real)
+        untouched[:runner.module.block_size] = False  # the scratch block: the padding's
+        assert torch.equal(flat[2][:, untouched], flat[0][:, untouched])
+    keep = torch.ones(len(before[2]), dtype=torch.bool)
+    keep[runner.scratch_slot] = False
+    assert torch.equal(padded[3][keep], plain[3][keep])
 
 
-def test_graph_shapes(checkpoint):
-    family, path, _ = checkpoint
-    engine, _ = engine_for(path, family, num_blocks=25, max_seqs=4, max_tokens=48)
-    runner = next(iter(engine.workers[0].iterations.values()))
-    try:
-        assert runner._graph_shape(types.SimpleNamespace(slots=np.arange(3), decode_only=True, batch=3), 9) is None
-        runner.graphs.enabled = True  # (the shapes alone: nothing is captured here)
-        width = runner.max_blocks * runner.module.block_size
-        short = runner._short
+def test_padding_alone_and_its_errors(runner):
+    alone = runner._padded(None, 4, 4, 4)  # a decode graph's warm-up: padding only, one token each
+    assert alone["query_start"].tolist() == [0, 1, 2, 3, 4] and alone["positions"].tolist() == [0] * 4
+    assert (alone["kv_slots"] == 0).all() and (alone["token_slots"] == runner.scratch_slot).all()
+    arrays = iteration(runner, np.random.default_rng(1))
+    with pytest.raises(ValueError, match="cannot pad"):
+        runner._padded(arrays, 16, 3, 4)  # padded tokens need a padded sequence
+    with pytest.raises(ValueError, match="cannot pad"):
+        runner._padded(arrays, 8, 4, 4)  # fewer tokens than there are
 
-        def shape(seqs, tokens, longest, decode=False):
-            return runner._graph_shape(types.SimpleNamespace(slots=np.arange(seqs), decode_only=decode,
-                                                             batch=tokens), longest)
-        assert shape(3, 3, 9, decode=True) == (4, 4, short)  # decode: the short bound or none
-        assert shape(3, 3, short + 1, decode=True) == (4, 4, None)
-        bound = short if short < width else None  # prompt chunks: a power of two below the table's width
-        assert shape(2, 9, 30) == (16, runner.cell_type.bucket(3), bound)  # 7 padded tokens: a padded sequence
-        assert shape(3, 16, 30) == (16, runner.cell_type.bucket(3), bound)  # no padded tokens: none needed
-        assert shape(4, 9, 30) is None  # a padded sequence would not fit the batch sizes
-        runner.max_blocks = 4096 // runner.module.block_size  # (a wider table: contexts bound by powers of two)
-        assert short == 512 and [shape(2, 9, n)[2] for n in (30, 513, 1000, 2049, 4000)] == [512, 1024, 1024, None, None]
-        most = runner.module.kv.prefill_graph_tokens
-        assert shape(1, most, 30)[0] == most and shape(1, most + 1, 30) is None  # long prompt chunks: eagerly
-    finally:
-        engine.stop()
+
+def test_graph_shapes(runner):
+    assert runner._graph_shape(types.SimpleNamespace(slots=np.arange(3), decode_only=True, batch=3), 9) is None
+    runner.graphs.enabled = True  # (the shapes alone: nothing is captured here)
+    width = runner.max_blocks * runner.module.block_size
+    short = runner._short
+
+    def shape(seqs, tokens, longest, decode=False):
+        return runner._graph_shape(types.SimpleNamespace(slots=np.arange(seqs), decode_only=decode,
+                                                         batch=tokens), longest)
+    assert shape(3, 3, 9, decode=True) == (4, 4, short)  # decode: the short bound or none
+    assert shape(3, 3, short + 1, decode=True) == (4, 4, None)
+    bound = short if short < width else None  # prompt chunks: a power of two below the table's width
+    assert shape(2, 9, 30) == (16, runner.cell_type.bucket(3), bound)  # 7 padded tokens: a padded sequence
+    assert shape(3, 16, 30) == (16, runner.cell_type.bucket(3), bound)  # no padded tokens: none needed
+    assert shape(4, 9, 30) is None  # a padded sequence would not fit the batch sizes
+    runner.max_blocks = 4096 // runner.module.block_size  # (a wider table: contexts bound by powers of two)
+    assert short == 512 and [shape(2, 9, n)[2] for n in (30, 513, 1000, 2049, 4000)] == [512, 1024, 1024, None, None]
+    most = runner.module.kv.prefill_graph_tokens
+    assert shape(1, most, 30)[0] == most and shape(1, most + 1, 30) is None  # long prompt chunks: eagerly
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "512"])
