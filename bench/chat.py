@@ -65,6 +65,7 @@ def summarize(system: str, rate: float, work, latencies: list[float], span: floa
 def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     runner = next(iter(engine.workers[0].iterations.values()))
     runner.trace = []
+    graphs_before = chat_stateful.graph_counters(runner)
     arrivals = poisson(len(work), rate, seed)
     done_at, futures = {}, []
     start = time.perf_counter()
@@ -80,7 +81,9 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     end = max(done_at.values())
     latencies = [done_at[i] - (start + arrivals[i]) for i in range(len(work))]
     trace, runner.trace = runner.trace, None
-    return summarize("batchmaker", rate, work, latencies, end - start), trace
+    row = summarize("batchmaker", rate, work, latencies, end - start)
+    row["graphs"] = {k: v - graphs_before[k] for k, v in chat_stateful.graph_counters(runner).items()}
+    return row, trace
 
 
 def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, peak: float,

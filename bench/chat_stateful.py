@@ -134,6 +134,13 @@ def summarize(system: str, rate: float, records: list, window: tuple[float, floa
     return row
 
 
+def graph_counters(runner) -> dict:
+    """Iterations run, those that replayed (or captured) a CUDA graph, captures and their wall
+    time: a snapshot, subtracted from a later one for what a run cost."""
+    return {"runner_iterations": runner.num_iterations, "graph_iterations": runner.num_graph_iterations,
+            "graph_captures": runner.graphs.num_captures, "graph_capture_s": runner.graphs.capture_s}
+
+
 def _engine_counters(engine, gen) -> dict:
     """What the whole run (all its turns) cost the engine: iterations, tokens, manager time."""
     stats = engine.stats()
@@ -141,7 +148,8 @@ def _engine_counters(engine, gen) -> dict:
     for key, n in stats["batch_sizes"].items():  # "cell:tokens" -> iterations
         iterations += n
         tokens += n * int(key.rsplit(":", 1)[1])
-    return {"time_s": time.perf_counter(), "iterations": iterations, "tokens": tokens,
+    graphs = graph_counters(next(iter(engine.workers[0].iterations.values())))
+    return {"time_s": time.perf_counter(), "iterations": iterations, "tokens": tokens, **graphs,
             "suspended": gen.queue.num_suspended, **gen.queue.counters, **{f"{k}_ms": v for k, v in stats["stage_ms"].items()}}
 
 
