@@ -2,7 +2,8 @@
 1, a prefill chunk: many, a padded sequence: 0) attending causally to its whole context, whose K/V
 live in fixed-size blocks of a shared cache (grouped-query attention: query head h reads kv head
 h // G). One Triton launch per call (split-KV into a few slices included: the last program of a
-tile merges them; more slices take a second launch); `reference_paged_attention` is the
+tile merges them; more slices take a second launch), two for a mixed batch given work lists
+(kernels/attention_work.py: decodes, then prompt tiles); `reference_paged_attention` is the
 pure-PyTorch twin with the same arguments, and what the engine runs on the CPU.
 
     write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first (one launch on CUDA)
@@ -94,7 +95,8 @@ def triton_write_kv(k, v, k_cache, v_cache, slots) -> None:
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
                               scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
-                              num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+                              num_splits: int | None = None, config: AttentionConfig | None = None,
+                              work=None) -> torch.Tensor:
     """The twin of `paged_attention`: per sequence, gather its context through the block table and
     run softmax(q k^T * scale + causal mask) v in fp32. Padding rows are zero. The trailing
     keywords only steer the kernel; they are accepted so that callers can swap the two."""
@@ -149,7 +151,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
                     scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
-                    num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, config: AttentionConfig | None = None,
+                    work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of every sequence's new queries over its paged context; [T, Hq, D] in q's
     dtype (fp16, bf16 or fp32), padding rows zero. max_query_len >= every n_s (host int: the grid).
 
@@ -157,55 +160,90 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     context may be long: max_context_len bounds it (default: what the block table can hold).
     `num_splits` and `config` override the choices (tests, benchmarks). Launches on the current
     stream; no host sync, so it can be captured in a CUDA graph.
+
+    `work`: the (small, large) item lists of kernels/attention_work.py for this max_query_len. Then
+    the sequences of up to `small_tokens` new tokens (decodes) take decode tiles in one launch and
+    the (sequence, tile) items of the others prompt tiles in a second, instead of every sequence
+    taking max_query_len's tiles (a mixed batch's decodes in 128-row tiles: ~2x the time, H200).
+    Split-KV then merges in the kernel (at most COMBINE_MAX_SPLITS slices) or does not split.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
     if not (q.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"paged_attention runs on CUDA tensors, got {q.device}; "
                                      "use reference_paged_attention")
+    if work is not None and config is not None:
+        raise ValueError("work lists are cut for the automatic tiles: pass no config with them")
+    num_tokens = q.shape[0]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0:
+        return out
+    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * k_cache.shape[1]
+    if work is None:
+        _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len, scale, bound,
+                config, num_splits, None)
+    else:
+        for items, query_len in zip(work, (small_tokens(group), max_query_len)):
+            if len(items):
+                _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, query_len, scale, bound,
+                        None, num_splits, items)
+    return out
+
+
+def small_tokens(group: int) -> int:
+    """New tokens of a sequence that one decode tile holds (its rows: tokens x G, padded)."""
+    return pick_config(1, _pow2(group)).block_m
+
+
+def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len: int, scale: float,
+            bound: int, config, num_splits, items) -> None:
+    """One kernel launch (+ the combine's): over every sequence and max_query_len's tiles, or over
+    `items` ((sequence, tile) each)."""
     kernels = _load_kernels()
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
-    if num_tokens == 0:
-        return out
-    bound = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
     cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
-                                  config, num_splits)
-    num_tiles = max(1, -(-max_query_len // cfg.block_m))
+                                  config, num_splits, num_items=None if items is None else len(items))
+    if items is not None and num_splits > 1:  # slices merge in the kernel (a combine launch would rewrite every row)
+        limit = COMBINE_MAX_SPLITS if num_kv_heads * num_tokens <= COMBINE_COUNTERS and \
+            _counters(q.device) is not None else 1
+        if num_splits > limit:
+            cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
+                                          config, limit, num_items=len(items))
+    counters = _counters(q.device) if 1 < num_splits <= COMBINE_MAX_SPLITS and \
+        num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
+    grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=q.device) if is_split else out
     part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device) if is_split else out
-    counters = _counters(q.device) if 1 < num_splits <= COMBINE_MAX_SPLITS and \
-        num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
     combine = counters is not None
-    kernels.paged_attention_kernel[(num_kv_heads * num_splits, num_seqs + 1, num_tiles)](
+    kernels.paged_attention_kernel[(num_kv_heads * num_splits, *grid)](
         q, k_cache, v_cache, out, part_out, part_lse, part_lse if counters is None else counters, block_tables,
-        query_start, context_lens,
+        query_start, context_lens, query_start if items is None else items,
         scale * LOG2_E, num_seqs, num_tokens, num_q_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=group, G_PAD=_pow2(group), D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype), WORK=items is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
             out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1)
-    return out
 
 
 def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, max_context_len: int,
-                num_sms: int, config: AttentionConfig | None = None,
-                num_splits: int | None = None) -> tuple[AttentionConfig, int]:
+                num_sms: int, config: AttentionConfig | None = None, num_splits: int | None = None,
+                num_items: int | None = None) -> tuple[AttentionConfig, int]:
     """The tile shape and split count of a launch, from host ints only (`config`, `num_splits`:
-    the caller's choice, kept)."""
+    the caller's choice, kept; `num_items`: a work list's (sequence, tile) items per kv head)."""
     cfg = config or pick_config(max_query_len, _pow2(group))
     is_decode_tile = cfg.block_m * _pow2(group) <= 16
     if num_splits is None:
         num_tiles = max(1, -(-max_query_len // cfg.block_m))
-        num_programs = num_seqs * num_kv_heads * num_tiles
+        num_programs = (num_seqs * num_tiles if num_items is None else num_items) * num_kv_heads
         min_len = MIN_PREFILL_SPLIT_LEN if not is_decode_tile else \
             FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
         num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
@@ -258,6 +296,7 @@ class PagedAttend:
     max_context_len: int | None = None
     before_layer: Callable[[int], None] | None = None
     attention: Callable | None = None  # None: the kernel on CUDA, else the twin
+    work: tuple[torch.Tensor, torch.Tensor] | None = None  # item lists (kernels/attention_work.py)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write_kv(k, v, *self.kv_cache(layer))
@@ -272,7 +311,8 @@ class PagedAttend:
         """q [T, Hq, D] over the layer's cache, which holds the new tokens' K/V already."""
         attention = self.attention or (paged_attention if q.is_cuda else reference_paged_attention)
         return attention(q, self.k_cache[layer], self.v_cache[layer], self.block_tables, self.query_start,
-                         self.context_lens, self.max_query_len, self.scale, max_context_len=self.max_context_len)
+                         self.context_lens, self.max_query_len, self.scale, max_context_len=self.max_context_len,
+                         work=self.work)
 
 
 def _pow2(x: int) -> int:
@@ -332,4 +372,5 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
 
 
 __all__ = ["AttentionConfig", "PagedAttend", "SHORT_CONTEXT_LEN", "paged_attention", "pick_config", "pick_launch",
-           "pick_num_splits", "reference_paged_attention", "reference_write_kv", "triton_write_kv", "write_kv"]
+           "pick_num_splits", "reference_paged_attention", "reference_write_kv", "small_tokens", "triton_write_kv",
+           "write_kv"]

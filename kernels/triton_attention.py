@@ -10,7 +10,8 @@ token r // G_PAD, head r % G_PAD; heads past G, when G is not a power of two, ar
 the context BLOCK_N positions at a time up to its last query position (causal), gathering each
 position's block id from the block table, and keeps the running max, sum and output in fp32.
 Steps wholly below the tile's first query position (all of decode but its last step) run without
-masks; the rest mask by position.
+masks; the rest mask by position. With WORK the programs take their (sequence, tile) from a list
+the host cut (attention_work.py), -1 for none, instead of the grid's every (sequence, tile).
 Scores are in log2 units (scale * log2(e) folded into the scale) so the softmax uses exp2.
 
 `write_kv_kernel` puts the new tokens' K and V into their cache slots (one launch for both).
@@ -85,15 +86,24 @@ def paged_attention_kernel(
     part_out, part_lse,  # split-KV partials, fp32 [num_splits, T, Hq, D] and [num_splits, T, Hq]
     counters,  # COMBINE: int32 [Hkv * T], zero; a tile's is at kv_head * T + its first token
     block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
+    work,  # WORK: int32 items, sequence << 16 | tile (-1: none), one per program_id(1)
     scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr, PRECISION: tl.constexpr,
+    WORK: tl.constexpr,
 ):
-    # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens
+    # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
+    # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile)
     kv_head, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
-    seq, tile = tl.program_id(1), tl.program_id(2)
+    if WORK:
+        item = tl.load(work + tl.program_id(1))
+        if item < 0:
+            return
+        seq, tile = item >> 16, item & 0xFFFF
+    else:
+        seq, tile = tl.program_id(1), tl.program_id(2)
     M: tl.constexpr = BLOCK_M * G_PAD
     offs_d = tl.arange(0, D)
     # the sequence's metadata, loaded at once (a dependent load each would add a round trip to every program)

@@ -15,13 +15,15 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
                                                 SHORT_MAX_SPLITS, AttentionConfig, PagedAttend,
                                                 paged_attention, pick_launch, pick_num_splits, reference_paged_attention,
-                                                reference_write_kv, triton_write_kv, write_kv)
+                                                reference_write_kv, small_tokens, triton_write_kv, write_kv)
+from batchmaker.kernels.attention_work import capacity, is_mixed, work_lists
 from helpers import interpreter, needs_gpu, run_interpreted
 
 TOLERANCE = {  # (rtol, atol) of the kernel against the twin, outputs of O(1): about 2 ulps of the dtype
@@ -209,6 +211,54 @@ def test_short_decode_contexts_split_in_slices_of_the_minimum():
     assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
 
 
+def work_for(case: Case, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's work lists as tensors on its device (padded: to the capacity of its shape)."""
+    q, query_start, n = case.args[0], case.args[4], case.args[6]
+    group = q.shape[1] // case.args[1].shape[2]
+    sizes = capacity(q.shape[0], len(query_start) - 1, group, n) if padded else None
+    lists = work_lists(query_start.cpu().numpy(), q.shape[0], group, n, sizes)
+    return tuple(torch.from_numpy(items).to(q.device) for items in lists)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("seed", range(20))
+def test_work_lists_name_every_tile_once(group, seed):
+    """Small items: the sequences of 1 .. small_tokens new tokens; large: every query tile of the
+    longer ones (and one item for rows after the last sequence); within capacity, -1 after."""
+    from batchmaker.kernels.paged_attention import _pow2, pick_config
+    rng = torch.Generator().manual_seed(seed)
+    short = small_tokens(group)
+    lens = [int(x) for x in torch.tensor([0, 1, short, short + 1, 40, 300])[torch.randint(6, (12,), generator=rng)]]
+    lens[0] = max(lens[0], short + 1)  # a mixed batch
+    query_start = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]).numpy()
+    num_tokens = int(query_start[-1]) + seed % 3  # padding rows after the last sequence, sometimes
+    n = max(lens)
+    assert is_mixed(n, group, 16) and not is_mixed(n, group, 15) and not is_mixed(short, group, 64)
+    block_m = pick_config(n, _pow2(group)).block_m
+    small, large = work_lists(query_start, num_tokens, group, n)
+    assert sorted(small.tolist()) == [s << 16 for s, m in enumerate(lens) if 0 < m <= short]
+    want = [s << 16 | t for s, m in enumerate(lens) if m > short for t in range(-(-m // block_m))]
+    assert large.tolist() == want + ([len(lens) << 16] if num_tokens > query_start[-1] else [])
+    sizes = capacity(num_tokens, len(lens), group, n)
+    padded_small, padded_large = work_lists(query_start, num_tokens, group, n, sizes)
+    assert (len(padded_small), len(padded_large)) == sizes
+    assert padded_small[:len(small)].tolist() == small.tolist() and (padded_small[len(small):] == -1).all()
+    assert padded_large[:len(large)].tolist() == large.tolist() and (padded_large[len(large):] == -1).all()
+
+
+def test_capacity_holds_the_worst_batches():
+    for group in (1, 4):
+        short = small_tokens(group)
+        for lens in ([short + 1] * 30, [1] * 64, [512], [short + 1] * 5 + [200, 1, 1]):
+            query_start = np.concatenate([[0], np.cumsum(lens)])
+            t, s = int(query_start[-1]) + 1, len(lens)
+            work_lists(query_start, t, group, max(lens), capacity(t, s, group, max(lens)))  # no overflow
+    with pytest.raises(ValueError, match="overflow"):
+        work_lists(np.array([0, 40, 41]), 41, 1, 40, (1, 0))
+    with pytest.raises(ValueError, match="longest query"):
+        work_lists(np.array([0, 40, 41]), 41, 1, 20)
+
+
 def paged_attend_case(seed=0, **kw):
     """A PagedAttend over 2 layers of a case's cache (its K/V put in both), and the case."""
     case = make_case([1, 3, 0], [9, 20, 4], 2, 2, 32, 8, seed=seed)
@@ -270,6 +320,10 @@ def test_kernel_in_the_interpreter(seed):
         torch.testing.assert_close(check_kernel(case, num_splits=2), one_pass, rtol=1e-5, atol=1e-5)
         attend, case = paged_attend_case(seed, attention=paged_attention)  # the kernel through PagedAttend
         torch.testing.assert_close(attend.attend_cached(0, case.q), reference_paged_attention(*case.args))
+    if seed == 4:  # a mixed batch in two launches (work lists), padded ones too, split as well
+        case = make_case([1, 20, 0, 2, 1], [60, 20, 3, 40, 9], 2, 1, 32, 8, seed=seed)
+        check_kernel(case, work=work_for(case))
+        check_kernel(case, work=work_for(case, padded=True), num_splits=8)  # (at most 4 slices, merged inside)
     if seed == 3:  # the cache write: heads not a power of two, a block of one position
         check_write_kv(5, 3, 32, 4, torch.float32, "cpu")
         check_write_kv(3, 2, 12, 1, torch.float32, "cpu", seed=1)
@@ -298,6 +352,22 @@ def ieee_fp32():
 @pytest.mark.parametrize("seed", range(12))
 def test_kernel_matches_the_twin(seed, dtype):
     check_kernel(random_case(seed, dtype, "cuda"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seed", range(12))
+def test_mixed_batches_in_two_launches(seed, dtype):
+    """Work lists: decodes in decode tiles, chunks in prompt tiles, as the single launch computes."""
+    case = random_case(seed, dtype, "cuda")
+    if case.args[6] <= small_tokens(case.q.shape[1] // case.args[1].shape[2]):  # (not mixed)
+        case = make_case([1, 70, 1, 0, 33], [300, 90, 5, 2, 33], 2, 4, 128, 16, dtype, "cuda", seed=seed)
+    check_kernel(case, work=work_for(case, padded=seed % 2 == 1))
+    if seed < 2:  # long contexts, few sequences: split, merged inside the launch
+        case = make_case([1, 1, 0, 40], [3000, 1, 7, 2500], 2, 4, 128, 16, dtype, "cuda", seed=seed)
+        check_kernel(case, work=work_for(case), max_context_len=4096)
+        check_kernel(case, work=work_for(case), num_splits=32)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,9 @@ graph per padded number of sequences; iterations with prompt chunks of up to
 `KVSettings.prefill_graph_tokens` tokens replay one per padded (tokens, sequences, context
 bound), captured the first time each shape comes (eagerly their launches take the host ~2x the
 GPU's time; a turn's cache copied in from the host then comes whole before the iteration);
-longer ones run eagerly, and a turn copied in layer by layer runs in them.
+longer ones run eagerly, and a turn copied in layer by layer runs in them. A batch of decodes
+beside prompt chunks attends in two launches from work lists packed with the rest
+(kernels/attention_work.py).
 """
 import math
 import time
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from batchmaker.core.task import IterationTask
+from batchmaker.kernels import attention_work
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.sampling import sample
 from batchmaker.exec.staging import Landing, PinnedRing
@@ -59,6 +62,7 @@ class IterationRunner:
         self.scratch_slot = module.max_seqs  # padded sequences' last token lives here
         self.last_token = torch.zeros(module.max_seqs + 1, dtype=torch.int64, device=device)
         self.scale = self.config.head_dim ** -0.5
+        self.group = self.config.num_heads // self.config.num_kv_heads
         cuda = device.type == "cuda"
         self.kernels = kernels
         self.attention = kernels.paged_attention if cuda else kernels.reference_paged_attention
@@ -132,15 +136,15 @@ class IterationRunner:
 
     # the computation ---------------------------------------------------------------------------
     def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in,
-                 max_context_len: int | None = None) -> torch.Tensor:
+                 max_context_len: int | None = None, work: tuple | None = None) -> torch.Tensor:
         """The iteration on tensors already on the device; returns the sampled tokens [N].
         max_context_len: a host bound on every context (it picks the attention launch; None: the
-        block tables' width)."""
+        block tables' width); work: the attention's item lists (kernels/attention_work.py)."""
         tokens = torch.where(t["tokens"] >= 0, t["tokens"], self.last_token[t["token_slots"]])
         attend = self.kernels.PagedAttend(
             self.cache.k, self.cache.v, t["kv_slots"], t["block_tables"], t["query_start"], t["context_lens"],
             max_query_len, self.scale, max_context_len=max_context_len,
-            before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention)
+            before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention, work=work)
         hidden = self.lm(tokens, t["positions"], attend)
         logits = self.lm.head(hidden.index_select(0, t["sample_token"]))
         chosen = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"], greedy_only)
@@ -178,22 +182,45 @@ class IterationRunner:
         swap_in = self._copies(task.cache_plan, compute, whole=shape is not None)
         if shape is not None:  # a CUDA graph per padded shape
             tokens, seqs, bound = shape
-            packed = self._packer(tokens, seqs, seqs, graphed=True)
-            packed.load(self._padded(_host_arrays(task), tokens, seqs, seqs))
             query = 1 if task.decode_only else tokens  # (a bound on every sequence's new tokens)
+            sizes = self._work_sizes(tokens, seqs, query)
+            packed = self._packer(tokens, seqs, seqs, graphed=True, work=sizes)
+            packed.load(self._with_work(self._padded(_host_arrays(task), tokens, seqs, seqs), tokens, query, sizes))
             key = ("iteration", self.cell_type, seqs, greedy, bound) if task.decode_only else \
                 ("prefill", self.cell_type, tokens, seqs, greedy, bound)
-            out = self.graphs.run(key, lambda: self._forward(packed.tensors, query, greedy, None, bound), [])
+            work = packed.work(sizes)
+            out = self.graphs.run(key, lambda: self._forward(packed.tensors, query, greedy, None, bound, work), [])
             self.num_graph_iterations += 1
         else:
-            packed = self._packer(task.batch, len(task.slots), n)
-            packed.load(_host_arrays(task))
-            out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in, longest)
+            sizes = self._work_sizes(task.batch, len(task.slots), task.max_query_len)
+            packed = self._packer(task.batch, len(task.slots), n, work=sizes)
+            arrays = self._with_work(_host_arrays(task), task.batch, task.max_query_len, sizes, exact=True)
+            packed.load(arrays)
+            work = packed.work(sizes, arrays.get("work_counts"))
+            out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in, longest, work)
         if timed:
             end.record(compute)  # (before the copy to the host: passed once the tokens have landed)
         region = self.landing.open()
         task.handle = (region, region.to_host(out[:n]), (start, end) if timed else None)
         self.num_iterations += 1
+
+    def _work_sizes(self, num_tokens: int, num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
+        """The attention's item lists of an iteration of this shape, if its batch may mix decodes
+        with longer queries (kernels/attention_work.py): their capacity."""
+        if not attention_work.is_mixed(max_query_len, self.group, num_seqs):
+            return None
+        return attention_work.capacity(num_tokens, num_seqs, self.group, max_query_len)
+
+    def _with_work(self, arrays: dict, num_tokens: int, max_query_len: int, sizes, exact: bool = False) -> dict:
+        """`arrays` with the attention's item lists (padded to `sizes`; `exact`: their lengths too,
+        for an eager launch of just so many programs)."""
+        if sizes is None:
+            return arrays
+        small, large = attention_work.work_lists(arrays["query_start"], num_tokens, self.group, max_query_len)
+        arrays = dict(arrays, attn_small=small, attn_large=large)
+        if exact:
+            arrays["work_counts"] = (len(small), len(large))
+        return arrays
 
     def _graph_shape(self, task: IterationTask, longest: int) -> tuple[int, int, int | None] | None:
         """(tokens, sequences, context bound) of the CUDA graph that runs `task`, or None: eager.
@@ -284,16 +311,18 @@ class IterationRunner:
             return pad
         return {k: np.concatenate([arrays[k], pad[k].astype(arrays[k].dtype, copy=False)]) for k in pad}
 
-    def _packer(self, num_tokens: int, num_seqs: int, num_samples: int, graphed: bool = False) -> "_Packed":
+    def _packer(self, num_tokens: int, num_seqs: int, num_samples: int, graphed: bool = False,
+                work: tuple[int, int] | None = None) -> "_Packed":
         """Static device buffers of one shape: a graph's are kept for good (the graph reads their
         addresses); eager shapes are kept while they are few, since shapes repeat."""
-        key = (num_tokens, num_seqs, num_samples)
+        key = (num_tokens, num_seqs, num_samples, work)
         kept = self._graph_packers if graphed else self._packers
         packed = kept.get(key)
         if packed is None:
             if not graphed and len(self._packers) > 256:  # eager shapes of long runs
                 self._packers.clear()
-            packed = kept[key] = _Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device, self.stream)
+            packed = kept[key] = _Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device, self.stream,
+                                         work)
         return packed
 
 
@@ -309,7 +338,8 @@ def _host_arrays(task: IterationTask) -> dict[str, np.ndarray]:
 
 
 _NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
-           "temperature": np.float32, "top_p": np.float32}  # 4-byte columns, two per int64 word
+           "temperature": np.float32, "top_p": np.float32, "attn_small": np.int32,
+           "attn_large": np.int32}  # 4-byte columns, two per int64 word
 _TORCH = {np.int32: torch.int32, np.float32: torch.float32}
 
 
@@ -317,11 +347,14 @@ class _Packed:
     """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
     the named tensors of `_host_arrays` (padded by `IterationRunner._padded` for a graph)."""
 
-    def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream):
+    def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream,
+                 work: tuple[int, int] | None = None):
         sizes = {"tokens": num_tokens, "positions": num_tokens, "kv_slots": num_tokens, "token_slots": num_tokens,
                  "query_start": num_seqs + 1, "context_lens": num_seqs, "block_tables": num_seqs * max_blocks,
                  "sample_token": num_samples, "sample_slots": num_samples, "seeds": num_samples,
                  "counters": num_samples, "top_k": num_samples, "temperature": num_samples, "top_p": num_samples}
+        if work is not None:  # the attention's item lists, -1 after the last
+            sizes.update(attn_small=work[0], attn_large=work[1])
         self.columns, at = {}, 0
         for name, size in sizes.items():
             words = -(-size // 2) if name in _NARROW else size
@@ -345,5 +378,16 @@ class _Packed:
             dest = host[start:start + words]
             if name in _NARROW:
                 dest = dest.view(_NARROW[name])[:size]
+            if name.startswith("attn_"):  # (item lists: as many as there are, -1 after)
+                dest[len(arrays[name]):] = -1
+                dest = dest[:len(arrays[name])]
             dest[:] = arrays[name].reshape(-1)
         self.ring.copy_to(self.device_buffer, self.size)
+
+    def work(self, sizes: tuple[int, int] | None, counts: tuple[int, int] | None = None) -> tuple | None:
+        """The attention's item lists on the device: whole (a graph's launches cover the capacity),
+        or their first `counts` (an eager launch covers just the items there are)."""
+        if sizes is None:
+            return None
+        small, large = self.tensors["attn_small"], self.tensors["attn_large"]
+        return (small, large) if counts is None else (small[:counts[0]], large[:counts[1]])
