@@ -8,8 +8,10 @@ continuous batching and static batching, in one run, with the same random weight
 Reports per system and rate: output tokens/s, normalized latency (latency / output tokens) p50/p90,
 and for BatchMaker the roofline of the iterations it ran: sum over iterations of max(bytes read /
 copy bandwidth, FLOPs / matmul peak), bytes = weights + K/V of every context token read, FLOPs =
-2 x parameters x tokens (+ attention), over the wall time; and the bound on that fraction for
-iterations whose projections and attention run one after the other (`roofline_fraction_bound`). The decode step alone (one request's
+2 x parameters x tokens (+ attention), over the wall time; the bound on that fraction for
+iterations whose projections and attention run one after the other (`roofline_fraction_bound`);
+and where the wall time went (`device`): the iterations' spans on the GPU (events around each),
+graphed and eager apart, each with its roofline over its span, and the fraction the GPU was busy. The decode step alone (one request's
 tokens, and B requests decoding together at a fixed context) is timed against the same floor.
 """
 import argparse
@@ -86,22 +88,39 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     return row, trace
 
 
+def iteration_floor(record, config, params: int, itemsize: int, bandwidth: float, peak: float,
+                    serial: bool = False) -> float:
+    """Seconds one iteration (an exec/iterations.IterationRecord) would take at its roofline:
+    max(bytes / bandwidth, FLOPs / peak). With `serial`, the projections' roofline plus
+    attention's instead: what an iteration whose kernels run one after another (each at its own
+    roofline) cannot beat. A mixed iteration (prompt chunks: FLOPs in the GEMMs; decodes: bytes in
+    attention) reaches at most roofline / serial of the first."""
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    weight_s, gemm_s = params * itemsize / bandwidth, 2 * params * record.tokens / peak
+    kv_s = record.context * kv_per_token / bandwidth
+    attention_s = 4 * config.num_layers * config.num_heads * config.head_dim * record.context / peak
+    return max(weight_s, gemm_s) + max(kv_s, attention_s) if serial else max(weight_s + kv_s, gemm_s + attention_s)
+
+
 def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, peak: float,
              serial: bool = False) -> float:
-    """Seconds the iterations would take at the roofline of each: max(bytes / bandwidth, FLOPs /
-    peak). With `serial`, the projections' roofline plus attention's instead: what an iteration
-    whose kernels run one after another (each at its own roofline) cannot beat. A mixed iteration
-    (prompt chunks: FLOPs in the GEMMs; decodes: bytes in attention) reaches at most roofline /
-    serial of the first."""
-    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
-    total = 0.0
-    for tokens, context, _ in trace:
-        weight_s, gemm_s = params * itemsize / bandwidth, 2 * params * tokens / peak
-        kv_s = context * kv_per_token / bandwidth
-        attention_s = 4 * config.num_layers * config.num_heads * config.head_dim * context / peak
-        total += max(weight_s, gemm_s) + max(kv_s, attention_s) if serial else \
-            max(weight_s + kv_s, gemm_s + attention_s)
-    return total
+    """The iterations' floors (above), summed."""
+    return sum(iteration_floor(r, config, params, itemsize, bandwidth, peak, serial) for r in trace)
+
+
+def device_time(trace: list, wall_s: float, floor) -> dict:
+    """Where a run's wall time went: the iterations' spans on the device (graphed and eager
+    apart), the rest (the device waiting between iterations: for the host), and each part's
+    roofline (`floor(record)` seconds) over its span: how close its kernels ran to their floor."""
+    split = {}
+    for graphed, name in ((True, "graphed"), (False, "eager")):
+        part = [r for r in trace if r.graphed == graphed and r.seconds is not None]
+        busy, ideal = sum(r.seconds for r in part), sum(floor(r) for r in part)
+        split[name] = {"iterations": len(part), "busy_s": busy, "roofline_s": ideal,
+                       "roofline_of_busy": ideal / busy if busy else None,
+                       "mean_tokens": float(np.mean([r.tokens for r in part])) if part else None}
+    busy = split["graphed"]["busy_s"] + split["eager"]["busy_s"]
+    return {"busy_s": busy, "busy_fraction": busy / wall_s, **split}
 
 
 def decode_steps(engine, batch: int, context: int, steps: int, vocab: int) -> float:
@@ -199,7 +218,9 @@ def run_hf_static(hf, work, prompts, batch: int) -> dict:
     return summarize(f"hf-static-b{batch}", float("inf"), work, latencies, time.perf_counter() - start)
 
 
-def measured_bandwidth(device) -> float:
+def measured_bandwidth(device) -> float | None:
+    if not str(device).startswith("cuda"):
+        return None  # (a CPU smoke run)
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
@@ -211,7 +232,7 @@ def measured_bandwidth(device) -> float:
     return 2 * x.numel() * 20 / (time.perf_counter() - t)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--preset", default="llama-2-7b")
@@ -233,7 +254,7 @@ def main() -> None:
                     help="BatchMaker serves this many of the requests, unmeasured, before the first rate (a cold "
                          "engine's first run read 0.44 of the roofline instead of 0.52 on an H200)")
     chat_stateful.add_arguments(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from batchmaker import Engine, EngineConfig
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
     from batchmaker.registry import build_model
@@ -320,7 +341,9 @@ def main() -> None:
                 serial = roofline(trace, config, params, itemsize, args.bandwidth, args.peak, serial=True)
                 row.update(iterations=len(trace), roofline_s=ideal, roofline_fraction=ideal / row["wall_s"],
                            serial_roofline_s=serial, roofline_fraction_bound=ideal / serial,
-                           mean_tokens_per_iteration=float(np.mean([t for t, _, _ in trace])))
+                           mean_tokens_per_iteration=float(np.mean([r.tokens for r in trace])),
+                           device=device_time(trace, row["wall_s"], lambda r: iteration_floor(
+                               r, config, params, itemsize, args.bandwidth, args.peak)))
                 rows.append(row)
                 print(row, flush=True)
         finally:

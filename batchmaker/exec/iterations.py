@@ -20,6 +20,7 @@ beside prompt chunks attends in two launches from work lists packed with the res
 """
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,9 +29,20 @@ from batchmaker.core.task import IterationTask
 from batchmaker.kernels import attention_work
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.sampling import sample
-from batchmaker.exec.staging import Landing, PinnedRing
+from batchmaker.exec.iteration_buffers import Packed, host_arrays
+from batchmaker.exec.staging import Landing
 
 PREFILL_GRAPH_MIN_TOKENS = 16  # the smallest token bucket of those graphs
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """One iteration in a benchmark's trace (`IterationRunner.trace`; setting it times them all)."""
+    tokens: int
+    context: int  # context positions read: every sequence's, its new tokens included
+    seqs: int
+    graphed: bool
+    seconds: float | None = None  # once finished: its span on the device (CUDA: events around it)
 
 
 class KVCache:
@@ -69,11 +81,11 @@ class IterationRunner:
         self._short = kernels.SHORT_CONTEXT_LEN  # decode graphs for contexts up to it: one attention launch
         self.stream = None  # the CUDA worker's stream
         self.landing = Landing(1 << 16) if cuda else None
-        self._packers: dict[tuple, _Packed] = {}
-        self._graph_packers: dict[tuple, _Packed] = {}
+        self._packers: dict[tuple, Packed] = {}
+        self._graph_packers: dict[tuple, Packed] = {}
         self.num_graph_iterations = 0
         self.num_iterations = 0
-        self.trace: list | None = None  # benchmarks: (tokens, context tokens read, sequences) per iteration
+        self.trace: list[IterationRecord] | None = None  # benchmarks: a record per iteration
         kv = module.kv
         self.chunk_tokens = max(kv.chunk_tokens // module.block_size, 1) * module.block_size
         host_bytes = kv.host_bytes if kv.host_bytes is not None else (8 << 30 if cuda else 32 << 20)
@@ -151,41 +163,45 @@ class IterationRunner:
         self.last_token.index_copy_(0, t["sample_slots"], chosen)
         return chosen
 
-    def _record(self, task: IterationTask) -> None:
-        if self.trace is not None:
-            self.trace.append((task.batch, int(task.context_lens.sum()), len(task.slots)))
+    def _record(self, task: IterationTask, graphed: bool) -> "IterationRecord | None":
+        if self.trace is None:
+            return None
+        self.trace.append(IterationRecord(task.batch, int(task.context_lens.sum()), len(task.slots), graphed))
+        return self.trace[-1]
 
     # CPU: the worker thread runs it --------------------------------------------------------------
     def execute(self, task: IterationTask) -> None:
-        self._record(task)
-        host = _host_arrays(task)
+        record = self._record(task, False)
+        host = host_arrays(task)
         t = {k: torch.from_numpy(v) for k, v in host.items()}
         greedy = not (task.temperature > 0).any()
         start = time.perf_counter()
         swap_in = self._copies(task.cache_plan, None)
         task.sampled = self._forward(t, task.max_query_len, greedy, swap_in).numpy().copy()
         task.seconds = time.perf_counter() - start
+        if record is not None:
+            record.seconds = task.seconds
         self.num_iterations += 1
 
     # CUDA: the manager thread queues it on the worker's stream -----------------------------------
     def launch(self, task: IterationTask) -> None:
-        self._record(task)
+        longest = int(task.context_lens.max())  # (host arrays: no device sync)
+        shape = self._graph_shape(task, longest)
+        record = self._record(task, shape is not None)
         greedy = not (task.temperature > 0).any()
         n = len(task.sample)
         compute = self.stream or torch.cuda.current_stream(self.device)
-        timed = self.host is not None  # (the manager weighs copies in against iterations' time)
+        timed = self.host is not None or record is not None  # (the manager weighs copies in against iterations' time)
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(compute)
-        longest = int(task.context_lens.max())  # (host arrays: no device sync)
-        shape = self._graph_shape(task, longest)
         swap_in = self._copies(task.cache_plan, compute, whole=shape is not None)
         if shape is not None:  # a CUDA graph per padded shape
             tokens, seqs, bound = shape
             query = 1 if task.decode_only else tokens  # (a bound on every sequence's new tokens)
             sizes = self._work_sizes(tokens, seqs, query)
             packed = self._packer(tokens, seqs, seqs, graphed=True, work=sizes)
-            packed.load(self._with_work(self._padded(_host_arrays(task), tokens, seqs, seqs), tokens, query, sizes))
+            packed.load(self._with_work(self._padded(host_arrays(task), tokens, seqs, seqs), tokens, query, sizes))
             key = ("iteration", self.cell_type, seqs, greedy, bound) if task.decode_only else \
                 ("prefill", self.cell_type, tokens, seqs, greedy, bound)
             work = packed.work(sizes)
@@ -194,14 +210,14 @@ class IterationRunner:
         else:
             sizes = self._work_sizes(task.batch, len(task.slots), task.max_query_len)
             packed = self._packer(task.batch, len(task.slots), n, work=sizes)
-            arrays = self._with_work(_host_arrays(task), task.batch, task.max_query_len, sizes, exact=True)
+            arrays = self._with_work(host_arrays(task), task.batch, task.max_query_len, sizes, exact=True)
             packed.load(arrays)
             work = packed.work(sizes, arrays.get("work_counts"))
             out = self._forward(packed.tensors, task.max_query_len, greedy, swap_in, longest, work)
         if timed:
             end.record(compute)  # (before the copy to the host: passed once the tokens have landed)
         region = self.landing.open()
-        task.handle = (region, region.to_host(out[:n]), (start, end) if timed else None)
+        task.handle = (region, region.to_host(out[:n]), (start, end) if timed else None, record)
         self.num_iterations += 1
 
     def _work_sizes(self, num_tokens: int, num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
@@ -261,10 +277,12 @@ class IterationRunner:
 
     def finish(self, task: IterationTask) -> None:
         if task.handle is not None:
-            region, tokens, events = task.handle
+            region, tokens, events, record = task.handle
             task.sampled = tokens.numpy().copy()
             if events is not None:
                 task.seconds = events[0].elapsed_time(events[1]) / 1e3
+            if record is not None:
+                record.seconds = task.seconds
             self.landing.close(region)
             task.handle = None
 
@@ -283,7 +301,7 @@ class IterationRunner:
                                         lambda: self._forward(packed.tensors, 1, greedy, None, bound), [], warm=True)
 
     def _padded(self, arrays: dict | None, num_tokens: int, num_seqs: int, num_samples: int) -> dict:
-        """`arrays` (of `_host_arrays`; None: nothing real) padded to a graph's shape. The padded
+        """`arrays` (of `host_arrays`; None: nothing real) padded to a graph's shape. The padded
         sequences take the padded tokens, one each and the rest to the first, at positions 0, 1,
         ... of the scratch block (0): they read the scratch slot's last token and write only
         scratch. Padded samples read row 0 and go greedily to the scratch slot."""
@@ -312,7 +330,7 @@ class IterationRunner:
         return {k: np.concatenate([arrays[k], pad[k].astype(arrays[k].dtype, copy=False)]) for k in pad}
 
     def _packer(self, num_tokens: int, num_seqs: int, num_samples: int, graphed: bool = False,
-                work: tuple[int, int] | None = None) -> "_Packed":
+                work: tuple[int, int] | None = None) -> Packed:
         """Static device buffers of one shape: a graph's are kept for good (the graph reads their
         addresses); eager shapes are kept while they are few, since shapes repeat."""
         key = (num_tokens, num_seqs, num_samples, work)
@@ -321,73 +339,6 @@ class IterationRunner:
         if packed is None:
             if not graphed and len(self._packers) > 256:  # eager shapes of long runs
                 self._packers.clear()
-            packed = kept[key] = _Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device, self.stream,
+            packed = kept[key] = Packed(num_tokens, num_seqs, num_samples, self.max_blocks, self.device, self.stream,
                                          work)
         return packed
-
-
-def _host_arrays(task: IterationTask) -> dict[str, np.ndarray]:
-    """The task's plan as the arrays the computation reads (sequence-level ones per sampled row)."""
-    sample_token = task.query_start[task.sample + 1] - 1
-    return {"tokens": task.tokens, "positions": task.positions, "kv_slots": task.kv_slots,
-            "token_slots": task.token_slots, "query_start": task.query_start.astype(np.int32),
-            "context_lens": task.context_lens.astype(np.int32), "block_tables": task.block_tables,
-            "sample_token": sample_token, "sample_slots": task.slots[task.sample], "seeds": task.seeds,
-            "counters": task.sample_index, "top_k": task.top_k,
-            "temperature": task.temperature.astype(np.float32), "top_p": task.top_p.astype(np.float32)}
-
-
-_NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
-           "temperature": np.float32, "top_p": np.float32, "attn_small": np.int32,
-           "attn_large": np.int32}  # 4-byte columns, two per int64 word
-_TORCH = {np.int32: torch.int32, np.float32: torch.float32}
-
-
-class _Packed:
-    """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
-    the named tensors of `_host_arrays` (padded by `IterationRunner._padded` for a graph)."""
-
-    def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream,
-                 work: tuple[int, int] | None = None):
-        sizes = {"tokens": num_tokens, "positions": num_tokens, "kv_slots": num_tokens, "token_slots": num_tokens,
-                 "query_start": num_seqs + 1, "context_lens": num_seqs, "block_tables": num_seqs * max_blocks,
-                 "sample_token": num_samples, "sample_slots": num_samples, "seeds": num_samples,
-                 "counters": num_samples, "top_k": num_samples, "temperature": num_samples, "top_p": num_samples}
-        if work is not None:  # the attention's item lists, -1 after the last
-            sizes.update(attn_small=work[0], attn_large=work[1])
-        self.columns, at = {}, 0
-        for name, size in sizes.items():
-            words = -(-size // 2) if name in _NARROW else size
-            self.columns[name] = (at, size, words)
-            at += words
-        self.size = at
-        self.device_buffer = torch.zeros(at, dtype=torch.int64, device=device)
-        self.ring = PinnedRing(at, stream)
-        self.tensors = {}
-        for name, (start, size, words) in self.columns.items():
-            view = self.device_buffer[start:start + words]
-            if name in _NARROW:
-                view = view.view(_TORCH[_NARROW[name]])[:size]
-            self.tensors[name] = view
-        self.tensors["block_tables"] = self.tensors["block_tables"].view(num_seqs, max_blocks)
-
-    def load(self, arrays: dict) -> None:
-        """Copy the arrays (of `_host_arrays`, padded to this shape where it is a graph's)."""
-        host = self.ring.next()
-        for name, (start, size, words) in self.columns.items():
-            dest = host[start:start + words]
-            if name in _NARROW:
-                dest = dest.view(_NARROW[name])[:size]
-            if name.startswith("attn_"):  # (item lists: as many as there are, -1 after)
-                dest[len(arrays[name]):] = -1
-                dest = dest[:len(arrays[name])]
-            dest[:] = arrays[name].reshape(-1)
-        self.ring.copy_to(self.device_buffer, self.size)
-
-    def work(self, sizes: tuple[int, int] | None, counts: tuple[int, int] | None = None) -> tuple | None:
-        """The attention's item lists on the device: whole (a graph's launches cover the capacity),
-        or their first `counts` (an eager launch covers just the items there are)."""
-        if sizes is None:
-            return None
-        small, large = self.tensors["attn_small"], self.tensors["attn_large"]
-        return (small, large) if counts is None else (small[:counts[0]], large[:counts[1]])

@@ -1,0 +1,77 @@
+"""What one decoder iteration reads, from the host to the device in one copy: `host_arrays` turns
+an IterationTask's plan into named arrays, and a `Packed` holds one shape's static device buffer
+(one int64 buffer viewed as those arrays, 4-byte columns two to a word) with its pinned ring.
+A CUDA graph reads a Packed's tensors at fixed addresses; eager launches reuse them per shape.
+"""
+import numpy as np
+import torch
+
+from batchmaker.core.task import IterationTask
+from batchmaker.exec.staging import PinnedRing
+
+
+def host_arrays(task: IterationTask) -> dict[str, np.ndarray]:
+    """The task's plan as the arrays the computation reads (sequence-level ones per sampled row)."""
+    sample_token = task.query_start[task.sample + 1] - 1
+    return {"tokens": task.tokens, "positions": task.positions, "kv_slots": task.kv_slots,
+            "token_slots": task.token_slots, "query_start": task.query_start.astype(np.int32),
+            "context_lens": task.context_lens.astype(np.int32), "block_tables": task.block_tables,
+            "sample_token": sample_token, "sample_slots": task.slots[task.sample], "seeds": task.seeds,
+            "counters": task.sample_index, "top_k": task.top_k,
+            "temperature": task.temperature.astype(np.float32), "top_p": task.top_p.astype(np.float32)}
+
+
+_NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
+           "temperature": np.float32, "top_p": np.float32, "attn_small": np.int32,
+           "attn_large": np.int32}  # 4-byte columns, two per int64 word
+_TORCH = {np.int32: torch.int32, np.float32: torch.float32}
+
+
+class Packed:
+    """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
+    the named tensors of `host_arrays` (padded by `IterationRunner._padded` for a graph)."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream,
+                 work: tuple[int, int] | None = None):
+        sizes = {"tokens": num_tokens, "positions": num_tokens, "kv_slots": num_tokens, "token_slots": num_tokens,
+                 "query_start": num_seqs + 1, "context_lens": num_seqs, "block_tables": num_seqs * max_blocks,
+                 "sample_token": num_samples, "sample_slots": num_samples, "seeds": num_samples,
+                 "counters": num_samples, "top_k": num_samples, "temperature": num_samples, "top_p": num_samples}
+        if work is not None:  # the attention's item lists, -1 after the last
+            sizes.update(attn_small=work[0], attn_large=work[1])
+        self.columns, at = {}, 0
+        for name, size in sizes.items():
+            words = -(-size // 2) if name in _NARROW else size
+            self.columns[name] = (at, size, words)
+            at += words
+        self.size = at
+        self.device_buffer = torch.zeros(at, dtype=torch.int64, device=device)
+        self.ring = PinnedRing(at, stream)
+        self.tensors = {}
+        for name, (start, size, words) in self.columns.items():
+            view = self.device_buffer[start:start + words]
+            if name in _NARROW:
+                view = view.view(_TORCH[_NARROW[name]])[:size]
+            self.tensors[name] = view
+        self.tensors["block_tables"] = self.tensors["block_tables"].view(num_seqs, max_blocks)
+
+    def load(self, arrays: dict) -> None:
+        """Copy the arrays (of `host_arrays`, padded to this shape where it is a graph's)."""
+        host = self.ring.next()
+        for name, (start, size, words) in self.columns.items():
+            dest = host[start:start + words]
+            if name in _NARROW:
+                dest = dest.view(_NARROW[name])[:size]
+            if name.startswith("attn_"):  # (item lists: as many as there are, -1 after)
+                dest[len(arrays[name]):] = -1
+                dest = dest[:len(arrays[name])]
+            dest[:] = arrays[name].reshape(-1)
+        self.ring.copy_to(self.device_buffer, self.size)
+
+    def work(self, sizes: tuple[int, int] | None, counts: tuple[int, int] | None = None) -> tuple | None:
+        """The attention's item lists on the device: whole (a graph's launches cover the capacity),
+        or their first `counts` (an eager launch covers just the items there are)."""
+        if sizes is None:
+            return None
+        small, large = self.tensors["attn_small"], self.tensors["attn_large"]
+        return (small, large) if counts is None else (small[:counts[0]], large[:counts[1]])
