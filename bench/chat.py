@@ -67,7 +67,8 @@ def summarize(system: str, rate: float, work, latencies: list[float], span: floa
 def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     runner = next(iter(engine.workers[0].iterations.values()))
     runner.trace = []
-    graphs_before = chat_stateful.graph_counters(runner)
+    gen = engine.structured["llama"]
+    before = chat_stateful.engine_counters(engine, gen)
     arrivals = poisson(len(work), rate, seed)
     done_at, futures = {}, []
     start = time.perf_counter()
@@ -84,7 +85,8 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     latencies = [done_at[i] - (start + arrivals[i]) for i in range(len(work))]
     trace, runner.trace = runner.trace, None
     row = summarize("batchmaker", rate, work, latencies, end - start)
-    row["graphs"] = {k: v - graphs_before[k] for k, v in chat_stateful.graph_counters(runner).items()}
+    row["engine"] = chat_stateful.engine_delta(before, chat_stateful.engine_counters(engine, gen))
+    row["engine"]["extra_tokens"] = row["engine"]["tokens"] - sum(p + o - 1 for p, o in work)  # recomputed
     return row, trace
 
 

@@ -141,7 +141,7 @@ def graph_counters(runner) -> dict:
             "graph_captures": runner.graphs.num_captures, "graph_capture_s": runner.graphs.capture_s}
 
 
-def _engine_counters(engine, gen) -> dict:
+def engine_counters(engine, gen) -> dict:
     """What the whole run (all its turns) cost the engine: iterations, tokens, manager time."""
     stats = engine.stats()
     iterations = tokens = 0
@@ -153,7 +153,7 @@ def _engine_counters(engine, gen) -> dict:
             "suspended": gen.queue.num_suspended, **gen.queue.counters, **{f"{k}_ms": v for k, v in stats["stage_ms"].items()}}
 
 
-def _engine_delta(before: dict, after: dict) -> dict:
+def engine_delta(before: dict, after: dict) -> dict:
     delta = {k: after[k] - before[k] for k in after}
     n = max(delta["iterations"], 1)
     delta["tokens_per_iteration"] = delta["tokens"] / n
@@ -290,7 +290,7 @@ def run(args, model, config, write_results) -> None:
                 n = int(rate * args.arrival_seconds)
                 work = scripts(n, rate, reaction, config.max_positions, config.vocab_size, args.seed)
                 stop = work[-1].start
-                before = _engine_counters(engine, gen)
+                before = engine_counters(engine, gen)
                 records, span = converse(engine, "llama", work, stateful=system != "stateless", stop_at=stop)
                 stats = gen.conversation_stats() if system != "stateless" else None
                 if gen.caches and "chunk_cost_ms" not in payload and system.endswith("cpu"):
@@ -298,7 +298,7 @@ def run(args, model, config, write_results) -> None:
                     payload["chunk_cost_ms"] = {int((k + 1) * cell.kv.chunk_tokens): float(cost[k] * 1e3)
                                                 for k in (0, 1, 3, 7, 15, 31, 63, 127) if k < len(cost)}
                 rows.append(summarize(system, rate, records, (args.warm_fraction * stop, stop), stats))
-                rows[-1]["engine"] = _engine_delta(before, _engine_counters(engine, gen))
+                rows[-1]["engine"] = engine_delta(before, engine_counters(engine, gen))
                 host = next(iter(engine.workers[0].iterations.values())).host
                 if host is not None:  # host time issuing copies
                     rows[-1]["copies"] = dict(host.counters)

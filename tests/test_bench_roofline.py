@@ -48,7 +48,9 @@ def test_a_cpu_smoke_run_of_the_chat_benchmark_reports_device_time(tmp_path, mon
                "--systems", "batchmaker", "--steps", "", "--warm-up", "0"])
     (path,) = tmp_path.glob("chat-tiny-llama-*.json")
     (row,) = json.loads(path.read_text())["rows"]
-    assert row["output_tokens"] > 0 and row["iterations"] == row["graphs"]["runner_iterations"] > 0
+    engine = row["engine"]
+    assert row["output_tokens"] > 0 and row["iterations"] == engine["runner_iterations"] == engine["iterations"] > 0
+    assert engine["graph_iterations"] == 0 and engine["suspended"] == engine["extra_tokens"] == 0  # (blocks to spare)
     device = row["device"]
     assert device["eager"]["iterations"] == row["iterations"] and device["graphed"]["iterations"] == 0  # (no graphs on a CPU)
     assert 0 < device["busy_s"] <= row["wall_s"] * 1.01
