@@ -105,6 +105,8 @@ def test_graph_shapes(runner):
     assert short == 512 and [shape(2, 9, n)[2] for n in (30, 513, 1000, 2049, 4000)] == [512, 1024, 1024, None, None]
     most = runner.module.kv.prefill_graph_tokens
     assert shape(1, most, 30)[0] == most and shape(1, most + 1, 30) is None  # long prompt chunks: eagerly
+    assert [shape(1, n, 30)[0] for n in (17, 100, 128, 129, 300, 449)] == [32, 128, 128, 192, 320, 512]
+    # (powers of two while padding is cheap, then steps of 64)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "512"])

@@ -11,8 +11,8 @@ to the host in the same launch.
 On CUDA every launch is one copy of a packed int64 buffer from pinned memory, then the work:
 iterations where every sequence brings one token (pure decode, the common case) replay a CUDA
 graph per padded number of sequences; iterations with prompt chunks of up to
-`KVSettings.prefill_graph_tokens` tokens replay one per padded (tokens, sequences, context
-bound), captured the first time each shape comes (eagerly their launches take the host ~2x the
+`KVSettings.prefill_graph_tokens` tokens replay one per padded (tokens: a power of two up to 128,
+then a multiple of 64; sequences; context bound), captured the first time each shape comes (eagerly their launches take the host ~2x the
 GPU's time; a turn's cache copied in from the host then comes whole before the iteration);
 longer ones run eagerly, and a turn copied in layer by layer runs in them. A batch of decodes
 beside prompt chunks attends in two launches from work lists packed with the rest
@@ -33,6 +33,17 @@ from batchmaker.exec.iteration_buffers import Packed, host_arrays
 from batchmaker.exec.staging import Landing
 
 PREFILL_GRAPH_MIN_TOKENS = 16  # the smallest token bucket of those graphs
+PREFILL_GRAPH_POW2_TOKENS = 128  # up to here token buckets are powers of two; then multiples of
+PREFILL_GRAPH_STEP = 64  # this (H200, Llama-2-7B: up to ~190 tokens the projections are bound by
+# reading the weights, so padding costs little; past it by FLOPs, and 300 tokens padded to 512
+# would run ~1.7x their GEMM time)
+
+
+def prefill_tokens(num_tokens: int) -> int:
+    """The token count a graphed iteration of `num_tokens` with prompt chunks is padded to."""
+    if num_tokens <= PREFILL_GRAPH_POW2_TOKENS:
+        return max(PREFILL_GRAPH_MIN_TOKENS, 1 << (num_tokens - 1).bit_length())
+    return -(-num_tokens // PREFILL_GRAPH_STEP) * PREFILL_GRAPH_STEP
 
 
 @dataclass(slots=True)
@@ -241,7 +252,7 @@ class IterationRunner:
     def _graph_shape(self, task: IterationTask, longest: int) -> tuple[int, int, int | None] | None:
         """(tokens, sequences, context bound) of the CUDA graph that runs `task`, or None: eager.
         Decode pads its sequences to a batch bucket (one token each); an iteration with prompt
-        chunks of up to `KVSettings.prefill_graph_tokens` pads its tokens to a power of two and its
+        chunks of up to `KVSettings.prefill_graph_tokens` pads its tokens (`prefill_tokens`) and its
         sequences to a bucket with room for one more (the padding's), and bounds the contexts by
         a power of two (each bound picks its attention launch)."""
         if not self.graphs.enabled:
@@ -250,7 +261,7 @@ class IterationRunner:
         if task.decode_only:
             seqs = self.cell_type.bucket(s)
             return seqs, seqs, self._short if longest <= self._short else None
-        tokens = max(PREFILL_GRAPH_MIN_TOKENS, 1 << (task.batch - 1).bit_length())
+        tokens = prefill_tokens(task.batch)
         with_padding = s + (tokens > task.batch)
         if tokens > self.module.kv.prefill_graph_tokens or with_padding > min(buckets[-1], self.module.max_seqs):
             return None
