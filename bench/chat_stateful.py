@@ -51,6 +51,7 @@ def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: fl
     due = [(s.start, i, 0) for i, s in enumerate(work)]
     heapq.heapify(due)
     ids, history, records = [None] * len(work), [[] for _ in work], []
+    first: dict[tuple[int, int], float] = {}  # (conversation, turn) -> its first token's time
     left = 0
     start = time.perf_counter()
     deadline = start + stop_at + drain
@@ -66,7 +67,7 @@ def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: fl
                 inputs.update(tokens=tokens, conversation=ids[i] or True)
             else:
                 inputs.update(tokens=history[i] + tokens)
-            f = engine.submit(model, inputs)
+            f = engine.submit(model, inputs, on_partial=lambda _, key=(i, t): first.setdefault(key, time.perf_counter()))
             flight[i] = (t, time.perf_counter(), f)
             f.add_done_callback(lambda f, i=i, t=t, sent=time.perf_counter(): done.put((i, t, sent, time.perf_counter(), f)))
         wait = (due[0][0] - (time.perf_counter() - start)) if due and due[0][0] <= stop_at else 1.0
@@ -86,7 +87,7 @@ def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: fl
         ids[i] = outputs.get("conversation")
         context = outputs.get("context", {})
         records.append({"conversation": i, "turn": t, "turns": len(work[i].turns), "latency": finished - sent,
-                        "sent": sent - start, "finished": finished - start,
+                        "sent": sent - start, "finished": finished - start, "ttft": first.get((i, t), finished) - sent,
                         "output": answer, "history": len(history[i]) - len(tokens) - answer, **context})
         left -= 1
         if t + 1 < len(work[i].turns):
@@ -122,7 +123,8 @@ def summarize(system: str, rate: float, records: list, window: tuple[float, floa
                 "unfinished": sum(1 for r in rows if r.get("unfinished") and a <= r["sent"] < b),
                 "norm_latency_p50_ms": float(np.percentile(norm, 50) * 1e3) if len(norm) else None,
                 "norm_latency_p90_ms": float(np.percentile(norm, 90) * 1e3) if len(norm) else None}
-    row = {"system": system, "conversations_per_s": rate, "window_s": [a, b], **part(records)}
+    row = {"system": system, "conversations_per_s": rate, "window_s": [a, b], **part(records),
+           "first_token": first_token(records, window)}
     long = [r for r in records if r["turns"] >= 5]
     if long:
         row["five_turns_or_more"] = part(long)
@@ -132,6 +134,23 @@ def summarize(system: str, rate: float, records: list, window: tuple[float, floa
     if stats is not None:
         row["cache_stats"] = stats
     return row
+
+
+def first_token(records: list, window: tuple[float, float]) -> dict:
+    """Time to the first token (the turn's prefill, queueing included) of the turns sent in the
+    window that came back to a cached history: all from GPU blocks, against those with some of
+    it copied in from the host tier (none recomputed), under the run's own load: the swap-in
+    target's ratio. (Histories copied in tend to be older, not longer; the medians compare them
+    as they come.)"""
+    a, b = window
+    turns = [r for r in records if a <= r["sent"] < b and r.get("history") and "ttft" in r and not r.get("unfinished")]
+    hit = [r["ttft"] for r in turns if r.get("cached") and not r.get("swapped_in") and not r.get("recomputed")]
+    swapped = [r["ttft"] for r in turns if r.get("swapped_in") and not r.get("recomputed")]
+    out = {"gpu_hit_turns": len(hit), "swapped_in_turns": len(swapped),
+           "gpu_hit_p50_ms": float(np.median(hit) * 1e3) if hit else None,
+           "swapped_in_p50_ms": float(np.median(swapped) * 1e3) if swapped else None}
+    out["swapped_in_over_hit"] = out["swapped_in_p50_ms"] / out["gpu_hit_p50_ms"] if hit and swapped else None
+    return out
 
 
 def graph_counters(runner) -> dict:
