@@ -10,8 +10,10 @@ In one run, with the same weights and the same GPU KV budget:
   gpu+cpu-lru the same with LRU eviction (recomputed tokens compared at the highest rate)
 
 Per system and conversation rate: output tokens/s, normalized latency (latency / output tokens)
-p50/p90 over all turns and over conversations of >= 5 turns. Then, on an idle engine, one turn's
-latency (max_new_tokens 1: its prefill) after a context of L tokens served from each tier.
+p50/p90 over all turns and over conversations of >= 5 turns, and the time to first token of turns
+back to a history in GPU blocks against turns copied in from the host (`first_token`). Then, on
+an idle engine, one turn's latency (max_new_tokens 1: its prefill) after a context of L tokens
+served from each tier.
 
     python bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16
 """
