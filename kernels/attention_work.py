@@ -17,7 +17,8 @@ import numpy as np
 
 from batchmaker.kernels.paged_attention import _pow2, pick_config, small_tokens
 
-MAX_SEQS = 1 << 15  # sequences an item can name (int32, 16 bits of tile)
+MAX_SEQS = (1 << 15) - 1  # sequences a batch may have: items name up to MAX_SEQS (the padding rows')
+MAX_TILES = 1 << 16  # query tiles of one sequence an item can name
 MIN_SEQS = 16  # fewer sequences go in one launch (below)
 
 
@@ -50,6 +51,8 @@ def work_lists(query_start: np.ndarray, num_tokens: int, group: int, max_query_l
     small = np.flatnonzero((lens > 0) & (lens <= short)) << 16
     long = np.flatnonzero(lens > short)
     tiles = -(-lens[long] // block_m)
+    if len(tiles) and tiles.max() >= MAX_TILES:
+        raise ValueError(f"{tiles.max()} query tiles in one sequence: items name at most {MAX_TILES}")
     first = np.repeat(np.cumsum(tiles) - tiles, tiles)
     large = np.repeat(long, tiles) << 16 | (np.arange(len(first)) - first)
     if int(query_start[-1]) < num_tokens:

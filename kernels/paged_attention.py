@@ -310,9 +310,10 @@ class PagedAttend:
     def attend_cached(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] over the layer's cache, which holds the new tokens' K/V already."""
         attention = self.attention or (paged_attention if q.is_cuda else reference_paged_attention)
+        work = {} if self.work is None else {"work": self.work}  # (other attention callables need not take it)
         return attention(q, self.k_cache[layer], self.v_cache[layer], self.block_tables, self.query_start,
                          self.context_lens, self.max_query_len, self.scale, max_context_len=self.max_context_len,
-                         work=self.work)
+                         **work)
 
 
 def _pow2(x: int) -> int:

@@ -115,3 +115,24 @@ def test_prefill_graph_tokens_must_be_a_count(value):
     assert KVSettings(prefill_graph_tokens=0).prefill_graph_tokens == 0  # (0: prompt chunks eagerly)
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         KVSettings(prefill_graph_tokens=value)
+
+
+def test_the_work_lists_of_a_padded_iteration_name_each_row_once(runner):
+    """What a graphed mixed iteration hands its attention (`_with_work`): every token's row in
+    exactly one item, within the lists' capacity for the shape."""
+    from batchmaker.kernels.attention_work import capacity
+    from batchmaker.kernels.paged_attention import _pow2, pick_config
+    arrays = runner._padded(iteration(runner, np.random.default_rng(2)), 32, 8, 8)  # a padded sequence of 23
+    sizes = capacity(32, 8, runner.group, 32)
+    lists = runner._with_work(arrays, 32, 32, sizes, exact=True)
+    small, large = lists["attn_small"], lists["attn_large"]
+    assert lists["work_counts"] == (len(small), len(large)) and len(small) <= sizes[0] and 0 < len(large) <= sizes[1]
+    starts, block_m = arrays["query_start"], pick_config(32, _pow2(runner.group)).block_m
+    rows = [r for item in small for r in range(starts[item >> 16], starts[(item >> 16) + 1])]
+    for item in large:
+        seq, tile = item >> 16, item & 0xFFFF
+        rows += range(starts[seq] + tile * block_m, min(starts[seq] + (tile + 1) * block_m, starts[seq + 1]))
+    assert sorted(rows) == list(range(32))
+    assert runner._with_work(arrays, 32, 32, None) is arrays  # (no lists: one launch)
+    with pytest.raises(ValueError, match="overflow"):
+        runner._with_work(arrays, 32, 32, (1, 1))

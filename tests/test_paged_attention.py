@@ -257,6 +257,12 @@ def test_capacity_holds_the_worst_batches():
         work_lists(np.array([0, 40, 41]), 41, 1, 40, (1, 0))
     with pytest.raises(ValueError, match="longest query"):
         work_lists(np.array([0, 40, 41]), 41, 1, 20)
+    many = np.arange(2 ** 15 + 1)  # 2^15 sequences of one token: the padding rows' item would not fit
+    with pytest.raises(ValueError, match="sequences"):
+        work_lists(many, 2 ** 15 + 1, 1, 1)
+    assert len(work_lists(many[:-1], 2 ** 15, 1, 1)[0]) == 2 ** 15 - 1  # (the most there may be)
+    with pytest.raises(ValueError, match="query tiles"):
+        work_lists(np.array([0, 128 << 16]), 128 << 16, 1, 128 << 16)
 
 
 def paged_attend_case(seed=0, **kw):
@@ -266,6 +272,19 @@ def paged_attend_case(seed=0, **kw):
     caches = k_cache.expand(2, *k_cache.shape).clone(), v_cache.expand(2, *v_cache.shape).clone()
     slots = torch.tensor([7, 8, 9, 10, 11, 12, 13])[:q.shape[0]]
     return PagedAttend(*caches, slots, block_tables, query_start, context_lens, n, scale, **kw), case
+
+
+def test_paged_attend_passes_work_lists_only_when_it_has_them():
+    seen = []
+
+    def attention(*args, max_context_len=None, **kw):  # a callable that knows no work lists
+        seen.append(kw)
+        return reference_paged_attention(*args, max_context_len=max_context_len, **kw)
+    attend, case = paged_attend_case(attention=attention)
+    attend.attend_cached(0, case.q)
+    attend.work = work_for(case)
+    attend.attend_cached(0, case.q)
+    assert seen[0] == {} and set(seen[1]) == {"work"}
 
 
 def test_paged_attend_writes_then_attends():

@@ -244,6 +244,8 @@ class IterationRunner:
         if sizes is None:
             return arrays
         small, large = attention_work.work_lists(arrays["query_start"], num_tokens, self.group, max_query_len)
+        if len(small) > sizes[0] or len(large) > sizes[1]:  # (capacity bounds every batch: a bug if not)
+            raise ValueError(f"{len(small)}, {len(large)} attention items overflow lists of {sizes}")
         arrays = dict(arrays, attn_small=small, attn_large=large)
         if exact:
             arrays["work_counts"] = (len(small), len(large))
