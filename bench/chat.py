@@ -19,12 +19,14 @@ import gc
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from batchmaker.kernels import attention_work  # noqa: E402
 from bench import chat_stateful  # noqa: E402
 from bench.common import write_results  # noqa: E402
 
@@ -255,6 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm-up", type=int, default=64,
                     help="BatchMaker serves this many of the requests, unmeasured, before the first rate (a cold "
                          "engine's first run read 0.44 of the roofline instead of 0.52 on an H200)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="KVSettings.prefill_graph_tokens (graphed iterations with prompt chunks up to it; 0: none)")
+    ap.add_argument("--mixed-attention-seqs", default=None,
+                    help="comma-separated: each rate runs once per value of attention_work.MIN_SEQS (the "
+                         "sequences from which a mixed batch attends in two launches), interleaved: an A/B")
     chat_stateful.add_arguments(ap)
     args = ap.parse_args(argv)
     from batchmaker import Engine, EngineConfig
@@ -272,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,
                         num_blocks=num_blocks)
+    if args.prefill_graph_tokens is not None:
+        cell = model.cells["decoder"]
+        cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)
     lm = model.cells["decoder"].lm
     itemsize = lm.embed_tokens.weight.element_size()
     params = num_parameters(config)
@@ -337,8 +347,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(steps[-1], flush=True)
             if args.warm_up:  # the first requests compile kernels for new shapes: not in a measured window
                 run_batchmaker(engine, work[:args.warm_up], prompts[:args.warm_up], float("inf"), args.seed)
-            for rate in [float(r) for r in args.rates.split(",")]:
+            variants = [int(v) for v in args.mixed_attention_seqs.split(",")] if args.mixed_attention_seqs else [None]
+            default_min_seqs = attention_work.MIN_SEQS
+            for rate, min_seqs in [(float(r), v) for r in args.rates.split(",") for v in variants]:
+                attention_work.MIN_SEQS = default_min_seqs if min_seqs is None else min_seqs
                 row, trace = run_batchmaker(engine, work, prompts, rate, args.seed)
+                row["mixed_attention_seqs"] = attention_work.MIN_SEQS
                 ideal = roofline(trace, config, params, itemsize, args.bandwidth, args.peak)
                 serial = roofline(trace, config, params, itemsize, args.bandwidth, args.peak, serial=True)
                 row.update(iterations=len(trace), roofline_s=ideal, roofline_fraction=ideal / row["wall_s"],
@@ -348,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                                r, config, params, itemsize, args.bandwidth, args.peak)))
                 rows.append(row)
                 print(row, flush=True)
+            attention_work.MIN_SEQS = default_min_seqs
         finally:
             engine.stop()
         del engine

@@ -44,10 +44,16 @@ def test_a_cpu_smoke_run_of_the_chat_benchmark_reports_device_time(tmp_path, mon
     import json
     from bench import common
     monkeypatch.setattr(common, "RESULTS", tmp_path)
+    from batchmaker.kernels import attention_work
+    default = attention_work.MIN_SEQS
     chat.main(["--device", "cpu", "--preset", "tiny-llama", "--dtype", "fp32", "--requests", "6", "--rates", "inf",
-               "--systems", "batchmaker", "--steps", "", "--warm-up", "0"])
+               "--systems", "batchmaker", "--steps", "", "--warm-up", "0", "--mixed-attention-seqs", "3,1000",
+               "--prefill-graph-tokens", "0"])
+    assert attention_work.MIN_SEQS == default
     (path,) = tmp_path.glob("chat-tiny-llama-*.json")
-    (row,) = json.loads(path.read_text())["rows"]
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["mixed_attention_seqs"] for r in rows] == [3, 1000]  # (an A/B in one process)
+    row = rows[0]
     engine = row["engine"]
     assert row["output_tokens"] > 0 and row["iterations"] == engine["runner_iterations"] == engine["iterations"] > 0
     assert engine["graph_iterations"] == 0 and engine["suspended"] == engine["extra_tokens"] == 0  # (blocks to spare)
