@@ -239,8 +239,9 @@ class IterationRunner:
         return attention_work.capacity(num_tokens, num_seqs, self.group, max_query_len)
 
     def _with_work(self, arrays: dict, num_tokens: int, max_query_len: int, sizes, exact: bool = False) -> dict:
-        """`arrays` with the attention's item lists (padded to `sizes`; `exact`: their lengths too,
-        for an eager launch of just so many programs)."""
+        """`arrays` with the attention's item lists, as long as they are (at most `sizes`: the
+        packer fills the rest with -1); `exact`: their lengths too, for an eager launch of just so
+        many programs."""
         if sizes is None:
             return arrays
         small, large = attention_work.work_lists(arrays["query_start"], num_tokens, self.group, max_query_len)
