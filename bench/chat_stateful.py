@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from bench.common import triton_compiles
 from bench.workload import conversation_draws
 
 SYSTEMS = {"stateless": dict(host_bytes=0), "gpu": dict(host_bytes=0), "gpu+cpu": dict(eviction="value"),
@@ -157,9 +158,12 @@ def first_token(records: list, window: tuple[float, float]) -> dict:
 
 def graph_counters(runner) -> dict:
     """Iterations run, those that replayed (or captured) a CUDA graph, captures and their wall
-    time: a snapshot, subtracted from a later one for what a run cost."""
+    time, Triton's compiles and theirs: a snapshot, subtracted from a later one for what a run
+    cost."""
+    compiles = triton_compiles()
     return {"runner_iterations": runner.num_iterations, "graph_iterations": runner.num_graph_iterations,
-            "graph_captures": runner.graphs.num_captures, "graph_capture_s": runner.graphs.capture_s}
+            "graph_captures": runner.graphs.num_captures, "graph_capture_s": runner.graphs.capture_s,
+            "triton_compiles": compiles.count, "triton_compile_s": compiles.seconds}
 
 
 def engine_counters(engine, gen) -> dict:

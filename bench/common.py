@@ -1,14 +1,17 @@
-"""Shared by the benchmark scripts: where results go and how they are written.
+"""Shared by the benchmark scripts: where results go and how they are written, and a count of the
+Triton compiles a run paid for.
 
 Every run writes bench/results/<name>-<device>-<date>.json (numbers, the exact command, the device,
 the numeric policy) and, when given a plot function, the matching .png.
 """
 import datetime
+import functools
 import importlib.util
 import json
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,3 +67,34 @@ def write_results(name: str, device: str, payload: dict, plot=None) -> Path:
         fig.savefig(path.with_suffix(".png"), dpi=110)
         plt.close(fig)
     return path
+
+
+class TritonCompiles:
+    """Kernel specializations Triton built in this process since installed, and the wall time it
+    took (its disk cache hits included): the runtime's jit cache and post-compile hooks (Triton >=
+    3.4). Where there are none, `available` is False and the counts stay 0."""
+
+    def __init__(self):
+        self.count, self.seconds, self._start = 0, 0.0, None
+        try:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+            self.available = True
+        except (ImportError, AttributeError):
+            self.available = False
+
+    def _before(self, *args, **kwargs) -> bool:
+        self._start = time.perf_counter()
+        return False  # (true would skip the compile)
+
+    def _after(self, *args, **kwargs) -> None:
+        self.count += 1
+        if self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+
+@functools.cache
+def triton_compiles() -> TritonCompiles:
+    """The process's one counter, installed on first use."""
+    return TritonCompiles()

@@ -22,3 +22,20 @@ def test_first_token_compares_gpu_hits_with_swapped_in_turns_sent_in_the_window(
     assert split["swapped_in_over_hit"] == pytest.approx(2.5)
     none = chat_stateful.first_token(records[:3], (0.5, 10.0))
     assert none["swapped_in_turns"] == 0 and none["swapped_in_over_hit"] is None
+
+
+def test_triton_compiles_are_counted_through_the_runtime_hooks():
+    from bench.common import TritonCompiles
+    counter = TritonCompiles()
+    try:
+        if counter.available:  # (Triton >= 3.4 installed: the hooks are ours now)
+            from triton import knobs
+            assert knobs.runtime.jit_cache_hook == counter._before
+        assert counter._before(key="k", repr="kernel") is False  # (never skips a compile)
+        counter._after(key="k")
+        counter._after(key="k")  # (a post hook without its cache hook: counted, not timed)
+        assert counter.count == 2 and counter.seconds >= 0
+    finally:
+        if counter.available:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
