@@ -80,7 +80,12 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
     return acc, m_i, l_i
 
 
-@triton.jit
+# The batch's counts vary from launch to launch: not specialized (Triton would otherwise compile a
+# variant for each count that is 1 or a multiple of 16, in the middle of serving).
+SHAPE_ARGS = ["num_seqs", "num_tokens", "num_splits"]
+
+
+@triton.jit(do_not_specialize=SHAPE_ARGS)
 def paged_attention_kernel(
     q, k_cache, v_cache, out,  # q, out: [T, Hq, D]; caches: [num_blocks, BLOCK_SIZE, Hkv, D]
     part_out, part_lse,  # split-KV partials, fp32 [num_splits, T, Hq, D] and [num_splits, T, Hq]
@@ -201,7 +206,7 @@ def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_
              result.to(out.dtype.element_ty), mask=is_row[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SHAPE_ARGS)
 def combine_splits_kernel(
     part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
     num_seqs, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
