@@ -25,8 +25,7 @@ MIN_SEQS = 16  # fewer sequences go in one launch (below)
 def capacity(num_tokens: int, num_seqs: int, group: int, max_query_len: int) -> tuple[int, int]:
     """The most items the lists of a batch of this shape can hold: every sequence small, or
     sequences of small_tokens + 1 tokens each in the large list, plus the padding rows' item."""
-    small = small_tokens(group)
-    block_m = pick_config(max_query_len, _pow2(group)).block_m
+    small, block_m = _tiles(group, max_query_len)
     return num_seqs, -(-num_tokens // block_m) + min(num_seqs, num_tokens // (small + 1)) + 1
 
 
@@ -46,8 +45,7 @@ def work_lists(query_start: np.ndarray, num_tokens: int, group: int, max_query_l
     if len(lens) > MAX_SEQS or max_query_len < (lens.max() if len(lens) else 0):
         raise ValueError(f"{len(lens)} sequences (at most {MAX_SEQS}), longest query {lens.max(initial=0)} "
                          f"(bound {max_query_len})")
-    short = small_tokens(group)
-    block_m = pick_config(max_query_len, _pow2(group)).block_m
+    short, block_m = _tiles(group, max_query_len)
     small = np.flatnonzero((lens > 0) & (lens <= short)) << 16
     long = np.flatnonzero(lens > short)
     tiles = -(-lens[long] // block_m)
@@ -65,3 +63,9 @@ def work_lists(query_start: np.ndarray, num_tokens: int, group: int, max_query_l
     out[:len(small)] = small
     out[sizes[0]:sizes[0] + len(large)] = large
     return out[:sizes[0]], out[sizes[0]:]
+
+
+def _tiles(group: int, max_query_len: int) -> tuple[int, int]:
+    """(new tokens of a decode tile, query tokens of a prompt tile for this bound): the tiles the
+    two launches take (paged_attention picks the same)."""
+    return small_tokens(group), pick_config(max_query_len, _pow2(group)).block_m
