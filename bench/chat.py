@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.kernels import attention_work  # noqa: E402
 from bench import chat_stateful  # noqa: E402
-from bench.common import write_results  # noqa: E402
+from bench.common import triton_compiles, write_results  # noqa: E402
 
 from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
 
@@ -71,6 +71,7 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     runner.trace = []
     gen = engine.structured["llama"]
     before = chat_stateful.engine_counters(engine, gen)
+    compiled = len(triton_compiles().kernels)
     arrivals = poisson(len(work), rate, seed)
     done_at, futures = {}, []
     start = time.perf_counter()
@@ -89,7 +90,36 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     row = summarize("batchmaker", rate, work, latencies, end - start)
     row["engine"] = chat_stateful.engine_delta(before, chat_stateful.engine_counters(engine, gen))
     row["engine"]["extra_tokens"] = row["engine"]["tokens"] - sum(p + o - 1 for p, o in work)  # recomputed
+    row["triton_kernels"] = triton_compiles().kernels[compiled:]  # compiled mid-run: the host stalled for each
+    row["trace"] = {"tokens": [r.tokens for r in trace], "context": [r.context for r in trace],
+                    "pairs": [r.pairs for r in trace], "seqs": [r.seqs for r in trace],
+                    "graphed": [int(r.graphed) for r in trace],
+                    "ms": [None if r.seconds is None else round(r.seconds * 1e3, 3) for r in trace]}
     return row, trace
+
+
+def profile_window(engine, work, prompts, seconds: float) -> dict:
+    """All of `work` at once, its first `seconds` under torch.profiler (bench/turn_profile.py):
+    the device's kernels by name and the iterations the window held (graphed, eager)."""
+    from bench.turn_profile import profiled
+    runner = next(iter(engine.workers[0].iterations.values()))
+    runner.trace, futures = [], []
+
+    def window() -> int:
+        for (_, o), prompt in zip(work, prompts):
+            futures.append(engine.submit("llama", {"tokens": prompt, "max_new_tokens": o, "ignore_eos": True}))
+        time.sleep(seconds)
+        return len(runner.trace)
+
+    held, summary = profiled(window, kernels=True)
+    for f in futures:
+        f.result(600)
+    trace, runner.trace = runner.trace[:held], None
+    for graphed, name in ((True, "graphed"), (False, "eager")):
+        part = [r for r in trace if r.graphed == graphed]
+        summary[f"{name}_iterations"] = {"count": len(part), "tokens": sum(r.tokens for r in part),
+                                         "seconds": sum(r.seconds or 0.0 for r in part)}
+    return {k: v for k, v in summary.items() if k not in ("ranges_ms",)}
 
 
 def iteration_floor(record, config, params: int, itemsize: int, bandwidth: float, peak: float,
@@ -102,7 +132,8 @@ def iteration_floor(record, config, params: int, itemsize: int, bandwidth: float
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
     weight_s, gemm_s = params * itemsize / bandwidth, 2 * params * record.tokens / peak
     kv_s = record.context * kv_per_token / bandwidth
-    attention_s = 4 * config.num_layers * config.num_heads * config.head_dim * record.context / peak
+    pairs = record.context if record.pairs is None else record.pairs  # a decode's: its context
+    attention_s = 4 * config.num_layers * config.num_heads * config.head_dim * pairs / peak
     return max(weight_s, gemm_s) + max(kv_s, attention_s) if serial else max(weight_s + kv_s, gemm_s + attention_s)
 
 
@@ -262,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-attention-seqs", default=None,
                     help="comma-separated: each rate runs once per value of attention_work.MIN_SEQS (the "
                          "sequences from which a mixed batch attends in two launches), interleaved: an A/B")
+    ap.add_argument("--profile-seconds", type=float, default=0.0,
+                    help="then serve the requests once more, all at once, the first this many seconds under "
+                         "torch.profiler: kernels by name")
     chat_stateful.add_arguments(ap)
     args = ap.parse_args(argv)
     from batchmaker import Engine, EngineConfig
@@ -294,14 +328,14 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [rng.integers(1, config.vocab_size, p).tolist() for p, _ in work]
     bandwidth = measured_bandwidth(args.device)
     floor_s = params * itemsize / args.bandwidth
-    rows, steps = [], []
+    rows, steps, profile = [], [], None
 
     def save() -> None:  # after each system: a run cut short keeps what it measured
         payload = {"preset": args.preset, "dtype": args.dtype, "parameters": params, "weight_floor_ms": floor_s * 1e3,
                    "copy_bandwidth_measured": bandwidth, "bandwidth_assumed": args.bandwidth, "peak_assumed": args.peak,
                    "workload": {"requests": len(work), "mean_prompt": float(np.mean([p for p, _ in work])),
                                 "mean_output": float(np.mean([o for _, o in work]))},
-                   "decode_steps": steps, "rows": rows}
+                   "decode_steps": steps, "rows": rows, "profile": profile}
 
         def plot(fig):
             ax = fig.add_subplot(1, 1, 1)
@@ -334,7 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     if "batchmaker" in args.systems:
-        engine = Engine([model], EngineConfig(devices=(args.device,))).start()
+        started = time.perf_counter()
+        engine = Engine([model], EngineConfig(devices=(args.device,))).start()  # (compiles, captures graphs)
+        print(f"engine started in {time.perf_counter() - started:.1f} s", flush=True)
         try:
             for batch in [int(b) for b in args.steps.split(",") if b]:
                 prefill_iterations = -(-batch * args.step_context // max(1, args.max_tokens - batch))
@@ -361,8 +397,11 @@ def main(argv: list[str] | None = None) -> None:
                            device=device_time(trace, row["wall_s"], lambda r: iteration_floor(
                                r, config, params, itemsize, args.bandwidth, args.peak)))
                 rows.append(row)
-                print(row, flush=True)
+                print({k: v for k, v in row.items() if k != "trace"}, flush=True)
             attention_work.MIN_SEQS = default_min_seqs
+            if args.profile_seconds:
+                profile = profile_window(engine, work, prompts, args.profile_seconds)
+                print(profile, flush=True)
         finally:
             engine.stop()
         del engine

@@ -76,6 +76,7 @@ class TritonCompiles:
 
     def __init__(self):
         self.count, self.seconds, self._start = 0, 0.0, None
+        self.kernels: list[str] = []  # what each compile built: the runtime's repr (name, options, argument types)
         try:
             from triton import knobs
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
@@ -89,6 +90,9 @@ class TritonCompiles:
 
     def _after(self, *args, **kwargs) -> None:
         self.count += 1
+        constants = kwargs.get("constants")  # (the constexpr values: what tells a kernel's variants apart)
+        self.kernels.append(str(kwargs.get("repr", "?")).split("(", 1)[0] + ("" if constants is None else
+                                                                            f" {constants}"[:400]))
         if self._start is not None:
             self.seconds += time.perf_counter() - self._start
             self._start = None

@@ -23,17 +23,19 @@ _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunch
            "cuMemcpyHtoDAsync_v2", "cuMemcpy2DAsync_v2", "cudaGraphLaunch")
 
 
-def profiled(fn, trace_path: str | None = None):
+def profiled(fn, trace_path: str | None = None, kernels: bool = False):
     """(fn(), summary dict) with fn run under torch.profiler (CPU and CUDA activity); the whole
     trace also gzipped to `trace_path` if given (chrome://tracing, Perfetto)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start_ns = time.perf_counter_ns()
         result = fn()
         wall = (time.perf_counter_ns() - start_ns) / 1e6
-        torch.cuda.synchronize()
+        sync()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -46,7 +48,24 @@ def profiled(fn, trace_path: str | None = None):
                 f.write(text)
     finally:
         os.unlink(path)
-    return result, summarize(events, wall)
+    summary = summarize(events, wall)
+    if kernels:
+        summary["kernels_by_name"] = kernel_table(events)
+    return result, summary
+
+
+def kernel_table(events: list, top: int = 30) -> list[dict]:
+    """The device's kernels grouped by name, most total time first: name (cut to 90 characters),
+    count, total ms, mean us."""
+    total: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            entry = total.setdefault(e["name"][:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e["dur"]
+    rows = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name, "count": n, "total_ms": round(us / 1e3, 3), "mean_us": round(us / n, 2)}
+            for name, (n, us) in rows]
 
 
 def summarize(events: list, wall_ms: float, gap_us: float = 50.0) -> dict:
@@ -54,8 +73,8 @@ def summarize(events: list, wall_ms: float, gap_us: float = 50.0) -> dict:
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     if not complete:
         return {"wall_ms": wall_ms}
-    host_start = min(e["ts"] for e in complete if e.get("cat") in ("cpu_op", "user_annotation", "python_function",
-                                                                    "cuda_runtime", "cuda_driver"))
+    host = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+    host_start = min((e["ts"] for e in complete if e.get("cat") in host), default=min(e["ts"] for e in complete))
     device = sorted((e for e in complete if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                     key=lambda e: e["ts"])
     busy, gaps, end = 0.0, [], None

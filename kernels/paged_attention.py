@@ -203,22 +203,15 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
-                                  config, num_splits, num_items=None if items is None else len(items))
-    if items is not None and num_splits > 1:  # slices merge in the kernel (a combine launch would rewrite every row)
-        limit = COMBINE_MAX_SPLITS if num_kv_heads * num_tokens <= COMBINE_COUNTERS and \
-            _counters(q.device) is not None else 1
-        if num_splits > limit:
-            cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
-                                          config, limit, num_items=len(items))
-    counters = _counters(q.device) if 1 < num_splits <= COMBINE_MAX_SPLITS and \
-        num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
+    may_combine = num_kv_heads * num_tokens <= COMBINE_COUNTERS and _counters(q.device) is not None
+    cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
+                                           may_combine, config, num_splits, None if items is None else len(items))
+    counters = _counters(q.device) if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=q.device) if is_split else out
     part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device) if is_split else out
-    combine = counters is not None
     kernels.paged_attention_kernel[(num_kv_heads * num_splits, *grid)](
         q, k_cache, v_cache, out, part_out, part_lse, part_lse if counters is None else counters, block_tables,
         query_start, context_lens, query_start if items is None else items,
@@ -232,6 +225,23 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
             out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1)
+
+
+def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, bound: int, num_sms: int,
+                may_combine: bool, config: AttentionConfig | None = None, num_splits: int | None = None,
+                num_items: int | None = None) -> tuple[AttentionConfig, int, bool]:
+    """`pick_launch`, then how its slices merge: in the kernel (`combine`: up to
+    COMBINE_MAX_SPLITS slices, where the tile counters exist and cover the launch; `may_combine`)
+    or by the combine launch. A work list's launch merges in the kernel or does not split (a
+    combine launch would rewrite every row)."""
+    cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config, num_splits,
+                                  num_items)
+    if num_items is not None and num_splits > 1:
+        limit = COMBINE_MAX_SPLITS if may_combine else 1
+        if num_splits > limit:
+            cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config,
+                                          limit, num_items)
+    return cfg, num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
 
 
 def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, max_context_len: int,

@@ -48,15 +48,44 @@ def test_a_cpu_smoke_run_of_the_chat_benchmark_reports_device_time(tmp_path, mon
     default = attention_work.MIN_SEQS
     chat.main(["--device", "cpu", "--preset", "tiny-llama", "--dtype", "fp32", "--requests", "6", "--rates", "inf",
                "--systems", "batchmaker", "--steps", "", "--warm-up", "0", "--mixed-attention-seqs", "3,1000",
-               "--prefill-graph-tokens", "0"])
+               "--prefill-graph-tokens", "0", "--profile-seconds", "0.2"])
     assert attention_work.MIN_SEQS == default
     (path,) = tmp_path.glob("chat-tiny-llama-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert [r["mixed_attention_seqs"] for r in rows] == [3, 1000]  # (an A/B in one process)
     row = rows[0]
+    trace = row["trace"]  # per iteration; a prompt's first iteration attends q (q + 1) / 2 pairs, a decode its context
+    assert len(trace["ms"]) == row["iterations"] and trace["pairs"][0] > trace["context"][0]
+    assert all(p == c for p, c, t, s in zip(trace["pairs"], trace["context"], trace["tokens"], trace["seqs"]) if t == s)
     engine = row["engine"]
     assert row["output_tokens"] > 0 and row["iterations"] == engine["runner_iterations"] == engine["iterations"] > 0
     assert engine["graph_iterations"] == 0 and engine["suspended"] == engine["extra_tokens"] == 0  # (blocks to spare)
     device = row["device"]
     assert device["eager"]["iterations"] == row["iterations"] and device["graphed"]["iterations"] == 0  # (no graphs on a CPU)
     assert 0 < device["busy_s"] <= row["wall_s"] * 1.01
+    profile = json.loads(path.read_text())["profile"]  # (a CPU has no kernels to list: the window's iterations)
+    assert profile["kernels_by_name"] == [] and profile["graphed_iterations"]["count"] == 0
+    assert profile["eager_iterations"]["count"] > 0 and profile["eager_iterations"]["tokens"] > 0
+
+
+def test_a_prompt_chunk_counts_its_causal_attention_pairs():
+    """A chunk of q new tokens at the end of a context of c positions attends q * c - q (q - 1) / 2
+    (query, position) pairs: the attention FLOPs that a prompt adds to the roofline."""
+    config = PRESETS["llama-2-7b"]
+    params = num_parameters(config)
+    flops_per_pair = 4 * config.num_layers * config.num_heads * config.head_dim
+    bare, chunk = IterationRecord(2048, 2048, 1, False), IterationRecord(2048, 2048, 1, False, None, 2048 * 2049 // 2)
+    gemm = 2 * params * 2048 / 8e14
+    assert chat.iteration_floor(bare, config, params, 2, 4e12, 8e14) == pytest.approx(gemm + 2048 * flops_per_pair / 8e14)
+    assert chat.iteration_floor(chunk, config, params, 2, 4e12, 8e14) == \
+        pytest.approx(gemm + 2048 * 2049 // 2 * flops_per_pair / 8e14)
+
+
+def test_kernel_table_groups_kernels_by_name():
+    from bench.turn_profile import kernel_table
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30.0},
+              {"ph": "X", "cat": "kernel", "name": "attn", "ts": 30, "dur": 10.0},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 50.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99.0}]
+    assert kernel_table(events) == [{"name": "gemm", "count": 2, "total_ms": 0.08, "mean_us": 40.0},
+                                    {"name": "attn", "count": 1, "total_ms": 0.01, "mean_us": 10.0}]

@@ -136,3 +136,20 @@ def test_the_work_lists_of_a_padded_iteration_name_each_row_once(runner):
     assert runner._with_work(arrays, 32, 32, None) is arrays  # (no lists: one launch)
     with pytest.raises(ValueError, match="overflow"):
         runner._with_work(arrays, 32, 32, (1, 1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_columns_start_16_byte_aligned_and_do_not_overlap(seed):
+    """Every array of an iteration's packed buffer starts on 16 bytes, whatever the batch's shape
+    (Triton compiles a kernel variant per pointer alignment: shapes must not move it)."""
+    from batchmaker.exec.iteration_buffers import _NARROW, column_layout
+    rng = np.random.default_rng(seed)
+    sizes = {name: int(rng.integers(0, 300)) for name in ("tokens", "query_start", "context_lens", "block_tables",
+                                                          "temperature", "attn_small", "attn_large", "seeds")}
+    columns, total = column_layout(sizes)
+    end = 0
+    for name, (start, size, words) in columns.items():
+        assert start % 2 == 0 and start >= end  # (int64 words: an even word is 16 bytes)
+        assert size == sizes[name] and words * 8 >= size * (4 if name in _NARROW else 8)
+        end = start + words
+    assert end <= total and total % 2 == 0

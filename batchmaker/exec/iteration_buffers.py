@@ -27,6 +27,19 @@ _NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np
 _TORCH = {np.int32: torch.int32, np.float32: torch.float32}
 
 
+def column_layout(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Each named array's (first int64 word, values, words) in one buffer, and the buffer's words.
+    Columns start 16-byte aligned: Triton compiles a kernel variant per alignment of its pointer
+    arguments (16 bytes or less), so 8-byte starts that moved with the batch's shape made new
+    compiles mid-serving."""
+    columns, at = {}, 0
+    for name, size in sizes.items():
+        words = -(-size // 2) if name in _NARROW else size
+        columns[name] = (at, size, words)
+        at += words + (words & 1)
+    return columns, at
+
+
 class Packed:
     """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
     the named tensors of `host_arrays` (padded by `IterationRunner._padded` for a graph)."""
@@ -39,14 +52,9 @@ class Packed:
                  "counters": num_samples, "top_k": num_samples, "temperature": num_samples, "top_p": num_samples}
         if work is not None:  # the attention's item lists, -1 after the last
             sizes.update(attn_small=work[0], attn_large=work[1])
-        self.columns, at = {}, 0
-        for name, size in sizes.items():
-            words = -(-size // 2) if name in _NARROW else size
-            self.columns[name] = (at, size, words)
-            at += words
-        self.size = at
-        self.device_buffer = torch.zeros(at, dtype=torch.int64, device=device)
-        self.ring = PinnedRing(at, stream)
+        self.columns, self.size = column_layout(sizes)
+        self.device_buffer = torch.zeros(self.size, dtype=torch.int64, device=device)
+        self.ring = PinnedRing(self.size, stream)
         self.tensors = {}
         for name, (start, size, words) in self.columns.items():
             view = self.device_buffer[start:start + words]

@@ -27,6 +27,7 @@ import torch
 
 from batchmaker.core.task import IterationTask
 from batchmaker.kernels import attention_work
+from batchmaker.kernels.attention_variants import compile_variants
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.sampling import sample
 from batchmaker.exec.iteration_buffers import Packed, host_arrays
@@ -54,6 +55,7 @@ class IterationRecord:
     seqs: int
     graphed: bool
     seconds: float | None = None  # once finished: its span on the device (CUDA: events around it)
+    pairs: int | None = None  # (query token, context position) pairs attended, causal: a prompt's FLOPs
 
 
 class KVCache:
@@ -177,7 +179,10 @@ class IterationRunner:
     def _record(self, task: IterationTask, graphed: bool) -> "IterationRecord | None":
         if self.trace is None:
             return None
-        self.trace.append(IterationRecord(task.batch, int(task.context_lens.sum()), len(task.slots), graphed))
+        queries = np.diff(task.query_start)  # token i of a sequence's q new ones sees context - (q - 1 - i)
+        pairs = int((queries * task.context_lens - queries * (queries - 1) // 2).sum())
+        self.trace.append(IterationRecord(task.batch, int(task.context_lens.sum()), len(task.slots), graphed,
+                                          pairs=pairs))
         return self.trace[-1]
 
     # CPU: the worker thread runs it --------------------------------------------------------------
@@ -301,7 +306,12 @@ class IterationRunner:
             task.handle = None
 
     def warm_up(self) -> None:
-        """Capture the decode graphs of every bucket now (padded sequences only touch scratch)."""
+        """Compile every attention variant this model can launch (kernels/attention_variants.py:
+        not mid-serving), then capture the decode graphs of every bucket (padded sequences only
+        touch scratch)."""
+        if self.device.type == "cuda":
+            compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
+                             self.config.max_positions)
         if not self.graphs.enabled:
             return
         for bucket in self.cell_type.batch_sizes:

@@ -1,0 +1,66 @@
+"""Paged attention's kernel variants, compiled before serving instead of during it.
+
+Triton compiles a variant of `paged_attention_kernel` per tile shape (`pick_config`), split mode
+(none; slices merged in the kernel; slices merged by `combine_splits_kernel`, itself one variant
+per padded slice count) and launch form (every sequence's tiles, or a work list's items). A
+variant first met mid-serving stalls every running request for its compile: 1-3 s each on an
+H200, and the first ShareGPT-like run after a 64-request warm-up met 6 of them (4-8 s of a 35-s
+run; bench/results/README.md, tenth session). `compile_variants` launches each variant a model can
+reach once, on a scratch problem in block 0 (the allocator's scratch block): the compiles land in
+Triton's caches (in memory, and on disk for the next process).
+
+    compile_variants(k_cache[0], v_cache[0], num_q_heads, max_blocks, max_positions)
+"""
+import torch
+
+from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
+                                                MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
+                                                AttentionConfig, _launch, _pow2, pick_config)
+
+SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
+# decode tiles must split into short slices (pick_config's 64-position steps)
+
+
+def launch_variants(group: int, max_positions: int) -> list[tuple[AttentionConfig, int, bool]]:
+    """(tile config, slices, work list) of each variant a model of this group (query heads per kv
+    head) and context limit can launch: one slice count per way of merging (none; in the kernel;
+    the combine launch of 8, 16 or 32 slices), each where some context up to max_positions
+    reaches it (pick_launch, pick_num_splits)."""
+    gpad = _pow2(group)
+    short, long = pick_config(1, gpad), pick_config(1, gpad, split_len=MIN_SPLIT_LEN + 1)  # decode tiles
+    few, many = FEW_PROGRAMS_SPLIT_LEN, MIN_SPLIT_LEN + 1  # positions a slice of either holds, at least
+    need = [(short, 1, False, 0), (short, 1, True, 0), (short, 2, False, 2 * few), (short, 2, True, 2 * few),
+            (short, COMBINE_MAX_SPLITS + 1, False, (COMBINE_MAX_SPLITS + 1) * few)]
+    if MAX_SPLITS * MIN_SPLIT_LEN >= LONG_SPLIT_CONTEXT:  # (32 slices of 128 at 4,096 positions: short ones)
+        need.append((short, 17, False, LONG_SPLIT_CONTEXT))
+    need += [(long, n, work, max(n * many, 0 if n <= SHORT_MAX_SPLITS else LONG_SPLIT_CONTEXT))
+             for n, work in ((2, False), (2, True), (COMBINE_MAX_SPLITS + 1, False), (9, False), (17, False))]
+    for cfg in sorted({pick_config(q, gpad) for q in (max(1, 64 // gpad), MAX_SPLITS * MIN_PREFILL_SPLIT_LEN)},
+                      key=lambda c: c.block_m):  # prompt tiles: slices of MIN_PREFILL_SPLIT_LEN at least
+        need += [(cfg, 1, False, 0), (cfg, 1, True, 0), (cfg, 2, True, 2 * MIN_PREFILL_SPLIT_LEN)]
+        need += [(cfg, n, False, n * MIN_PREFILL_SPLIT_LEN) for n in (2, COMBINE_MAX_SPLITS + 1, 9, 17)]
+    return [(cfg, n, work) for cfg, n, work, positions in need if positions <= max_positions]
+
+
+def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_blocks: int,
+                     max_positions: int) -> int:
+    """Launch every variant of `launch_variants` once over block 0 of one layer's caches
+    ([blocks, block_size, Hkv, D]); block tables `max_blocks` wide, as the engine's. Returns the
+    launches made. Writes nothing but scratch outputs; synchronizes the device."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    device, group = k_cache.device, num_q_heads // num_kv_heads
+    tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+    items = torch.zeros(1, dtype=torch.int32, device=device)  # sequence 0, tile 0
+    variants = launch_variants(group, max_positions)
+    for cfg, splits, work in variants:  # (a work list's launch picks its own tiles: from its query length)
+        short = work and splits > 1 and cfg.block_n == 64 and cfg.block_m * _pow2(group) <= 16
+        context = min(SCRATCH_CONTEXT // 4 if short else SCRATCH_CONTEXT, max_blocks * block_size)
+        tokens = min(cfg.block_m, context)
+        q = torch.zeros(tokens, num_q_heads, head_dim, dtype=k_cache.dtype, device=device)
+        starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        lens = torch.tensor([context], dtype=torch.int32, device=device)
+        _launch(q, k_cache, v_cache, torch.empty_like(q), tables, starts, lens, tokens, head_dim ** -0.5,
+                context, None if work else cfg, splits, items if work else None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(variants)
