@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.kernels import attention_work  # noqa: E402
 from bench import chat_stateful  # noqa: E402
 from bench.common import triton_compiles, write_results  # noqa: E402
+from bench.turn_profile import profile_window  # noqa: E402
 
 from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
 
@@ -96,30 +97,6 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
                     "graphed": [int(r.graphed) for r in trace],
                     "ms": [None if r.seconds is None else round(r.seconds * 1e3, 3) for r in trace]}
     return row, trace
-
-
-def profile_window(engine, work, prompts, seconds: float) -> dict:
-    """All of `work` at once, its first `seconds` under torch.profiler (bench/turn_profile.py):
-    the device's kernels by name and the iterations the window held (graphed, eager)."""
-    from bench.turn_profile import profiled
-    runner = next(iter(engine.workers[0].iterations.values()))
-    runner.trace, futures = [], []
-
-    def window() -> int:
-        for (_, o), prompt in zip(work, prompts):
-            futures.append(engine.submit("llama", {"tokens": prompt, "max_new_tokens": o, "ignore_eos": True}))
-        time.sleep(seconds)
-        return len(runner.trace)
-
-    held, summary = profiled(window, kernels=True)
-    for f in futures:
-        f.result(600)
-    trace, runner.trace = runner.trace[:held], None
-    for graphed, name in ((True, "graphed"), (False, "eager")):
-        part = [r for r in trace if r.graphed == graphed]
-        summary[f"{name}_iterations"] = {"count": len(part), "tokens": sum(r.tokens for r in part),
-                                         "seconds": sum(r.seconds or 0.0 for r in part)}
-    return {k: v for k, v in summary.items() if k not in ("ranges_ms",)}
 
 
 def iteration_floor(record, config, params: int, itemsize: int, bandwidth: float, peak: float,
@@ -400,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                 print({k: v for k, v in row.items() if k != "trace"}, flush=True)
             attention_work.MIN_SEQS = default_min_seqs
             if args.profile_seconds:
-                profile = profile_window(engine, work, prompts, args.profile_seconds)
+                profile = profile_window(engine, work, prompts, args.profile_seconds)  # (bench/turn_profile.py)
                 print(profile, flush=True)
         finally:
             engine.stop()

@@ -11,7 +11,10 @@ numbers (the whole trace would not fit a benchmark's JSON).
   top_host_ops     the host ops, labelled ranges and runtime calls of most total time (inclusive:
                    a range counts its children too), ms
 
-Used by bench/chat_stateful.py (`--tier-profile`): one turn per tier, after the timed ones.
+  kernels_by_name  (kernels=True) the device's kernels grouped by name: count, total ms, mean us
+
+Used by bench/chat_stateful.py (`--tier-profile`): one turn per tier, after the timed ones; and by
+bench/chat.py (`--profile-seconds`, `profile_window`): the first seconds of a saturated run.
 """
 import gzip
 import json
@@ -113,3 +116,27 @@ def summarize(events: list, wall_ms: float, gap_us: float = 50.0) -> dict:
         "ranges_ms": {name: durations[:40] for name, durations in ranges.items()},
         "top_host_ops": {name: round(us / 1e3, 3) for name, us in top},
     }
+
+
+def profile_window(engine, work, prompts, seconds: float) -> dict:
+    """bench/chat.py's requests (`work`: (prompt, output) lengths, `prompts`: token ids) all at
+    once to a llama engine, the first `seconds` under the profiler: the device's kernels by name
+    and the iterations the window held (graphed, eager)."""
+    runner = next(iter(engine.workers[0].iterations.values()))
+    runner.trace, futures = [], []
+
+    def window() -> int:
+        for (_, o), prompt in zip(work, prompts):
+            futures.append(engine.submit("llama", {"tokens": prompt, "max_new_tokens": o, "ignore_eos": True}))
+        time.sleep(seconds)
+        return len(runner.trace)
+
+    held, summary = profiled(window, kernels=True)
+    for f in futures:
+        f.result(600)
+    trace, runner.trace = runner.trace[:held], None
+    for graphed, name in ((True, "graphed"), (False, "eager")):
+        part = [r for r in trace if r.graphed == graphed]
+        summary[f"{name}_iterations"] = {"count": len(part), "tokens": sum(r.tokens for r in part),
+                                         "seconds": sum(r.seconds or 0.0 for r in part)}
+    return {k: v for k, v in summary.items() if k not in ("ranges_ms",)}
