@@ -174,7 +174,8 @@ class GenerativeModel(Finisher):
             raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
         row = {"prompt_len": len(prompt), "max_new": int(max_new), "temperature": temperature, "top_k": int(top_k),
                "top_p": top_p, "seed": int(seed), "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-               "priority": f.priority, "first": math.nan, "streams": f.on_partial is not None,
+               "priority": f.priority, "first": math.nan, "joined": math.nan,
+               "streams": f.on_partial is not None,
                "history": history, "conversation": conversation}
         if conversation is not None:
             self.conversations[conversation.id] = conversation
@@ -267,7 +268,7 @@ class GenerativeModel(Finisher):
         for i in np.flatnonzero(done).tolist():
             s = int(slots[i])
             generated = q.tokens[s, q.prompt_len[s]:q.length[s]].tolist()
-            self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.first[s]),
+            self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.joined[s]),
                           q.conversation[s])
 
     def _text_delta(self, owner, q: Sequences, s: int) -> str | None:
@@ -279,6 +280,8 @@ class GenerativeModel(Finisher):
         return text[len(seen):]
 
     def _resolve(self, owner, generated: list, reason: str, first: float, conversation=None) -> None:
+        """Resolve `owner`'s future; `first`: its first cell's instant (when it joined a slot), so
+        the timing splits waiting for a slot and blocks (queueing) from prefill + decode."""
         if owner._done:
             return
         outputs = {"tokens": generated, "finish_reason": reason}

@@ -83,7 +83,8 @@ def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: fl
         if i not in flight or flight[i][0] != t:
             continue
         del flight[i]
-        outputs = f.result().outputs
+        result = f.result()
+        outputs, queued = result.outputs, result.timing.queueing  # (arrival to joining a slot: waiting for blocks)
         tokens, answer, _ = work[i].turns[t]
         assert len(outputs["tokens"]) == answer
         history[i] += tokens + outputs["tokens"]
@@ -91,7 +92,7 @@ def converse(engine, model: str, work: list[Script], stateful: bool, stop_at: fl
         context = outputs.get("context", {})
         records.append({"conversation": i, "turn": t, "turns": len(work[i].turns), "latency": finished - sent,
                         "sent": sent - start, "finished": finished - start, "ttft": first.get((i, t), finished) - sent,
-                        "output": answer, "history": len(history[i]) - len(tokens) - answer, **context})
+                        "queued": queued, "output": answer, "history": len(history[i]) - len(tokens) - answer, **context})
         left -= 1
         if t + 1 < len(work[i].turns):
             heapq.heappush(due, (finished - start + work[i].turns[t + 1][2], i, t + 1))
@@ -140,19 +141,23 @@ def summarize(system: str, rate: float, records: list, window: tuple[float, floa
 
 
 def first_token(records: list, window: tuple[float, float]) -> dict:
-    """Time to the first token (the turn's prefill, queueing included) of the turns sent in the
-    window that came back to a cached history: all from GPU blocks, against those with some of
-    it copied in from the host tier (none recomputed), under the run's own load: the swap-in
-    target's ratio. (Histories copied in tend to be older, not longer; the medians compare them
-    as they come.)"""
+    """Time to the first token of the turns sent in the window that came back to a cached
+    history: all from GPU blocks, against those with some of it copied in from the host tier
+    (none recomputed), under the run's own load: the swap-in target's ratio. Twice: queueing
+    included (`*_p50_ms`), and from joining a slot on (`*_prefill_p50_ms`: the turn's prefill with
+    its copies in, without the wait for blocks before it). (Histories copied in tend to be older,
+    not longer; the medians compare them as they come.)"""
     a, b = window
     turns = [r for r in records if a <= r["sent"] < b and r.get("history") and "ttft" in r and not r.get("unfinished")]
-    hit = [r["ttft"] for r in turns if r.get("cached") and not r.get("swapped_in") and not r.get("recomputed")]
-    swapped = [r["ttft"] for r in turns if r.get("swapped_in") and not r.get("recomputed")]
-    out = {"gpu_hit_turns": len(hit), "swapped_in_turns": len(swapped),
-           "gpu_hit_p50_ms": float(np.median(hit) * 1e3) if hit else None,
-           "swapped_in_p50_ms": float(np.median(swapped) * 1e3) if swapped else None}
-    out["swapped_in_over_hit"] = out["swapped_in_p50_ms"] / out["gpu_hit_p50_ms"] if hit and swapped else None
+    hit = [r for r in turns if r.get("cached") and not r.get("swapped_in") and not r.get("recomputed")]
+    swapped = [r for r in turns if r.get("swapped_in") and not r.get("recomputed")]
+    out = {"gpu_hit_turns": len(hit), "swapped_in_turns": len(swapped)}
+    for name, value in (("", lambda r: r["ttft"]), ("_prefill", lambda r: r["ttft"] - (r.get("queued") or 0.0))):
+        hits, swaps = [value(r) for r in hit], [value(r) for r in swapped]
+        out[f"gpu_hit{name}_p50_ms"] = float(np.median(hits) * 1e3) if hits else None
+        out[f"swapped_in{name}_p50_ms"] = float(np.median(swaps) * 1e3) if swaps else None
+        out[f"swapped_in_over_hit{name}"] = out[f"swapped_in{name}_p50_ms"] / out[f"gpu_hit{name}_p50_ms"] \
+            if hits and swaps else None
     return out
 
 

@@ -157,7 +157,8 @@ def simulate(args, variant: str, host_gib: float, seed: int) -> dict:
             hist = len(c.tokens)
             turns[0] += 1
             row = {"prompt_len": new, "max_new": answer, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
-                   "stops": [-1] * MAX_STOPS, "priority": 0, "first": math.nan, "streams": False, "history": hist}
+                   "stops": [-1] * MAX_STOPS, "priority": 0, "first": math.nan, "joined": math.nan, "streams": False,
+                   "history": hist}
             columns = {k: np.array([v]) for k, v in row.items()}
             columns["conversation"] = np.empty(1, dtype=object)
             columns["conversation"][0] = c

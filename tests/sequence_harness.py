@@ -128,7 +128,7 @@ class Harness:
             self.full[f], self.stops[f] = list(prompt) + self.expected[f], stops
             rows.append({"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                          "seed": f.request_id, "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-                         "priority": f.priority, "first": math.nan, "streams": False, "history": 0})
+                         "priority": f.priority, "first": math.nan, "joined": math.nan, "streams": False, "history": 0})
         owners = np.empty(len(futures), dtype=object)
         owners[:] = futures
         columns = {name: np.array([r[name] for r in rows]) for name in rows[0]}

@@ -20,6 +20,11 @@ def test_first_token_compares_gpu_hits_with_swapped_in_turns_sent_in_the_window(
     assert (split["gpu_hit_turns"], split["swapped_in_turns"]) == (3, 2)
     assert split["gpu_hit_p50_ms"] == pytest.approx(20.0) and split["swapped_in_p50_ms"] == pytest.approx(50.0)
     assert split["swapped_in_over_hit"] == pytest.approx(2.5)
+    assert split["swapped_in_over_hit_prefill"] == pytest.approx(2.5)  # (nothing queued: the same)
+    queued = [dict(r, queued=0.030) if r.get("swapped_in") and not r.get("recomputed") else r for r in records]
+    split = chat_stateful.first_token(queued, (0.5, 10.0))  # swapped-in turns waited 30 ms for blocks
+    assert split["swapped_in_p50_ms"] == pytest.approx(50.0) and split["swapped_in_prefill_p50_ms"] == pytest.approx(20.0)
+    assert split["swapped_in_over_hit_prefill"] == pytest.approx(1.0)
     none = chat_stateful.first_token(records[:3], (0.5, 10.0))
     assert none["swapped_in_turns"] == 0 and none["swapped_in_over_hit"] is None
 

@@ -115,6 +115,23 @@ def test_out_of_blocks_suspends_and_recomputes(checkpoint):
         engine.stop()
 
 
+def test_timing_splits_waiting_for_a_slot_from_computation(checkpoint):
+    """A request's first cell is when it joins a slot (protocol: queueing = arrival to first cell,
+    computation = first cell to finish): with one slot the second request waits until the first
+    has finished, and its computation starts there."""
+    family, path, _ = checkpoint
+    engine, _ = engine_for(path, family, max_tokens=64, num_blocks=64, max_seqs=1)
+    try:
+        first = engine.submit(family, {"tokens": [5, 6, 7], "max_new_tokens": 6, "ignore_eos": True})
+        second = engine.submit(family, {"tokens": [8, 9], "max_new_tokens": 3, "ignore_eos": True})
+        run_until(engine, lambda: first.done() and second.done())
+        a, b = first.result(0).timing, second.result(0).timing
+        assert a.arrival <= a.first_cell < a.finish <= b.first_cell < b.finish
+        assert b.queueing >= a.computation > 0
+    finally:
+        engine.stop()
+
+
 def test_chunked_prefill_keeps_decodes_running(checkpoint):
     """A prompt longer than the token budget is prefilled in chunks, while a running request
     decodes a token in every iteration."""

@@ -20,13 +20,15 @@ iterations formed meanwhile are dropped for them (a slot's serial tells occupant
 
 SequenceQueue (core/sequence_queue.py) forms the iterations from them.
 """
+import time
+
 import numpy as np
 
 from batchmaker.core.blocks import BlockTables
 from batchmaker.core.waiting import Chunk
 
 MAX_STOPS = 8  # stop token ids per request (EOS included)
-_CARRIED = ("temperature", "top_k", "top_p", "seed", "stops", "first", "streams")  # what a waiting row brings
+_CARRIED = ("temperature", "top_k", "top_p", "seed", "stops", "first", "joined", "streams")  # what a waiting row brings
 
 
 class Sequences:
@@ -52,6 +54,7 @@ class Sequences:
         self.seed = np.zeros(num_slots, dtype=np.int64)
         self.stops = np.full((num_slots, MAX_STOPS), -1, dtype=np.int64)
         self.first = np.full(num_slots, np.nan)  # when its first token was sampled (perf_counter)
+        self.joined = np.full(num_slots, np.nan)  # when it first joined a slot: its first cell (perf_counter)
         self.streams = np.zeros(num_slots, dtype=bool)  # its request takes partial outputs
         self.conversation = np.empty(num_slots, dtype=object)  # its turn's Conversation, or None
         self.skip_from = np.zeros(num_slots, dtype=np.int64)  # positions [skip_from, skip_to) are cached
@@ -85,6 +88,8 @@ class Sequences:
         self.skip_from[s] = self.skip_to[s] = 0
         for name in _CARRIED:
             getattr(self, name)[s] = columns[name]
+        if self.joined[s] != self.joined[s]:  # (NaN: first joined now; a resumed one keeps its instant)
+            self.joined[s] = time.perf_counter()
         self.active[s] = True
         return s
 
