@@ -90,9 +90,10 @@ class TritonCompiles:
 
     def _after(self, *args, **kwargs) -> None:
         self.count += 1
-        constants = kwargs.get("constants")  # (the constexpr values: what tells a kernel's variants apart)
-        self.kernels.append(str(kwargs.get("repr", "?")).split("(", 1)[0] + ("" if constants is None else
-                                                                            f" {constants}"[:400]))
+        # the runtime's repr (name, options, argument types with their :16 alignment marks) and the
+        # constexpr values: what tells one variant of a kernel from another
+        constants = (kwargs.get("compile") or {}).get("constants")
+        self.kernels.append(str(kwargs.get("repr", "?"))[:1500] + ("" if constants is None else f" {constants}"[:600]))
         if self._start is not None:
             self.seconds += time.perf_counter() - self._start
             self._start = None

@@ -28,12 +28,12 @@ def launch_variants(group: int, max_positions: int) -> list[tuple[AttentionConfi
     reaches it (pick_launch, pick_num_splits)."""
     gpad = _pow2(group)
     short, long = pick_config(1, gpad), pick_config(1, gpad, split_len=MIN_SPLIT_LEN + 1)  # decode tiles
-    few, many = FEW_PROGRAMS_SPLIT_LEN, MIN_SPLIT_LEN + 1  # positions a slice of either holds, at least
+    few = FEW_PROGRAMS_SPLIT_LEN  # positions a short slice holds at least (a long one: over MIN_SPLIT_LEN)
     need = [(short, 1, False, 0), (short, 1, True, 0), (short, 2, False, 2 * few), (short, 2, True, 2 * few),
             (short, COMBINE_MAX_SPLITS + 1, False, (COMBINE_MAX_SPLITS + 1) * few)]
     if MAX_SPLITS * MIN_SPLIT_LEN >= LONG_SPLIT_CONTEXT:  # (32 slices of 128 at 4,096 positions: short ones)
         need.append((short, 17, False, LONG_SPLIT_CONTEXT))
-    need += [(long, n, work, max(n * many, 0 if n <= SHORT_MAX_SPLITS else LONG_SPLIT_CONTEXT))
+    need += [(long, n, work, max(n * MIN_SPLIT_LEN + 1, 0 if n <= SHORT_MAX_SPLITS else LONG_SPLIT_CONTEXT))
              for n, work in ((2, False), (2, True), (COMBINE_MAX_SPLITS + 1, False), (9, False), (17, False))]
     for cfg in sorted({pick_config(q, gpad) for q in (max(1, 64 // gpad), MAX_SPLITS * MIN_PREFILL_SPLIT_LEN)},
                       key=lambda c: c.block_m):  # prompt tiles: slices of MIN_PREFILL_SPLIT_LEN at least
@@ -45,8 +45,9 @@ def launch_variants(group: int, max_positions: int) -> list[tuple[AttentionConfi
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_blocks: int,
                      max_positions: int) -> int:
     """Launch every variant of `launch_variants` once over block 0 of one layer's caches
-    ([blocks, block_size, Hkv, D]); block tables `max_blocks` wide, as the engine's. Returns the
-    launches made. Writes nothing but scratch outputs; synchronizes the device."""
+    ([blocks, block_size, Hkv, D]); block tables `max_blocks` wide, as the engine's; contexts of up
+    to `max_positions` (the longest bound a launch is given). Returns the launches made. Writes
+    nothing but scratch outputs; synchronizes the device."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, group = k_cache.device, num_q_heads // num_kv_heads
     tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)

@@ -335,8 +335,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def _counters(device: torch.device) -> torch.Tensor | None:
     """The in-kernel combine's tile counters: zero, and every launch leaves them zero. Allocated on
-    the first split launch outside a graph capture (the engine warms its graphs up eagerly); None
-    before that (the launch then merges with the combine kernel)."""
+    the first launch outside a graph capture (the engine compiles its kernels eagerly first); None
+    before that (a split launch then merges with the combine kernel)."""
     counters = _COUNTERS.get(device)
     if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         counters = _COUNTERS[device] = torch.zeros(COMBINE_COUNTERS, dtype=torch.int32, device=device)

@@ -1,6 +1,7 @@
 """kernels/attention_variants.py: the paged-attention variants compiled before serving are the
 ones serving launches (a variant met mid-serving stalls every request for its compile)."""
 import itertools
+import types
 
 import pytest
 import torch
@@ -35,12 +36,64 @@ def test_the_variants_are_the_launches_the_planner_makes(group, max_positions):
     assert compiled <= reached, sorted(map(str, compiled - reached))  # (no compile for a launch never made)
 
 
+class _Recorder:
+    """Stands in for the Triton kernels: records each launch's constexprs (what makes a variant)."""
+
+    def __init__(self):
+        self.launched = set()
+
+    def __getattr__(self, name):
+        recorder = self
+
+        class Kernel:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: recorder.launched.add(
+                    (name, tuple(sorted((k, v) for k, v in kw.items() if k in _VARIANT))))
+        return Kernel()
+
+
+_VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "IS_SPLIT", "COMBINE", "WORK", "SPLITS_PAD")
+
+
+def _kernel_launches(cfg, n: int, combine: bool, work: bool) -> set:
+    attention = ("paged_attention_kernel", tuple(sorted({
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "IS_SPLIT": n > 1,
+        "COMBINE": combine, "WORK": work}.items())))
+    combine_launch = ("combine_splits_kernel", (("SPLITS_PAD", _pow2(n)), ("num_warps", 1)))
+    return {attention} | ({combine_launch} if n > 1 and not combine else set())
+
+
+@pytest.mark.parametrize("group,max_positions,block", [(1, 4096, 16), (4, 4090, 16), (8, 2048, 16), (2, 700, 8)])
+def test_compile_variants_launches_what_serving_launches(group, max_positions, block, monkeypatch):
+    """The kernels compile_variants launches (constexprs recorded in place of Triton) are those
+    the planner picks over a sweep of batches up to the block table's width, a block past
+    max_positions where it is no multiple of the block size (an unbounded launch's bound)."""
+    from batchmaker.kernels import paged_attention
+    from batchmaker.exec.iterations import IterationRunner
+    recorder = _Recorder()
+    monkeypatch.setattr(paged_attention, "_kernels", recorder)
+    kv_heads, max_blocks = 32 // group, -(-max_positions // block)
+    k = torch.zeros(2, block, kv_heads, 16)
+    runner = types.SimpleNamespace(cache=types.SimpleNamespace(k=k[None], v=k[None]), max_blocks=max_blocks,
+                                   config=types.SimpleNamespace(num_heads=32, max_positions=max_positions),
+                                   module=types.SimpleNamespace(block_size=block))
+    IterationRunner.compile_kernels(runner)
+    width = max_blocks * block
+    wanted = set()
+    for seqs, query, bound, items in itertools.product(
+            (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, 8, 16, 64, 128, 512, 2048), sorted({*range(16, width + 1, 37), width}),
+            (None, 1, 4, 16, 100, 1000)):
+        wanted |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items),
+                                   items is not None)
+    assert recorder.launched == wanted
+
+
 @interpreter
 def test_every_variant_launches_over_scratch_in_the_interpreter():
     k = torch.randn(3, 4, 2, 16)
     v = torch.randn_like(k)
     before = (k.clone(), v.clone())
-    assert compile_variants(k, v, num_q_heads=4, max_blocks=8, max_positions=512) == len(launch_variants(2, 512))
+    assert compile_variants(k, v, num_q_heads=4, max_blocks=64, max_positions=512) > 0
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])  # (reads only)
 
 

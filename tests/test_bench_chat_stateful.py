@@ -37,10 +37,11 @@ def test_triton_compiles_are_counted_through_the_runtime_hooks():
             from triton import knobs
             assert knobs.runtime.jit_cache_hook == counter._before
         assert counter._before(key="k", repr="kernel") is False  # (never skips a compile)
-        counter._after(key="k", repr="kernel[num_warps=4](x: *bf16)")
+        counter._after(key="k", repr="kernel[num_warps=4](x: *bf16:16, n: i32)", fn=None,
+                       compile={"constants": {(2,): 64}}, is_manual_warmup=False, already_compiled=False)  # (Triton 3.9)
         counter._after(key="k")  # (a post hook without its cache hook: counted, not timed)
         assert counter.count == 2 and counter.seconds >= 0
-        assert counter.kernels == ["kernel[num_warps=4]", "?"]  # (what each compile built)
+        assert counter.kernels == ["kernel[num_warps=4](x: *bf16:16, n: i32) {(2,): 64}", "?"]  # (what each built)
     finally:
         if counter.available:
             from triton import knobs

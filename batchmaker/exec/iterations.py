@@ -144,7 +144,7 @@ class IterationRunner:
                         "kv_slots": table[row, positions // bs] * bs + positions % bs,
                         "token_slots": np.full(rows * ct, self.scratch_slot),
                         "query_start": (np.arange(rows + 1) * ct).astype(np.int32),
-                        "context_lens": np.full(rows, end, dtype=np.int32), "block_tables": table,
+                        "context_lens": np.full(rows, end, dtype=np.int32), "block_tables": table.astype(np.int32),
                         "sample_token": np.arange(1, rows + 1) * ct - 1, "sample_slots": np.full(rows, self.scratch_slot),
                         "seeds": np.zeros(rows, dtype=np.int64), "counters": np.zeros(rows, dtype=np.int64),
                         "top_k": np.zeros(rows, dtype=np.int64), "temperature": np.zeros(rows, dtype=np.float32),
@@ -305,13 +305,15 @@ class IterationRunner:
             self.landing.close(region)
             task.handle = None
 
+    def compile_kernels(self) -> None:
+        """Compile every attention variant this model can launch now, not mid-serving
+        (kernels/attention_variants.py; CUDA workers call it at start, graphs or not). Contexts
+        reach the block table's width (an unbounded launch's bound), a block past max_positions."""
+        compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
+                         max(self.config.max_positions, self.max_blocks * self.module.block_size))
+
     def warm_up(self) -> None:
-        """Compile every attention variant this model can launch (kernels/attention_variants.py:
-        not mid-serving), then capture the decode graphs of every bucket (padded sequences only
-        touch scratch)."""
-        if self.device.type == "cuda":
-            compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
-                             self.config.max_positions)
+        """Capture the decode graphs of every bucket now (padded sequences only touch scratch)."""
         if not self.graphs.enabled:
             return
         for bucket in self.cell_type.batch_sizes:

@@ -200,6 +200,9 @@ class CUDAWorker(Worker):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.counter = SignalCounter(self.device)
             self.counter.signal()  # the first launch of a kernel may block (lazy module loading)
+            with torch.inference_mode():
+                for runner in self.iterations.values():
+                    runner.compile_kernels()  # (a kernel compiled mid-serving stalls every request)
         self.stream.synchronize()
         self._in_progress: deque[Task] = deque()  # launched, in stream order; one signal each
         self._num_signalled = self.counter.read()
