@@ -7,7 +7,9 @@ variant first met mid-serving stalls every running request for its compile: 1-3 
 H200, and the first ShareGPT-like run after a 64-request warm-up met 6 of them (4-8 s of a 35-s
 run; bench/results/README.md, tenth session). `compile_variants` launches each variant a model can
 reach once, on a scratch problem in block 0 (the allocator's scratch block): the compiles land in
-Triton's caches (in memory, and on disk for the next process).
+Triton's caches (in memory, and on disk for the next process). Triton also compiles a variant per
+16-byte alignment of each pointer argument: the scratch tensors are fresh allocations, so the
+engine's own index arrays must start 16-byte aligned too (exec/iteration_buffers.column_layout).
 
     compile_variants(k_cache[0], v_cache[0], num_q_heads, max_blocks, max_positions)
 """
