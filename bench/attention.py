@@ -4,6 +4,7 @@ measured copy bandwidth and against torch SDPA on the same contexts stored dense
     python bench/attention.py --out attention.json            # Llama-2-7B shapes, bf16, block_size 16
     python bench/attention.py --out attention.json --sweep    # also time candidate tile shapes and split counts
     python bench/attention.py --out attention.json --short-sweep  # batch-1 decode at short contexts, swept
+    python bench/attention.py --out attention.json --prefill-sweep  # prompt-chunk tiles, swept
     TRITON_INTERPRET=1 python bench/attention.py --device cpu --smoke --out /tmp/a.json
                                          # a smoke run of this script on the CPU (times mean nothing)
 
@@ -181,6 +182,27 @@ def short_sweep(args, device, ceilings: dict) -> list[dict]:
     return rows
 
 
+PREFILL_CONFIGS = ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                   (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 4))
+
+
+def prefill_sweep(args, device, ceilings: dict) -> list[dict]:
+    """Prompt-chunk tiles (block_m, block_n, warps, stages) on the chunks a saturated chat run
+    prefills (a 2,048-token iteration: prefill attention took ~25% of its GPU time at ~200
+    TFLOP/s, H200), against the automatic choice: TFLOP/s of each."""
+    rows = []
+    shapes = ((1, 64, 48), (2, 40, 24)) if args.smoke else ((1, 2048, 2048), (4, 2048, 512), (1, 4096, 1024))
+    for batch, ctx, chunk in shapes:
+        ctxs = Contexts(batch, ctx, chunk, args, device, dense=False)
+        rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), "auto": True})
+        for block_m, block_n, warps, stages in PREFILL_CONFIGS[:2] if args.smoke else PREFILL_CONFIGS:
+            cfg = AttentionConfig(block_m, block_n, warps, stages)
+            rows.append({**measure(ctxs, args, device, ceilings, config=cfg, num_splits=1),
+                         "config": [block_m, block_n, warps, stages]})
+        del ctxs
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -199,6 +221,7 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=16, help="calls per captured graph")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--short-sweep", action="store_true", help="only batch-1 decode at short contexts, swept")
+    parser.add_argument("--prefill-sweep", action="store_true", help="only prompt-chunk tiles, swept")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
     args = parser.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -211,7 +234,7 @@ def main(argv=None) -> None:
     ceilings = {"copy": copy_bandwidth(device, nbytes), "read": read_bandwidth(device, nbytes)}
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
-    if args.short_sweep:
+    if args.short_sweep or args.prefill_sweep:
         args.batches, args.prefill = [], []
     for batch in args.batches:
         for ctx in args.contexts:
@@ -232,8 +255,9 @@ def main(argv=None) -> None:
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "block_size": args.block_size, "copy_GBps": round(ceilings["copy"], 1),
               "read_GBps": round(ceilings["read"], 1), "decode": decode, "prefill": prefill}
-    if args.sweep or args.short_sweep:
-        record["sweep"] = (short_sweep if args.short_sweep else sweep)(args, device, ceilings)
+    if args.sweep or args.short_sweep or args.prefill_sweep:
+        record["sweep"] = (short_sweep if args.short_sweep else prefill_sweep if args.prefill_sweep else sweep)(
+            args, device, ceilings)
         for row in record["sweep"]:
             print("sweep", row, flush=True)
     with open(args.out, "w") as f:
