@@ -9,7 +9,9 @@ So a mixed batch launches twice (`paged_attention(work=...)`):
 
     small  sequences of 1 .. small_tokens(G) new tokens, one decode tile each
     large  (sequence, tile) of the longer ones, prompt tiles of max_query_len's config, and one
-           item for the rows after the last sequence (zeroed), when there are such rows
+           item for the rows after the last sequence (zeroed), when there are such rows; each
+           sequence's tiles from its last (causal: the last reads the most positions), so that
+           the longest programs start first and the last wave holds short ones
 
 Items are int32, sequence << 16 | tile; -1 pads a list to a fixed size (a CUDA graph's launch).
 """
@@ -51,8 +53,8 @@ def work_lists(query_start: np.ndarray, num_tokens: int, group: int, max_query_l
     tiles = -(-lens[long] // block_m)
     if len(tiles) and tiles.max() >= MAX_TILES:
         raise ValueError(f"{tiles.max()} query tiles in one sequence: items name at most {MAX_TILES}")
-    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
-    large = np.repeat(long, tiles) << 16 | (np.arange(len(first)) - first)
+    last = np.repeat(np.cumsum(tiles) - 1, tiles)  # (a sequence's tiles from its last: the longest first)
+    large = np.repeat(long, tiles) << 16 | (last - np.arange(len(last)))
     if int(query_start[-1]) < num_tokens:
         large = np.append(large, len(lens) << 16)
     if sizes is None:

@@ -107,8 +107,8 @@ def paged_attention_kernel(
         if item < 0:
             return
         seq, tile = item >> 16, item & 0xFFFF
-    else:
-        seq, tile = tl.program_id(1), tl.program_id(2)
+    else:  # tiles from the last (causal: the longest programs start first, short ones fill the last wave)
+        seq, tile = tl.program_id(1), tl.num_programs(2) - 1 - tl.program_id(2)
     M: tl.constexpr = BLOCK_M * G_PAD
     offs_d = tl.arange(0, D)
     # the sequence's metadata, loaded at once (a dependent load each would add a round trip to every program)

@@ -224,7 +224,8 @@ def work_for(case: Case, padded: bool = False) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize("seed", range(20))
 def test_work_lists_name_every_tile_once(group, seed):
     """Small items: the sequences of 1 .. small_tokens new tokens; large: every query tile of the
-    longer ones (and one item for rows after the last sequence); within capacity, -1 after."""
+    longer ones, each sequence's from its last (and one item for rows after the last sequence);
+    within capacity, -1 after."""
     from batchmaker.kernels.paged_attention import _pow2, pick_config
     rng = torch.Generator().manual_seed(seed)
     short = small_tokens(group)
@@ -237,7 +238,7 @@ def test_work_lists_name_every_tile_once(group, seed):
     block_m = pick_config(n, _pow2(group)).block_m
     small, large = work_lists(query_start, num_tokens, group, n)
     assert sorted(small.tolist()) == [s << 16 for s, m in enumerate(lens) if 0 < m <= short]
-    want = [s << 16 | t for s, m in enumerate(lens) if m > short for t in range(-(-m // block_m))]
+    want = [s << 16 | t for s, m in enumerate(lens) if m > short for t in reversed(range(-(-m // block_m)))]
     assert large.tolist() == want + ([len(lens) << 16] if num_tokens > query_start[-1] else [])
     sizes = capacity(num_tokens, len(lens), group, n)
     padded_small, padded_large = work_lists(query_start, num_tokens, group, n, sizes)
@@ -343,6 +344,10 @@ def test_kernel_in_the_interpreter(seed):
         case = make_case([1, 20, 0, 2, 1], [60, 20, 3, 40, 9], 2, 1, 32, 8, seed=seed)
         check_kernel(case, work=work_for(case))
         check_kernel(case, work=work_for(case, padded=True), num_splits=8)  # (at most 4 slices, merged inside)
+    if seed == 5:  # several prompt tiles of one sequence (launched from the last), plain and from work lists
+        case = make_case([150, 1, 70], [200, 30, 90], 1, 1, 32, 16, seed=seed)
+        check_kernel(case)
+        check_kernel(case, work=work_for(case))
     if seed == 3:  # the cache write: heads not a power of two, a block of one position
         check_write_kv(5, 3, 32, 4, torch.float32, "cpu")
         check_write_kv(3, 2, 12, 1, torch.float32, "cpu", seed=1)
