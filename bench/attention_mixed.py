@@ -1,6 +1,8 @@
 """Paged attention over a mixed batch (decodes beside prompt chunks, one iteration's layer):
 one launch over every sequence against the work lists' two launches (kernels/attention_work.py),
-and the decodes and the chunks each alone. Floor: the K/V bytes read over the copy bandwidth.
+the work lists with each chunk's tiles in ascending order (before: the longest last) against the
+default (the longest first), and the decodes and the chunks each alone. Floor: the K/V bytes read
+over the copy bandwidth.
 
     python bench/attention_mixed.py --device cuda:0     # Llama-2-7B heads, bf16, block size 16
 
@@ -20,7 +22,7 @@ from bench.common import write_results  # noqa: E402
 CASES = [  # decodes, their context, chunks, chunk tokens, the chunks' context
     (128, 1024, 1, 300, 800), (128, 1024, 1, 1500, 1500), (200, 1000, 1, 440, 600), (64, 1500, 2, 512, 1024),
     (256, 600, 1, 200, 400), (32, 1000, 1, 1900, 1900), (200, 1000, 1, 16, 1000), (100, 2000, 3, 100, 2000),
-    (8, 1024, 1, 64, 64)]
+    (8, 1024, 1, 64, 64), (16, 500, 1, 2000, 2000), (64, 1000, 2, 1000, 1500), (180, 900, 1, 1850, 1850)]
 
 
 def graph_us(call, calls: int = 10) -> float:
@@ -67,8 +69,11 @@ def case(decodes, decode_ctx, chunks, chunk, chunk_ctx, args) -> dict:
     def run(q, tables, query_start, context_lens, n, bound, work=None, out=out):
         return lambda: paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, n, scale, out,
                                        max_context_len=bound, work=work)
+    small, large = lists["exact"]
+    ascending = (small, large.sort().values)  # (each sequence's tiles from its first: the order before)
     variants = {"one_launch": run(q, tables, query_start, context_lens, chunk, bound),
                 "work_lists": run(q, tables, query_start, context_lens, chunk, bound, lists["exact"]),
+                "work_lists_ascending": run(q, tables, query_start, context_lens, chunk, bound, ascending),
                 "work_lists_padded": run(q, tables, query_start, context_lens, chunk, bound, lists["padded"]),
                 "decodes_alone": run(q[:d], tables[:d], query_start[:d + 1], context_lens[:d], 1, decode_ctx, out=out[:d]),
                 "chunks_alone": run(q[d:], tables[d:], query_start[d:] - d, context_lens[d:], chunk, chunk_ctx,
@@ -81,6 +86,7 @@ def case(decodes, decode_ctx, chunks, chunk, chunk_ctx, args) -> dict:
               "floor_us": sum(ctxs) * heads * dim * 2 * dtype.itemsize / args.bandwidth * 1e6}
     record.update({f"{name}_us": graph_us(call) for name, call in variants.items()})
     record["speedup"] = record["one_launch_us"] / record["work_lists_us"]
+    record["longest_first_speedup"] = record["work_lists_ascending_us"] / record["work_lists_us"]
     return record
 
 
