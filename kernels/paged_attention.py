@@ -203,10 +203,11 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    may_combine = num_kv_heads * num_tokens <= COMBINE_COUNTERS and _counters(q.device) is not None
+    available = _counters(q.device) if num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
     cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
-                                           may_combine, config, num_splits, None if items is None else len(items))
-    counters = _counters(q.device) if combine else None
+                                           available is not None, config, num_splits,
+                                           None if items is None else len(items))
+    counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
@@ -335,7 +336,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 def _counters(device: torch.device) -> torch.Tensor | None:
     """The in-kernel combine's tile counters: zero, and every launch leaves them zero. Allocated on
-    the first launch outside a graph capture (the engine compiles its kernels eagerly first); None
+    the first launch they could cover, outside a graph capture (the engine compiles its kernels
+    eagerly first); None
     before that (a split launch then merges with the combine kernel)."""
     counters = _COUNTERS.get(device)
     if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
