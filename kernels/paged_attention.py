@@ -337,8 +337,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 def _counters(device: torch.device) -> torch.Tensor | None:
     """The in-kernel combine's tile counters: zero, and every launch leaves them zero. Allocated on
     the first launch they could cover, outside a graph capture (the engine compiles its kernels
-    eagerly first); None
-    before that (a split launch then merges with the combine kernel)."""
+    eagerly first); None before that (a split launch then merges with the combine kernel)."""
     counters = _COUNTERS.get(device)
     if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         counters = _COUNTERS[device] = torch.zeros(COMBINE_COUNTERS, dtype=torch.int32, device=device)
