@@ -44,8 +44,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--sweep", choices=("all", "dot"), default="all",
-                    help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS)")
+    ap.add_argument("--sweep", choices=("all", "dot", "tma"), default="all",
+                    help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS); "
+                         "tma: its shapes with the weight tiles by TMA (not q | k | v, whose RoPE needs row pairs)")
     ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down"), default=None,
                     help="sweep these projections only (the chain uses CONFIGS for the others)")
     ap.add_argument("--out", default=None)
@@ -91,7 +92,11 @@ def main() -> None:
     if args.sweep == "dot":  # also 2 or 5 stages, with 4 or 8 warps
         dot += [gemv.GemvConfig(bn, bk, nw, st, dot=True) for bn, bk, nw, st in
                 itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 5))]
-    candidates = candidates + dot if args.sweep == "all" else list(dict.fromkeys(gemv.CONFIGS.values())) + dot
+    tma = [gemv.GemvConfig(bn, bk, nw, st, dot=True, tma=True) for bn, bk, nw, st in
+           itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 6))]
+    tma += [gemv.GemvConfig(bn, 128, 8, st, dot=True, tma=True) for bn, st in itertools.product((128, 256), (4, 6))]
+    current = list(dict.fromkeys(gemv.CONFIGS.values()))
+    candidates = {"all": candidates + dot, "dot": current + dot, "tma": current + tma}[args.sweep]
     best = {}
     for name, (n, k, silu) in shapes.items():
         if args.only and name not in args.only:
@@ -99,7 +104,7 @@ def main() -> None:
         nbytes = w[name][0].numel() * 2
         row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": []}
         for cfg in candidates:
-            if n % cfg.block_n:
+            if n % cfg.block_n or (cfg.tma and name == "qkv"):
                 continue
             gemv.CONFIGS[(n, k, silu)] = cfg
             try:
@@ -119,8 +124,9 @@ def main() -> None:
               f"{row['cublas_ms'] * 1e3:.1f} us ({row['cublas_tb_per_s']:.2f} TB/s), ours {ms * 1e3:.1f} us "
               f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}", flush=True)
 
-    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
-                      for key, (c, _) in best.items()}  # what decode_profile.py --gemv-configs reads
+    # what decode_profile.py --gemv-configs reads
+    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot,
+                                                          c.tma] for key, (c, _) in best.items()}
     layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
 
     def chain_ours(pdl: bool):

@@ -44,7 +44,8 @@ class GemvConfig:
     block_k: int  # reduction columns per tile
     num_warps: int
     num_stages: int
-    dot: bool = False  # gemv_dot_kernel (tensor cores, weight tiles pipelined num_stages deep) or gemv_kernel
+    dot: bool = False  # tensor cores (weight tiles pipelined num_stages deep through shared memory) or CUDA cores
+    tma: bool = False  # with dot: the weight tiles by TMA (a tensor descriptor; block sizes up to 256)
 
 
 # (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes), the set
@@ -163,7 +164,8 @@ def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: 
 def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
     """Whether `norm_qkv_rope` runs for this q | k | v weight (its configured tile holds whole rotation pairs)."""
     n_out, k_in = weight.shape
-    return can_rope(n_out, head_dim, pick_config(n_out, k_in, False).block_n)
+    config = pick_config(n_out, k_in, False)
+    return not config.tma and can_rope(n_out, head_dim, config.block_n)
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
@@ -179,6 +181,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)
     assert not config.dot or (min(config.block_n, config.block_k) >= 16
                               and (x.dtype != torch.float32 or is_interpreting())), (config, x.dtype)
+    assert not config.tma or (config.dot and rope is None and max(config.block_n, config.block_k) <= 256), config
     x = x.contiguous()
     norm = norm_weight is not None
     has_residual = residual is not None
@@ -193,13 +196,20 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         rope_args = (rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slots, *rope.k_cache.stride()[:3],
                      *rope.v_cache.stride()[:3], rope.num_q_heads, rope.num_kv_heads)
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
+    w_desc = _descriptor(weight, config) if config.tma else weight  # (unread without TMA)
     _load_kernels().gemv_kernel[(n_out // config.block_n,)](
-        x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
+        x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, w_desc, out, total,
         n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu,
-        ROPE=rope is not None, DOT=config.dot, PDL=pdl, EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()), HEAD_DIM=head_dim,
-        CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+        ROPE=rope is not None, DOT=config.dot, TMA=config.tma, PDL=pdl, EVEN_K=k_in % config.block_k == 0,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
+        HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages, **extra)
     return total, out
+
+
+def _descriptor(weight: Tensor, config: GemvConfig):
+    # a host-side tensor descriptor of the weight in [block_n, block_k] tiles (the launch encodes its TMA map)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
 
 
 def _load_kernels():

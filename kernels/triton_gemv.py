@@ -21,7 +21,9 @@ times each weight tile transposed, into a [16, BLOCK_N] fp32 accumulator. Those 
 dot, so Triton pipelines them through shared memory num_stages deep, where the CUDA-core loop's
 in-flight loads are bounded by the registers its accumulator leaves; it streams the wide-K down
 projection at ~3.9 TB/s against ~3.55 (bench/gemv.py). It waits for the previous kernel before its
-first load.
+first load. With TMA (and DOT) each weight tile comes through a tensor descriptor: the SM's copy
+engine moves [BLOCK_N, BLOCK_K] tiles into shared memory with no per-element address arithmetic or
+registers, the way cuBLAS streams its GEMMs (its gate/up reaches ~4.0 TB/s with 6-stage TMA loads).
 
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
@@ -126,9 +128,18 @@ def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in,
 
 
 @triton.jit
-def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
+def _weight_tile(w_rows, w_desc, row0, k0, c, m, TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    # the weight's [BLOCK_N, BLOCK_K] tile at (row0, k0): by TMA (zero past k_in), or by pointers (w_rows: [BLOCK_N, 1])
+    if TMA:
+        return w_desc.load([row0, k0])
+    return _load(w_rows + c[None, :], m[None, :], EVEN_K)
+
+
+@triton.jit
+def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
-                          EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+                          TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NORM_K: tl.constexpr):
     # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
     # transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so Triton
     # pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
@@ -136,6 +147,7 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_i
     is_x = tl.arange(0, 16)[:, None] == 0  # [16, 1]: the input's row of the tile
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     u_rows = w_ptr + (rows + n_out).to(tl.int64)[:, None] * stride_w
+    row0 = tl.program_id(0) * BLOCK_N  # the first of the rows (consecutive: no ROPE here)
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -144,9 +156,9 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_i
         m = c < k_in
         xt = _input_tile(x_ptr, r_ptr, nw_ptr, c[None, :], is_x & m[None, :], inv_rms, NORM, RESIDUAL,
                          False).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K], rows 1.. zero (masked)
-        acc = tl.dot(xt, tl.trans(_load(w_rows + c[None, :], m[None, :], EVEN_K)), acc)
+        acc = tl.dot(xt, tl.trans(_weight_tile(w_rows, w_desc, row0, k0, c, m, TMA, EVEN_K)), acc)
         if SILU:
-            acc_up = tl.dot(xt, tl.trans(_load(u_rows + c[None, :], m[None, :], EVEN_K)), acc_up)
+            acc_up = tl.dot(xt, tl.trans(_weight_tile(u_rows, w_desc, row0 + n_out, k0, c, m, TMA, EVEN_K)), acc_up)
     return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0)  # row 0: the others are zero
 
 
@@ -191,20 +203,22 @@ def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, st
 
 
 @triton.jit
-def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
+def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
                 cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
                 stride_vh, num_q_heads, num_kv_heads,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
-                PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                TMA: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (n_out is a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in];
-    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches
+    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
+    # TMA (with DOT, not ROPE): w_desc is a tensor descriptor of w with [BLOCK_N, BLOCK_K] tiles (else unread)
     pid = tl.program_id(0)
     rows = _rows(pid, ROPE, BLOCK_N, HEAD_DIM)
     if DOT:
-        out, up = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps,
-                                        pid == 0, NORM, RESIDUAL, SILU, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+        out, up = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_out, k_in, stride_w,
+                                        eps, pid == 0, NORM, RESIDUAL, SILU, PDL, TMA, EVEN_K, BLOCK_N, BLOCK_K,
+                                        NORM_K)
     else:
         out, up = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps,
                                       pid == 0, NORM, RESIDUAL, SILU, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
