@@ -1,5 +1,6 @@
 """The Triton kernel of one token's matrix-vector products with their neighbours fused in: the
-residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection,
+residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection
+(or before the down projection, as it reads its input),
 RoPE and the K/V cache write after the attention's q | k | v projection.
 kernels/gemv.py launches them; imported lazily there, so its twins import where Triton is absent.
 
@@ -41,10 +42,16 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _input_tile(x_ptr, r_ptr, nw_ptr, cols, mask, inv_rms, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                EVEN: tl.constexpr):
-    # the input's columns `cols` as the projection sees them (fp32): x, or rms_norm(x (+ r)) rounded as HF rounds
+def _input_tile(x_ptr, r_ptr, nw_ptr, cols, mask, inv_rms, k_in, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                SILU_IN: tl.constexpr, EVEN: tl.constexpr):
+    # the input's columns `cols` as the projection sees them (fp32): x, or rms_norm(x (+ r)) rounded as HF rounds,
+    # or with SILU_IN silu(gate) * up of x = gate | up [2 k_in], rounded where HF's MLP rounds (the SiLU, the product)
     x = _load(x_ptr + cols, mask, EVEN)
+    if SILU_IN:
+        gate = x.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = _load(x_ptr + k_in + cols, mask, EVEN).to(tl.float32)
+        return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     if RESIDUAL:
         x = (x.to(tl.float32) + _load(r_ptr + cols, mask, EVEN).to(tl.float32)).to(x_ptr.dtype.element_ty)
     if NORM:
@@ -99,7 +106,8 @@ def _rows(pid, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr
 
 @triton.jit
 def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
-                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
+                        PDL: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
     # (w[rows] . in, and with SILU w[n_out + rows] . in): a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
     cols = tl.arange(0, BLOCK_K)
@@ -110,14 +118,14 @@ def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in,
     if SILU:
         u_first = _load(u_rows + cols[None, :], first[None, :], EVEN_K)
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
-    x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
+    x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)
     acc = w_first.to(tl.float32) * x[None, :]
     if SILU:
         acc_up = u_first.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
-        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, NORM, RESIDUAL, EVEN_K)
+        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)
         acc += _load(w_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
         if SILU:
             acc_up += _load(u_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
@@ -137,9 +145,9 @@ def _weight_tile(w_rows, w_desc, row0, k0, c, m, TMA: tl.constexpr, EVEN_K: tl.c
 
 @triton.jit
 def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
-                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
-                          TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NORM_K: tl.constexpr):
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
+                          PDL: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
     # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
     # transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so Triton
     # pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
@@ -154,8 +162,8 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_
     for k0 in range(0, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
-        xt = _input_tile(x_ptr, r_ptr, nw_ptr, c[None, :], is_x & m[None, :], inv_rms, NORM, RESIDUAL,
-                         False).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K], rows 1.. zero (masked)
+        xt = _input_tile(x_ptr, r_ptr, nw_ptr, c[None, :], is_x & m[None, :], inv_rms, k_in, NORM, RESIDUAL,
+                         SILU_IN, False).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K], rows 1.. zero (masked)
         acc = tl.dot(xt, tl.trans(_weight_tile(w_rows, w_desc, row0, k0, c, m, TMA, EVEN_K)), acc)
         if SILU:
             acc_up = tl.dot(xt, tl.trans(_weight_tile(u_rows, w_desc, row0 + n_out, k0, c, m, TMA, EVEN_K)), acc_up)
@@ -206,22 +214,23 @@ def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, st
 def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
                 cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
                 stride_vh, num_q_heads, num_kv_heads,
-                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
-                TMA: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
+                ROPE: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (n_out is a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in];
+    # SILU_IN: the input x is gate | up [2 k_in], and the products read silu(gate) * up;
     # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
     # TMA (with DOT, not ROPE): w_desc is a tensor descriptor of w with [BLOCK_N, BLOCK_K] tiles (else unread)
     pid = tl.program_id(0)
     rows = _rows(pid, ROPE, BLOCK_N, HEAD_DIM)
     if DOT:
         out, up = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_out, k_in, stride_w,
-                                        eps, pid == 0, NORM, RESIDUAL, SILU, PDL, TMA, EVEN_K, BLOCK_N, BLOCK_K,
-                                        NORM_K)
+                                        eps, pid == 0, NORM, RESIDUAL, SILU, SILU_IN, PDL, TMA, EVEN_K, BLOCK_N,
+                                        BLOCK_K, NORM_K)
     else:
         out, up = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps,
-                                      pid == 0, NORM, RESIDUAL, SILU, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+                                      pid == 0, NORM, RESIDUAL, SILU, SILU_IN, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     if ROPE:
         _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
