@@ -162,8 +162,8 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_
     for k0 in range(0, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
-        xt = _input_tile(x_ptr, r_ptr, nw_ptr, c[None, :], is_x & m[None, :], inv_rms, k_in, NORM, RESIDUAL,
-                         SILU_IN, False).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K], rows 1.. zero (masked)
+        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)  # [BLOCK_K]
+        xt = tl.where(is_x, x[None, :], 0.0).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K]: rows 1.. zero
         acc = tl.dot(xt, tl.trans(_weight_tile(w_rows, w_desc, row0, k0, c, m, TMA, EVEN_K)), acc)
         if SILU:
             acc_up = tl.dot(xt, tl.trans(_weight_tile(u_rows, w_desc, row0 + n_out, k0, c, m, TMA, EVEN_K)), acc_up)
