@@ -44,9 +44,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--sweep", choices=("all", "dot", "tma"), default="all",
-                    help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS); "
-                         "tma: its shapes with the weight tiles by TMA (not q | k | v, whose RoPE needs row pairs)")
+    ap.add_argument("--sweep", choices=("all", "dot", "plain"), default="all",
+                    help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS); plain: only the "
+                         "CUDA-core kernel's")
     ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down", "gate_up_plain", "down_silu"),
                     default=None,
                     help="sweep these projections only (the chain uses CONFIGS for the others)")
@@ -101,11 +101,9 @@ def main() -> None:
     if args.sweep == "dot":  # also 2 or 5 stages, with 4 or 8 warps
         dot += [gemv.GemvConfig(bn, bk, nw, st, dot=True) for bn, bk, nw, st in
                 itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 5))]
-    tma = [gemv.GemvConfig(bn, bk, nw, st, dot=True, tma=True) for bn, bk, nw, st in
-           itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 6))]
-    tma += [gemv.GemvConfig(bn, 128, 8, st, dot=True, tma=True) for bn, st in itertools.product((128, 256), (4, 6))]
     current = list(dict.fromkeys(gemv.CONFIGS.values()))
-    candidates = {"all": candidates + dot, "dot": current + dot, "tma": current + tma}[args.sweep]
+    plain = [gemv.GemvConfig(bn, bk, nwarps, 1) for bn, bk, nwarps in itertools.product((4, 8, 16), (512, 1024), (4, 8))]
+    candidates = {"all": candidates + dot, "dot": current + dot, "plain": current + plain}[args.sweep]
     best = {}
     for name, (n, k, silu) in shapes.items():
         if args.only and name not in args.only:
@@ -113,7 +111,7 @@ def main() -> None:
         nbytes = w[name][0].numel() * 2
         row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": []}
         for cfg in candidates:
-            if n % cfg.block_n or (cfg.tma and name == "qkv"):
+            if (2 * n if silu and name == "gate_up" else n) % cfg.block_n:
                 continue
             gemv.CONFIGS[(n, k, silu)] = cfg
             try:
@@ -134,8 +132,8 @@ def main() -> None:
               f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}", flush=True)
 
     # what decode_profile.py --gemv-configs reads
-    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot,
-                                                          c.tma] for key, (c, _) in best.items()}
+    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
+                      for key, (c, _) in best.items()}
     layer_bytes = sum(w[name][0].numel() * 2 for name in ("qkv", "o", "gate_up", "down"))
 
     def chain_ours(pdl: bool, split: bool = False):

@@ -41,12 +41,11 @@ _kernels = None
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    block_n: int  # output rows per program (gate_up: gate rows and as many up rows)
+    block_n: int  # weight rows per program (gate_up: block_n / 2 pairs of a gate and its up row)
     block_k: int  # reduction columns per tile
     num_warps: int
     num_stages: int
     dot: bool = False  # tensor cores (weight tiles pipelined num_stages deep through shared memory) or CUDA cores
-    tma: bool = False  # with dot: the weight tiles by TMA (a tensor descriptor; block sizes up to 256)
 
 
 # (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes), the set
@@ -54,17 +53,18 @@ class GemvConfig:
 CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (12288, 4096, False): GemvConfig(8, 1024, 4, 1),  # q | k | v
     (4096, 4096, False): GemvConfig(8, 1024, 4, 1),  # o
-    (11008, 4096, True): GemvConfig(32, 128, 4, 3, dot=True),  # gate | up
+    (11008, 4096, True): GemvConfig(8, 1024, 4, 1),  # gate | up: 4 (gate, up) row pairs a program
     (4096, 11008, False): GemvConfig(32, 256, 4, 6, dot=True),  # down
 }
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
 
 def default_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
-    """Shapes not swept: 8 rows a program (16 spilled with gate | up, 32 everywhere: H200 sweep) and
+    """Shapes not swept: 8 weight rows a program (more spilled or ran slower in the H200 sweeps) and
     the widest tile that divides k_in."""
+    rows = 2 * n_out if silu else n_out  # (gate_up: pairs of rows, so at least 2 a program)
     block_n = 8
-    while block_n > 1 and n_out % block_n:
+    while block_n > 2 - (not silu) and rows % block_n:
         block_n //= 2
     block_k = next((b for b in (1024, 512, 256, 128, 64) if k_in % b == 0), 512)
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
@@ -176,7 +176,7 @@ def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
     """Whether `norm_qkv_rope` runs for this q | k | v weight (its configured tile holds whole rotation pairs)."""
     n_out, k_in = weight.shape
     config = pick_config(n_out, k_in, False)
-    return not config.tma and can_rope(n_out, head_dim, config.block_n)
+    return can_rope(n_out, head_dim, config.block_n)
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
@@ -189,11 +189,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
     assert not (silu_in and (silu or norm_weight is not None or rope is not None))
     config = pick_config(n_out, k_in, silu or silu_in)
-    assert n_out % config.block_n == 0, (n_out, config)
+    rows = 2 * n_out if silu else n_out  # with SILU, pairs of gate and up rows
+    assert rows % config.block_n == 0 and (not silu or config.block_n % 2 == 0), (n_out, config)
     # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)
     assert not config.dot or (min(config.block_n, config.block_k) >= 16
                               and (x.dtype != torch.float32 or is_interpreting())), (config, x.dtype)
-    assert not config.tma or (config.dot and rope is None and max(config.block_n, config.block_k) <= 256), config
     x = x.contiguous()
     norm = norm_weight is not None
     has_residual = residual is not None
@@ -208,20 +208,13 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         rope_args = (rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slots, *rope.k_cache.stride()[:3],
                      *rope.v_cache.stride()[:3], rope.num_q_heads, rope.num_kv_heads)
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
-    w_desc = _descriptor(weight, config) if config.tma else weight  # (unread without TMA)
-    _load_kernels().gemv_kernel[(n_out // config.block_n,)](
-        x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, w_desc, out, total,
+    _load_kernels().gemv_kernel[(rows // config.block_n,)](
+        x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
         n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu, SILU_IN=silu_in,
-        ROPE=rope is not None, DOT=config.dot, TMA=config.tma, PDL=pdl, EVEN_K=k_in % config.block_k == 0,
+        ROPE=rope is not None, DOT=config.dot, PDL=pdl, EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages, **extra)
     return total, out
-
-
-def _descriptor(weight: Tensor, config: GemvConfig):
-    # a host-side tensor descriptor of the weight in [block_n, block_k] tiles (the launch encodes its TMA map)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
 
 
 def _load_kernels():

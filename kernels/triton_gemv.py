@@ -22,9 +22,11 @@ times each weight tile transposed, into a [16, BLOCK_N] fp32 accumulator. Those 
 dot, so Triton pipelines them through shared memory num_stages deep, where the CUDA-core loop's
 in-flight loads are bounded by the registers its accumulator leaves; it streams the wide-K down
 projection at ~3.9 TB/s against ~3.55 (bench/gemv.py). It waits for the previous kernel before its
-first load. With TMA (and DOT) each weight tile comes through a tensor descriptor: the SM's copy
-engine moves [BLOCK_N, BLOCK_K] tiles into shared memory with no per-element address arithmetic or
-registers, the way cuBLAS streams its GEMMs (its gate/up reaches ~4.0 TB/s with 6-stage TMA loads).
+first load. (Loading the weight tiles by TMA instead measured no faster: gate/up 3.75 against 3.74 TB/s.)
+
+With SILU a program's rows are pairs (gate row i, up row n_out + i), interleaved as ROPE's are, so
+one accumulator holds both and the epilogue multiplies them: gate | up streams like a plain
+projection (8 rows a program: ~4.05 TB/s against 3.75 with a gate and an up accumulator each).
 
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
@@ -93,92 +95,71 @@ def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM: tl.constex
 
 
 @triton.jit
-def _rows(pid, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # this program's BLOCK_N output rows: consecutive, or with ROPE pairs (i, i + D/2) of one head, interleaved
-    # (row 2c is column c of the head's first half, row 2c + 1 its partner), so the program can rotate them
+def _rows(pid, n_out, ROPE: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # this program's BLOCK_N weight rows: consecutive, or pairs interleaved (row 2c, 2c + 1): with ROPE (i, i + D/2)
+    # of one head, so the program can rotate them; with SILU (gate row i, up row n_out + i), so it can
+    # multiply them (the weight is gate | up [2 n_out, k_in])
     r = tl.arange(0, BLOCK_N)
     if ROPE:
         per_head: tl.constexpr = HEAD_DIM // BLOCK_N  # programs per head: each holds BLOCK_N / 2 pairs
         first = (pid // per_head) * HEAD_DIM + (pid % per_head) * (BLOCK_N // 2)
         return first + r // 2 + (r % 2) * (HEAD_DIM // 2)
+    if SILU:
+        return pid * (BLOCK_N // 2) + r // 2 + (r % 2) * n_out
     return pid * BLOCK_N + r
 
 
 @triton.jit
-def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
-                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
-                        PDL: tl.constexpr,
+def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
+                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_IN: tl.constexpr, PDL: tl.constexpr,
                         EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
-    # (w[rows] . in, and with SILU w[n_out + rows] . in): a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
+    # w[rows] . in: a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    u_rows = w_ptr + (rows + n_out).to(tl.int64)[:, None] * stride_w
     first = cols < k_in
     w_first = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
-    if SILU:
-        u_first = _load(u_rows + cols[None, :], first[None, :], EVEN_K)
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)
     acc = w_first.to(tl.float32) * x[None, :]
-    if SILU:
-        acc_up = u_first.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
         x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)
         acc += _load(w_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
-        if SILU:
-            acc_up += _load(u_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
-    up = 0.0
-    if SILU:
-        up = tl.sum(acc_up, axis=1)
-    return tl.sum(acc, axis=1), up
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _weight_tile(w_rows, w_desc, row0, k0, c, m, TMA: tl.constexpr, EVEN_K: tl.constexpr):
-    # the weight's [BLOCK_N, BLOCK_K] tile at (row0, k0): by TMA (zero past k_in), or by pointers (w_rows: [BLOCK_N, 1])
-    if TMA:
-        return w_desc.load([row0, k0])
-    return _load(w_rows + c[None, :], m[None, :], EVEN_K)
-
-
-@triton.jit
-def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_out, k_in, stride_w, eps, write_sum,
-                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
-                          PDL: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_IN: tl.constexpr, PDL: tl.constexpr,
+                          EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
     # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
     # transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so Triton
     # pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
     cols = tl.arange(0, BLOCK_K)
     is_x = tl.arange(0, 16)[:, None] == 0  # [16, 1]: the input's row of the tile
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    u_rows = w_ptr + (rows + n_out).to(tl.int64)[:, None] * stride_w
-    row0 = tl.program_id(0) * BLOCK_N  # the first of the rows (consecutive: no ROPE here)
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
         x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)  # [BLOCK_K]
         xt = tl.where(is_x, x[None, :], 0.0).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K]: rows 1.. zero
-        acc = tl.dot(xt, tl.trans(_weight_tile(w_rows, w_desc, row0, k0, c, m, TMA, EVEN_K)), acc)
-        if SILU:
-            acc_up = tl.dot(xt, tl.trans(_weight_tile(u_rows, w_desc, row0 + n_out, k0, c, m, TMA, EVEN_K)), acc_up)
-    return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0)  # row 0: the others are zero
+        acc = tl.dot(xt, tl.trans(_load(w_rows + c[None, :], m[None, :], EVEN_K)), acc)
+    return tl.sum(acc, axis=0)  # row 0: the others are zero
 
 
 @triton.jit
-def _store(out_ptr, rows, out, up, SILU: tl.constexpr):
-    # out[rows] = the projection (rounded once), or with SILU silu(gate) * up, each rounded where HF's MLP rounds
+def _store(out_ptr, pid, rows, out, SILU: tl.constexpr, BLOCK_N: tl.constexpr):
+    # out[rows] = the projection (rounded once), or with SILU (rows in gate, up pairs) silu(gate) * up at this
+    # program's BLOCK_N / 2 outputs, each rounded where HF's MLP rounds (the projection, the SiLU, the product)
     if SILU:
-        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = act * up
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), (act * up).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -211,28 +192,27 @@ def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, st
 
 
 @triton.jit
-def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
+def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
                 cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
                 stride_vh, num_q_heads, num_kv_heads,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
-                ROPE: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                ROPE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr,
+                CACHE_BLOCK: tl.constexpr):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (n_out is a multiple of BLOCK_N);
-    # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in];
-    # SILU_IN: the input x is gate | up [2 k_in], and the products read silu(gate) * up;
-    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
-    # TMA (with DOT, not ROPE): w_desc is a tensor descriptor of w with [BLOCK_N, BLOCK_K] tiles (else unread)
+    # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
+    # outputs a program; SILU_IN: the input x is gate | up [2 k_in], and the products read silu(gate) * up;
+    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches
     pid = tl.program_id(0)
-    rows = _rows(pid, ROPE, BLOCK_N, HEAD_DIM)
+    rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
     if DOT:
-        out, up = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, w_desc, sum_ptr, rows, n_out, k_in, stride_w,
-                                        eps, pid == 0, NORM, RESIDUAL, SILU, SILU_IN, PDL, TMA, EVEN_K, BLOCK_N,
-                                        BLOCK_K, NORM_K)
+        out = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
+                                    NORM, RESIDUAL, SILU_IN, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     else:
-        out, up = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, n_out, k_in, stride_w, eps,
-                                      pid == 0, NORM, RESIDUAL, SILU, SILU_IN, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+        out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
+                                  NORM, RESIDUAL, SILU_IN, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     if ROPE:
         _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
     else:
-        _store(out_ptr, rows, out, up, SILU)
+        _store(out_ptr, pid, rows, out, SILU, BLOCK_N)

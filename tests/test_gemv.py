@@ -105,10 +105,10 @@ def test_kernels_in_the_interpreter(monkeypatch):
         monkeypatch.setitem(gemv.CONFIGS, (48, 192, silu), gemv.GemvConfig(16, 64, 8, 3))
     check(48, 192, torch.float32, "cpu")
     monkeypatch.setattr(gemv, "NORM_K", 64)  # the norm in several passes (96: the last one masked)
-    for dot, tma in ((False, False), (True, False), (True, True)):  # every product path (96: a masked last tile)
+    for dot in (False, True):  # both kernels (96: a masked last tile)
         for n_out, k_in in ((48, 192), (16, 96)):
             for silu in (False, True):
-                monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 64, 4, 3, dot=dot, tma=tma))
+                monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 64, 4, 3, dot=dot))
             check(n_out, k_in, torch.float32, "cpu")
     for dot in (False, True):  # RoPE in the epilogue: 2 programs a head, GQA (4 q heads a kv head), a masked tile
         monkeypatch.setitem(gemv.CONFIGS, ((8 + 2 * 2) * 32, 96, False), gemv.GemvConfig(16, 64, 4, 3, dot=dot))
@@ -118,8 +118,6 @@ def test_kernels_in_the_interpreter(monkeypatch):
     compare_paged_forwards(build_decoder(PRESETS["tiny-llama"], seed=0), "cpu", 1e-4)
     weight = torch.empty(12288, 4096, device="meta")  # Llama-2-7B's q | k | v: 8 rows (4 pairs) a program
     assert gemv.qkv_takes_rope(weight, 128) and not gemv.qkv_takes_rope(weight, 4)  # (a head narrower than 8 rows)
-    monkeypatch.setitem(gemv.CONFIGS, (12288, 4096, False), gemv.GemvConfig(32, 128, 4, 3, dot=True, tma=True))
-    assert not gemv.qkv_takes_rope(weight, 128)  # TMA tiles are consecutive rows, not rotation pairs
 
 
 def test_the_interpreter_in_a_subprocess():
@@ -132,16 +130,14 @@ def test_the_interpreter_in_a_subprocess():
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
-@pytest.mark.parametrize("kernel", ("configured", "plain", "dot", "dot-masked", "tma", "tma-masked"))
+@pytest.mark.parametrize("kernel", ("configured", "plain", "dot", "dot-masked", "plain-pairs"))
 def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
     configs = {"plain": gemv.GemvConfig(8, min(k_in, 1024), 4, 1),
                "dot": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True),
                # a last tile past k_in: 64 in one 128-wide tile, 11008 in 512-wide ones (none divides 4096)
                "dot-masked": gemv.GemvConfig(16, 128 if k_in == 64 else 512, 4, 3, dot=True),
-               "tma": gemv.GemvConfig(64, min(k_in, 128), 4, 4, dot=True, tma=True),
-               # TMA's zero fill past k_in: 64 in one 128-wide tile, 11008 in 256-wide ones
-               "tma-masked": gemv.GemvConfig(32, 128 if k_in == 64 else 256, 4, 4, dot=True, tma=True)}
-    if kernel in ("dot-masked", "tma-masked") and k_in == 4096:
+               "plain-pairs": gemv.GemvConfig(2, min(k_in, 256), 4, 1)}  # gate | up: one (gate, up) pair a program
+    if kernel == "dot-masked" and k_in == 4096:
         pytest.skip("no power-of-two tile leaves a partial one at 4096")
     for silu in (False, True):
         if kernel in configs:
@@ -167,11 +163,11 @@ def test_rope_epilogue_equals_the_twin(dtype, pdl, heads, kernel, monkeypatch):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("pdl", (False, True))
-@pytest.mark.parametrize("dot, tma", ((False, False), (True, False), (True, True)))
-def test_kernels_replay_in_a_cuda_graph(pdl, dot, tma, monkeypatch):
+@pytest.mark.parametrize("dot", (False, True))
+def test_kernels_replay_in_a_cuda_graph(pdl, dot, monkeypatch):
     for n_out, k_in in ((256, 512), (512, 512)):  # one kernel's output feeds the next, as in a layer
         for silu in (False, True):
-            monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 128, 4, 3, dot=dot, tma=tma))
+            monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 128, 4, 3, dot=dot))
     x, residual, norm_weight, weight = case(256, 512, True, torch.bfloat16, "cuda")
 
     def step():  # a chain, as in a layer: each launch reads the previous one's output
