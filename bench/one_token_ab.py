@@ -1,0 +1,103 @@
+"""The batch-1 decode step (forward + head + argmax over a paged cache, one CUDA graph) in several
+forms of the one-token projections, captured in one process and replayed in interleaved rounds, so
+that the comparison does not ride on which machine or minute each form ran (the graph step's median
+moved 3.86-4.18 ms between leases of one H200 kind for the same code).
+
+A form: which gate | up and down kernels run (kernels/gemv.py CONFIGS) and whether SiLU x up runs
+inside down (cells/llama.py OneTokenConfig.silu_in_down). Floor: weight bytes / copy bandwidth.
+
+    python bench/one_token_ab.py --out bench/results/one-token-ab-NVIDIA-H200-DATE.json
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from batchmaker.cells.decoder import build_decoder  # noqa: E402
+from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E402
+from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
+from batchmaker.kernels import gemv  # noqa: E402
+from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
+
+DOWN_DOT = gemv.GemvConfig(32, 256, 4, 6, dot=True)
+PLAIN = gemv.GemvConfig(8, 1024, 4, 1)
+FORMS = {  # name -> (gate | up config, down config, SiLU x up inside down)
+    "pairs+down-dot": (PLAIN, DOWN_DOT, False),
+    "pairs+down-plain": (PLAIN, PLAIN, False),
+    "pairs16+down-dot": (gemv.GemvConfig(16, 512, 4, 1), DOWN_DOT, False),
+    "pairs-dot+down-dot": (gemv.GemvConfig(32, 128, 4, 3, dot=True), DOWN_DOT, False),
+    "split": (PLAIN, PLAIN, True),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--context", type=int, default=360)
+    ap.add_argument("--bandwidth", type=float, default=4.23e12)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--replays", type=int, default=50, help="graph replays per form per round")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
+    h, i = config.hidden_size, config.intermediate_size
+    lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
+    per_seq = -(-args.context // bs)
+    shape = (config.num_layers, per_seq + 1, bs, config.num_kv_heads, config.head_dim)
+    kc, vc = (torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    tables = (1 + torch.arange(per_seq, device=dev, dtype=torch.int32)).view(1, per_seq)
+    query_start = torch.arange(2, device=dev, dtype=torch.int32)
+    context = torch.full((1,), args.context, device=dev, dtype=torch.int32)
+    positions = torch.full((1,), args.context - 1, device=dev)
+    slots = tables[:, -1].long() * bs + (args.context - 1) % bs
+    tokens = torch.randint(1, config.vocab_size, (1,), device=dev)
+    attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, config.head_dim ** -0.5,
+                         max_context_len=args.context)
+    graphs, outputs = {}, {}
+    with torch.inference_mode():
+        for name, (gate_up, down, silu_in_down) in FORMS.items():
+            gemv.CONFIGS[(i, h, True)] = gate_up  # gate | up fused (pairs of rows)
+            gemv.CONFIGS[(h, i, False)] = down  # down after it
+            gemv.CONFIGS[(h, i, True)] = PLAIN  # down reading silu(gate) * up (its tensor-core form ran at 2.8 TB/s)
+            lm.set_one_token(OneTokenConfig(silu_in_down=silu_in_down))
+            for _ in range(3):
+                lm.head(lm(tokens, positions, attend))
+            torch.cuda.synchronize()
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name]):
+                outputs[name] = lm.head(lm(tokens, positions, attend)).argmax(-1)
+        times = {name: [] for name in FORMS}
+        for _ in range(args.rounds):
+            for name, graph in graphs.items():
+                graph.replay()  # (one untimed: the previous form's tail)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / args.replays)
+    floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
+    report = {"device": torch.cuda.get_device_name(), "preset": args.preset, "context": args.context,
+              "floor_ms": floor_ms, "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+              "same_token": len({int(t) for t in outputs.values()}) == 1, "forms": {}}
+    for name, ms in times.items():
+        gate_up, down, silu_in_down = FORMS[name]
+        median = statistics.median(ms)
+        report["forms"][name] = {"gate_up": repr(gate_up), "down": repr(down), "silu_in_down": silu_in_down,
+                                 "graph_step_ms_median": median, "vs_floor": median / floor_ms,
+                                 "rounds_ms": ms}
+        print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
+              flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
