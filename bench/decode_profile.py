@@ -30,10 +30,9 @@ def main() -> None:
                     help="also profile the engine decoding one request for this many seconds: GPU busy fraction")
     ap.add_argument("--gemv-configs", default=None,
                     help="a bench/gemv.py JSON: its fastest block shapes for the one-token projections")
-    ap.add_argument("--one-token", choices=("gemv", "gemv-rope", "gemv-rope-split", "cublas"), default="gemv",
+    ap.add_argument("--one-token", choices=("gemv", "gemv-rope", "cublas"), default="gemv",
                     help="batch-1 projections: fused matrix-vector products (gemv-rope: RoPE and the K/V write inside "
-                         "q | k | v; -split: also SiLU x up inside down, gate | up plain), or cuBLAS with the small "
-                         "kernels (cells/llama.py OneTokenConfig)")
+                         "q | k | v), or cuBLAS with the small kernels (cells/llama.py OneTokenConfig)")
     ap.add_argument("--no-pdl", action="store_true", help="the matrix-vector products without PDL")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -50,8 +49,7 @@ def main() -> None:
     if hasattr(lm, "set_one_token"):
         from batchmaker.cells.llama import OneTokenConfig
         lm.set_one_token(None if args.one_token == "cublas" else
-                         OneTokenConfig(pdl=not args.no_pdl, rope_in_qkv=args.one_token.startswith("gemv-rope"),
-                                        silu_in_down=args.one_token.endswith("-split")))
+                         OneTokenConfig(pdl=not args.no_pdl, rope_in_qkv=args.one_token == "gemv-rope"))
     floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
     report = {"preset": args.preset, "context": args.context, "floor_ms": floor_ms, "device": torch.cuda.get_device_name(),
               "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),

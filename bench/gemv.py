@@ -47,8 +47,7 @@ def main() -> None:
     ap.add_argument("--sweep", choices=("all", "dot", "plain"), default="all",
                     help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS); plain: only the "
                          "CUDA-core kernel's")
-    ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down", "gate_up_plain", "down_silu"),
-                    default=None,
+    ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down"), default=None,
                     help="sweep these projections only (the chain uses CONFIGS for the others)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -61,13 +60,9 @@ def main() -> None:
     def weights(n, k):
         return [torch.randn(n, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
 
-    # name -> (n_out, k_in, silu: the CONFIGS key's flag); gate_up_plain and down_silu: the MLP with SiLU x up
-    # inside down's input instead of gate_up's output
-    shapes = {"qkv": (qkv_n, h, False), "o": (h, h, False), "gate_up": (i, h, True), "down": (h, i, False),
-              "gate_up_plain": (2 * i, h, False), "down_silu": (h, i, True)}
-    w = {name: weights(2 * n if name == "gate_up" else n, k) for name, (n, k, silu) in shapes.items()}
-    x = {name: torch.randn(1, 2 * k if name == "down_silu" else k, device=dev, dtype=dt, generator=g)
-         for name, (n, k, silu) in shapes.items()}
+    shapes = {"qkv": (qkv_n, h, False), "o": (h, h, False), "gate_up": (i, h, True), "down": (h, i, False)}
+    w = {name: weights(2 * n if silu else n, k) for name, (n, k, silu) in shapes.items()}
+    x = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}
     res = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}
     nw = torch.ones(h, device=dev, dtype=dt)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -76,19 +71,15 @@ def main() -> None:
 
     def ours(name):
         n, k, silu = shapes[name]
-        if name in ("qkv", "gate_up_plain"):
+        if name == "qkv":
             return lambda: [gemv.norm_linear(x[name], res[name], nw, 1e-5, wl) for wl in w[name]]
         if name == "gate_up":
             return lambda: [gemv.norm_gate_up(x[name], res[name], nw, 1e-5, wl) for wl in w[name]]
-        if name == "down_silu":
-            return lambda: [gemv.silu_linear(x[name], wl) for wl in w[name]]
         return lambda: [gemv.linear(x[name], wl) for wl in w[name]]
 
     def cublas(name):
-        if name in ("qkv", "gate_up_plain"):
+        if name == "qkv":
             return lambda: [torch.nn.functional.linear(add_rms_norm(x[name], res[name], nw, 1e-5)[1], wl) for wl in w[name]]
-        if name == "down_silu":
-            return lambda: [torch.nn.functional.linear(silu_mul(x[name]), wl) for wl in w[name]]
         if name == "gate_up":
             return lambda: [silu_mul(torch.nn.functional.linear(add_rms_norm(x[name], res[name], nw, 1e-5)[1], wl))
                             for wl in w[name]]
@@ -111,7 +102,7 @@ def main() -> None:
         nbytes = w[name][0].numel() * 2
         row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": []}
         for cfg in candidates:
-            if (2 * n if silu and name == "gate_up" else n) % cfg.block_n:
+            if (2 * n if silu else n) % cfg.block_n:  # (gate | up: pairs of rows)
                 continue
             gemv.CONFIGS[(n, k, silu)] = cfg
             try:
@@ -134,17 +125,13 @@ def main() -> None:
     # what decode_profile.py --gemv-configs reads
     report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
                       for key, (c, _) in best.items()}
-    layer_bytes = sum(w[name][0].numel() * 2 for name in ("qkv", "o", "gate_up", "down"))
+    layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
 
-    def chain_ours(pdl: bool, split: bool = False):
+    def chain_ours(pdl: bool):
         hidden, residual = x["qkv"], res["qkv"]
         for layer in range(args.layers):
             residual, qkv = gemv.norm_linear(hidden, residual, nw, 1e-5, w["qkv"][layer], pdl=pdl)
             out = gemv.linear(qkv[:, :h].contiguous(), w["o"][layer], pdl=pdl)
-            if split:  # the same weights: gate | up plain, SiLU x up inside down
-                residual, gate_up = gemv.norm_linear(out, residual, nw, 1e-5, w["gate_up"][layer], pdl=pdl)
-                hidden = gemv.silu_linear(gate_up, w["down"][layer], pdl=pdl)
-                continue
             residual, act = gemv.norm_gate_up(out, residual, nw, 1e-5, w["gate_up"][layer], pdl=pdl)
             hidden = gemv.linear(act, w["down"][layer], pdl=pdl)
 
@@ -164,10 +151,6 @@ def main() -> None:
             chain["pdl_ms" if pdl else "ours_ms"] = graph_ms(lambda: chain_ours(pdl))
         except Exception as e:
             chain["pdl_error" if pdl else "ours_error"] = f"{type(e).__name__}: {e}"[:300]
-    try:
-        chain["pdl_split_ms"] = graph_ms(lambda: chain_ours(True, split=True))
-    except Exception as e:
-        chain["pdl_split_error"] = f"{type(e).__name__}: {e}"[:300]
     chain["bytes"] = layer_bytes * args.layers
     chain["floor_ms"] = chain["bytes"] / 4.23e12 * 1e3
     report["chain"] = chain

@@ -3,8 +3,8 @@ forms of the one-token projections, captured in one process and replayed in inte
 that the comparison does not ride on which machine or minute each form ran (the graph step's median
 moved 3.86-4.18 ms between leases of one H200 kind for the same code).
 
-A form: which gate | up and down kernels run (kernels/gemv.py CONFIGS) and whether SiLU x up runs
-inside down (cells/llama.py OneTokenConfig.silu_in_down). Floor: weight bytes / copy bandwidth.
+A form: which gate | up and down kernels run (kernels/gemv.py CONFIGS). Floor: weight bytes / copy
+bandwidth.
 
     python bench/one_token_ab.py --out bench/results/one-token-ab-NVIDIA-H200-DATE.json
 """
@@ -27,12 +27,11 @@ from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
 
 DOWN_DOT = gemv.GemvConfig(32, 256, 4, 6, dot=True)
 PLAIN = gemv.GemvConfig(8, 1024, 4, 1)
-FORMS = {  # name -> (gate | up config, down config, SiLU x up inside down)
-    "pairs+down-dot": (PLAIN, DOWN_DOT, False),
-    "pairs+down-plain": (PLAIN, PLAIN, False),
-    "pairs16+down-dot": (gemv.GemvConfig(16, 512, 4, 1), DOWN_DOT, False),
-    "pairs-dot+down-dot": (gemv.GemvConfig(32, 128, 4, 3, dot=True), DOWN_DOT, False),
-    "split": (PLAIN, PLAIN, True),
+FORMS = {  # name -> (gate | up config, down config)
+    "pairs+down-dot": (PLAIN, DOWN_DOT),
+    "pairs+down-plain": (PLAIN, PLAIN),
+    "pairs16+down-dot": (gemv.GemvConfig(16, 512, 4, 1), DOWN_DOT),
+    "pairs-dot+down-dot": (gemv.GemvConfig(32, 128, 4, 3, dot=True), DOWN_DOT),
 }
 
 
@@ -61,11 +60,10 @@ def main() -> None:
                          max_context_len=args.context)
     graphs, outputs = {}, {}
     with torch.inference_mode():
-        for name, (gate_up, down, silu_in_down) in FORMS.items():
-            gemv.CONFIGS[(i, h, True)] = gate_up  # gate | up fused (pairs of rows)
-            gemv.CONFIGS[(h, i, False)] = down  # down after it
-            gemv.CONFIGS[(h, i, True)] = PLAIN  # down reading silu(gate) * up (its tensor-core form ran at 2.8 TB/s)
-            lm.set_one_token(OneTokenConfig(silu_in_down=silu_in_down))
+        lm.set_one_token(OneTokenConfig())
+        for name, (gate_up, down) in FORMS.items():
+            gemv.CONFIGS[(i, h, True)] = gate_up  # gate | up (pairs of rows)
+            gemv.CONFIGS[(h, i, False)] = down
             for _ in range(3):
                 lm.head(lm(tokens, positions, attend))
             torch.cuda.synchronize()
@@ -88,9 +86,9 @@ def main() -> None:
               "floor_ms": floor_ms, "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
               "same_token": len({int(t) for t in outputs.values()}) == 1, "forms": {}}
     for name, ms in times.items():
-        gate_up, down, silu_in_down = FORMS[name]
+        gate_up, down = FORMS[name]
         median = statistics.median(ms)
-        report["forms"][name] = {"gate_up": repr(gate_up), "down": repr(down), "silu_in_down": silu_in_down,
+        report["forms"][name] = {"gate_up": repr(gate_up), "down": repr(down),
                                  "graph_step_ms_median": median, "vs_floor": median / floor_ms,
                                  "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",

@@ -63,7 +63,6 @@ class OneTokenConfig:
     pdl: bool = True  # programmatic dependent launch between the projections
     rope_in_qkv: bool = True  # RoPE and the K/V cache write in the q | k | v projection (with a paged attend):
     # one launch fewer per layer, batch-1 step 3.87 against 3.90 ms (H200, bench/decode_profile.py)
-    silu_in_down: bool = False  # gate | up as a plain projection, SiLU x up as the down projection reads it
 
 
 class LlamaLayer(DecoderLayer):
@@ -92,10 +91,6 @@ class LlamaLayer(DecoderLayer):
             residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight, pdl=pdl)
             mixed = attn.mix(qkv, rotate, attend)
         out = gemv.linear(mixed, attn.o_proj.weight, pdl=pdl)
-        if how.silu_in_down:
-            residual, gate_up = gemv.norm_linear(out, residual, self.mlp_norm.weight, eps,
-                                                 self.mlp.gate_up_proj.weight, pdl=pdl)
-            return gemv.silu_linear(gate_up, self.mlp.down_proj.weight, pdl=pdl), residual
         residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight,
                                           pdl=pdl)
         return gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl), residual

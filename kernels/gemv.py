@@ -4,7 +4,6 @@ batch-1 decode step of a Llama layer in four of them, each reading its weight on
     total, qkv = norm_linear(x, residual, norm_weight, eps, weight)     # qkv = W rms_norm(x + residual)
     total, act = norm_gate_up(x, residual, norm_weight, eps, weight)    # act = silu(gate) * up of W rms_norm(...)
     out = linear(x, weight)                                             # W x
-    out = silu_linear(gate_up, weight)                                  # W (silu(gate) * up)
     total, q = norm_qkv_rope(x, residual, norm_weight, eps, weight, target)  # + RoPE, k and v to the KV cache
 
 x, residual [1, K] (residual may be None: then total is x), weight [N, K] (an nn.Linear's, no
@@ -92,10 +91,6 @@ def reference_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tenso
     return total, F.linear(normed, weight)
 
 
-def reference_silu_linear(gate_up: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(reference_silu_mul(gate_up), weight)
-
-
 def reference_norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
                            weight: Tensor) -> tuple[Tensor, Tensor]:
     total, gate_up = reference_norm_linear(x, residual, norm_weight, eps, weight)
@@ -156,12 +151,6 @@ def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: f
     return _launch(x, residual, norm_weight, eps, weight, silu=True, pdl=pdl)
 
 
-def silu_linear(gate_up: Tensor, weight: Tensor, *, pdl: bool = True) -> Tensor:
-    """The kernel twin of `reference_silu_linear`: W (silu(gate) * up) for gate_up [1, 2K], W [N, K], the
-    SiLU x up computed as each program reads its input (so the gate/up projection can run as a plain one)."""
-    return _launch(gate_up, None, None, 0.0, weight, silu=False, pdl=pdl, silu_in=True)[1]
-
-
 def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
                   target: RopeTarget, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_qkv_rope`: (x + residual, q [1, Hq D] rotated) in one launch
@@ -175,20 +164,18 @@ def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: 
 def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
     """Whether `norm_qkv_rope` runs for this q | k | v weight (its configured tile holds whole rotation pairs)."""
     n_out, k_in = weight.shape
-    config = pick_config(n_out, k_in, False)
-    return can_rope(n_out, head_dim, config.block_n)
+    return can_rope(n_out, head_dim, pick_config(n_out, k_in, False).block_n)
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
-            silu: bool, pdl: bool, rope: RopeTarget | None = None, silu_in: bool = False) -> tuple[Tensor, Tensor]:
+            silu: bool, pdl: bool, rope: RopeTarget | None = None) -> tuple[Tensor, Tensor]:
     if not (x.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"the gemv kernels run on CUDA tensors, got {x.device}; use the reference_* twins")
-    k_in = weight.shape[1]
+    k_in = x.shape[-1]
     n_out = weight.shape[0] // 2 if silu else weight.shape[0]
-    assert x.shape == (1, 2 * k_in if silu_in else k_in) and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert x.shape == (1, k_in) and weight.shape[1] == k_in and weight.stride(1) == 1, (x.shape, weight.shape)
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
-    assert not (silu_in and (silu or norm_weight is not None or rope is not None))
-    config = pick_config(n_out, k_in, silu or silu_in)
+    config = pick_config(n_out, k_in, silu)
     rows = 2 * n_out if silu else n_out  # with SILU, pairs of gate and up rows
     assert rows % config.block_n == 0 and (not silu or config.block_n % 2 == 0), (n_out, config)
     # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)
@@ -210,7 +197,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
     _load_kernels().gemv_kernel[(rows // config.block_n,)](
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
-        n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu, SILU_IN=silu_in,
+        n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu,
         ROPE=rope is not None, DOT=config.dot, PDL=pdl, EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages, **extra)

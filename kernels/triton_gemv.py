@@ -1,6 +1,5 @@
 """The Triton kernel of one token's matrix-vector products with their neighbours fused in: the
-residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection
-(or before the down projection, as it reads its input),
+residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's gate/up projection,
 RoPE and the K/V cache write after the attention's q | k | v projection.
 kernels/gemv.py launches them; imported lazily there, so its twins import where Triton is absent.
 
@@ -26,7 +25,7 @@ first load. (Loading the weight tiles by TMA instead measured no faster: gate/up
 
 With SILU a program's rows are pairs (gate row i, up row n_out + i), interleaved as ROPE's are, so
 one accumulator holds both and the epilogue multiplies them: gate | up streams like a plain
-projection (8 rows a program: ~4.05 TB/s against 3.75 with a gate and an up accumulator each).
+projection (8 rows a program: 4.14 TB/s against 3.75 with a gate and an up accumulator each, H200).
 
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
@@ -44,16 +43,10 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _input_tile(x_ptr, r_ptr, nw_ptr, cols, mask, inv_rms, k_in, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                SILU_IN: tl.constexpr, EVEN: tl.constexpr):
-    # the input's columns `cols` as the projection sees them (fp32): x, or rms_norm(x (+ r)) rounded as HF rounds,
-    # or with SILU_IN silu(gate) * up of x = gate | up [2 k_in], rounded where HF's MLP rounds (the SiLU, the product)
+def _input_tile(x_ptr, r_ptr, nw_ptr, cols, mask, inv_rms, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                EVEN: tl.constexpr):
+    # the input's columns `cols` as the projection sees them (fp32): x, or rms_norm(x (+ r)) rounded as HF rounds
     x = _load(x_ptr + cols, mask, EVEN)
-    if SILU_IN:
-        gate = x.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        up = _load(x_ptr + k_in + cols, mask, EVEN).to(tl.float32)
-        return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     if RESIDUAL:
         x = (x.to(tl.float32) + _load(r_ptr + cols, mask, EVEN).to(tl.float32)).to(x_ptr.dtype.element_ty)
     if NORM:
@@ -111,28 +104,28 @@ def _rows(pid, n_out, ROPE: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
-                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_IN: tl.constexpr, PDL: tl.constexpr,
-                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
     # w[rows] . in: a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     first = cols < k_in
     w_first = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
-    x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)
+    x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
     acc = w_first.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
-        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)
+        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, NORM, RESIDUAL, EVEN_K)
         acc += _load(w_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
-                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_IN: tl.constexpr, PDL: tl.constexpr,
-                          EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
     # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
     # transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so Triton
     # pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
@@ -144,8 +137,10 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stri
     for k0 in range(0, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
-        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, k_in, NORM, RESIDUAL, SILU_IN, EVEN_K)  # [BLOCK_K]
-        xt = tl.where(is_x, x[None, :], 0.0).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K]: rows 1.. zero
+        xt = _input_tile(x_ptr, r_ptr, nw_ptr, c[None, :], is_x & m[None, :], inv_rms, NORM, RESIDUAL,
+                         False).to(w_ptr.dtype.element_ty)  # [16, BLOCK_K], rows 1.. zero (masked)
+        # (computing one row and placing it in row 0 by tl.where instead slowed the graphed batch-1 step with
+        # this kernel's down projection from below to above the CUDA-core one's 3.83 ms: 4.20 ms, H200)
         acc = tl.dot(xt, tl.trans(_load(w_rows + c[None, :], m[None, :], EVEN_K)), acc)
     return tl.sum(acc, axis=0)  # row 0: the others are zero
 
@@ -195,22 +190,21 @@ def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, st
 def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
                 cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
                 stride_vh, num_q_heads, num_kv_heads,
-                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, SILU_IN: tl.constexpr,
-                ROPE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr,
-                CACHE_BLOCK: tl.constexpr):
-    # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (n_out is a multiple of BLOCK_N);
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
+                PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
-    # outputs a program; SILU_IN: the input x is gate | up [2 k_in], and the products read silu(gate) * up;
+    # outputs a program;
     # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches
     pid = tl.program_id(0)
     rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
     if DOT:
         out = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
-                                    NORM, RESIDUAL, SILU_IN, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+                                    NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     else:
         out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
-                                  NORM, RESIDUAL, SILU_IN, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+                                  NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     if ROPE:
         _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
