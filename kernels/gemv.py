@@ -47,13 +47,14 @@ class GemvConfig:
     dot: bool = False  # tensor cores (weight tiles pipelined num_stages deep through shared memory) or CUDA cores
 
 
-# (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes), the set
-# whose chain of 32 layers ran fastest (single shapes within ~0.05 TB/s of each other reorder between runs)
+# (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes) and the
+# graphed batch-1 step (bench/one_token_ab.py): the tensor-core down projection streams faster alone (3.99
+# against 3.57 TB/s) but made the graphed step slower (3.875 against 3.795 ms), so every projection is 8 rows
 CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (12288, 4096, False): GemvConfig(8, 1024, 4, 1),  # q | k | v
     (4096, 4096, False): GemvConfig(8, 1024, 4, 1),  # o
     (11008, 4096, True): GemvConfig(8, 1024, 4, 1),  # gate | up: 4 (gate, up) row pairs a program
-    (4096, 11008, False): GemvConfig(32, 256, 4, 6, dot=True),  # down
+    (4096, 11008, False): GemvConfig(8, 1024, 4, 1),  # down
 }
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
