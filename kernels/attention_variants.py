@@ -17,17 +17,17 @@ import torch
 
 from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
-                                                AttentionConfig, _launch, _pow2, pick_config)
+                                                AttentionConfig, _launch, _pow2, pick_config, wide_prompt)
 
 SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
 # decode tiles must split into short slices (pick_config's 64-position steps)
 
 
-def launch_variants(group: int, max_positions: int) -> list[tuple[AttentionConfig, int, bool]]:
+def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[tuple[AttentionConfig, int, bool]]:
     """(tile config, slices, work list) of each variant a model of this group (query heads per kv
     head) and context limit can launch: one slice count per way of merging (none; in the kernel;
     the combine launch of 8, 16 or 32 slices), each where some context up to max_positions
-    reaches it (pick_launch, pick_num_splits)."""
+    reaches it (pick_launch, pick_num_splits); `wide`: the device's prompt tiles (wide_prompt)."""
     gpad = _pow2(group)
     short, long = pick_config(1, gpad), pick_config(1, gpad, split_len=MIN_SPLIT_LEN + 1)  # decode tiles
     few = FEW_PROGRAMS_SPLIT_LEN  # positions a short slice holds at least (a long one: over MIN_SPLIT_LEN)
@@ -37,7 +37,8 @@ def launch_variants(group: int, max_positions: int) -> list[tuple[AttentionConfi
         need.append((short, 17, False, LONG_SPLIT_CONTEXT))
     need += [(long, n, work, max(n * MIN_SPLIT_LEN + 1, 0 if n <= SHORT_MAX_SPLITS else LONG_SPLIT_CONTEXT))
              for n, work in ((2, False), (2, True), (COMBINE_MAX_SPLITS + 1, False), (9, False), (17, False))]
-    for cfg in sorted({pick_config(q, gpad) for q in (max(1, 64 // gpad), MAX_SPLITS * MIN_PREFILL_SPLIT_LEN)},
+    prompt_queries = (max(1, 64 // gpad), MAX_SPLITS * MIN_PREFILL_SPLIT_LEN)
+    for cfg in sorted({pick_config(q, gpad, wide=wide) for q in prompt_queries},
                       key=lambda c: c.block_m):  # prompt tiles: slices of MIN_PREFILL_SPLIT_LEN at least
         need += [(cfg, 1, False, 0), (cfg, 1, True, 0), (cfg, 2, True, 2 * MIN_PREFILL_SPLIT_LEN)]
         need += [(cfg, n, False, n * MIN_PREFILL_SPLIT_LEN) for n in (2, COMBINE_MAX_SPLITS + 1, 9, 17)]
@@ -54,7 +55,7 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
     device, group = k_cache.device, num_q_heads // num_kv_heads
     tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     items = torch.zeros(1, dtype=torch.int32, device=device)  # sequence 0, tile 0
-    variants = launch_variants(group, max_positions)
+    variants = launch_variants(group, max_positions, wide_prompt(device, head_dim))
     for cfg, splits, work in variants:  # (a work list's launch picks its own tiles: from its query length)
         short = work and splits > 1 and cfg.block_n == 64 and cfg.block_m * _pow2(group) <= 16
         context = min(SCRATCH_CONTEXT // 4 if short else SCRATCH_CONTEXT, max_blocks * block_size)

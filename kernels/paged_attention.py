@@ -48,6 +48,9 @@ SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and 
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
 COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
 # at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
+WIDE_PROMPT_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block (Hopper's) that prompt tiles stepping
+# 128 positions need (D <= 128, 3 stages): 11-19% faster prefill than 64 on an H200 (bench/attention.py
+# --prefill-sweep, eleventh session); an A100's 164 KB would refuse to launch them
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
 _kernels = None
 
@@ -206,7 +209,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     available = _counters(q.device) if num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
     cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
                                            available is not None, config, num_splits,
-                                           None if items is None else len(items))
+                                           None if items is None else len(items), wide_prompt(q.device, head_dim))
     counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
@@ -230,27 +233,28 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
 
 def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, bound: int, num_sms: int,
                 may_combine: bool, config: AttentionConfig | None = None, num_splits: int | None = None,
-                num_items: int | None = None) -> tuple[AttentionConfig, int, bool]:
+                num_items: int | None = None, wide: bool = False) -> tuple[AttentionConfig, int, bool]:
     """`pick_launch`, then how its slices merge: in the kernel (`combine`: up to
     COMBINE_MAX_SPLITS slices, where the tile counters exist and cover the launch; `may_combine`)
     or by the combine launch. A work list's launch merges in the kernel or does not split (a
     combine launch would rewrite every row)."""
     cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config, num_splits,
-                                  num_items)
+                                  num_items, wide)
     if num_items is not None and num_splits > 1:
         limit = COMBINE_MAX_SPLITS if may_combine else 1
         if num_splits > limit:
             cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config,
-                                          limit, num_items)
+                                          limit, num_items, wide)
     return cfg, num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
 
 
 def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, max_context_len: int,
                 num_sms: int, config: AttentionConfig | None = None, num_splits: int | None = None,
-                num_items: int | None = None) -> tuple[AttentionConfig, int]:
+                num_items: int | None = None, wide: bool = False) -> tuple[AttentionConfig, int]:
     """The tile shape and split count of a launch, from host ints only (`config`, `num_splits`:
-    the caller's choice, kept; `num_items`: a work list's (sequence, tile) items per kv head)."""
-    cfg = config or pick_config(max_query_len, _pow2(group))
+    the caller's choice, kept; `num_items`: a work list's (sequence, tile) items per kv head;
+    `wide`: prompt tiles may step 128 positions, `wide_prompt`)."""
+    cfg = config or pick_config(max_query_len, _pow2(group), wide=wide)
     is_decode_tile = cfg.block_m * _pow2(group) <= 16
     if num_splits is None:
         num_tiles = max(1, -(-max_query_len // cfg.block_m))
@@ -259,22 +263,24 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
             FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
         num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
     if num_splits > 1 and config is None:
-        cfg = pick_config(max_query_len, _pow2(group), split_len=-(-max_context_len // num_splits))
+        cfg = pick_config(max_query_len, _pow2(group), split_len=-(-max_context_len // num_splits), wide=wide)
     return cfg, num_splits
 
 
-def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None) -> AttentionConfig:
+def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None, wide: bool = False
+                ) -> AttentionConfig:
     """Decode (a tile of one token's G heads) pads the dot to 16 rows: it is bound by reading K/V,
     and with few programs (split-KV, slices of `split_len` positions) wants more of it in flight
     per program, unless the slices are short. Longer query tiles take 64 or 128 rows, as flash
-    attention's prefill does. (bench/attention.py --sweep and --short-sweep, H200.)"""
+    attention's prefill does, and 128-row tiles step 128 positions where the GPU has the shared
+    memory (`wide`). (bench/attention.py --sweep, --short-sweep and --prefill-sweep, H200.)"""
     rows = max(max_query_len, 1) * group_pad
     if rows <= 16:
         long_slices = split_len is not None and split_len > MIN_SPLIT_LEN
         return AttentionConfig(max(1, 16 // group_pad), 128 if long_slices else 64, 4, 3)
     if rows <= 64:
         return AttentionConfig(max(1, 64 // group_pad), 64, 4, 3)
-    return AttentionConfig(max(1, 128 // group_pad), 64, 8, 3)
+    return AttentionConfig(max(1, 128 // group_pad), 128 if wide else 64, 8, 3)
 
 
 def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_len: int = MIN_SPLIT_LEN) -> int:
@@ -342,6 +348,16 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         counters = _COUNTERS[device] = torch.zeros(COMBINE_COUNTERS, dtype=torch.int32, device=device)
     return counters
+
+
+@functools.cache
+def wide_prompt(device: torch.device, head_dim: int) -> bool:
+    """Whether prompt tiles on this device may step 128 positions (pick_config's `wide`): heads of
+    up to 128 dimensions on a GPU with WIDE_PROMPT_SHARED_BYTES of shared memory per block."""
+    if device.type != "cuda":
+        return False  # (the interpreter: the narrower tiles, as before)
+    shared = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    return head_dim <= 128 and shared >= WIDE_PROMPT_SHARED_BYTES
 
 
 @functools.cache

@@ -17,11 +17,14 @@ def mode(cfg, splits: int, combine: bool, work: bool) -> tuple:
     return cfg, 1 if splits == 1 else "in kernel" if combine else _pow2(splits), work
 
 
+@pytest.mark.parametrize("wide", (False, True))
 @pytest.mark.parametrize("group,max_positions", [(1, 4096), (4, 4096), (8, 2048), (1, 16384)])
-def test_the_variants_are_the_launches_the_planner_makes(group, max_positions):
+def test_the_variants_are_the_launches_the_planner_makes(group, max_positions, wide):
     """Every launch `plan_launch` makes over a sweep of batches, query lengths, contexts and work
-    lists is one of `launch_variants`, and every variant is made by some launch."""
-    compiled = {mode(cfg, n, 1 < n <= COMBINE_MAX_SPLITS, work) for cfg, n, work in launch_variants(group, max_positions)}
+    lists is one of `launch_variants`, and every variant is made by some launch (with the
+    narrower prompt tiles and with the wide ones of GPUs with the shared memory)."""
+    compiled = {mode(cfg, n, 1 < n <= COMBINE_MAX_SPLITS, work)
+                for cfg, n, work in launch_variants(group, max_positions, wide)}
     reached = set()
     kv_heads = 32 // group
     for seqs, query, bound, items in itertools.product(
@@ -30,7 +33,7 @@ def test_the_variants_are_the_launches_the_planner_makes(group, max_positions):
             (None, 1, 4, 16, 100, 1000)):
         if bound > max_positions or (items is not None and query not in (small_tokens(group),) and query <= small_tokens(group)):
             continue
-        cfg, n, combine = plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items)
+        cfg, n, combine = plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items, wide=wide)
         reached.add(mode(cfg, n, combine, items is not None))
     assert reached <= compiled, sorted(map(str, reached - compiled))
     assert compiled <= reached, sorted(map(str, compiled - reached))  # (no compile for a launch never made)

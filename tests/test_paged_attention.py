@@ -22,7 +22,7 @@ import torch
 from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
                                                 SHORT_MAX_SPLITS, AttentionConfig, PagedAttend,
                                                 paged_attention, pick_launch, pick_num_splits, reference_paged_attention,
-                                                reference_write_kv, small_tokens, triton_write_kv, write_kv)
+                                                reference_write_kv, small_tokens, triton_write_kv, wide_prompt, write_kv)
 from batchmaker.kernels.attention_work import capacity, is_mixed, work_lists
 from helpers import interpreter, needs_gpu, run_interpreted
 
@@ -209,6 +209,10 @@ def test_short_decode_contexts_split_in_slices_of_the_minimum():
     assert pick_launch(8, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 8: fewer, longer slices
     assert pick_launch(1, 8, 4, 1, 360, sms, num_splits=3)[1] == 3  # the caller's count is kept
     assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
+    narrow, wide = (pick_launch(2, 32, 1, 512, 2048, sms, wide=w)[0] for w in (False, True))
+    assert (narrow.block_m, narrow.block_n, wide.block_m, wide.block_n) == (128, 64, 128, 128)
+    assert pick_launch(2, 32, 1, 1, 2048, sms, wide=True)[0].block_n == pick_launch(2, 32, 1, 1, 2048, sms)[0].block_n
+    assert not wide_prompt(torch.device("cpu"), 128)  # (the interpreter keeps the narrower tiles)
 
 
 def work_for(case: Case, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,6 +338,8 @@ def test_kernel_in_the_interpreter(seed):
     if seed < 2:  # split-KV, and fp16 dots
         check_kernel(make_case([1, 3, 0], [70, 90, 5], 2, 2, 32, 16, seed=seed), num_splits=3)
         check_kernel(make_case([1, 1], [40, 20], 1, 4, 32, 8, torch.float16, seed=seed), num_splits=2)
+        # prompt tiles stepping 128 positions (wide_prompt's), causal across several steps
+        check_kernel(make_case([40, 1, 9], [300, 64, 9], 2, 2, 32, 16, seed=seed), config=AttentionConfig(64, 128, 4, 3))
     if seed == 2:  # short decode contexts: one pass, the same as split in two
         case = make_case([1, 1, 0, 1], [300, 1, 3, 129], 2, 1, 32, 16, seed=seed)
         one_pass = check_kernel(case, max_context_len=SHORT_CONTEXT_LEN)
@@ -414,7 +420,7 @@ def test_split_kv(num_splits, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("block_m,block_n", [(16, 32), (4, 128)])
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (4, 128), (128, 128)])
 def test_other_tile_shapes(block_m, block_n):
     case = make_case([40, 1, 9], [300, 64, 9], 2, 4, 64, 16, torch.float16, "cuda", seed=4)
     check_kernel(case, config=AttentionConfig(block_m, block_n, 4, 2))
