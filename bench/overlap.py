@@ -1,11 +1,13 @@
 """Can a mixed iteration's decode attention (bound by reading K/V) hide under its prompt chunk's
 projections (bound by FLOPs)? The decoder's layers on Llama-2-7B's shapes, as the engine runs a
 mixed batch today against the batch split in two forwards (prompt tokens, decode tokens) run one
-after the other, or on two CUDA streams (the decodes' at the same or at a higher priority).
+after the other, or on two CUDA streams (the decodes' at the same or at a higher priority), or
+each on a CUDA green context of its own (`--green-sms N`: the decodes on N SMs, the prompt on the
+rest: NanoFlow's question, whether K/V reads on a few SMs hide under projections on the others).
 Weights per layer are distinct (as in a model: no L2 reuse); each layer's ops are the four
 projections (q|k|v, o, gate|up, down) and paged attention (kernels/paged_attention.py).
 
-    python bench/overlap.py --device cuda:0
+    python bench/overlap.py --device cuda:0 --green-sms 16 32 48
 
 Per case: ms per iteration (the median of 5), and the floors: the serial bound (projections at
 the matmul peak or weight bytes, plus K/V bytes) and the roofline (the larger of all bytes over
@@ -78,7 +80,7 @@ def timed(fn, repeats: int = 5) -> float:
     return sorted(times)[repeats // 2]
 
 
-def case(decodes, decode_ctx, prompt, prompt_ctx, weights, args) -> dict:
+def case(decodes, decode_ctx, prompt, prompt_ctx, weights, args, green_contexts: dict) -> dict:
     device = args.device
     dec, pre = Part([1] * decodes, [decode_ctx] * decodes, device), Part([prompt], [prompt_ctx], device)
     both = torch.cat([dec.x, pre.x])
@@ -94,6 +96,19 @@ def case(decodes, decode_ctx, prompt, prompt_ctx, weights, args) -> dict:
             layers(weights, pre.x, [pre])
             main.wait_stream(stream)
         return run
+    def green(contexts):
+        def run():
+            for (context, stream), part in zip(contexts, (dec, pre)):  # each part's launches on its context
+                stream.wait_stream(main)
+                context.set_context()
+                try:
+                    with torch.cuda.stream(stream):
+                        layers(weights, part.x, [part])
+                finally:
+                    context.pop_context()
+            for _, stream in contexts:
+                main.wait_stream(stream)
+        return run
     variants = {"one_batch": lambda: layers(weights, both, [dec, pre]),
                 "split_serial": lambda: (layers(weights, dec.x, [dec]), layers(weights, pre.x, [pre])),
                 "two_streams": two_streams("same"), "two_streams_high": two_streams("high"),
@@ -101,6 +116,11 @@ def case(decodes, decode_ctx, prompt, prompt_ctx, weights, args) -> dict:
                 "prompt_alone": lambda: layers(weights, pre.x, [pre])}
     record = {"decodes": decodes, "decode_context": decode_ctx, "prompt_tokens": prompt, "prompt_context": prompt_ctx}
     record.update({f"{name}_ms": timed(fn) for name, fn in variants.items()})
+    for sms, contexts in green_contexts.items():
+        try:
+            record[f"green_{sms}_ms"] = timed(green(contexts))
+        except Exception as e:  # (a torch built without green contexts, a driver that refuses the split)
+            record[f"green_{sms}_error"] = f"{type(e).__name__}: {e}"[:200]
     n = len(weights)
     params = n * (HIDDEN * 3 * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + INTER * HIDDEN)
     kv_bytes = n * decodes * decode_ctx * 2 * HIDDEN * 2
@@ -118,6 +138,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--bandwidth", type=float, default=4.23e12)
     ap.add_argument("--peak", type=float, default=805e12)
+    ap.add_argument("--green-sms", type=int, nargs="*", default=[],
+                    help="also run the decodes on a green context of this many SMs and the prompt on the rest")
     args = ap.parse_args()
     torch.manual_seed(0)
 
@@ -125,21 +147,36 @@ def main() -> None:
         return torch.randn(rows, cols, dtype=torch.bfloat16, device=args.device) * cols ** -0.5
     weights = [(weight(3 * HIDDEN, HIDDEN), weight(HIDDEN, HIDDEN), weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER))
                for _ in range(args.layers)]
+    green_contexts, errors = {}, {}
+    for sms in args.green_sms:  # sms -> ((the decodes' context, its stream), (the prompt's, its stream))
+        try:
+            from torch.cuda.green_contexts import GreenContext
+            total = torch.cuda.get_device_properties(args.device).multi_processor_count
+            index = torch.device(args.device).index or 0
+            pair = (GreenContext.create(num_sms=sms, device_id=index),
+                    GreenContext.create(num_sms=total - sms, device_id=index))
+            green_contexts[sms] = tuple((context, context.Stream()) for context in pair)
+        except Exception as e:
+            errors[sms] = f"{type(e).__name__}: {e}"[:200]
+            print(f"no green contexts of {sms} SMs: {errors[sms]}", flush=True)
     rows = []
     for c in CASES:
-        rows.append(case(*c, weights, args))
+        rows.append(case(*c, weights, args, green_contexts))
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
 
     def plot(fig):
         ax = fig.add_subplot(1, 1, 1)
         x = range(len(rows))
-        for name in ("one_batch", "split_serial", "two_streams", "two_streams_high", "serial_bound", "roofline"):
-            ax.plot(x, [r[f"{name}_ms"] for r in rows], marker="o", label=name)
+        names = ["one_batch", "split_serial", "two_streams", "two_streams_high", "serial_bound", "roofline"]
+        for name in names + [f"green_{sms}" for sms in green_contexts]:
+            if all(f"{name}_ms" in r for r in rows):
+                ax.plot(x, [r[f"{name}_ms"] for r in rows], marker="o", label=name)
         ax.set_xticks(list(x), [f"{r['decodes']}x{r['decode_context']}+{r['prompt_tokens']}" for r in rows])
         ax.set_ylabel("ms per iteration")
         ax.legend(fontsize=7)
         ax.set_title(f"mixed iteration, {args.layers} layers of Llama-2-7B shapes (bf16)")
-    print(write_results("overlap", args.device, {"layers": args.layers, "rows": rows}, plot), flush=True)
+    print(write_results("overlap", args.device, {"layers": args.layers, "green_errors": errors, "rows": rows}, plot),
+          flush=True)
 
 
 if __name__ == "__main__":
