@@ -2,8 +2,10 @@
 projections (bound by FLOPs)? The decoder's layers on Llama-2-7B's shapes, as the engine runs a
 mixed batch today against the batch split in two forwards (prompt tokens, decode tokens) run one
 after the other, or on two CUDA streams (the decodes' at the same or at a higher priority), or
-each on a CUDA green context of its own (`--green-sms N`: the decodes on N SMs, the prompt on the
-rest: NanoFlow's question, whether K/V reads on a few SMs hide under projections on the others).
+the prompt on a CUDA green context that leaves N SMs to the decodes (`--green-sms N`; the decodes
+on a stream of the whole device): NanoFlow's question, whether K/V reads on a few SMs hide under
+projections on the others. (Each green context takes its own split of the device, so two of them
+may share SMs: only the prompt's is partitioned.)
 Weights per layer are distinct (as in a model: no L2 reuse); each layer's ops are the four
 projections (q|k|v, o, gate|up, down) and paged attention (kernels/paged_attention.py).
 
@@ -66,6 +68,14 @@ def layers(weights, x, parts):
     return x
 
 
+def _enter(context) -> None:  # (torch's green-context methods were renamed between releases)
+    (context.set_context if hasattr(context, "set_context") else context.make_current)()
+
+
+def _leave(context) -> None:
+    (context.pop_context if hasattr(context, "pop_context") else context.pop_current)()
+
+
 def timed(fn, repeats: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
@@ -96,18 +106,21 @@ def case(decodes, decode_ctx, prompt, prompt_ctx, weights, args, green_contexts:
             layers(weights, pre.x, [pre])
             main.wait_stream(stream)
         return run
-    def green(contexts):
+    def green(context_stream):
         def run():
-            for (context, stream), part in zip(contexts, (dec, pre)):  # each part's launches on its context
-                stream.wait_stream(main)
-                context.set_context()
-                try:
-                    with torch.cuda.stream(stream):
-                        layers(weights, part.x, [part])
-                finally:
-                    context.pop_context()
-            for _, stream in contexts:
-                main.wait_stream(stream)
+            context, stream = context_stream  # the prompt's launches on its green context's stream
+            for s in (stream, side["high"]):
+                s.wait_stream(main)
+            with torch.cuda.stream(side["high"]):
+                layers(weights, dec.x, [dec])
+            _enter(context)
+            try:
+                with torch.cuda.stream(stream):
+                    layers(weights, pre.x, [pre])
+            finally:
+                _leave(context)
+            for s in (stream, side["high"]):
+                main.wait_stream(s)
         return run
     variants = {"one_batch": lambda: layers(weights, both, [dec, pre]),
                 "split_serial": lambda: (layers(weights, dec.x, [dec]), layers(weights, pre.x, [pre])),
@@ -139,7 +152,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.23e12)
     ap.add_argument("--peak", type=float, default=805e12)
     ap.add_argument("--green-sms", type=int, nargs="*", default=[],
-                    help="also run the decodes on a green context of this many SMs and the prompt on the rest")
+                    help="also run the prompt on a green context that leaves this many SMs to the decodes")
     args = ap.parse_args()
     torch.manual_seed(0)
 
@@ -148,14 +161,17 @@ def main() -> None:
     weights = [(weight(3 * HIDDEN, HIDDEN), weight(HIDDEN, HIDDEN), weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER))
                for _ in range(args.layers)]
     green_contexts, errors = {}, {}
-    for sms in args.green_sms:  # sms -> ((the decodes' context, its stream), (the prompt's, its stream))
+    for sms in args.green_sms:  # sms left to the decodes -> (the prompt's green context, a stream of it)
         try:
             from torch.cuda.green_contexts import GreenContext
             total = torch.cuda.get_device_properties(args.device).multi_processor_count
-            index = torch.device(args.device).index or 0
-            pair = (GreenContext.create(num_sms=sms, device_id=index),
-                    GreenContext.create(num_sms=total - sms, device_id=index))
-            green_contexts[sms] = tuple((context, context.Stream()) for context in pair)
+            context = GreenContext.create(num_sms=total - sms, device_id=torch.device(args.device).index or 0)
+            _enter(context)  # (a stream made while the green context is current belongs to it)
+            try:
+                stream = context.Stream() if hasattr(context, "Stream") else torch.cuda.Stream(args.device)
+            finally:
+                _leave(context)
+            green_contexts[sms] = (context, stream)
         except Exception as e:
             errors[sms] = f"{type(e).__name__}: {e}"[:200]
             print(f"no green contexts of {sms} SMs: {errors[sms]}", flush=True)
