@@ -5,11 +5,12 @@ after the other, or on two CUDA streams (the decodes' at the same or at a higher
 the prompt on a CUDA green context that leaves N SMs to the decodes (`--green-sms N`; the decodes
 on a stream of the whole device): NanoFlow's question, whether K/V reads on a few SMs hide under
 projections on the others. (Each green context takes its own split of the device, so two of them
-may share SMs: only the prompt's is partitioned.)
+may share SMs: only the prompt's is partitioned. The driver rounds a partition to its granularity,
+8 SMs on Hopper: on 132 SMs leave 12, 28 or 44.)
 Weights per layer are distinct (as in a model: no L2 reuse); each layer's ops are the four
 projections (q|k|v, o, gate|up, down) and paged attention (kernels/paged_attention.py).
 
-    python bench/overlap.py --device cuda:0 --green-sms 16 32 48
+    python bench/overlap.py --device cuda:0 --green-sms 12 28 44
 
 Per case: ms per iteration (the median of 5), and the floors: the serial bound (projections at
 the matmul peak or weight bytes, plus K/V bytes) and the roofline (the larger of all bytes over
@@ -166,12 +167,7 @@ def main() -> None:
             from torch.cuda.green_contexts import GreenContext
             total = torch.cuda.get_device_properties(args.device).multi_processor_count
             context = GreenContext.create(num_sms=total - sms, device_id=torch.device(args.device).index or 0)
-            _enter(context)  # (a stream made while the green context is current belongs to it)
-            try:
-                stream = context.Stream() if hasattr(context, "Stream") else torch.cuda.Stream(args.device)
-            finally:
-                _leave(context)
-            green_contexts[sms] = (context, stream)
+            green_contexts[sms] = (context, context.Stream())  # (a torch without it: recorded below)
         except Exception as e:
             errors[sms] = f"{type(e).__name__}: {e}"[:200]
             print(f"no green contexts of {sms} SMs: {errors[sms]}", flush=True)

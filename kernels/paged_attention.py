@@ -48,9 +48,9 @@ SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and 
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
 COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
 # at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
-WIDE_PROMPT_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block (Hopper's) that prompt tiles stepping
-# 128 positions need (D <= 128, 3 stages): 11-19% faster prefill than 64 on an H200 (bench/attention.py
-# --prefill-sweep, eleventh session); an A100's 164 KB would refuse to launch them
+WIDE_PROMPT_CAPABILITY = (9, 0)  # prompt tiles stepping 128 positions: 1.1-1.2x faster prefill than 64 on an
+WIDE_PROMPT_ROW_BYTES = 256  # H200 (bench/attention.py --prefill-sweep, eleventh session), measured on Hopper only;
+# rows of up to 256 bytes (16-bit heads of 128, fp32 of 64): fp32 heads of 128 would need 257 KB of shared memory
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
 _kernels = None
 
@@ -209,7 +209,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     available = _counters(q.device) if num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
     cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
                                            available is not None, config, num_splits,
-                                           None if items is None else len(items), wide_prompt(q.device, head_dim))
+                                           None if items is None else len(items),
+                                           wide_prompt(q.device, head_dim * q.element_size()))
     counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
@@ -351,13 +352,13 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 
 
 @functools.cache
-def wide_prompt(device: torch.device, head_dim: int) -> bool:
-    """Whether prompt tiles on this device may step 128 positions (pick_config's `wide`): heads of
-    up to 128 dimensions on a GPU with WIDE_PROMPT_SHARED_BYTES of shared memory per block."""
+def wide_prompt(device: torch.device, row_bytes: int) -> bool:
+    """Whether prompt tiles on this device may step 128 positions (pick_config's `wide`): K/V rows
+    (head_dim x element size) of up to WIDE_PROMPT_ROW_BYTES, on a GPU of WIDE_PROMPT_CAPABILITY
+    or later (where they were measured faster)."""
     if device.type != "cuda":
         return False  # (the interpreter: the narrower tiles, as before)
-    shared = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-    return head_dim <= 128 and shared >= WIDE_PROMPT_SHARED_BYTES
+    return row_bytes <= WIDE_PROMPT_ROW_BYTES and torch.cuda.get_device_capability(device) >= WIDE_PROMPT_CAPABILITY
 
 
 @functools.cache

@@ -3,7 +3,7 @@ residual add and RMSNorm before a projection, SiLU(gate) x up after the MLP's ga
 RoPE and the K/V cache write after the attention's q | k | v projection.
 kernels/gemv.py launches them; imported lazily there, so its twins import where Triton is absent.
 
-A program of `gemv_kernel` computes BLOCK_N outputs. On CUDA cores it streams its BLOCK_N rows of the weight
+A program of `gemv_kernel` computes BLOCK_N outputs (BLOCK_N / 2 with SILU, below). On CUDA cores it streams its BLOCK_N rows of the weight
 [N, K] in [BLOCK_N, BLOCK_K] tiles, keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the
 end (summing each tile's products at once instead measured no faster). With NORM, every program
 first sums the squares of its input row (K values, NORM_K at a time, from L2 after the first

@@ -66,15 +66,19 @@ def _kernel_launches(cfg, n: int, combine: bool, work: bool) -> set:
     return {attention} | ({combine_launch} if n > 1 and not combine else set())
 
 
+@pytest.mark.parametrize("wide", (False, True))
 @pytest.mark.parametrize("group,max_positions,block", [(1, 4096, 16), (4, 4090, 16), (8, 2048, 16), (2, 700, 8)])
-def test_compile_variants_launches_what_serving_launches(group, max_positions, block, monkeypatch):
+def test_compile_variants_launches_what_serving_launches(group, max_positions, block, wide, monkeypatch):
     """The kernels compile_variants launches (constexprs recorded in place of Triton) are those
     the planner picks over a sweep of batches up to the block table's width, a block past
-    max_positions where it is no multiple of the block size (an unbounded launch's bound)."""
-    from batchmaker.kernels import paged_attention
+    max_positions where it is no multiple of the block size (an unbounded launch's bound); with
+    the device's prompt tiles either way (wide_prompt)."""
+    from batchmaker.kernels import attention_variants, paged_attention
     from batchmaker.exec.iterations import IterationRunner
     recorder = _Recorder()
     monkeypatch.setattr(paged_attention, "_kernels", recorder)
+    for module in (attention_variants, paged_attention):  # (the device's answer, on this CPU)
+        monkeypatch.setattr(module, "wide_prompt", lambda device, row_bytes: wide)
     kv_heads, max_blocks = 32 // group, -(-max_positions // block)
     k = torch.zeros(2, block, kv_heads, 16)
     runner = types.SimpleNamespace(cache=types.SimpleNamespace(k=k[None], v=k[None]), max_blocks=max_blocks,
@@ -86,9 +90,11 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     for seqs, query, bound, items in itertools.product(
             (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, 8, 16, 64, 128, 512, 2048), sorted({*range(16, width + 1, 37), width}),
             (None, 1, 4, 16, 100, 1000)):
-        wanted |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items),
-                                   items is not None)
+        wanted |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items,
+                                                wide=wide), items is not None)
     assert recorder.launched == wanted
+    assert any(("BLOCK_N", 128) in key and ("BLOCK_M", 128 // group) in key
+               for name, key in recorder.launched if name == "paged_attention_kernel") == wide
 
 
 @interpreter

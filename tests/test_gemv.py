@@ -82,9 +82,11 @@ def test_the_twins_are_the_models_steps():
 
 def test_default_configs_divide_the_outputs():
     for n_out, k_in, silu in ((12288, 4096, False), (4096, 11008, False), (11008, 4096, True), (32000, 4096, False),
-                              (48, 64, False), (16, 96, True)):
+                              (48, 64, False), (16, 96, True), (3, 64, True), (5, 64, True)):
         config = gemv.default_config(n_out, k_in, silu)
-        assert n_out % config.block_n == 0 and config.block_k in (64, 128, 256, 512, 1024), config
+        rows = 2 * n_out if silu else n_out  # (gate | up: pairs of a gate and an up row)
+        assert rows % config.block_n == 0 and config.block_k in (64, 128, 256, 512, 1024), config
+        assert not silu or config.block_n % 2 == 0, config
 
 
 def test_can_gemv_takes_one_16_bit_token_on_cuda_only():
@@ -96,8 +98,8 @@ def test_can_gemv_takes_one_16_bit_token_on_cuda_only():
 
 @interpreter
 def test_kernels_in_the_interpreter(monkeypatch):
-    for n_out, k_in in ((32, 64), (48, 192), (16, 96)):  # (96: no tile divides it, the masked path)
-        check(n_out, k_in, torch.float32, "cpu")
+    for n_out, k_in in ((32, 64), (48, 192), (16, 96), (5, 64)):  # (96: no tile divides it, the masked path;
+        check(n_out, k_in, torch.float32, "cpu")  # 5: gate | up one pair a program)
     for silu in (False, True):  # 3 tiles a row
         monkeypatch.setitem(gemv.CONFIGS, (48, 192, silu), gemv.GemvConfig(16, 64, 8, 3))
     check(48, 192, torch.float32, "cpu")

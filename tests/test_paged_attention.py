@@ -212,7 +212,7 @@ def test_short_decode_contexts_split_in_slices_of_the_minimum():
     narrow, wide = (pick_launch(2, 32, 1, 512, 2048, sms, wide=w)[0] for w in (False, True))
     assert (narrow.block_m, narrow.block_n, wide.block_m, wide.block_n) == (128, 64, 128, 128)
     assert pick_launch(2, 32, 1, 1, 2048, sms, wide=True)[0].block_n == pick_launch(2, 32, 1, 1, 2048, sms)[0].block_n
-    assert not wide_prompt(torch.device("cpu"), 128)  # (the interpreter keeps the narrower tiles)
+    assert not wide_prompt(torch.device("cpu"), 256)  # (the interpreter keeps the narrower tiles)
 
 
 def work_for(case: Case, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
