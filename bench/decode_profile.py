@@ -19,6 +19,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def decode_inputs(config, batch: int, context: int, device, block_size: int = 16) -> tuple:
+    """One decode step of `batch` sequences at `context` positions over a random bf16 paged cache:
+    (k cache, v cache, block tables, query_start, context_lens, positions, K/V slots, tokens)."""
+    per_seq = -(-context // block_size)
+    shape = (config.num_layers, batch * per_seq + 1, block_size, config.num_kv_heads, config.head_dim)
+    kc, vc = (torch.randn(shape, dtype=torch.bfloat16, device=device) for _ in range(2))
+    tables = (1 + torch.arange(batch * per_seq, device=device, dtype=torch.int32)).view(batch, per_seq)
+    query_start = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    context_lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    positions = torch.full((batch,), context - 1, device=device)
+    slots = tables[:, -1].long() * block_size + (context - 1) % block_size
+    tokens = torch.randint(1, config.vocab_size, (batch,), device=device)
+    return kc, vc, tables, query_start, context_lens, positions, slots, tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
@@ -44,7 +59,7 @@ def main() -> None:
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
     from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv
-    config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
+    config, dev = PRESETS[args.preset], torch.device("cuda")
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     if hasattr(lm, "set_one_token"):
         from batchmaker.cells.llama import OneTokenConfig
@@ -55,16 +70,8 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
               "one_token": args.one_token, "pdl": not args.no_pdl, "rows": []}
     for batch, how in ((b, a) for b in args.batch for a in args.attend):
-        per_seq = -(-args.context // bs)
-        shape = (config.num_layers, batch * per_seq + 1, bs, config.num_kv_heads, config.head_dim)
-        kc, vc = torch.randn(shape, dtype=torch.bfloat16, device=dev), torch.randn(shape, dtype=torch.bfloat16, device=dev)
-        tables = (1 + torch.arange(batch * per_seq, device=dev, dtype=torch.int32)).view(batch, per_seq)
-        query_start = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-        context = torch.full((batch,), args.context, device=dev, dtype=torch.int32)
-        positions = torch.full((batch,), args.context - 1, device=dev)
-        slots = tables[:, -1].long() * bs + (args.context - 1) % bs
-        tokens = torch.randint(1, config.vocab_size, (batch,), device=dev)
-
+        kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, batch, args.context,
+                                                                                       dev)
         scale = config.head_dim ** -0.5
         if how == "fused":
             attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, scale, max_context_len=args.context)

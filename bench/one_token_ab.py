@@ -24,6 +24,7 @@ from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E40
 from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
 from batchmaker.kernels import gemv  # noqa: E402
 from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
+from bench.decode_profile import decode_inputs  # noqa: E402
 
 DOWN_DOT = gemv.GemvConfig(32, 256, 4, 6, dot=True)
 PLAIN = gemv.GemvConfig(8, 1024, 4, 1)
@@ -44,18 +45,10 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50, help="graph replays per form per round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    config, dev, bs = PRESETS[args.preset], torch.device("cuda"), 16
+    config, dev = PRESETS[args.preset], torch.device("cuda")
     h, i = config.hidden_size, config.intermediate_size
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
-    per_seq = -(-args.context // bs)
-    shape = (config.num_layers, per_seq + 1, bs, config.num_kv_heads, config.head_dim)
-    kc, vc = (torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(2))
-    tables = (1 + torch.arange(per_seq, device=dev, dtype=torch.int32)).view(1, per_seq)
-    query_start = torch.arange(2, device=dev, dtype=torch.int32)
-    context = torch.full((1,), args.context, device=dev, dtype=torch.int32)
-    positions = torch.full((1,), args.context - 1, device=dev)
-    slots = tables[:, -1].long() * bs + (args.context - 1) % bs
-    tokens = torch.randint(1, config.vocab_size, (1,), device=dev)
+    kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, config.head_dim ** -0.5,
                          max_context_len=args.context)
     graphs, outputs = {}, {}

@@ -48,9 +48,11 @@ SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and 
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
 COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
 # at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
-WIDE_PROMPT_CAPABILITY = (9, 0)  # prompt tiles stepping 128 positions: 1.1-1.2x faster prefill than 64 on an
-WIDE_PROMPT_ROW_BYTES = 256  # H200 (bench/attention.py --prefill-sweep, eleventh session), measured on Hopper only;
-# rows of up to 256 bytes (16-bit heads of 128, fp32 of 64): fp32 heads of 128 would need 257 KB of shared memory
+# prompt tiles stepping 128 positions (wide_prompt): 1.1-1.2x faster prefill than 64 on an H200
+# (bench/attention.py --prefill-sweep, eleventh session), measured on Hopper only, and for K/V rows of up to
+# 256 bytes (16-bit heads of 128, fp32 of 64): fp32 heads of 128 would need 257 KB of shared memory
+WIDE_PROMPT_CAPABILITY = (9, 0)
+WIDE_PROMPT_ROW_BYTES = 256
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
 _kernels = None
 
