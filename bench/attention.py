@@ -167,21 +167,27 @@ def sweep(args, device, ceilings: dict) -> list[dict]:
     return rows
 
 
-def short_sweep(args, device, ceilings: dict) -> list[dict]:
-    """Batch-1 decode at short contexts (latency-bound: a few µs of K/V per layer): every split count
-    and decode tile shape, against the automatic choice and SDPA."""
+def short_sweep(args, device, ceilings: dict, shapes=((1, 360), (1, 1024), (1, 2048)),
+                splits_swept=(1, 2, 3, 4, 6, 8)) -> list[dict]:
+    """Batch-1 decode at short contexts (latency-bound: a few µs of K/V per layer), or the `shapes`
+    (batch, context) given: every split count and decode tile shape, against the automatic choice and SDPA."""
     rows = []
-    for ctx in (360, 1024, 2048):
-        ctxs = Contexts(1, ctx, 1, args, device, dense=True)
+    for batch, ctx in shapes:
+        ctxs = Contexts(batch, ctx, 1, args, device, dense=True)
         rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), "auto": True})
+        print("sweep", rows[-1], flush=True)
         ctxs.dense = None
-        for splits in (1, 2, 3, 4, 6, 8):
-            for block_n, warps in ((32, 4), (64, 4), (64, 2), (128, 4), (128, 8)):
-                cfg = AttentionConfig(16, block_n, warps, 3)
+        for splits in splits_swept:
+            for block_n, warps, stages in ((32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 3), (64, 4, 2)):
+                cfg = AttentionConfig(16, block_n, warps, stages)
                 rows.append({**measure(ctxs, args, device, ceilings, config=cfg, num_splits=splits),
-                             "config": [16, block_n, warps, 3], "num_splits": splits})
+                             "config": [16, block_n, warps, stages], "num_splits": splits})
         del ctxs
     return rows
+
+
+MID_SHAPES = ((2, 1024), (4, 512), (4, 2048), (8, 512), (8, 1024), (8, 4096), (8, 16384), (16, 512), (16, 1024),
+              (16, 4096), (32, 512), (32, 1024), (64, 1024), (64, 4096))  # a chat run's decode batches
 
 
 PREFILL_CONFIGS = ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3),
@@ -224,6 +230,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--short-sweep", action="store_true", help="only batch-1 decode at short contexts, swept")
     parser.add_argument("--prefill-sweep", action="store_true", help="only prompt-chunk tiles, swept")
+    parser.add_argument("--mid-sweep", action="store_true", help="only decode batches of 8-32 at 512-1024 positions, swept")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
     args = parser.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -236,7 +243,7 @@ def main(argv=None) -> None:
     ceilings = {"copy": copy_bandwidth(device, nbytes), "read": read_bandwidth(device, nbytes)}
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
-    if args.short_sweep or args.prefill_sweep:
+    if args.short_sweep or args.prefill_sweep or args.mid_sweep:
         args.batches, args.prefill = [], []
     for batch in args.batches:
         for ctx in args.contexts:
@@ -257,7 +264,9 @@ def main(argv=None) -> None:
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "block_size": args.block_size, "copy_GBps": round(ceilings["copy"], 1),
               "read_GBps": round(ceilings["read"], 1), "decode": decode, "prefill": prefill}
-    if args.sweep or args.short_sweep or args.prefill_sweep:
+    if args.mid_sweep:
+        record["sweep"] = short_sweep(args, device, ceilings, MID_SHAPES, (1, 2, 4, 8))
+    elif args.sweep or args.short_sweep or args.prefill_sweep:
         record["sweep"] = (short_sweep if args.short_sweep else prefill_sweep if args.prefill_sweep else sweep)(
             args, device, ceilings)
         for row in record["sweep"]:

@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-attention-seqs", default=None,
                     help="comma-separated: each rate runs once per value of attention_work.MIN_SEQS (the "
                          "sequences from which a mixed batch attends in two launches), interleaved: an A/B")
+    ap.add_argument("--skinny-rows", type=int, default=None,
+                    help="kernels/skinny.py's MAX_ROWS (1: cuBLAS for every projection of more than one token; an A/B)")
+    ap.add_argument("--decode-tile", choices=("auto", "legacy"), default="auto",
+                    help="legacy: unsplit decode attention on the eleventh session's tile (64 positions, 4 warps; an A/B)")
     ap.add_argument("--profile-seconds", type=float, default=0.0,
                     help="then serve the requests once more, all at once, the first this many seconds under "
                          "torch.profiler: kernels by name")
@@ -290,6 +294,13 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,
                         num_blocks=num_blocks)
+    if args.skinny_rows is not None:
+        from batchmaker.kernels import skinny
+        skinny.MAX_ROWS = args.skinny_rows
+    if args.decode_tile == "legacy":  # (its variants compile in the warm-up, before the measured runs)
+        from batchmaker.kernels import paged_attention
+        paged_attention.decode_whole_config = lambda block_m, programs, sms: paged_attention.AttentionConfig(
+            block_m, 64, 4, 3)
     if args.prefill_graph_tokens is not None:
         cell = model.cells["decoder"]
         cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.kernels.skinny import project
 
 # attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]; q/k/v may be
 # non-contiguous views of the fused projection (OPT, and v always): call .contiguous() if a kernel needs it
@@ -59,7 +60,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
         # x: [T, H]
-        return self.o_proj(self.mix(self.qkv_proj(x), rotate, attend))
+        return project(self.o_proj, self.mix(project(self.qkv_proj, x), rotate, attend))
 
     def mix(self, qkv: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
         """The projected q | k | v [T, (Hq + 2 Hkv) D] -> attention's output [T, Hq D], before o_proj."""

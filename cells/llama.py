@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
 from batchmaker.cells.decoder_config import DecoderConfig, rope_type
 from batchmaker.kernels import gemv
+from batchmaker.kernels.skinny import project
 from batchmaker.kernels.fused_decoder import (add_rms_norm, can_fuse, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope, reference_rope_write_kv, reference_silu_mul,
                                               rms_norm, rope, rope_write_kv, silu_mul)
@@ -51,8 +52,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate | up
-        return self.down_proj(silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
+        gate_up = project(self.gate_up_proj, x)  # [T, 2I]: gate | up
+        return project(self.down_proj, silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,8 @@ import torch
 
 from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
-                                                AttentionConfig, _launch, _pow2, pick_config, wide_prompt)
+                                                AttentionConfig, _launch, _pow2, decode_whole_config, pick_config,
+                                                wide_prompt)
 
 SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
 # decode tiles must split into short slices (pick_config's 64-position steps)
@@ -30,8 +31,10 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
     reaches it (pick_launch, pick_num_splits); `wide`: the device's prompt tiles (wide_prompt)."""
     gpad = _pow2(group)
     short, long = pick_config(1, gpad), pick_config(1, gpad, split_len=MIN_SPLIT_LEN + 1)  # decode tiles
+    whole = {decode_whole_config(short.block_m, programs, 1) for programs in (1, 2)}  # unsplit: few or many programs
     few = FEW_PROGRAMS_SPLIT_LEN  # positions a short slice holds at least (a long one: over MIN_SPLIT_LEN)
-    need = [(short, 1, False, 0), (short, 1, True, 0), (short, 2, False, 2 * few), (short, 2, True, 2 * few),
+    need = [(cfg, 1, work, 0) for cfg in sorted(whole, key=lambda c: c.block_n) for work in (False, True)]
+    need += [(short, 2, False, 2 * few), (short, 2, True, 2 * few),
             (short, COMBINE_MAX_SPLITS + 1, False, (COMBINE_MAX_SPLITS + 1) * few)]
     if MAX_SPLITS * MIN_SPLIT_LEN >= LONG_SPLIT_CONTEXT:  # (32 slices of 128 at 4,096 positions: short ones)
         need.append((short, 17, False, LONG_SPLIT_CONTEXT))
@@ -64,7 +67,7 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
         starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         lens = torch.tensor([context], dtype=torch.int32, device=device)
         _launch(q, k_cache, v_cache, torch.empty_like(q), tables, starts, lens, tokens, head_dim ** -0.5,
-                context, None if work else cfg, splits, items if work else None)
+                context, cfg if splits == 1 or not work else None, splits, items if work else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants)

@@ -54,6 +54,11 @@ COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last pro
 WIDE_PROMPT_CAPABILITY = (9, 0)
 WIDE_PROMPT_ROW_BYTES = 256
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
+# DECODE_MANY (`bench/attention.py --mid-sweep`, H200, Llama-2-7B heads, twelfth session): unsplit decode
+# launches run fastest with 64-position steps on 2 warps where the programs fill the SMs twice over (batch 16 at
+# 1,024 positions: 68.4 us against 83.5 on 4 warps; batch 64 at 4,096: 969 against 1,043), else 128 on 4.
+# (Batch 8 also ran faster unsplit than split at equal contexts, 22.9 against 34.4 us at 512 positions; in a
+# chat run, whose contexts differ, splitting from one wave on measured no faster, so the split rule stays.)
 _kernels = None
 
 
@@ -259,15 +264,26 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     `wide`: prompt tiles may step 128 positions, `wide_prompt`)."""
     cfg = config or pick_config(max_query_len, _pow2(group), wide=wide)
     is_decode_tile = cfg.block_m * _pow2(group) <= 16
+    num_tiles = max(1, -(-max_query_len // cfg.block_m))
+    num_programs = (num_seqs * num_tiles if num_items is None else num_items) * num_kv_heads
     if num_splits is None:
-        num_tiles = max(1, -(-max_query_len // cfg.block_m))
-        num_programs = (num_seqs * num_tiles if num_items is None else num_items) * num_kv_heads
         min_len = MIN_PREFILL_SPLIT_LEN if not is_decode_tile else \
             FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
         num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
     if num_splits > 1 and config is None:
         cfg = pick_config(max_query_len, _pow2(group), split_len=-(-max_context_len // num_splits), wide=wide)
+    elif is_decode_tile and config is None:
+        cfg = decode_whole_config(cfg.block_m, num_programs, num_sms)
     return cfg, num_splits
+
+
+def decode_whole_config(block_m: int, num_programs: int, num_sms: int) -> AttentionConfig:
+    """The decode tile of a launch that does not split: 64 positions a step on 2 warps where the
+    programs fill the SMs twice over (more of them resident), else 128 on 4 (DECODE_MANY's sweep).
+    Benchmarks may replace it (bench/chat.py --decode-tile)."""
+    if num_programs >= 2 * num_sms:
+        return AttentionConfig(block_m, 64, 2, 3)
+    return AttentionConfig(block_m, 128, 4, 3)
 
 
 def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None, wide: bool = False

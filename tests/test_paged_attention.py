@@ -205,8 +205,12 @@ def test_short_decode_contexts_split_in_slices_of_the_minimum():
         assert splits == SHORT_CONTEXT_LEN // FEW_PROGRAMS_SPLIT_LEN and config.block_n == 64  # short slices
         assert pick_launch(1, 32 // group, group, 1, 2048, sms)[0].block_n == 128  # longer slices, longer steps
         assert pick_launch(1, 32 // group, group, 1, 4096, sms)[1] > 4
-    assert pick_launch(64, 32, 1, 1, SHORT_CONTEXT_LEN, sms)[1] == 1  # batch 64 fills the GPU
+    assert pick_launch(64, 32, 1, 1, SHORT_CONTEXT_LEN, sms) == (AttentionConfig(16, 64, 2, 3), 1)  # fills it 8x
+    assert pick_launch(4, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 4: fewer, longer slices
     assert pick_launch(8, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 8: fewer, longer slices
+    assert pick_launch(8, 32, 1, 1, 200, sms) == (AttentionConfig(16, 128, 4, 3), 1)  # whole, under two waves: wide
+    assert pick_launch(9, 32, 1, 1, 4096, sms) == (AttentionConfig(16, 64, 2, 3), 1)  # twice: 2 warps, more resident
+    assert pick_launch(1, 8, 4, 1, 200, sms, num_items=20)[0] == AttentionConfig(4, 128, 4, 3)  # a work list's: 160
     assert pick_launch(1, 8, 4, 1, 360, sms, num_splits=3)[1] == 3  # the caller's count is kept
     assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
     narrow, wide = (pick_launch(2, 32, 1, 512, 2048, sms, wide=w)[0] for w in (False, True))
