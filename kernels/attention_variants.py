@@ -30,7 +30,7 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
     the combine launch of 8, 16 or 32 slices), each where some context up to max_positions
     reaches it (pick_launch, pick_num_splits); `wide`: the device's prompt tiles (wide_prompt)."""
     gpad = _pow2(group)
-    short, long = pick_config(1, gpad), pick_config(1, gpad, split_len=MIN_SPLIT_LEN + 1)  # decode tiles
+    short, long = (pick_config(1, gpad, split_len=n) for n in (FEW_PROGRAMS_SPLIT_LEN, MIN_SPLIT_LEN + 1))  # slices
     whole = {decode_whole_config(short.block_m, programs, 1) for programs in (1, 2)}  # unsplit: few or many programs
     few = FEW_PROGRAMS_SPLIT_LEN  # positions a short slice holds at least (a long one: over MIN_SPLIT_LEN)
     need = [(cfg, 1, work, 0) for cfg in sorted(whole, key=lambda c: c.block_n) for work in (False, True)]
@@ -45,7 +45,7 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
                       key=lambda c: c.block_m):  # prompt tiles: slices of MIN_PREFILL_SPLIT_LEN at least
         need += [(cfg, 1, False, 0), (cfg, 1, True, 0), (cfg, 2, True, 2 * MIN_PREFILL_SPLIT_LEN)]
         need += [(cfg, n, False, n * MIN_PREFILL_SPLIT_LEN) for n in (2, COMBINE_MAX_SPLITS + 1, 9, 17)]
-    return [(cfg, n, work) for cfg, n, work, positions in need if positions <= max_positions]
+    return list(dict.fromkeys((cfg, n, work) for cfg, n, work, positions in need if positions <= max_positions))
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_blocks: int,

@@ -59,6 +59,9 @@ PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s fro
 # 1,024 positions: 68.4 us against 83.5 on 4 warps; batch 64 at 4,096: 969 against 1,043), else 128 on 4.
 # (Batch 8 also ran faster unsplit than split at equal contexts, 22.9 against 34.4 us at 512 positions; in a
 # chat run, whose contexts differ, splitting from one wave on measured no faster, so the split rule stays.)
+# Split launches step 64 positions 2 stages deep: batch 1 at 360 positions 8.6 us against 10.9 (64 on 3
+# stages), at 2,048 17.8 against 18.9 (128 on 3); batch 4 at 512 16.1 against 21.6; batch 8 at 16,384 489
+# against 524 (`--short-sweep`, `--mid-sweep`)
 _kernels = None
 
 
@@ -288,15 +291,14 @@ def decode_whole_config(block_m: int, num_programs: int, num_sms: int) -> Attent
 
 def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None, wide: bool = False
                 ) -> AttentionConfig:
-    """Decode (a tile of one token's G heads) pads the dot to 16 rows: it is bound by reading K/V,
-    and with few programs (split-KV, slices of `split_len` positions) wants more of it in flight
-    per program, unless the slices are short. Longer query tiles take 64 or 128 rows, as flash
+    """Decode (a tile of one token's G heads) pads the dot to 16 rows: it is bound by reading K/V;
+    split into slices (`split_len` positions given) it steps 64 positions 2 stages deep, at every
+    slice length swept (batches 1-8, 360-16,384 positions). Longer query tiles take 64 or 128 rows, as flash
     attention's prefill does, and 128-row tiles step 128 positions where the GPU has the shared
     memory (`wide`). (bench/attention.py --sweep, --short-sweep and --prefill-sweep, H200.)"""
     rows = max(max_query_len, 1) * group_pad
-    if rows <= 16:
-        long_slices = split_len is not None and split_len > MIN_SPLIT_LEN
-        return AttentionConfig(max(1, 16 // group_pad), 128 if long_slices else 64, 4, 3)
+    if rows <= 16:  # (a split launch's slices: 2 stages, DECODE_MANY's sweep; unsplit: decode_whole_config)
+        return AttentionConfig(max(1, 16 // group_pad), 64, 4, 3 if split_len is None else 2)
     if rows <= 64:
         return AttentionConfig(max(1, 64 // group_pad), 64, 4, 3)
     return AttentionConfig(max(1, 128 // group_pad), 128 if wide else 64, 8, 3)

@@ -203,7 +203,7 @@ def test_short_decode_contexts_split_in_slices_of_the_minimum():
         assert pick_launch(1, 32 // group, group, 1, 2 * FEW_PROGRAMS_SPLIT_LEN - 1, sms)[1] == 1  # one per kv head
         config, splits = pick_launch(1, 32 // group, group, 1, SHORT_CONTEXT_LEN, sms)
         assert splits == SHORT_CONTEXT_LEN // FEW_PROGRAMS_SPLIT_LEN and config.block_n == 64  # short slices
-        assert pick_launch(1, 32 // group, group, 1, 2048, sms)[0].block_n == 128  # longer slices, longer steps
+        assert pick_launch(1, 32 // group, group, 1, 2048, sms)[0] == AttentionConfig(16 // group, 64, 4, 2)  # slices
         assert pick_launch(1, 32 // group, group, 1, 4096, sms)[1] > 4
     assert pick_launch(64, 32, 1, 1, SHORT_CONTEXT_LEN, sms) == (AttentionConfig(16, 64, 2, 3), 1)  # fills it 8x
     assert pick_launch(4, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 4: fewer, longer slices
