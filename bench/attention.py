@@ -39,11 +39,12 @@ class Contexts:
     """`batch` sequences of `ctx` positions with `n` new queries each, in `copies` disjoint sets of
     shuffled cache blocks (call i reads set i % copies), and the same contexts dense for SDPA."""
 
-    def __init__(self, batch, ctx, n, args, device, dense: bool):
+    def __init__(self, batch, ctx, n, args, device, dense: bool, lens: list[int] | None = None):
+        """`lens`: each sequence's own context (decode, no dense copy), `ctx` then only bounds them."""
         self.batch, self.ctx, self.n = batch, ctx, n
         heads, kv_heads, dim, bs, dtype = args.heads, args.kv_heads, args.head_dim, args.block_size, args.dtype
         blocks_per_seq = -(-ctx // bs)
-        self.kv_bytes = 2 * batch * ctx * kv_heads * dim * dtype.itemsize
+        self.kv_bytes = 2 * (sum(lens) if lens else batch * ctx) * kv_heads * dim * dtype.itemsize
         self.copies = max(1, min(args.calls, math.ceil(4 * L2_BYTES / self.kv_bytes)))
         num_blocks = 1 + self.copies * batch * blocks_per_seq
         self.k_cache = torch.empty(num_blocks, bs, kv_heads, dim, dtype=dtype, device=device).normal_()
@@ -53,7 +54,7 @@ class Contexts:
         self.q = torch.randn(batch * n, heads, dim, dtype=dtype, device=device)
         self.out = torch.empty_like(self.q)
         self.query_start = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=device)
-        self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.context_lens = torch.tensor(lens or [ctx] * batch, dtype=torch.int32, device=device)
         self.scale = dim ** -0.5
         self.dense = None
         if dense:  # [copies, B, Hkv, ctx, D] (as a decoder layer holding its own K/V would have them)
@@ -186,6 +187,28 @@ def short_sweep(args, device, ceilings: dict, shapes=((1, 360), (1, 1024), (1, 2
     return rows
 
 
+def ragged_sweep(args, device, ceilings: dict) -> list[dict]:
+    """Decode batches whose contexts differ, as a chat run's do (log-normal around 800 positions,
+    32-4,000), under the bound a long-context decode graph is captured with (4,096): split counts and
+    unsplit tiles against the automatic choice. Bytes count each sequence's own positions."""
+    import numpy as np
+    rows = []
+    for batch in (8, 16, 32, 64, 128):
+        draw = np.random.default_rng(batch).lognormal(np.log(800), 0.8, batch)
+        lens = [int(x) for x in np.clip(draw, 32, 4000)]
+        ctxs = Contexts(batch, 4096, 1, args, device, dense=False, lens=lens)
+        shape = {"mean_context": round(sum(lens) / batch), "max_context": max(lens)}
+        rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), **shape, "auto": True})
+        print("sweep", rows[-1], flush=True)
+        for splits in (1, 2, 3, 4, 6, 8):
+            for block_n, warps, stages in ((64, 2, 3), (128, 4, 3), (64, 4, 2), (64, 4, 3)):
+                cfg = AttentionConfig(16, block_n, warps, stages)
+                rows.append({**measure(ctxs, args, device, ceilings, config=cfg, num_splits=splits), **shape,
+                             "config": [16, block_n, warps, stages], "num_splits": splits})
+        del ctxs
+    return rows
+
+
 MID_SHAPES = ((2, 1024), (4, 512), (4, 2048), (8, 512), (8, 1024), (8, 4096), (8, 16384), (16, 512), (16, 1024),
               (16, 4096), (32, 512), (32, 1024), (64, 1024), (64, 4096))  # a chat run's decode batches
 
@@ -230,7 +253,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--short-sweep", action="store_true", help="only batch-1 decode at short contexts, swept")
     parser.add_argument("--prefill-sweep", action="store_true", help="only prompt-chunk tiles, swept")
-    parser.add_argument("--mid-sweep", action="store_true", help="only decode batches of 8-32 at 512-1024 positions, swept")
+    parser.add_argument("--mid-sweep", action="store_true", help="only decode batches of 2-64 at 512-16,384 positions, swept")
+    parser.add_argument("--ragged-sweep", action="store_true", help="only decode batches of differing contexts, swept")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
     args = parser.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -243,7 +267,7 @@ def main(argv=None) -> None:
     ceilings = {"copy": copy_bandwidth(device, nbytes), "read": read_bandwidth(device, nbytes)}
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
-    if args.short_sweep or args.prefill_sweep or args.mid_sweep:
+    if args.short_sweep or args.prefill_sweep or args.mid_sweep or args.ragged_sweep:
         args.batches, args.prefill = [], []
     for batch in args.batches:
         for ctx in args.contexts:
@@ -266,6 +290,8 @@ def main(argv=None) -> None:
               "read_GBps": round(ceilings["read"], 1), "decode": decode, "prefill": prefill}
     if args.mid_sweep:
         record["sweep"] = short_sweep(args, device, ceilings, MID_SHAPES, (1, 2, 4, 8))
+    elif args.ragged_sweep:
+        record["sweep"] = ragged_sweep(args, device, ceilings)
     elif args.sweep or args.short_sweep or args.prefill_sweep:
         record["sweep"] = (short_sweep if args.short_sweep else prefill_sweep if args.prefill_sweep else sweep)(
             args, device, ceilings)

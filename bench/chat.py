@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.kernels import attention_work  # noqa: E402
 from bench import chat_stateful  # noqa: E402
-from bench.common import triton_compiles, write_results  # noqa: E402
+from bench.common import eleventh_decode_rules, triton_compiles, write_results  # noqa: E402
 from bench.turn_profile import profile_window  # noqa: E402
 
 from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                          "sequences from which a mixed batch attends in two launches), interleaved: an A/B")
     ap.add_argument("--skinny-rows", type=int, default=None,
                     help="kernels/skinny.py's MAX_ROWS (1: cuBLAS for every projection of more than one token; an A/B)")
-    ap.add_argument("--decode-tile", choices=("auto", "legacy"), default="auto",
-                    help="legacy: unsplit decode attention on the eleventh session's tile (64 positions, 4 warps; an A/B)")
+    ap.add_argument("--decode-rules", choices=("current", "eleventh"), default="current",
+                    help="eleventh: decode attention launched by the eleventh session's rules (bench/common.py; an A/B)")
     ap.add_argument("--profile-seconds", type=float, default=0.0,
                     help="then serve the requests once more, all at once, the first this many seconds under "
                          "torch.profiler: kernels by name")
@@ -297,10 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.skinny_rows is not None:
         from batchmaker.kernels import skinny
         skinny.MAX_ROWS = args.skinny_rows
-    if args.decode_tile == "legacy":  # (its variants compile in the warm-up, before the measured runs)
-        from batchmaker.kernels import paged_attention
-        paged_attention.decode_whole_config = lambda block_m, programs, sms: paged_attention.AttentionConfig(
-            block_m, 64, 4, 3)
+    if args.decode_rules == "eleventh":  # (its variants compile in the warm-up, before the measured runs)
+        eleventh_decode_rules()
     if args.prefill_graph_tokens is not None:
         cell = model.cells["decoder"]
         cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)

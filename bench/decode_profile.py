@@ -49,20 +49,13 @@ def main() -> None:
                     help="batch-1 projections: fused matrix-vector products (gemv-rope: RoPE and the K/V write inside "
                          "q | k | v), or cuBLAS with the small kernels (cells/llama.py OneTokenConfig)")
     ap.add_argument("--no-pdl", action="store_true", help="the matrix-vector products without PDL")
-    ap.add_argument("--split-tile", choices=("auto", "legacy"), default="auto",
-                    help="legacy: split decode attention on the eleventh session's tiles (64 positions 3 stages deep, "
-                         "128 for slices over 128 positions; an A/B)")
+    ap.add_argument("--decode-rules", choices=("current", "eleventh"), default="current",
+                    help="eleventh: decode attention launched by the eleventh session's rules (bench/common.py; an A/B)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.split_tile == "legacy":
-        from batchmaker.kernels import paged_attention as pa
-        current = pa.pick_config
-
-        def legacy(max_query_len, group_pad, split_len=None, wide=False):
-            if max(max_query_len, 1) * group_pad <= 16 and split_len is not None:
-                return pa.AttentionConfig(max(1, 16 // group_pad), 128 if split_len > pa.MIN_SPLIT_LEN else 64, 4, 3)
-            return current(max_query_len, group_pad, split_len, wide)
-        pa.pick_config = legacy
+    if args.decode_rules == "eleventh":
+        from bench.common import eleventh_decode_rules
+        eleventh_decode_rules()
     if args.gemv_configs:
         from batchmaker.kernels import gemv
         for key, shape in json.loads(Path(args.gemv_configs).read_text())["best"].items():

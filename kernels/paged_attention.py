@@ -59,6 +59,14 @@ PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s fro
 # 1,024 positions: 68.4 us against 83.5 on 4 warps; batch 64 at 4,096: 969 against 1,043), else 128 on 4.
 # (Batch 8 also ran faster unsplit than split at equal contexts, 22.9 against 34.4 us at 512 positions; in a
 # chat run, whose contexts differ, splitting from one wave on measured no faster, so the split rule stays.)
+# RAGGED (`bench/attention.py --ragged-sweep`, H200, twelfth session): a decode batch whose contexts differ
+# (log-normal around 800 positions, up to 4,000) under a long-context graph's bound of 4,096 reads fastest
+# split even when its programs fill the SMs: batch 16 82.3 us in 6 slices against 92.8 unsplit on 4 warps
+# and 127.5 on 2; batch 32 158.5 against 188.6 and 218.4; batch 64 312.7 in 2 against 314.5 and 322.4;
+# batch 128 542.2 in 2 against 549.2 and 568.5 (unsplit, the longest sequences' programs run on alone)
+RAGGED_BOUND = 2048  # decode bounds from here on: a graph for contexts past SHORT_CONTEXT_LEN, which differ
+RAGGED_PROGRAMS_PER_SM = 24  # slices aim at this many programs an SM (batch 16: 7 slices, 32: 4, 64 and up: 2)
+RAGGED_MAX_SPLITS = 8
 # Split launches step 64 positions 2 stages deep: batch 1 at 360 positions 8.6 us against 10.9 (64 on 3
 # stages), at 2,048 17.8 against 18.9 (128 on 3); batch 4 at 512 16.1 against 21.6; batch 8 at 16,384 489
 # against 524 (`--short-sweep`, `--mid-sweep`)
@@ -269,7 +277,9 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     is_decode_tile = cfg.block_m * _pow2(group) <= 16
     num_tiles = max(1, -(-max_query_len // cfg.block_m))
     num_programs = (num_seqs * num_tiles if num_items is None else num_items) * num_kv_heads
-    if num_splits is None:
+    if num_splits is None and is_decode_tile and num_programs >= 2 * num_sms and max_context_len >= RAGGED_BOUND:
+        num_splits = ragged_splits(num_programs, num_sms)
+    elif num_splits is None:
         min_len = MIN_PREFILL_SPLIT_LEN if not is_decode_tile else \
             FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
         num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
@@ -280,10 +290,18 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     return cfg, num_splits
 
 
+def ragged_splits(num_programs: int, num_sms: int) -> int:
+    """Slices of a decode launch under a long bound whose programs already fill the SMs twice over:
+    its contexts differ, and unsplit the longest sequences' programs run on alone (RAGGED's sweep).
+    Enough for RAGGED_PROGRAMS_PER_SM programs an SM, 2 to RAGGED_MAX_SPLITS."""
+    return max(2, min(RAGGED_MAX_SPLITS, -(-RAGGED_PROGRAMS_PER_SM * num_sms // num_programs)))
+
+
 def decode_whole_config(block_m: int, num_programs: int, num_sms: int) -> AttentionConfig:
     """The decode tile of a launch that does not split: 64 positions a step on 2 warps where the
-    programs fill the SMs twice over (more of them resident), else 128 on 4 (DECODE_MANY's sweep).
-    Benchmarks may replace it (bench/chat.py --decode-tile)."""
+    programs fill the SMs twice over (more of them resident; only under short bounds, where
+    contexts are alike), else 128 on 4 (DECODE_MANY's sweep). Benchmarks may replace it
+    (bench/chat.py --decode-tile)."""
     if num_programs >= 2 * num_sms:
         return AttentionConfig(block_m, 64, 2, 3)
     return AttentionConfig(block_m, 128, 4, 3)

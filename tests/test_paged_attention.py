@@ -209,7 +209,10 @@ def test_short_decode_contexts_split_in_slices_of_the_minimum():
     assert pick_launch(4, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 4: fewer, longer slices
     assert pick_launch(8, 32, 1, 1, 360, sms)[1] == 360 // MIN_SPLIT_LEN  # batch 8: fewer, longer slices
     assert pick_launch(8, 32, 1, 1, 200, sms) == (AttentionConfig(16, 128, 4, 3), 1)  # whole, under two waves: wide
-    assert pick_launch(9, 32, 1, 1, 4096, sms) == (AttentionConfig(16, 64, 2, 3), 1)  # twice: 2 warps, more resident
+    assert pick_launch(9, 32, 1, 1, 1024, sms) == (AttentionConfig(16, 64, 2, 3), 1)  # twice: 2 warps, more resident
+    # under a long bound (contexts that differ) programs that fill the SMs twice over still split, 2-8 slices
+    assert [pick_launch(b, 32, 1, 1, 4096, sms)[1] for b in (9, 16, 32, 64, 512)] == [8, 7, 4, 2, 2]
+    assert pick_launch(16, 32, 1, 1, 4096, sms)[0] == AttentionConfig(16, 64, 4, 2)
     assert pick_launch(1, 8, 4, 1, 200, sms, num_items=20)[0] == AttentionConfig(4, 128, 4, 3)  # a work list's: 160
     assert pick_launch(1, 8, 4, 1, 360, sms, num_splits=3)[1] == 3  # the caller's count is kept
     assert pick_launch(1, 1, 1, 512, 8192, sms)[1] > 1  # prefill tiles keep their own rule
