@@ -1,28 +1,28 @@
 """What the fused cell entry points share: loading the Triton kernels on first use, block-shape
 choice per batch size, and the checks done once per call (no device syncs)."""
+import importlib
 import os
 from dataclasses import dataclass
 
 import torch
 
-_kernels = None
+_kernels: dict[str, object] = {}
 
 
 class KernelUnavailableError(RuntimeError):
     """The fused kernels need Triton and a CUDA device (or Triton's CPU interpreter)."""
 
 
-def load_kernels():
-    """The module of @triton.jit kernels, imported on first use."""
-    global _kernels
-    if _kernels is None:
+def load_kernels(module: str = "triton_cells", what: str = "fused cell kernels",
+                 twin: str = "the reference_* twin"):
+    """The module `batchmaker.kernels.<module>` of @triton.jit kernels, imported on first use (so
+    that its callers and their twins import where Triton is absent)."""
+    if module not in _kernels:
         try:
-            from batchmaker.kernels import triton_cells
+            _kernels[module] = importlib.import_module(f"batchmaker.kernels.{module}")
         except ImportError as e:
-            raise KernelUnavailableError(
-                f"fused cell kernels need Triton ({e}); use the reference_* twin on this machine") from e
-        _kernels = triton_cells
-    return _kernels
+            raise KernelUnavailableError(f"{what} need Triton ({e}); use {twin} on this machine") from e
+    return _kernels[module]
 
 
 def is_interpreting() -> bool:

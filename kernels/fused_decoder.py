@@ -23,13 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting
+from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels
 from batchmaker.kernels.paged_attention import reference_write_kv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # checked once; triton itself is imported lazily
 ROPE_BLOCK_ELEMENTS = 1024  # (heads x D/2) per rope program: D = 128 -> 16 heads
 SILU_BLOCK = 1024  # columns per silu_mul program
-_kernels = None
 
 
 def can_fuse(x: Tensor) -> bool:
@@ -179,12 +178,4 @@ def _require_kernels(x: Tensor) -> None:
 
 
 def _load_kernels():
-    global _kernels
-    if _kernels is None:
-        try:
-            from batchmaker.kernels import triton_decoder
-        except ImportError as e:
-            raise KernelUnavailableError(f"the fused decoder kernels need Triton ({e}); "
-                                         "use the reference_* twins on this machine") from e
-        _kernels = triton_decoder
-    return _kernels
+    return load_kernels("triton_decoder", "the fused decoder kernels", "the reference_* twins")

@@ -31,11 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting
+from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels
 from batchmaker.kernels.fused_decoder import (HAS_TRITON, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope_write_kv, reference_silu_mul)
 
-_kernels = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,11 +205,4 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
 
 
 def _load_kernels():
-    global _kernels
-    if _kernels is None:
-        try:
-            from batchmaker.kernels import triton_gemv
-        except ImportError as e:
-            raise KernelUnavailableError(f"the gemv kernels need Triton ({e}); use the reference_* twins") from e
-        _kernels = triton_gemv
-    return _kernels
+    return load_kernels("triton_gemv", "the gemv kernels", "the reference_* twins")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, dot_precision, is_interpreting
+from batchmaker.kernels.cell_launch import KernelUnavailableError, dot_precision, is_interpreting, load_kernels
 
 LOG2_E = 1.4426950408889634
 MIN_SPLIT_LEN = 128  # context positions per split slice worth a program of its own (and the combine's read)
@@ -70,7 +70,6 @@ RAGGED_MAX_SPLITS = 8
 # Split launches step 64 positions 2 stages deep: batch 1 at 360 positions 8.6 us against 10.9 (64 on 3
 # stages), at 2,048 17.8 against 18.9 (128 on 3); batch 4 at 512 16.1 against 21.6; batch 8 at 16,384 489
 # against 524 (`--short-sweep`, `--mid-sweep`)
-_kernels = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,15 +406,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _load_kernels():
-    global _kernels
-    if _kernels is None:
-        try:
-            from batchmaker.kernels import triton_attention
-        except ImportError as e:
-            raise KernelUnavailableError(
-                f"paged_attention needs Triton ({e}); use reference_paged_attention on this machine") from e
-        _kernels = triton_attention
-    return _kernels
+    return load_kernels("triton_attention", "paged_attention", "reference_paged_attention")
 
 
 def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) -> None:

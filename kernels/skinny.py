@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting
+from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels
 from batchmaker.kernels.fused_decoder import HAS_TRITON
 
 MAX_ROWS = 64  # rows up to which the kernel may run (bench/skinny.py, H200: at 128 cuBLAS won every shape)
-_kernels = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +116,4 @@ def skinny_linear(x: Tensor, weight: Tensor, *, pdl: bool = True, config: Skinny
 
 
 def _load_kernels():
-    global _kernels
-    if _kernels is None:
-        try:
-            from batchmaker.kernels import triton_skinny
-        except ImportError as e:
-            raise KernelUnavailableError(f"the skinny kernel needs Triton ({e}); use reference_linear") from e
-        _kernels = triton_skinny
-    return _kernels
+    return load_kernels("triton_skinny", "the skinny kernel", "reference_linear")

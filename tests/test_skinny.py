@@ -14,10 +14,8 @@ from torch import nn
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.kernels import skinny
+from helpers import PRODUCT_TOLERANCE as TOLERANCE
 from helpers import interpreter, needs_gpu, run_interpreted
-
-TOLERANCE = {  # (rtol, atol) against the twin for outputs of O(1): fp32 sums in another order, 1 ulp of the output
-    torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
 def case(m_rows, n_out, k_in, dtype, device, seed=0):
