@@ -109,7 +109,7 @@ def eleventh_decode_rules() -> None:
     """Put back the eleventh session's decode-attention launch rules (an A/B against the current ones,
     in one process): unsplit tiles of 64 positions on 4 warps, split tiles of 64 (128 for slices over
     128 positions) 3 stages deep, and no splitting once the programs fill the SMs twice over."""
-    from batchmaker.kernels import paged_attention as pa
+    from batchmaker.kernels import attention_launch as pa
     current = pa.pick_config
 
     def split_config(max_query_len, group_pad, split_len=None, wide=False):

@@ -15,10 +15,11 @@ engine's own index arrays must start 16-byte aligned too (exec/iteration_buffers
 """
 import torch
 
-from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
+from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
-                                                AttentionConfig, _launch, _pow2, decode_whole_config, pick_config,
+                                                AttentionConfig, _pow2, decode_whole_config, pick_config,
                                                 wide_prompt)
+from batchmaker.kernels.paged_attention import _launch
 
 SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
 # decode tiles must split into short slices (pick_config's 64-position steps)

@@ -17,7 +17,8 @@ Items are int32, sequence << 16 | tile; -1 pads a list to a fixed size (a CUDA g
 """
 import numpy as np
 
-from batchmaker.kernels.paged_attention import _pow2, pick_config, small_tokens
+from batchmaker.kernels.attention_launch import _pow2, pick_config
+from batchmaker.kernels.paged_attention import small_tokens
 
 MAX_SEQS = (1 << 15) - 1  # sequences a batch may have: items name up to MAX_SEQS (the padding rows')
 MAX_TILES = 1 << 16  # query tiles of one sequence an item can name

@@ -21,7 +21,7 @@ def load_kernels(module: str = "triton_cells", what: str = "fused cell kernels",
         try:
             _kernels[module] = importlib.import_module(f"batchmaker.kernels.{module}")
         except ImportError as e:
-            raise KernelUnavailableError(f"{what} need Triton ({e}); use {twin} on this machine") from e
+            raise KernelUnavailableError(f"{what} cannot run without Triton ({e}); use {twin} on this machine") from e
     return _kernels[module]
 
 

@@ -20,7 +20,8 @@ The kernel launch depends only on tensor shapes and host ints (max_query_len, ma
 never on tensor values, so it can be captured in a CUDA graph and replayed with new contents.
 Decode splits the context into slices of at least MIN_SPLIT_LEN positions (FEW_PROGRAMS_SPLIT_LEN
 where the programs fill under a quarter of the SMs) when (sequence, kv head) programs alone would
-not fill the GPU (batch 1 at 360 positions: 5 slices per head).
+not fill the GPU (batch 1 at 360 positions: 5 slices per head), and under a long bound (RAGGED_BOUND)
+whatever the programs, since the contexts under it differ and the longest would run on alone.
 
 `PagedAttend` is a decoder's `attend` (cells/decoder.py) over the caches of every layer: it writes
 the new tokens' K/V and attends, or lets the model write them itself (Llama: inside its RoPE kernel).
@@ -31,53 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
+from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
+                                                MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
+                                                SHORT_MAX_SPLITS, AttentionConfig, _pow2, plan_launch, pick_config,
+                                                pick_launch, pick_num_splits, wide_prompt)
 from batchmaker.kernels.cell_launch import KernelUnavailableError, dot_precision, is_interpreting, load_kernels
 
 LOG2_E = 1.4426950408889634
-MIN_SPLIT_LEN = 128  # context positions per split slice worth a program of its own (and the combine's read)
-FEW_PROGRAMS_SPLIT_LEN = 64  # the same where (sequence, kv head) programs fill under a quarter of the SMs
-# (batch 1 at 360 positions: 9.1-11.0 us in 6 slices against 11.0-11.5 in 2; batch 8 kept 2: 25-29 us
-# against 29-33 in 5; H200, bench/attention.py)
-MIN_PREFILL_SPLIT_LEN = 2048  # the same for query tiles of more than 16 rows, whose partials weigh more:
-# 512 new tokens over a 512 context took 2x as long in 4 slices as in one (H200)
-MAX_SPLITS = 32
-SHORT_MAX_SPLITS = 8  # below LONG_SPLIT_CONTEXT positions: more slices cost more in the merge than they
-LONG_SPLIT_CONTEXT = 4096  # gain (batch 1, H200: 2,048 positions 18.9 us in 8 slices, 20.2 in 16;
-# 360 positions 9.1 us in 6 slices of 64, 11.0 in 2 of 180; bench/attention.py --short-sweep)
-SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and for longer ones
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
-COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
-# at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
-# prompt tiles stepping 128 positions (wide_prompt): 1.1-1.2x faster prefill than 64 on an H200
-# (bench/attention.py --prefill-sweep, eleventh session), measured on Hopper only, and for K/V rows of up to
-# 256 bytes (16-bit heads of 128, fp32 of 64): fp32 heads of 128 would need 257 KB of shared memory
-WIDE_PROMPT_CAPABILITY = (9, 0)
-WIDE_PROMPT_ROW_BYTES = 256
-PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
-# DECODE_MANY (`bench/attention.py --mid-sweep`, H200, Llama-2-7B heads, twelfth session): unsplit decode
-# launches run fastest with 64-position steps on 2 warps where the programs fill the SMs twice over (batch 16 at
-# 1,024 positions: 68.4 us against 83.5 on 4 warps; batch 64 at 4,096: 969 against 1,043), else 128 on 4.
-# (Batch 8 also ran faster unsplit than split at equal contexts, 22.9 against 34.4 us at 512 positions; in a
-# chat run, whose contexts differ, splitting from one wave on measured no faster, so the split rule stays.)
-# RAGGED (`bench/attention.py --ragged-sweep`, H200, twelfth session): a decode batch whose contexts differ
-# (log-normal around 800 positions, up to 4,000) under a long-context graph's bound of 4,096 reads fastest
-# split even when its programs fill the SMs: batch 16 82.3 us in 6 slices against 92.8 unsplit on 4 warps
-# and 127.5 on 2; batch 32 158.5 against 188.6 and 218.4; batch 64 312.7 in 2 against 314.5 and 322.4;
-# batch 128 542.2 in 2 against 549.2 and 568.5 (unsplit, the longest sequences' programs run on alone)
-RAGGED_BOUND = 2048  # decode bounds from here on: a graph for contexts past SHORT_CONTEXT_LEN, which differ
-RAGGED_PROGRAMS_PER_SM = 24  # slices aim at this many programs an SM (batch 16: 7 slices, 32: 4, 64 and up: 2)
-RAGGED_MAX_SPLITS = 8
-# Split launches step 64 positions 2 stages deep: batch 1 at 360 positions 8.6 us against 10.9 (64 on 3
-# stages), at 2,048 17.8 against 18.9 (128 on 3); batch 4 at 512 16.1 against 21.6; batch 8 at 16,384 489
-# against 524 (`--short-sweep`, `--mid-sweep`)
 
 
-@dataclass(frozen=True, slots=True)
-class AttentionConfig:
-    block_m: int  # query tokens per tile; block_m * G (padded to a power of two) rows of the dot, >= 16
-    block_n: int  # context positions per step
-    num_warps: int
-    num_stages: int
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -249,87 +213,6 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
             out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1)
 
 
-def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, bound: int, num_sms: int,
-                may_combine: bool, config: AttentionConfig | None = None, num_splits: int | None = None,
-                num_items: int | None = None, wide: bool = False) -> tuple[AttentionConfig, int, bool]:
-    """`pick_launch`, then how its slices merge: in the kernel (`combine`: up to
-    COMBINE_MAX_SPLITS slices, where the tile counters exist and cover the launch; `may_combine`)
-    or by the combine launch. A work list's launch merges in the kernel or does not split (a
-    combine launch would rewrite every row)."""
-    cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config, num_splits,
-                                  num_items, wide)
-    if num_items is not None and num_splits > 1:
-        limit = COMBINE_MAX_SPLITS if may_combine else 1
-        if num_splits > limit:
-            cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config,
-                                          limit, num_items, wide)
-    return cfg, num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
-
-
-def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, max_context_len: int,
-                num_sms: int, config: AttentionConfig | None = None, num_splits: int | None = None,
-                num_items: int | None = None, wide: bool = False) -> tuple[AttentionConfig, int]:
-    """The tile shape and split count of a launch, from host ints only (`config`, `num_splits`:
-    the caller's choice, kept; `num_items`: a work list's (sequence, tile) items per kv head;
-    `wide`: prompt tiles may step 128 positions, `wide_prompt`)."""
-    cfg = config or pick_config(max_query_len, _pow2(group), wide=wide)
-    is_decode_tile = cfg.block_m * _pow2(group) <= 16
-    num_tiles = max(1, -(-max_query_len // cfg.block_m))
-    num_programs = (num_seqs * num_tiles if num_items is None else num_items) * num_kv_heads
-    if num_splits is None and is_decode_tile and num_programs >= 2 * num_sms and max_context_len >= RAGGED_BOUND:
-        num_splits = ragged_splits(num_programs, num_sms)
-    elif num_splits is None:
-        min_len = MIN_PREFILL_SPLIT_LEN if not is_decode_tile else \
-            FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
-        num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
-    if num_splits > 1 and config is None:
-        cfg = pick_config(max_query_len, _pow2(group), split_len=-(-max_context_len // num_splits), wide=wide)
-    elif is_decode_tile and config is None:
-        cfg = decode_whole_config(cfg.block_m, num_programs, num_sms)
-    return cfg, num_splits
-
-
-def ragged_splits(num_programs: int, num_sms: int) -> int:
-    """Slices of a decode launch under a long bound whose programs already fill the SMs twice over:
-    its contexts differ, and unsplit the longest sequences' programs run on alone (RAGGED's sweep).
-    Enough for RAGGED_PROGRAMS_PER_SM programs an SM, 2 to RAGGED_MAX_SPLITS."""
-    return max(2, min(RAGGED_MAX_SPLITS, -(-RAGGED_PROGRAMS_PER_SM * num_sms // num_programs)))
-
-
-def decode_whole_config(block_m: int, num_programs: int, num_sms: int) -> AttentionConfig:
-    """The decode tile of a launch that does not split: 64 positions a step on 2 warps where the
-    programs fill the SMs twice over (more of them resident; only under short bounds, where
-    contexts are alike), else 128 on 4 (DECODE_MANY's sweep). Benchmarks may replace it
-    (bench/chat.py --decode-tile)."""
-    if num_programs >= 2 * num_sms:
-        return AttentionConfig(block_m, 64, 2, 3)
-    return AttentionConfig(block_m, 128, 4, 3)
-
-
-def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None, wide: bool = False
-                ) -> AttentionConfig:
-    """Decode (a tile of one token's G heads) pads the dot to 16 rows: it is bound by reading K/V;
-    split into slices (`split_len` positions given) it steps 64 positions 2 stages deep, at every
-    slice length swept (batches 1-8, 360-16,384 positions). Longer query tiles take 64 or 128 rows, as flash
-    attention's prefill does, and 128-row tiles step 128 positions where the GPU has the shared
-    memory (`wide`). (bench/attention.py --sweep, --short-sweep and --prefill-sweep, H200.)"""
-    rows = max(max_query_len, 1) * group_pad
-    if rows <= 16:  # (a split launch's slices: 2 stages, DECODE_MANY's sweep; unsplit: decode_whole_config)
-        return AttentionConfig(max(1, 16 // group_pad), 64, 4, 3 if split_len is None else 2)
-    if rows <= 64:
-        return AttentionConfig(max(1, 64 // group_pad), 64, 4, 3)
-    return AttentionConfig(max(1, 128 // group_pad), 128 if wide else 64, 8, 3)
-
-
-def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_len: int = MIN_SPLIT_LEN) -> int:
-    """1 when the programs fill the GPU twice over; else enough slices of the context to reach
-    PROGRAMS_PER_SM programs per SM, none shorter than `min_len` positions (of the bound)."""
-    if num_programs >= 2 * num_sms:
-        return 1
-    cap = MAX_SPLITS if max_context_len >= LONG_SPLIT_CONTEXT else SHORT_MAX_SPLITS
-    return max(1, min(cap, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
-
-
 @dataclass(slots=True)
 class PagedAttend:
     """A decoder's `attend` over a paged cache (cells/decoder.py calls it per layer; no host syncs).
@@ -371,10 +254,6 @@ class PagedAttend:
                          **work)
 
 
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -386,16 +265,6 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         counters = _COUNTERS[device] = torch.zeros(COMBINE_COUNTERS, dtype=torch.int32, device=device)
     return counters
-
-
-@functools.cache
-def wide_prompt(device: torch.device, row_bytes: int) -> bool:
-    """Whether prompt tiles on this device may step 128 positions (pick_config's `wide`): K/V rows
-    (head_dim x element size) of up to WIDE_PROMPT_ROW_BYTES, on a GPU of WIDE_PROMPT_CAPABILITY
-    or later (where they were measured faster)."""
-    if device.type != "cuda":
-        return False  # (the interpreter: the narrower tiles, as before)
-    return row_bytes <= WIDE_PROMPT_ROW_BYTES and torch.cuda.get_device_capability(device) >= WIDE_PROMPT_CAPABILITY
 
 
 @functools.cache
@@ -429,6 +298,7 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
                          f"[{num_seqs}], got {tuple(query_start.shape)}, {tuple(context_lens.shape)}")
 
 
-__all__ = ["AttentionConfig", "PagedAttend", "SHORT_CONTEXT_LEN", "paged_attention", "pick_config", "pick_launch",
-           "pick_num_splits", "reference_paged_attention", "reference_write_kv", "small_tokens", "triton_write_kv",
-           "write_kv"]
+__all__ = ["AttentionConfig", "COMBINE_MAX_SPLITS", "FEW_PROGRAMS_SPLIT_LEN", "LONG_SPLIT_CONTEXT", "MAX_SPLITS",
+           "MIN_PREFILL_SPLIT_LEN", "MIN_SPLIT_LEN", "PagedAttend", "SHORT_CONTEXT_LEN", "SHORT_MAX_SPLITS", "paged_attention",
+           "pick_config", "pick_launch", "pick_num_splits", "plan_launch", "reference_paged_attention",
+           "reference_write_kv", "small_tokens", "triton_write_kv", "wide_prompt", "write_kv"]

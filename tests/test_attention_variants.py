@@ -76,7 +76,7 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     from batchmaker.kernels import attention_variants, paged_attention
     from batchmaker.exec.iterations import IterationRunner
     recorder = _Recorder()
-    monkeypatch.setattr(paged_attention, "_kernels", recorder)
+    monkeypatch.setattr(paged_attention, "_load_kernels", lambda: recorder)
     for module in (attention_variants, paged_attention):  # (the device's answer, on this CPU)
         monkeypatch.setattr(module, "wide_prompt", lambda device, row_bytes: wide)
     kv_heads, max_blocks = 32 // group, -(-max_positions // block)
