@@ -41,7 +41,7 @@ class Contexts:
 
     def __init__(self, batch, ctx, n, args, device, dense: bool, lens: list[int] | None = None):
         """`lens`: each sequence's own context (decode, no dense copy), `ctx` then only bounds them."""
-        self.batch, self.ctx, self.n = batch, ctx, n
+        self.batch, self.ctx, self.n, self.lens = batch, ctx, n, lens
         heads, kv_heads, dim, bs, dtype = args.heads, args.kv_heads, args.head_dim, args.block_size, args.dtype
         blocks_per_seq = -(-ctx // bs)
         self.kv_bytes = 2 * (sum(lens) if lens else batch * ctx) * kv_heads * dim * dtype.itemsize
@@ -85,6 +85,8 @@ class Contexts:
     @property
     def flops(self) -> float:
         # 2 dots of 2 * D flops per (query, attended key, head); query i attends ctx - n + i + 1 keys
+        if self.lens:  # (decode: each sequence's one query attends its own context)
+            return 4 * sum(self.lens) * self.q.shape[1] * self.q.shape[2]
         keys = self.n * (self.ctx - self.n) + self.n * (self.n + 1) / 2
         return 4 * self.batch * keys * self.q.shape[1] * self.q.shape[2]
 
@@ -176,7 +178,6 @@ def short_sweep(args, device, ceilings: dict, shapes=((1, 360), (1, 1024), (1, 2
     for batch, ctx in shapes:
         ctxs = Contexts(batch, ctx, 1, args, device, dense=True)
         rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), "auto": True})
-        print("sweep", rows[-1], flush=True)
         ctxs.dense = None
         for splits in splits_swept:
             for block_n, warps, stages in ((32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 3), (64, 4, 2)):
@@ -199,7 +200,6 @@ def ragged_sweep(args, device, ceilings: dict) -> list[dict]:
         ctxs = Contexts(batch, 4096, 1, args, device, dense=False, lens=lens)
         shape = {"mean_context": round(sum(lens) / batch), "max_context": max(lens)}
         rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), **shape, "auto": True})
-        print("sweep", rows[-1], flush=True)
         for splits in (1, 2, 3, 4, 6, 8):
             for block_n, warps, stages in ((64, 2, 3), (128, 4, 3), (64, 4, 2), (64, 4, 3)):
                 cfg = AttentionConfig(16, block_n, warps, stages)
@@ -295,8 +295,8 @@ def main(argv=None) -> None:
     elif args.sweep or args.short_sweep or args.prefill_sweep:
         record["sweep"] = (short_sweep if args.short_sweep else prefill_sweep if args.prefill_sweep else sweep)(
             args, device, ceilings)
-        for row in record["sweep"]:
-            print("sweep", row, flush=True)
+    for row in record.get("sweep", []):
+        print("sweep", row, flush=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2)
     print(f"wrote {args.out}")

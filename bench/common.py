@@ -110,13 +110,15 @@ def eleventh_decode_rules() -> None:
     in one process): unsplit tiles of 64 positions on 4 warps, split tiles of 64 (128 for slices over
     128 positions) 3 stages deep, and no splitting once the programs fill the SMs twice over."""
     from batchmaker.kernels import attention_launch as pa
+    from batchmaker.kernels import attention_variants
     current = pa.pick_config
 
     def split_config(max_query_len, group_pad, split_len=None, wide=False):
         if max(max_query_len, 1) * group_pad <= 16 and split_len is not None:
             return pa.AttentionConfig(max(1, 16 // group_pad), 128 if split_len > pa.MIN_SPLIT_LEN else 64, 4, 3)
         return current(max_query_len, group_pad, split_len, wide)
-    pa.pick_config = split_config
-    pa.decode_whole_config = lambda block_m, programs, sms: pa.AttentionConfig(block_m, 64, 4, 3)
+    whole = lambda block_m, programs, sms: pa.AttentionConfig(block_m, 64, 4, 3)  # noqa: E731
+    for module in (pa, attention_variants):  # (the variants compiled at start: the same rules')
+        module.pick_config, module.decode_whole_config = split_config, whole
     pa.RAGGED_BOUND = 1 << 40
 

@@ -30,10 +30,11 @@ WIDE_PROMPT_CAPABILITY = (9, 0)
 WIDE_PROMPT_ROW_BYTES = 256
 PROGRAMS_PER_SM = 8  # what split-KV aims at: decode read K/V at >= 3.9 TB/s from here on (H200, 4.8 peak)
 # DECODE_MANY (`bench/attention.py --mid-sweep`, H200, Llama-2-7B heads, twelfth session): unsplit decode
-# launches run fastest with 64-position steps on 2 warps where the programs fill the SMs twice over (batch 16 at
-# 1,024 positions: 68.4 us against 83.5 on 4 warps; batch 64 at 4,096: 969 against 1,043), else 128 on 4.
-# (Batch 8 also ran faster unsplit than split at equal contexts, 22.9 against 34.4 us at 512 positions; in a
-# chat run, whose contexts differ, splitting from one wave on measured no faster, so the split rule stays.)
+# launches under a short bound (the graphs of contexts up to SHORT_CONTEXT_LEN) run fastest with 64-position
+# steps on 2 warps where the programs fill the SMs twice over (batch 16 at 512 positions: 38.5 us against 41.0
+# with 128 on 4 warps and 45.6 with 64 on 4; batch 32: 71.3 against 75.2 and 75.4), else 128 on 4 (batch 8:
+# 22.9 against 23.9 and 25.3 on 2). (Batch 8 also ran faster unsplit than split at equal contexts, 22.9 against
+# 34.4 us; in a chat run, whose contexts differ, splitting from one wave on measured no faster: the rule stays.)
 # RAGGED (`bench/attention.py --ragged-sweep`, H200, twelfth session): a decode batch whose contexts differ
 # (log-normal around 800 positions, up to 4,000) under a long-context graph's bound of 4,096 reads fastest
 # split even when its programs fill the SMs: batch 16 82.3 us in 6 slices against 92.8 unsplit on 4 warps

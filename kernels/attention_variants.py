@@ -22,7 +22,7 @@ from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAM
 from batchmaker.kernels.paged_attention import _launch
 
 SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
-# decode tiles must split into short slices (pick_config's 64-position steps)
+# decode tiles must split into short slices (where pick_config's split tile depends on the slice length)
 
 
 def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[tuple[AttentionConfig, int, bool]]:
@@ -31,7 +31,8 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
     the combine launch of 8, 16 or 32 slices), each where some context up to max_positions
     reaches it (pick_launch, pick_num_splits); `wide`: the device's prompt tiles (wide_prompt)."""
     gpad = _pow2(group)
-    short, long = (pick_config(1, gpad, split_len=n) for n in (FEW_PROGRAMS_SPLIT_LEN, MIN_SPLIT_LEN + 1))  # slices
+    # split tiles for short and for long slices (today the same: 64 positions, 2 stages deep)
+    short, long = (pick_config(1, gpad, split_len=n) for n in (FEW_PROGRAMS_SPLIT_LEN, MIN_SPLIT_LEN + 1))
     whole = {decode_whole_config(short.block_m, programs, 1) for programs in (1, 2)}  # unsplit: few or many programs
     few = FEW_PROGRAMS_SPLIT_LEN  # positions a short slice holds at least (a long one: over MIN_SPLIT_LEN)
     need = [(cfg, 1, work, 0) for cfg in sorted(whole, key=lambda c: c.block_n) for work in (False, True)]

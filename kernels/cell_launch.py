@@ -1,5 +1,6 @@
 """What the fused cell entry points share: loading the Triton kernels on first use, block-shape
 choice per batch size, and the checks done once per call (no device syncs)."""
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ def load_kernels(module: str = "triton_cells", what: str = "fused cell kernels",
         except ImportError as e:
             raise KernelUnavailableError(f"{what} cannot run without Triton ({e}); use {twin} on this machine") from e
     return _kernels[module]
+
+
+@functools.cache
+def has_sm90(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or later (Hopper): programmatic dependent launch
+    (`griddepcontrol`) compiles only there, and the skinny kernel's tiles need its shared memory."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def is_interpreting() -> bool:

@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels
+from batchmaker.kernels.cell_launch import KernelUnavailableError, has_sm90, is_interpreting, load_kernels
 from batchmaker.kernels.fused_decoder import (HAS_TRITON, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope_write_kv, reference_silu_mul)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +185,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     has_residual = residual is not None
     total = torch.empty_like(x) if has_residual else x
     out = torch.empty((1, rope.num_q_heads * rope.head_dim if rope else n_out), dtype=x.dtype, device=x.device)
-    pdl = pdl and not is_interpreting()
+    pdl = pdl and not is_interpreting() and has_sm90(x.device)
     extra = {"launch_pdl": True} if pdl else {}
     if rope is None:
         rope_args, head_dim, cache_block = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), 2, 1  # (unread)

@@ -42,8 +42,6 @@ LOG2_E = 1.4426950408889634
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
 
 
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """k_cache, v_cache at slot[t] = k[t], v[t] (slot = block * block_size + offset; int64 [T]).

@@ -9,7 +9,9 @@ more rows than MAX_ROWS keep cuBLAS.
 
 `reference_linear` (F.linear) is its twin: what runs on the CPU and wherever `can_skinny` says no.
 Numerics: fp32 accumulation over K in tiles, rounded once, like cuBLAS without split-K; outputs may
-differ from cuBLAS's in the last bit, and a row's output does not depend on the batch's other rows.
+differ from cuBLAS's in the last bit. At one accumulator height (`block_rows`) a row's output does not
+depend on the batch's other rows (on an H200 heights of 64 use other tensor-core instructions than
+16 and 32: across heights rows may differ in the last bit). Hopper only (`can_skinny`).
 """
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels
+from batchmaker.kernels.cell_launch import KernelUnavailableError, has_sm90, is_interpreting, load_kernels
 from batchmaker.kernels.fused_decoder import HAS_TRITON
 
 MAX_ROWS = 64  # rows up to which the kernel may run (bench/skinny.py, H200: at 128 cuBLAS won every shape)
@@ -70,11 +72,14 @@ def pick_config(n_out: int, k_in: int, block_m: int) -> SkinnyConfig | None:
 
 
 def can_skinny(x: Tensor, weight: Tensor) -> bool:
-    """Whether the kernel takes this product: 2 to MAX_ROWS rows on CUDA (with Triton), 16-bit operands
-    (fp32 would round to TF32 on tensor cores), sizes in multiples of 16."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.is_cuda and HAS_TRITON
+    """Whether the kernel takes this product: 2 to MAX_ROWS rows on a Hopper GPU (with Triton; its
+    tiles and programmatic dependent launch need one, and it was measured on one), 16-bit operands
+    (fp32 would round to TF32 on tensor cores), sizes in multiples of 16, unit-stride weight rows,
+    and no gradient to record (the kernel has no backward)."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.is_cuda and HAS_TRITON and has_sm90(x.device)
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0)
+            and weight.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0 and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 def reference_linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -106,7 +111,8 @@ def skinny_linear(x: Tensor, weight: Tensor, *, pdl: bool = True, config: Skinny
     config = config or pick_config(n_out, k_in, block_m) or default_config(n_out, k_in, 16)
     assert n_out % config.block_n == 0 and min(config.block_n, config.block_k) >= 16, (n_out, config)
     out = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
-    pdl = pdl and not is_interpreting()
+    assert x.dtype != torch.float32 or is_interpreting(), "fp32 would round to TF32 on tensor cores"
+    pdl = pdl and not is_interpreting() and has_sm90(x.device)
     extra = {"launch_pdl": True} if pdl else {}
     _load_kernels().skinny_kernel[(n_out // config.block_n,)](
         x, weight, out, m_rows, k_in, x.stride(0), weight.stride(0), out.stride(0), PDL=pdl,

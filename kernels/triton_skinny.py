@@ -8,7 +8,7 @@ A program computes BLOCK_N output columns for every row of x: it streams its BLO
 accumulator. The weight loads feed the dot, so Triton pipelines them through shared memory
 num_stages deep, as the one-token kernel's tensor-core form does (kernels/triton_gemv.py). Each
 output's sum runs over K in the same order whatever M is, and needs no split-K reduction: results
-are deterministic and a row's value does not depend on the other rows of the batch.
+are deterministic, and at one BLOCK_M a row's value does not depend on the other rows of the batch.
 
 With PDL (programmatic dependent launch) a program lets the next kernel launch at once and waits
 for the previous one before its first load.

@@ -55,12 +55,13 @@ class _Recorder:
         return Kernel()
 
 
-_VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "IS_SPLIT", "COMBINE", "WORK", "SPLITS_PAD")
+_VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IS_SPLIT", "COMBINE", "WORK", "SPLITS_PAD")
 
 
 def _kernel_launches(cfg, n: int, combine: bool, work: bool) -> set:
     attention = ("paged_attention_kernel", tuple(sorted({
-        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "IS_SPLIT": n > 1,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+        "IS_SPLIT": n > 1,
         "COMBINE": combine, "WORK": work}.items())))
     combine_launch = ("combine_splits_kernel", (("SPLITS_PAD", _pow2(n)), ("num_warps", 1)))
     return {attention} | ({combine_launch} if n > 1 and not combine else set())

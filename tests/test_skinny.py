@@ -15,7 +15,12 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.kernels import skinny
 from helpers import PRODUCT_TOLERANCE as TOLERANCE
-from helpers import interpreter, needs_gpu, run_interpreted
+from helpers import interpreter, run_interpreted
+
+
+needs_hopper = pytest.mark.skipif(  # (the kernel runs where can_skinny says: Hopper GPUs)
+    not (torch.cuda.is_available() and skinny.HAS_TRITON and skinny.has_sm90(torch.device("cuda"))),
+    reason="needs a Hopper GPU (compute capability 9.0+) and triton")
 
 
 def case(m_rows, n_out, k_in, dtype, device, seed=0):
@@ -30,8 +35,10 @@ def check(m_rows, n_out, k_in, dtype, device, config=None, pdl=True, seed=0):
     x, weight = case(m_rows, n_out, k_in, dtype, device, seed)
     out = skinny.skinny_linear(x, weight, config=config, pdl=pdl)
     torch.testing.assert_close(out, skinny.reference_linear(x, weight), rtol=rtol, atol=atol)
-    for rows in (slice(0, 1), slice(m_rows - 1, m_rows)):  # each row alone, in another accumulator height
-        assert torch.equal(skinny.skinny_linear(x[rows].repeat(2, 1), weight, config=config, pdl=pdl)[0], out[rows][0])
+    for row in (0, m_rows - 1):  # the row alone among zero rows (the same accumulator height): the same bits
+        alone = torch.zeros_like(x)
+        alone[row] = x[row]
+        assert torch.equal(skinny.skinny_linear(alone, weight, config=config, pdl=pdl)[row], out[row])
 
 
 def test_which_products_take_the_kernel(monkeypatch):
@@ -46,14 +53,17 @@ def test_which_products_take_the_kernel(monkeypatch):
     layer = nn.Linear(64, 32, bias=False)
     x = torch.randn(5, 64)
     assert torch.equal(skinny.project(layer, x), F.linear(x, layer.weight))  # the CPU path: the layer itself
-    with pytest.raises(skinny.KernelUnavailableError):
-        skinny.skinny_linear(x, layer.weight)
-    if torch.cuda.is_available() and skinny.HAS_TRITON:
+    if not skinny.is_interpreting():  # (the interpreter runs it on CPU tensors)
+        with pytest.raises(skinny.KernelUnavailableError):
+            skinny.skinny_linear(x, layer.weight)
+    if torch.cuda.is_available() and skinny.HAS_TRITON and skinny.has_sm90(torch.device("cuda")):
         cuda = torch.zeros(8, 4096, dtype=torch.bfloat16, device="cuda")
         weight = torch.zeros(4096, 4096, dtype=torch.bfloat16, device="cuda")
         assert skinny.can_skinny(cuda, weight) and not skinny.can_skinny(cuda[:1], weight)
         assert not skinny.can_skinny(torch.zeros(65, 4096, dtype=torch.bfloat16, device="cuda"), weight)
         assert not skinny.can_skinny(cuda.float(), weight.float())  # fp32 would round to TF32
+        assert not skinny.can_skinny(cuda, weight.t().contiguous().t())  # rows of stride 1 only
+        assert not skinny.can_skinny(cuda, weight.clone().requires_grad_())  # no backward: autograd keeps cuBLAS
         monkeypatch.setattr(skinny, "MAX_ROWS", 1)  # the A/B switch of bench/chat.py: cuBLAS for everything
         assert not skinny.can_skinny(cuda, weight)
 
@@ -73,7 +83,7 @@ def test_the_interpreter_in_a_subprocess():
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_hopper
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("m_rows", (2, 7, 16, 31, 64))
@@ -84,7 +94,7 @@ def test_kernel_equals_the_twin(dtype, pdl, m_rows, n_out, k_in):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_hopper
 @pytest.mark.parametrize("pdl", (False, True))
 def test_kernel_replays_in_a_cuda_graph(pdl):
     x, weight = case(6, 512, 512, torch.bfloat16, "cuda")
@@ -108,7 +118,7 @@ def test_kernel_replays_in_a_cuda_graph(pdl):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_hopper
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 def test_few_token_forward_equals_cublas(dtype, monkeypatch):
     """tiny-llama's dense forward of 2-16 tokens: its four projections a layer through the kernel, then
