@@ -16,11 +16,11 @@ depend on the batch's other rows (on an H200 heights of 64 use other tensor-core
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchmaker.kernels.cell_launch import KernelUnavailableError, has_sm90, is_interpreting, load_kernels
 from batchmaker.kernels.fused_decoder import HAS_TRITON
+from batchmaker.kernels.gemv import reference_linear  # (the twin: F.linear, as one token's)
 
 MAX_ROWS = 64  # rows up to which the kernel may run (bench/skinny.py, H200: at 128 cuBLAS won every shape)
 
@@ -82,10 +82,6 @@ def can_skinny(x: Tensor, weight: Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def reference_linear(x: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(x, weight)
-
-
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
     """layer(x), through `skinny_linear` where the kernel takes it (no bias, `can_skinny`): the models'
     projections call this, so a decode iteration of a few tokens reads each weight once."""
@@ -123,3 +119,7 @@ def skinny_linear(x: Tensor, weight: Tensor, *, pdl: bool = True, config: Skinny
 
 def _load_kernels():
     return load_kernels("triton_skinny", "the skinny kernel", "reference_linear")
+
+
+__all__ = ["MAX_ROWS", "CONFIGS", "SkinnyConfig", "block_rows", "can_skinny", "default_config", "pick_config",
+           "project", "reference_linear", "skinny_linear"]
