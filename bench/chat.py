@@ -274,6 +274,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="kernels/skinny.py's MAX_ROWS (1: cuBLAS for every projection of more than one token; an A/B)")
     ap.add_argument("--decode-rules", choices=("current", "eleventh"), default="current",
                     help="eleventh: decode attention launched by the eleventh session's rules (bench/common.py; an A/B)")
+    ap.add_argument("--unfused-few", action="store_true",
+                    help="2-64 token forwards keep the norm and SiLU x up kernels apart from the skinny projections "
+                         "(cells/llama.py OneTokenConfig.few_tokens; an A/B)")
+    ap.add_argument("--no-small-pdl", action="store_true",
+                    help="the norm, RoPE and SiLU x up kernels launch without programmatic dependent launch "
+                         "(kernels/fused_decoder.py PDL; an A/B)")
+    ap.add_argument("--capture-after", type=int, default=None,
+                    help="exec/graphs.py Graphs.capture_after (1: a shape is captured the first time it comes; an A/B)")
+    ap.add_argument("--capture-wait", action="store_true",
+                    help="every CUDA-graph capture waits for the device first (the twelfth session's way; an A/B)")
     ap.add_argument("--profile-seconds", type=float, default=0.0,
                     help="then serve the requests once more, all at once, the first this many seconds under "
                          "torch.profiler: kernels by name")
@@ -299,6 +309,16 @@ def main(argv: list[str] | None = None) -> None:
         skinny.MAX_ROWS = args.skinny_rows
     if args.decode_rules == "eleventh":  # (its variants compile in the warm-up, before the measured runs)
         eleventh_decode_rules()
+    if args.unfused_few:
+        from batchmaker.cells.llama import OneTokenConfig
+        model.cells["decoder"].lm.set_one_token(OneTokenConfig(few_tokens=False))
+    if args.no_small_pdl:
+        from batchmaker.kernels import fused_decoder
+        fused_decoder.PDL = False
+    if args.capture_wait or args.capture_after is not None:
+        from batchmaker.exec.graphs import Graphs
+        Graphs.wait_for_device = args.capture_wait
+        Graphs.capture_after = Graphs.capture_after if args.capture_after is None else args.capture_after
     if args.prefill_graph_tokens is not None:
         cell = model.cells["decoder"]
         cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)

@@ -5,6 +5,10 @@ SiLU(gate) x up. fused_decoder.py launches them.
 Imported lazily by fused_decoder.py on the first kernel call, so that it (and its reference twins)
 imports where Triton is absent.
 
+On Hopper each launches with programmatic dependent launch (fused_decoder.PDL): its programs are
+resident before the previous kernel ends and wait for it on the device, so a decode iteration's
+chain of small launches does not pay each launch's latency in full.
+
 Every kernel computes in fp32 and rounds to the output dtype once, except where the reference
 rounds in between and the rounding changes the result (the residual sum and the normalized row,
 both rounded to the activations' dtype as HF does).
@@ -14,9 +18,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _wait_for_input(PDL: tl.constexpr):
+    # with PDL (programmatic dependent launch) the program lets the next kernel launch now, and waits
+    # here for the previous one, whose output it reads, to finish
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s,
-                    hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # one program per row: [hidden] -> out = weight * (x / rms(x)), x = x + residual first if given
+    _wait_for_input(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -56,11 +70,12 @@ def rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, s
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
                 stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch, num_q_heads, num_kv_heads,
                 WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # grid (T, q head blocks + kv head blocks): one token's BLOCK_H heads of q, or of k (and v).
     # q_out is contiguous [T, Hq, D]. WRITE_KV: k_out, v_out are caches [blocks, BLOCK_SIZE, Hkv, D]
     # (strides of block, offset, head) and the token's row is slots[token] (block * BLOCK_SIZE + offset); v is copied.
     # Else k_out is [T, Hkv, D] (BLOCK_SIZE 1, the row is the token) and v is not touched.
+    _wait_for_input(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     cols = tl.arange(0, HALF_PAD)
@@ -86,9 +101,10 @@ def rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, s
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # grid (T, cdiv(inter, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, inter + j] (x: gate | up), the
     # SiLU rounded to the output dtype before the product, as F.silu(gate) * up rounds
+    _wait_for_input(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -245,6 +245,33 @@ def test_fp16_stays_close_to_fp32(no_tf32):
     assert all(same(h, f, atol=1e-2) for h, f in zip(half, full))
 
 
+def test_a_body_is_captured_when_it_comes_again(monkeypatch):
+    """Graphs.run's policy (exec/graphs.py): a body runs eagerly the first time, is captured at its
+    second run and replayed from then on; a key that comes once is never captured. (No GPU here:
+    the capture is stubbed, the policy around it is what runs.)"""
+    from types import SimpleNamespace
+
+    from batchmaker.exec.graphs import Graphs
+    graphs = Graphs(torch.device("cpu"))
+    graphs.enabled = True
+    events = []
+
+    def capture(key, body, pools, warm=False):
+        events.append(("capture", key))
+        graphs._graphs[key] = (SimpleNamespace(replay=lambda: events.append(("replay", key))), "static", ())
+        return True
+    monkeypatch.setattr(graphs, "capture", capture)
+    body = lambda: events.append("eager") or "eager out"  # noqa: E731
+    outs = [graphs.run(("k", "type", n), body, []) for n in (1, 1, 1, 1, 2)]
+    assert outs == ["eager out", "eager out", "static", "static", "eager out"]
+    assert events == ["eager", "eager", ("capture", ("k", "type", 1)), ("replay", ("k", "type", 1)),
+                      ("replay", ("k", "type", 1)), "eager"]
+    monkeypatch.setattr(Graphs, "capture_after", 1)  # (bench/chat.py --capture-after 1: at the first run)
+    events.clear()
+    graphs.run(("k", "type", 3), body, [])
+    assert events == ["eager", ("capture", ("k", "type", 3))]
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_a_pool_that_grows_is_captured_again(no_tf32):
