@@ -29,7 +29,7 @@ class KVSettings:
     eviction: str = "value"  # "value" (Pensieve's Cost(l) / T) or "lru"
     # CUDA: iterations with prompt chunks of up to this many tokens replay CUDA graphs (0: eagerly). Eagerly their
     # launches take the host ~2x the GPU's time (H200, Llama-2-7B: a layer over 64 tokens 354 us of host, 158 us
-    # of GPU, bench/launch_costs.py); each new shape is captured the first time it comes
+    # of GPU, bench/launch_costs.py); each new shape is captured the second time it comes (exec/graphs.py)
     prefill_graph_tokens: int = 512
 
     def __post_init__(self):

@@ -12,8 +12,9 @@ On CUDA every launch is one copy of a packed int64 buffer from pinned memory, th
 iterations where every sequence brings one token (pure decode, the common case) replay a CUDA
 graph per padded number of sequences; iterations with prompt chunks of up to
 `KVSettings.prefill_graph_tokens` tokens replay one per padded (tokens: a power of two up to 128,
-then a multiple of 64; sequences; context bound), captured the first time each shape comes (eagerly their launches take the host ~2x the
-GPU's time; a turn's cache copied in from the host then comes whole before the iteration);
+then a multiple of 64; sequences; context bound), captured the second time each shape comes
+(exec/graphs.py; eagerly their launches take the host ~2x the GPU's time; a turn's cache copied
+in from the host then comes whole before the iteration);
 longer ones run eagerly, and a turn copied in layer by layer runs in them. A batch of decodes
 beside prompt chunks attends in two launches from work lists packed with the rest
 (kernels/attention_work.py).
