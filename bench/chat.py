@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-small-pdl", action="store_true",
                     help="the norm, RoPE and SiLU x up kernels launch without programmatic dependent launch "
                          "(kernels/fused_decoder.py PDL; an A/B)")
+    ap.add_argument("--no-attention-pdl", action="store_true",
+                    help="paged attention and its combine launch without programmatic dependent launch "
+                         "(kernels/paged_attention.py PDL; an A/B)")
     ap.add_argument("--capture-after", type=int, default=None,
                     help="exec/graphs.py Graphs.capture_after (1: a shape is captured the first time it comes; an A/B)")
     ap.add_argument("--capture-wait", action="store_true",
@@ -315,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_small_pdl:
         from batchmaker.kernels import fused_decoder
         fused_decoder.PDL = False
+    if args.no_attention_pdl:
+        from batchmaker.kernels import paged_attention
+        paged_attention.PDL = False
     if args.capture_wait or args.capture_after is not None:
         from batchmaker.exec.graphs import Graphs
         Graphs.wait_for_device = args.capture_wait

@@ -33,6 +33,13 @@ def has_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def pdl_options(x: torch.Tensor, enabled: bool) -> dict:
+    """A Triton launch's PDL constexpr and launch option (kernels/triton_pdl.py) for tensors on x's
+    device: on where `enabled`, on Hopper (`has_sm90`) and not in the interpreter."""
+    on = enabled and not is_interpreting() and has_sm90(x.device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 def is_interpreting() -> bool:
     """Triton's own CPU interpreter switch (used by the tests on machines without a GPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, has_sm90, is_interpreting, load_kernels
+from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels, pdl_options
 from batchmaker.kernels.paged_attention import reference_write_kv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # checked once; triton itself is imported lazily
@@ -112,7 +112,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if x.shape[0] > 0 and inter > 0:
         block = min(SILU_BLOCK, _next_power_of_2(inter))
         _load_kernels().silu_mul_kernel[(x.shape[0], -(-inter // block))](
-            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **_pdl(x))
+            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_options(x, PDL))
     return out.view(*shape[:-1], inter)
 
 
@@ -141,7 +141,7 @@ def _launch_rope(q: Tensor, k: Tensor, v: Tensor | None, cos: Tensor, sin: Tenso
         q, k, v, q_out, k_out, v_out, cos, sin, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), *k_strides, *v_strides, num_q_heads, num_kv_heads,
         WRITE_KV=write, BLOCK_SIZE=k_out.shape[1] if write else 1, HALF=half, HALF_PAD=half_pad,
-        BLOCK_H=block_h, num_warps=4, **_pdl(q))
+        BLOCK_H=block_h, num_warps=4, **pdl_options(q, PDL))
     return q_out
 
 
@@ -160,14 +160,8 @@ def _launch_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: fl
         _load_kernels().rms_norm_kernel[(x.shape[0],)](
             x, residual, weight.contiguous(), out, total, x.stride(0), residual.stride(0), out.stride(0),
             total.stride(0), hidden, eps, HAS_RESIDUAL=has_residual, BLOCK=block,
-            num_warps=min(max(block // 512, 1), 16), **_pdl(x))
+            num_warps=min(max(block // 512, 1), 16), **pdl_options(x, PDL))
     return total.view(shape), out.view(shape)
-
-
-def _pdl(x: Tensor) -> dict:
-    """The PDL constexpr and launch option of a launch on x's device."""
-    on = PDL and not is_interpreting() and has_sm90(x.device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _next_power_of_2(n: int) -> int:

@@ -23,6 +23,9 @@ where the programs fill under a quarter of the SMs) when (sequence, kv head) pro
 not fill the GPU (batch 1 at 360 positions: 5 slices per head), and under a long bound (RAGGED_BOUND)
 whatever the programs, since the contexts under it differ and the longest would run on alone.
 
+On Hopper the launches (and the combine's) use programmatic dependent launch (`PDL`,
+kernels/triton_pdl.py): their programs are resident before the previous kernel ends.
+
 `PagedAttend` is a decoder's `attend` (cells/decoder.py) over the caches of every layer: it writes
 the new tokens' K/V and attends, or lets the model write them itself (Llama: inside its RoPE kernel).
 """
@@ -36,10 +39,13 @@ from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAM
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
                                                 SHORT_MAX_SPLITS, AttentionConfig, _pow2, plan_launch, pick_config,
                                                 pick_launch, pick_num_splits, wide_prompt)
-from batchmaker.kernels.cell_launch import KernelUnavailableError, dot_precision, is_interpreting, load_kernels
+from batchmaker.kernels.cell_launch import (KernelUnavailableError, dot_precision, is_interpreting, load_kernels,
+                                             pdl_options)
 
 LOG2_E = 1.4426950408889634
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
+PDL = True  # launches use programmatic dependent launch on Hopper (kernels/triton_pdl.py; bench/chat.py
+# --no-attention-pdl: an A/B; set it before the variants compile)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -204,11 +210,12 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
         block_tables.stride(0),
         G=group, G_PAD=_pow2(group), D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
         IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype), WORK=items is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q, PDL))
     if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
-            out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1)
+            out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1,
+            **pdl_options(q, PDL))
 
 
 @dataclass(slots=True)

@@ -28,6 +28,8 @@ host-side choice and the launch stays capturable in a CUDA graph.
 import triton
 import triton.language as tl
 
+from batchmaker.kernels.triton_pdl import wait_for_input
+
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so keyless rows make no NaNs
 
 
@@ -97,10 +99,11 @@ def paged_attention_kernel(
     stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr, PRECISION: tl.constexpr,
-    WORK: tl.constexpr,
+    WORK: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
     # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile)
+    wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
     kv_head, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
     if WORK:
         item = tl.load(work + tl.program_id(1))
@@ -210,9 +213,10 @@ def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_
 def combine_splits_kernel(
     part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
     num_seqs, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
-    D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse)
+    wait_for_input(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, D)
     splits = tl.arange(0, SPLITS_PAD)

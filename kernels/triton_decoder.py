@@ -16,21 +16,14 @@ both rounded to the activations' dtype as HF does).
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _wait_for_input(PDL: tl.constexpr):
-    # with PDL (programmatic dependent launch) the program lets the next kernel launch now, and waits
-    # here for the previous one, whose output it reads, to finish
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+from batchmaker.kernels.triton_pdl import wait_for_input
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s,
                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # one program per row: [hidden] -> out = weight * (x / rms(x)), x = x + residual first if given
-    _wait_for_input(PDL)
+    wait_for_input(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -75,7 +68,7 @@ def rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, s
     # q_out is contiguous [T, Hq, D]. WRITE_KV: k_out, v_out are caches [blocks, BLOCK_SIZE, Hkv, D]
     # (strides of block, offset, head) and the token's row is slots[token] (block * BLOCK_SIZE + offset); v is copied.
     # Else k_out is [T, Hkv, D] (BLOCK_SIZE 1, the row is the token) and v is not touched.
-    _wait_for_input(PDL)
+    wait_for_input(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     cols = tl.arange(0, HALF_PAD)
@@ -104,7 +97,7 @@ def rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, s
 def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # grid (T, cdiv(inter, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, inter + j] (x: gate | up), the
     # SiLU rounded to the output dtype before the product, as F.silu(gate) * up rounds
-    _wait_for_input(PDL)
+    wait_for_input(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
