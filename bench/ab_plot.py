@@ -1,5 +1,6 @@
 """One plot of several bench/chat.py results (an A/B run in one command): normalized latency p90
-against output tokens/s, one line per file, labelled by the file's `note` tag or its name.
+against output tokens/s, one line per file, labelled by the record's `tag` field (added by hand
+when a result is renamed for bench/results) or else the file's name.
 
     python bench/ab_plot.py A.json B.json --out AB.png
 """

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.kernels import attention_work  # noqa: E402
 from bench import chat_stateful  # noqa: E402
-from bench.common import eleventh_decode_rules, triton_compiles, write_results  # noqa: E402
+from bench.common import add_ab_switches, apply_ab_switches, triton_compiles, write_results  # noqa: E402
 from bench.turn_profile import profile_window  # noqa: E402
 
 from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
@@ -270,23 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-attention-seqs", default=None,
                     help="comma-separated: each rate runs once per value of attention_work.MIN_SEQS (the "
                          "sequences from which a mixed batch attends in two launches), interleaved: an A/B")
-    ap.add_argument("--skinny-rows", type=int, default=None,
-                    help="kernels/skinny.py's MAX_ROWS (1: cuBLAS for every projection of more than one token; an A/B)")
-    ap.add_argument("--decode-rules", choices=("current", "eleventh"), default="current",
-                    help="eleventh: decode attention launched by the eleventh session's rules (bench/common.py; an A/B)")
-    ap.add_argument("--unfused-few", action="store_true",
-                    help="2-64 token forwards keep the norm and SiLU x up kernels apart from the skinny projections "
-                         "(cells/llama.py OneTokenConfig.few_tokens; an A/B)")
-    ap.add_argument("--no-small-pdl", action="store_true",
-                    help="the norm, RoPE and SiLU x up kernels launch without programmatic dependent launch "
-                         "(kernels/fused_decoder.py PDL; an A/B)")
-    ap.add_argument("--no-attention-pdl", action="store_true",
-                    help="paged attention and its combine launch without programmatic dependent launch "
-                         "(kernels/paged_attention.py PDL; an A/B)")
-    ap.add_argument("--capture-after", type=int, default=None,
-                    help="exec/graphs.py Graphs.capture_after (1: a shape is captured the first time it comes; an A/B)")
-    ap.add_argument("--capture-wait", action="store_true",
-                    help="every CUDA-graph capture waits for the device first (the twelfth session's way; an A/B)")
+    add_ab_switches(ap)
     ap.add_argument("--profile-seconds", type=float, default=0.0,
                     help="then serve the requests once more, all at once, the first this many seconds under "
                          "torch.profiler: kernels by name")
@@ -307,24 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,
                         num_blocks=num_blocks)
-    if args.skinny_rows is not None:
-        from batchmaker.kernels import skinny
-        skinny.MAX_ROWS = args.skinny_rows
-    if args.decode_rules == "eleventh":  # (its variants compile in the warm-up, before the measured runs)
-        eleventh_decode_rules()
-    if args.unfused_few:
-        from batchmaker.cells.llama import OneTokenConfig
-        model.cells["decoder"].lm.set_one_token(OneTokenConfig(few_tokens=False))
-    if args.no_small_pdl:
-        from batchmaker.kernels import fused_decoder
-        fused_decoder.PDL = False
-    if args.no_attention_pdl:
-        from batchmaker.kernels import paged_attention
-        paged_attention.PDL = False
-    if args.capture_wait or args.capture_after is not None:
-        from batchmaker.exec.graphs import Graphs
-        Graphs.wait_for_device = args.capture_wait
-        Graphs.capture_after = Graphs.capture_after if args.capture_after is None else args.capture_after
+    apply_ab_switches(args)  # (before the engine starts: its kernel variants compile with them)
     if args.prefill_graph_tokens is not None:
         cell = model.cells["decoder"]
         cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)

@@ -122,3 +122,37 @@ def eleventh_decode_rules() -> None:
         module.pick_config, module.decode_whole_config = split_config, whole
     pa.RAGGED_BOUND = 1 << 40
 
+
+def add_ab_switches(ap) -> None:
+    """The switches that put back an earlier way of the engine or its kernels, for an A/B in one
+    process (bench/chat.py); `apply_ab_switches` sets them."""
+    ap.add_argument("--skinny-rows", type=int, default=None,
+                    help="kernels/skinny.py's MAX_ROWS (1: cuBLAS for every projection of more than one token; an A/B)")
+    ap.add_argument("--decode-rules", choices=("current", "eleventh"), default="current",
+                    help="eleventh: decode attention launched by the eleventh session's rules (bench/common.py; an A/B)")
+    ap.add_argument("--no-small-pdl", action="store_true",
+                    help="the norm, RoPE and SiLU x up kernels launch without programmatic dependent launch "
+                         "(kernels/fused_decoder.py PDL; an A/B)")
+    ap.add_argument("--no-attention-pdl", action="store_true",
+                    help="paged attention and its combine launch without programmatic dependent launch "
+                         "(kernels/paged_attention.py PDL; an A/B)")
+    ap.add_argument("--capture-after", type=int, default=None,
+                    help="exec/graphs.py Graphs.capture_after (1: a shape is captured the first time it comes; an A/B)")
+    ap.add_argument("--capture-wait", action="store_true",
+                    help="every CUDA-graph capture waits for the device first (the twelfth session's way; an A/B)")
+
+
+def apply_ab_switches(args) -> None:
+    """Set what `add_ab_switches` parsed; call it before the engine starts (its kernel variants
+    compile with these settings)."""
+    from batchmaker.exec.graphs import Graphs
+    from batchmaker.kernels import fused_decoder, paged_attention, skinny
+    if args.skinny_rows is not None:
+        skinny.MAX_ROWS = args.skinny_rows
+    if args.decode_rules == "eleventh":
+        eleventh_decode_rules()
+    fused_decoder.PDL = not args.no_small_pdl
+    paged_attention.PDL = not args.no_attention_pdl
+    Graphs.wait_for_device = args.capture_wait
+    if args.capture_after is not None:
+        Graphs.capture_after = args.capture_after

@@ -35,9 +35,21 @@ def has_sm90(device: torch.device) -> bool:
 
 def pdl_options(x: torch.Tensor, enabled: bool) -> dict:
     """A Triton launch's PDL constexpr and launch option (kernels/triton_pdl.py) for tensors on x's
-    device: on where `enabled`, on Hopper (`has_sm90`) and not in the interpreter."""
-    on = enabled and not is_interpreting() and has_sm90(x.device)
+    device: on where `enabled`, on Hopper (`has_sm90`), with a Triton that has PDL, and not in the
+    interpreter."""
+    on = enabled and not is_interpreting() and has_sm90(x.device) and triton_has_pdl()
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def triton_has_pdl() -> bool:
+    """Whether the installed Triton has PDL's device calls (`gdc_wait`; launches then take
+    `launch_pdl`): older ones run every kernel without it."""
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
 
 
 def is_interpreting() -> bool:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, has_sm90, is_interpreting, load_kernels
+from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels, pdl_options
 from batchmaker.kernels.fused_decoder import (HAS_TRITON, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope_write_kv, reference_silu_mul)
 
@@ -185,8 +185,6 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     has_residual = residual is not None
     total = torch.empty_like(x) if has_residual else x
     out = torch.empty((1, rope.num_q_heads * rope.head_dim if rope else n_out), dtype=x.dtype, device=x.device)
-    pdl = pdl and not is_interpreting() and has_sm90(x.device)
-    extra = {"launch_pdl": True} if pdl else {}
     if rope is None:
         rope_args, head_dim, cache_block = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), 2, 1  # (unread)
     else:
@@ -197,9 +195,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     _load_kernels().gemv_kernel[(rows // config.block_n,)](
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
         n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu,
-        ROPE=rope is not None, DOT=config.dot, PDL=pdl, EVEN_K=k_in % config.block_k == 0,
+        ROPE=rope is not None, DOT=config.dot, EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
-        HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+        HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_options(x, pdl))
     return total, out
 
 

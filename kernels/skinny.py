@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from batchmaker.kernels.cell_launch import KernelUnavailableError, has_sm90, is_interpreting, load_kernels
+from batchmaker.kernels.cell_launch import (KernelUnavailableError, has_sm90, is_interpreting, load_kernels,
+                                             pdl_options)
 from batchmaker.kernels.fused_decoder import HAS_TRITON
 from batchmaker.kernels.gemv import reference_linear  # (the twin: F.linear, as one token's)
 
@@ -108,12 +109,10 @@ def skinny_linear(x: Tensor, weight: Tensor, *, pdl: bool = True, config: Skinny
     assert n_out % config.block_n == 0 and min(config.block_n, config.block_k) >= 16, (n_out, config)
     out = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
     assert x.dtype != torch.float32 or is_interpreting(), "fp32 would round to TF32 on tensor cores"
-    pdl = pdl and not is_interpreting() and has_sm90(x.device)
-    extra = {"launch_pdl": True} if pdl else {}
     _load_kernels().skinny_kernel[(n_out // config.block_n,)](
-        x, weight, out, m_rows, k_in, x.stride(0), weight.stride(0), out.stride(0), PDL=pdl,
+        x, weight, out, m_rows, k_in, x.stride(0), weight.stride(0), out.stride(0),
         EVEN_K=k_in % config.block_k == 0, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x, pdl))
     return out
 
 

@@ -34,6 +34,8 @@ in triton_decoder.py computes it) and stores q, or k and v into the paged KV cac
 import triton
 import triton.language as tl
 
+from batchmaker.kernels.triton_pdl import wait_for_input
+
 
 @triton.jit
 def _load(ptrs, mask, EVEN: tl.constexpr):
@@ -78,9 +80,7 @@ def _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, RESIDUAL: tl.constexpr
 def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    PDL: tl.constexpr, NORM_K: tl.constexpr):
     # after the loads that need not wait: let the next kernel launch, wait for the input, and the norm's 1 / rms
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # the input is the previous kernel's output
+    wait_for_input(PDL)  # the input is the previous kernel's output
     inv_rms = 0.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, RESIDUAL, NORM_K)

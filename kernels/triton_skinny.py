@@ -16,15 +16,15 @@ for the previous one before its first load.
 import triton
 import triton.language as tl
 
+from batchmaker.kernels.triton_pdl import wait_for_input
+
 
 @triton.jit(do_not_specialize=["m_rows"])  # (one compiled variant per block_m, whatever the batch's rows)
 def skinny_kernel(x_ptr, w_ptr, out_ptr, m_rows, k_in, stride_x, stride_w, stride_out,
                   PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     # out[:m_rows, cols] = x[:m_rows] . w[cols]^T for this program's BLOCK_N columns (w's rows: a multiple of BLOCK_N)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+    wait_for_input(PDL)  # x is the previous kernel's output
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)

@@ -272,6 +272,50 @@ def test_a_body_is_captured_when_it_comes_again(monkeypatch):
     assert events == ["eager", ("capture", ("k", "type", 3))]
 
 
+def test_which_captures_wait_for_the_device(monkeypatch):
+    """Graphs.capture (exec/graphs.py) with CUDA's calls stubbed (no GPU here): a new key's capture
+    does not synchronize the device; a key whose pool moved runs eagerly and is captured again at
+    once, after a sync (its old graph may still be replaying); `wait_for_device` syncs every capture."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from batchmaker.exec.graphs import Graphs
+    calls = []
+
+    class Graph:
+        def capture_begin(self, **kwargs):
+            calls.append("begin")
+
+        def capture_end(self):
+            calls.append("end")
+
+        def replay(self):
+            calls.append("replay")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    graphs = Graphs(torch.device("cpu"))
+    graphs.enabled = True
+    pool = SimpleNamespace(tensor=torch.zeros(4))
+    body = lambda: calls.append("body")  # noqa: E731
+    for _ in range(3):
+        graphs.run(("k", "type"), body, [pool])
+    assert calls == ["body", "body", "begin", "body", "end", "replay"]  # no sync: a new key
+    calls.clear()
+    pool.tensor = torch.zeros(8)  # the pool grew: its address and size moved
+    graphs.run(("k", "type"), body, [pool])
+    graphs.run(("k", "type"), body, [pool])
+    assert calls == ["body", "sync", "begin", "body", "end", "replay"]
+    monkeypatch.setattr(Graphs, "wait_for_device", True)  # (bench/chat.py --capture-wait)
+    calls.clear()
+    for _ in range(2):
+        graphs.run(("k2", "type"), body, [pool])
+    assert calls == ["body", "body", "sync", "begin", "body", "end"]
+    assert graphs.num_captures == 3
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_a_pool_that_grows_is_captured_again(no_tf32):

@@ -3,12 +3,13 @@ each cell per supported batch size at start-up, reuse it for every step).
 
 A *body* is a function that launches a task's work reading only static buffers (index buffers
 the runner fills with one copy before each run) and returns its static outputs. `run(key, body,
-pools)` runs it eagerly the first time (its warm-up: Triton compiles, lazy modules load), captures
-it when it comes again (`capture_after`), and replays it from then on: a shape that comes once
-costs no capture (as torch.compile's CUDA-graph trees warm up before recording). A graph bakes in the addresses of the pools it touches: when one
-moved (it grew), the body runs eagerly once more and is captured again. A body that cannot be
-captured (a host sync inside, say) runs eagerly from then on, with one warning. Graphs share one
-memory pool (they never run concurrently: one stream) and are captured on a side stream.
+pools)` runs it eagerly the first time (its warm-up: Triton compiles, lazy modules load),
+captures it when it comes again (`capture_after`), and replays it from then on: a shape that
+comes once costs no capture (as torch.compile's CUDA-graph trees warm up before recording). A
+graph bakes in the addresses of the pools it touches: when one moved (it grew), the body runs
+eagerly once more and is captured again. A body that cannot be captured (a host sync inside,
+say) runs eagerly from then on, with one warning. Graphs share one memory pool (they never run
+concurrently: one stream) and are captured on a side stream.
 
 A new shape's capture does not wait for the device: its eager run is queued on the worker's
 stream, and the host records the graph while the GPU executes that run (a capture launches
