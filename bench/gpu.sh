@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs, by suite, in one command (the device tool runs it on the GPU machine):
 #   OUT=/tmp/gpu bash bench/gpu.sh SUITE [SUITE ...]
-#     tests    the GPU tests (pytest -m gpu; the ZeroMQ ones skip where pyzmq is missing)
+#     tests    the GPU tests (pytest -m gpu; the ZeroMQ ones skip where pyzmq is missing): all of
+#              them took ~13 min on an H200 (2026-11-24), over one device command's 10; in parts:
+#     tests-a  test files up to test_gemv.py (attention variants, conversations, fused decoder, gemv): ~4 min
+#     tests-b  test_generation*.py to test_kernels.py (generation against HF, the engine, LSTM kernels): ~5 min
+#     tests-c  the rest (paged attention, runners, skinny): ~3.5 min
 #     kernels  the fused kernels' sweep tests and bench/fused_cell.py
 #     engine   bench/gpu_engine.py: LSTM (WMT-like) and TreeLSTM (SST train) vs their cells' limit
 #     profile  the same, smaller, with the manager thread under cProfile (where the host time goes)
@@ -35,7 +39,11 @@ step imports import_check
 common=(--device cuda:0 --duration "$DURATION" --min-requests 150 --warmup 300 ${ENGINE_ARGS:-})
 for suite in "$@"; do
     case "$suite" in
-        tests) step gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
+        tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
+        tests-a|tests-b|tests-c)  # (test files by name: up to test_gemv.py, to test_kernels.py, the rest)
+            files=$(ls tests/test_*.py | awk -v part="${suite#tests-}" '
+                {p = ($0 <= "tests/test_gemv.py") ? "a" : ($0 <= "tests/test_kernels.py") ? "b" : "c"} p == part')
+            step "gpu-$suite" timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider -rf $files ;;
         kernels) step kernel-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py
                  step fused-cell timeout 300 python3 bench/fused_cell.py ;;
         engine) step engine-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 40000
