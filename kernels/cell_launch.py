@@ -33,12 +33,19 @@ def has_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+_PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # (read only: spread into launches)
+
+
 def pdl_options(x: torch.Tensor, enabled: bool) -> dict:
     """A Triton launch's PDL constexpr and launch option (kernels/triton_pdl.py) for tensors on x's
     device: on where `enabled`, on Hopper (`has_sm90`), with a Triton that has PDL, and not in the
-    interpreter."""
-    on = enabled and not is_interpreting() and has_sm90(x.device) and triton_has_pdl()
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    interpreter. Called per launch: the device's answer is cached."""
+    return _PDL_ON if enabled and _pdl_device(x.device) else _PDL_OFF
+
+
+@functools.cache
+def _pdl_device(device: torch.device) -> bool:
+    return not is_interpreting() and has_sm90(device) and triton_has_pdl()
 
 
 @functools.cache
