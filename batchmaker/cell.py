@@ -4,6 +4,8 @@ The cell's *type* (what may batch together) is the module object itself -- its d
 weights -- together with its input shapes (thesis §2.4.2). Two models that register the same
 Cell object share one cell type and batch together.
 """
+from typing import ClassVar
+
 from torch import nn
 
 from batchmaker.signature import Signature
@@ -18,6 +20,9 @@ class Cell(nn.Module):
     """
 
     signature: Signature
+    # what the engine batches: "rows" (items of a step, a round or the general path's nodes) or
+    # "tokens" (a decoder's iterations: cells/decoder_cell.py)
+    batch_unit: ClassVar[str] = "rows"
 
     def forward(self, **inputs):  # pragma: no cover
         raise NotImplementedError

@@ -327,9 +327,7 @@ class Engine:
     # start-up -------------------------------------------------------------------------------
     def _build_queues(self) -> None:
         """The scheduler's cell queues: structured models' stage queues, NodeQueues for the rest."""
-        pools = {name: {w.id: {cell: w.cells[id(ct)].pools for cell, ct in self.cell_types[name].items()}
-                        for w in self.workers} for name in self.structured}
-        queues = [q for name, s in self.structured.items() for q in s.build(pools[name])]
+        queues = [q for s in self.structured.values() for q in s.build({w.id: s.facts_from(w) for w in self.workers})]
         covered = {id(q.cell_type) for q in queues}
         node_queues = {id(ct): NodeQueue(ct) for ct in self._distinct if id(ct) not in covered}
         self.processor = RequestProcessor(node_queues, self._read, self._release, self._on_general_finished)

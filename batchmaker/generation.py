@@ -28,6 +28,7 @@ import numpy as np
 from batchmaker.core.admission import check_keys, check_tokens, is_int
 from batchmaker.core.blocks import BlockTables
 from batchmaker.core.conversations import Conversation, ConversationCache
+from batchmaker.core.decoder_facts import DecoderFacts
 from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
@@ -44,7 +45,7 @@ class GenerativeModel(Finisher):
         self.form = model.forms[0]
         self.cell_type = cell_types[self.form.cell]
         self.cell = self.cell_type.cell
-        if getattr(self.cell, "batch_unit", None) != "tokens":
+        if self.cell.batch_unit != "tokens":
             raise TypeError(f"model {model.name!r}: a Generate form needs a DecoderCell, got {type(self.cell).__name__}")
         config = self.cell.lm.config
         self.vocab, self.max_len = config.vocab_size, config.max_positions
@@ -60,23 +61,25 @@ class GenerativeModel(Finisher):
         self.caches: dict[int, ConversationCache] = {}
         self._swept = time.monotonic()
 
-    def build(self, pools: dict[int, dict[str, dict]]) -> list:
-        """pools: worker -> cell name -> what the worker's IterationRunner holds ({"num_blocks"})."""
+    def facts_from(self, worker) -> DecoderFacts:
+        """What this model's queue needs of a started worker: its decoder's facts."""
+        return worker.decoder_facts[id(self.cell_type)]
+
+    def build(self, facts: dict[int, DecoderFacts]) -> list:
+        """The model's queue, given what each worker measured at start-up."""
         sequences = {}
-        for worker, by_cell in pools.items():
-            num_blocks = by_cell[self.form.cell]["num_blocks"]
-            blocks = BlockTables(num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len)
+        for worker, f in facts.items():
+            blocks = BlockTables(f.num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len)
             sequences[worker] = Sequences(self.cell.max_seqs, self.max_len, blocks)
         self.num_blocks = min(q.blocks.num_blocks for q in sequences.values())
         kv = self.cell.kv
-        for worker, by_cell in pools.items():
-            pool = by_cell[self.form.cell]
-            self.caches[worker] = ConversationCache(sequences[worker].blocks, pool["host_chunks"], pool["chunk_tokens"],
-                                                    pool["chunk_costs"], kv.eviction, kv.swap_threshold,
-                                                    pool["max_swap_out"], pool["max_swap_in"], kv.swap_out_rows,
-                                                    swap_in_seconds=pool.get("swap_in_seconds", math.inf))
-        self._chunk_bytes = {worker: by_cell[self.form.cell].get("chunk_bytes", 0) for worker, by_cell in pools.items()}
-        self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches)
+        for worker, f in facts.items():
+            self.caches[worker] = ConversationCache(sequences[worker].blocks, f.host_chunks, f.chunk_tokens,
+                                                    f.chunk_costs, kv.eviction, kv.swap_threshold, f.max_swap_out,
+                                                    f.max_swap_in, kv.swap_out_rows, swap_in_seconds=f.swap_in_seconds)
+        self._chunk_bytes = {worker: f.chunk_bytes for worker, f in facts.items()}
+        self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches,
+                                   {worker: f.shapes for worker, f in facts.items()})
         self.queues = [self.queue]
         return self.queues
 

@@ -86,6 +86,11 @@ class StructuredModel(Finisher):
         self.first: ChainQueue | None = None
 
     # start-up -------------------------------------------------------------------------------
+    def facts_from(self, worker) -> dict[str, dict]:
+        """What this model's queues need of a started worker: its cells' pools (cell name -> input
+        or output name -> rows)."""
+        return {cell: worker.cells[id(ct)].pools for cell, ct in self.cell_types.items()}
+
     def build(self, pools: dict[int, dict[str, dict]]) -> list:
         """The scheduler's queues, given each worker's pools: worker -> cell name -> name -> rows."""
         if isinstance(self.forms[0], Tree):

@@ -284,9 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     num_blocks = None
     if args.stateful:  # a fixed GPU tier, as Pensieve's evaluation
-        from batchmaker.exec.iterations import KVCache
+        from batchmaker.cells.decoder_cell import kv_bytes_per_block
         from batchmaker.unfolders.common import as_dtype
-        per_block = KVCache.bytes_per_block(config, 16, as_dtype(args.dtype))
+        per_block = kv_bytes_per_block(config, 16, as_dtype(args.dtype))
         num_blocks = int(args.kv_gib * 2**30 // per_block)
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,

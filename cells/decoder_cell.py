@@ -42,8 +42,13 @@ class KVSettings:
             raise ValueError(f"prefill_graph_tokens: expected a count of tokens >= 0, got {self.prefill_graph_tokens!r}")
 
 
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: K and V of `block_size` positions in every layer."""
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
 class DecoderCell(Cell):
-    batch_unit = "tokens"  # what the engine batches: tokens of many sequences, not rows
+    batch_unit = "tokens"  # what the engine batches: tokens of many sequences, by iterations
 
     def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings()):
         super().__init__()
@@ -62,9 +67,8 @@ class DecoderCell(Cell):
         """KV blocks for one worker on `device` (the settings' count, or what the memory holds)."""
         if self.kv.num_blocks is not None:
             return self.kv.num_blocks
-        from batchmaker.exec.iterations import KVCache
         dtype = next(self.lm.parameters()).dtype
-        per_block = KVCache.bytes_per_block(self.lm.config, self.block_size, dtype)
+        per_block = kv_bytes_per_block(self.lm.config, self.block_size, dtype)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * self.kv.gpu_fraction)

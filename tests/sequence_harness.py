@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchmaker.core.blocks import BlockTables
+from batchmaker.core.iteration_plan import IterationPlan
 from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
@@ -83,16 +84,16 @@ class FakeDevice:
         self.last_token = np.full(num_slots, -3, dtype=np.int64)
 
     def run(self, task) -> None:
-        bs = self.block_size
-        tokens = np.where(task.tokens >= 0, task.tokens, self.last_token[task.token_slots])
+        bs, plan = self.block_size, task.plan
+        tokens = np.where(plan.tokens >= 0, plan.tokens, self.last_token[plan.token_slots])
         assert (tokens >= 0).all(), "a decode reads a slot that sampled nothing"
-        self.cache[task.kv_slots] = tokens
+        self.cache[plan.kv_slots] = tokens
         sampled = []
         for i in task.sample.tolist():
-            p = np.arange(task.context_lens[i])
-            sampled.append(next_token(self.cache[task.block_tables[i, p // bs].astype(np.int64) * bs + p % bs]))
+            p = np.arange(plan.context_lens[i])
+            sampled.append(next_token(self.cache[plan.block_tables[i, p // bs].astype(np.int64) * bs + p % bs]))
         task.sampled = np.array(sampled, dtype=np.int64)
-        self.last_token[task.slots[task.sample]] = task.sampled
+        self.last_token[plan.sample_slots] = task.sampled
 
 
 class Harness:
@@ -201,32 +202,36 @@ class Harness:
             assert f.reason == ("stop" if want[-1] in self.stops[f] else "length")
 
     def check_task(self, q: Sequences, task) -> None:
-        counts = np.diff(task.query_start)
-        assert 0 < task.batch == len(task.tokens) == task.query_start[-1] <= self.cell_type.max_batch
+        plan = task.plan
+        counts = np.diff(plan.query_start)
+        assert 0 < task.batch == len(plan.tokens) == plan.query_start[-1] <= self.cell_type.max_batch
         assert self.caches or len(set(task.slots.tolist())) == len(task.slots), "a slot twice in one iteration"
-        assert (counts >= 1).all() and task.max_query_len == counts.max()
+        assert (counts >= 1).all() and plan.max_query_len == counts.max()
         assert (q.serial[task.slots] == task.serials).all() and q.active[task.slots].all()
-        assert (task.token_slots == np.repeat(task.slots, counts)).all()
-        starts = task.context_lens - counts
-        assert (task.positions == np.concatenate([np.arange(a, b) for a, b in zip(starts, task.context_lens)])).all()
+        assert (plan.token_slots == np.repeat(task.slots, counts)).all()
+        starts = plan.context_lens - counts
+        assert (plan.positions == np.concatenate([np.arange(a, b) for a, b in zip(starts, plan.context_lens)])).all()
         bs = q.blocks.block_size
-        lookup = task.block_tables[np.repeat(np.arange(len(counts)), counts), task.positions // bs]
-        assert (task.kv_slots == lookup.astype(np.int64) * bs + task.positions % bs).all()
-        assert (task.kv_slots >= bs).all(), "a real token in the scratch block"
-        assert len(set(task.kv_slots.tolist())) == task.batch
+        lookup = plan.block_tables[np.repeat(np.arange(len(counts)), counts), plan.positions // bs]
+        assert (plan.kv_slots == lookup.astype(np.int64) * bs + plan.positions % bs).all()
+        assert (plan.kv_slots >= bs).all(), "a real token in the scratch block"
+        assert len(set(plan.kv_slots.tolist())) == task.batch
         # decodes first, one token each, fed from the device (-1); prefill tokens are the known ones
-        decode = task.tokens[task.query_start[:-1]] == -1
+        decode = plan.tokens[plan.query_start[:-1]] == -1
         assert (np.diff(decode.astype(int)) <= 0).all(), "a decode after a prefill chunk"
-        assert (counts[decode] == 1).all() and task.decode_only == decode.all()
-        assert ((task.tokens == -1) == np.repeat(decode, counts)).all()
+        assert (counts[decode] == 1).all() and plan.decode_only == decode.all()
+        assert ((plan.tokens == -1) == np.repeat(decode, counts)).all()
         for i in np.flatnonzero(~decode).tolist():
-            chunk = task.tokens[task.query_start[i]:task.query_start[i + 1]].tolist()
-            assert chunk == self.full[task.owners[i]][starts[i]:task.context_lens[i]]
+            chunk = plan.tokens[plan.query_start[i]:plan.query_start[i + 1]].tolist()
+            assert chunk == self.full[task.owners[i]][starts[i]:plan.context_lens[i]]
         # every decode samples; a sample is the token at position context_len (the seeded sampler's counter)
         assert set(np.flatnonzero(decode).tolist()) <= set(task.sample.tolist())
-        assert (task.sample_index == task.context_lens[task.sample]).all()
+        assert (plan.counters == plan.context_lens[task.sample]).all()
+        assert (plan.sample_slots == task.slots[task.sample]).all()
+        assert (plan.sample_token == plan.query_start[task.sample + 1] - 1).all()
         for name in ("temperature", "top_k", "top_p", "seeds"):
-            assert len(getattr(task, name)) == len(task.sample)
+            assert len(getattr(plan, name)) == len(task.sample)
+        assert IterationPlan.from_bytes(plan.to_bytes()).to_bytes() == plan.to_bytes()  # (it travels as bytes)
 
 
 def check_blocks(q: Sequences, cache=None) -> None:

@@ -1,18 +1,20 @@
-"""The padding of an iteration to a CUDA graph's shape (exec/iterations.py `_padded`): padded
+"""The padding of an iteration to a CUDA graph's shape (core/iteration_shapes.py `pad`): padded
 tokens and sequences write only the scratch block and leave the real ones' outputs as they are,
 so an iteration with prompt chunks computes the same padded as unpadded (run here eagerly on the
-CPU, tiny Llama and OPT, fp32); and the shapes the graphs are keyed by (`_graph_shape`)."""
-import types
+CPU, tiny Llama and OPT, fp32); and the shapes the graphs are keyed by (`GraphShapes.of`)."""
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
+from batchmaker.core.iteration_plan import GraphShape, IterationPlan
+from batchmaker.core.iteration_shapes import pad, pad_alone
 from test_generation import checkpoint, engine_for  # noqa: F401 (a fixture)
 
 
-def iteration(runner, rng) -> dict:
-    """Host arrays of one mixed iteration: 5 new tokens after 20 cached positions, a first chunk of
+def iteration(runner, rng) -> IterationPlan:
+    """The plan of one mixed iteration: 5 new tokens after 20 cached positions, a first chunk of
     3 prompt tokens (it does not sample yet) and one decode token at position 9."""
     bs, vocab = runner.module.block_size, runner.config.vocab_size
     new, start = np.array([5, 3, 1]), np.array([20, 0, 9])
@@ -21,14 +23,11 @@ def iteration(runner, rng) -> dict:
     row = np.repeat(np.arange(3), new)
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(start, new)])
     query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    return {"tokens": rng.integers(0, vocab, new.sum()), "positions": positions,
-            "kv_slots": table[row, positions // bs] * bs + positions % bs,
-            "token_slots": np.full(new.sum(), runner.scratch_slot), "query_start": query_start,
-            "context_lens": (start + new).astype(np.int32), "block_tables": table,
-            "sample_token": query_start[[1, 3]] - 1, "sample_slots": np.array([0, 2]),
-            "seeds": np.zeros(2, dtype=np.int64), "counters": np.zeros(2, dtype=np.int64),
-            "top_k": np.zeros(2, dtype=np.int64), "temperature": np.zeros(2, dtype=np.float32),
-            "top_p": np.ones(2, dtype=np.float32)}
+    return IterationPlan.of(
+        tokens=rng.integers(0, vocab, new.sum()), positions=positions, kv_slots=table[row, positions // bs] * bs + positions % bs,
+        token_slots=np.full(new.sum(), runner.scratch_slot), query_start=query_start, context_lens=start + new,
+        block_tables=table, sample_token=query_start[[1, 3]] - 1, sample_slots=np.array([0, 2]), seeds=np.zeros(2),
+        counters=np.zeros(2), top_k=np.zeros(2), temperature=np.zeros(2), top_p=np.ones(2), max_query_len=5)
 
 
 @pytest.fixture
@@ -43,7 +42,7 @@ def runner(checkpoint):
 
 
 def test_a_padded_iteration_computes_what_the_unpadded_one_does(runner):
-    arrays = iteration(runner, np.random.default_rng(5))
+    plan = iteration(runner, np.random.default_rng(5))
     cache = runner.cache
     torch.manual_seed(0)
     cache.k.normal_(), cache.v.normal_()  # (a context for the cached positions to attend to)
@@ -56,14 +55,14 @@ def test_a_padded_iteration_computes_what_the_unpadded_one_does(runner):
             chosen = runner._forward(t, max_query_len, True, None).clone()
         return chosen, cache.k.clone(), cache.v.clone(), runner.last_token.clone()
 
-    plain = run(arrays, 5)
-    padded_arrays = runner._padded(arrays, 16, 8, 8)
-    assert len(padded_arrays["tokens"]) == 16 and len(padded_arrays["context_lens"]) == 8
-    assert padded_arrays["query_start"][-1] == 16 and len(padded_arrays["sample_token"]) == 8
-    padded = run(padded_arrays, 16)
+    plain = run(plan.arrays(), 5)
+    padded_plan = pad(plan, GraphShape(16, 8, None, False), runner.scratch_slot, runner.module.block_size)
+    assert padded_plan.num_tokens == 16 and padded_plan.num_seqs == 8 and padded_plan.max_query_len == 16
+    assert padded_plan.query_start[-1] == 16 and padded_plan.num_samples == 8
+    padded = run(padded_plan.arrays(), 16)
     assert padded[0][:2].tolist() == plain[0].tolist()  # the real samples first, the same tokens
     real = np.zeros(cache.num_blocks * runner.module.block_size, dtype=bool)
-    real[arrays["kv_slots"]] = True
+    real[plan.kv_slots] = True
     for i in (1, 2):  # K, V
         flat = [c.flatten(1, 2) for c in (before[i - 1], plain[i], padded[i])]  # [layers, slots, ...]
         torch.testing.assert_close(flat[2][:, real], flat[1][:, real], rtol=1e-5, atol=1e-5)
@@ -76,34 +75,33 @@ def test_a_padded_iteration_computes_what_the_unpadded_one_does(runner):
 
 
 def test_padding_alone_and_its_errors(runner):
-    alone = runner._padded(None, 4, 4, 4)  # a decode graph's warm-up: padding only, one token each
-    assert alone["query_start"].tolist() == [0, 1, 2, 3, 4] and alone["positions"].tolist() == [0] * 4
-    assert (alone["kv_slots"] == 0).all() and (alone["token_slots"] == runner.scratch_slot).all()
-    arrays = iteration(runner, np.random.default_rng(1))
+    bs = runner.module.block_size
+    alone = pad_alone(GraphShape(4, 4, None, True), runner.scratch_slot, bs, runner.max_blocks)  # a decode graph's warm-up
+    assert alone.query_start.tolist() == [0, 1, 2, 3, 4] and alone.positions.tolist() == [0] * 4
+    assert (alone.kv_slots == 0).all() and (alone.token_slots == runner.scratch_slot).all()
+    plan = iteration(runner, np.random.default_rng(1))
     with pytest.raises(ValueError, match="cannot pad"):
-        runner._padded(arrays, 16, 3, 4)  # padded tokens need a padded sequence
+        pad(plan, GraphShape(16, 3, None, False), runner.scratch_slot, bs)  # padded tokens need a padded sequence
     with pytest.raises(ValueError, match="cannot pad"):
-        runner._padded(arrays, 8, 4, 4)  # fewer tokens than there are
+        pad(plan, GraphShape(8, 4, None, False), runner.scratch_slot, bs)  # fewer tokens than there are
 
 
 def test_graph_shapes(runner):
-    assert runner._graph_shape(types.SimpleNamespace(slots=np.arange(3), decode_only=True, batch=3), 9) is None
-    runner.graphs.enabled = True  # (the shapes alone: nothing is captured here)
-    width = runner.max_blocks * runner.module.block_size
-    short = runner._short
+    assert runner.shapes.of(3, 3, True, 9) is None  # (a CPU worker: eagerly)
+    shapes = dataclasses.replace(runner.shapes, enabled=True)  # (the shapes alone: nothing is captured here)
+    short, bucket = shapes.short_context, shapes.bucket
 
     def shape(seqs, tokens, longest, decode=False):
-        return runner._graph_shape(types.SimpleNamespace(slots=np.arange(seqs), decode_only=decode,
-                                                         batch=tokens), longest)
-    assert shape(3, 3, 9, decode=True) == (4, 4, short)  # decode: the short bound or none
-    assert shape(3, 3, short + 1, decode=True) == (4, 4, None)
-    bound = short if short < width else None  # prompt chunks: a power of two below the table's width
-    assert shape(2, 9, 30) == (16, runner.cell_type.bucket(3), bound)  # 7 padded tokens: a padded sequence
-    assert shape(3, 16, 30) == (16, runner.cell_type.bucket(3), bound)  # no padded tokens: none needed
+        return shapes.of(seqs, tokens, decode, longest)
+    assert shape(3, 3, 9, decode=True) == (4, 4, short, True)  # decode: the short bound or none
+    assert shape(3, 3, short + 1, decode=True) == (4, 4, None, True)
+    bound = short if short < shapes.table_width else None  # prompt chunks: a power of two below the table's width
+    assert shape(2, 9, 30) == (16, bucket(3), bound, False)  # 7 padded tokens: a padded sequence
+    assert shape(3, 16, 30) == (16, bucket(3), bound, False)  # no padded tokens: none needed
     assert shape(4, 9, 30) is None  # a padded sequence would not fit the batch sizes
-    runner.max_blocks = 4096 // runner.module.block_size  # (a wider table: contexts bound by powers of two)
+    shapes = dataclasses.replace(shapes, table_width=4096)  # (a wider table: contexts bound by powers of two)
     assert short == 512 and [shape(2, 9, n)[2] for n in (30, 513, 1000, 2049, 4000)] == [512, 1024, 1024, None, None]
-    most = runner.module.kv.prefill_graph_tokens
+    most = shapes.prefill_graph_tokens
     assert shape(1, most, 30)[0] == most and shape(1, most + 1, 30) is None  # long prompt chunks: eagerly
     assert [shape(1, n, 30)[0] for n in (17, 100, 128, 129, 300, 449)] == [32, 128, 128, 192, 320, 512]
     # (powers of two while padding is cheap, then steps of 64)
@@ -122,7 +120,9 @@ def test_the_work_lists_of_a_padded_iteration_name_each_row_once(runner):
     exactly one item, within the lists' capacity for the shape."""
     from batchmaker.kernels.attention_work import capacity
     from batchmaker.kernels.paged_attention import _pow2, pick_config
-    arrays = runner._padded(iteration(runner, np.random.default_rng(2)), 32, 8, 8)  # a padded sequence of 23
+    padded = pad(iteration(runner, np.random.default_rng(2)), GraphShape(32, 8, None, False), runner.scratch_slot,
+                 runner.module.block_size)  # a padded sequence of 23
+    arrays = padded.arrays()
     sizes = capacity(32, 8, runner.group, 32)
     lists = runner._with_work(arrays, 32, 32, sizes, exact=True)
     small, large = lists["attn_small"], lists["attn_large"]

@@ -36,10 +36,11 @@ def test_chunked_prefill_keeps_decodes_running():
     chunks = []
     for task in h.tasks[3:]:
         owners = list(task.owners)
-        if long in owners and task.tokens[task.query_start[owners.index(long)]] != -1:
+        plan = task.plan
+        if long in owners and plan.tokens[plan.query_start[owners.index(long)]] != -1:
             i = owners.index(long)
-            assert owners[0] is short and task.tokens[0] == -1  # the decode first, one token
-            chunks.append(int(task.query_start[i + 1] - task.query_start[i]))
+            assert owners[0] is short and plan.tokens[0] == -1  # the decode first, one token
+            chunks.append(int(plan.query_start[i + 1] - plan.query_start[i]))
             assert (i in task.sample.tolist()) == (sum(chunks) == 40)  # only the last chunk samples
     assert chunks == [7, 7, 7, 7, 7, 5]
 
@@ -50,7 +51,7 @@ def test_decodes_come_first_and_the_budget_holds():
     h.admit([(prompt(rng, rng.randint(1, 9)), rng.randint(1, 8)) for _ in range(10)])
     h.run()
     h.check_results()
-    assert max(t.batch for t in h.tasks) == 6 and any(t.decode_only for t in h.tasks)
+    assert max(t.batch for t in h.tasks) == 6 and any(t.plan.decode_only for t in h.tasks)
 
 
 def test_the_reserve_keeps_new_requests_out_while_others_run():
@@ -107,7 +108,7 @@ def test_results_for_a_finished_slot_are_ignored():
     [a] = h.admit([(p, 10, [next_token(p)])])
     h.form()
     second = h.form()
-    assert second.owners[0] is a and second.tokens[0] == -1  # formed before a's stop is known
+    assert second.owners[0] is a and second.plan.tokens[0] == -1  # formed before a's stop is known
     h.complete()
     assert a.result == [next_token(p)] and a.reason == "stop" and h.seqs[0].num_active == 0
     [c] = h.admit([([4, 5], 3)])

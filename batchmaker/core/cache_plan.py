@@ -1,9 +1,12 @@
 """A CachePlan: the copies between one worker's GPU blocks and its host chunks that the manager's
-cache bookkeeping (core/conversations.py) hands to the worker with an iteration, and the worker
-(exec/kv_swap.py) carries out."""
+cache bookkeeping (core/conversations.py) plans for an iteration, as the manager tracks them: the
+iteration's plan carries them as plain arrays (`copies`: core/iteration_plan.Copies), the worker
+(exec/kv_swap.py) carries them out and sets `done`."""
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from batchmaker.core.iteration_plan import Copies
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -27,6 +30,13 @@ class CachePlan:
     def finished(self) -> bool:
         done = self.done
         return done is True or (done is not None and done is not False and done.query())
+
+    def copies(self, graphed: bool) -> Copies:
+        """The copies as the iteration's plan carries them: swap-ins on the side where deferred,
+        else whole before an iteration that replays a CUDA graph (its layers cannot wait for
+        per-layer copies), else layer by layer."""
+        mode = "side" if self.deferred else "before" if graphed else "layers"
+        return Copies(self.swap_in_host, self.swap_in_blocks, self.swap_out_blocks, self.swap_out_host, mode)
 
     def add_swap_in(self, hosts: np.ndarray, blocks: np.ndarray) -> None:
         self.swap_in_host = np.concatenate([self.swap_in_host, hosts])

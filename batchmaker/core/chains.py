@@ -60,7 +60,7 @@ class Stage:
 class ChainQueue:
     """A stage's cell type as the scheduler sees it: waiting requests and a group per worker."""
 
-    forms_rounds = True  # form() gets SchedulerConfig.max_round_steps: steps of its one round
+    task_kind = "round"  # form() gets SchedulerConfig.max_round_steps: steps of its one round
 
     def __init__(self, stage: Stage, pools: dict[int, dict[str, RowAllocator]]):
         self.stage = stage

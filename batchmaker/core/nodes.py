@@ -6,6 +6,7 @@ Within a request priority, subgraphs are served in the order they became ready (
 task is filled from the highest priority level first, so a busy high level can delay a low one.
 """
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from batchmaker.core.cell_type import CellType
 from batchmaker.core.task import NodeTask
@@ -13,6 +14,7 @@ from batchmaker.core.task import NodeTask
 
 @dataclass(slots=True, eq=False)
 class NodeQueue:
+    task_kind: ClassVar[str] = "node"
     cell_type: CellType
     processor: object = None  # the RequestProcessor: told of submits and completions
     # request priority -> {subgraph id: subgraph} in FIFO order; levels kept highest first

@@ -1,8 +1,9 @@
 """Algorithm 1 of the thesis: choose a cell type for a worker, then form up to MaxTasksToSubmit
 tasks of it. Pure Python over cell queues; no torch, no numpy of its own.
 
-A cell queue is anything with `cell_type`, `num_ready`, `num_running_tasks`, `num_skips` and
-`form(worker_id, max_tasks, epoch) -> [Task]`: a general-path NodeQueue (core/nodes.py), a
+A cell queue is anything with `cell_type`, `task_kind` (what it forms: a "round" queue gets
+`max_round_steps` as its limit: the steps of its one round), `num_ready`, `num_running_tasks`,
+`num_skips` and `form(worker_id, max_tasks, epoch) -> [Task]`: a general-path NodeQueue (core/nodes.py), a
 ChainQueue (core/chains.py, chains and decode loops) or a TreeQueue (core/trees.py). The scheduler
 picks the queue in O(number of cell types); forming costs each queue a few numpy passes over its
 own arrays, whatever the number of requests it holds.
@@ -36,7 +37,7 @@ class Scheduler:
     def schedule(self, worker_id: int) -> list:
         """Tasks for a worker, in the order it must run them (empty if nothing fits it)."""
         for q in self._candidates():
-            limit = self.config.max_round_steps if getattr(q, "forms_rounds", False) else self.config.max_tasks_to_submit
+            limit = self.config.max_round_steps if q.task_kind == "round" else self.config.max_tasks_to_submit
             tasks = q.form(worker_id, limit, self.cancel_epoch)
             if tasks:
                 q.num_running_tasks += len(tasks)

@@ -18,6 +18,8 @@ import numpy as np
 from batchmaker.core.cache_plan import CachePlan
 from batchmaker.core.conversations import ConversationCache
 from batchmaker.core.sequences import Sequences
+from batchmaker.core.iteration_plan import IterationPlan
+from batchmaker.core.iteration_shapes import NO_GRAPHS, GraphShapes
 from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
 
@@ -27,12 +29,13 @@ class SequenceQueue:
     running sequences and its conversations' caches. `form` plans one iteration per call (the
     scheduler's task)."""
 
-    forms_rounds = False
+    task_kind = "iteration"
 
     def __init__(self, cell_type, sequences: dict[int, Sequences], finisher, reserve: float = 0.1,
-                 caches: dict[int, ConversationCache] | None = None):
+                 caches: dict[int, ConversationCache] | None = None, shapes: dict[int, GraphShapes] | None = None):
         self.cell_type = cell_type
         self.sequences = sequences  # worker id -> Sequences
+        self.shapes = shapes or {w: NO_GRAPHS for w in sequences}  # worker id -> the CUDA graphs it replays
         self.caches = caches or {}  # worker id -> ConversationCache
         self.finisher = finisher  # resolves, streams and fails requests (batchmaker/generation.py)
         self.waiting = Waiting()
@@ -273,12 +276,18 @@ class SequenceQueue:
         ss = slots[sample]
         sample_index = q.planned[ss].copy()
         q.planned[ss] += 1
-        return IterationTask(self, self.cell_type, worker_id, total, slots=slots, serials=q.serial[slots].copy(),
-                             owners=q.owner[slots].copy(), query_start=query_start, context_lens=ends,
-                             block_tables=q.blocks.table[slots], tokens=tokens, positions=positions,
-                             kv_slots=kv_slots, token_slots=token_slots, sample=sample, sample_index=sample_index,
-                             temperature=q.temperature[ss], top_k=q.top_k[ss], top_p=q.top_p[ss], seeds=q.seed[ss],
-                             max_query_len=int(counts.max()), decode_only=bool(decode.all()), cache_plan=copies)
+        decode_only = bool(decode.all())
+        graph = self.shapes[worker_id].of(len(slots), total, decode_only, int(ends.max()))
+        plan = IterationPlan.of(
+            tokens=tokens, positions=positions, kv_slots=kv_slots, token_slots=token_slots, query_start=query_start,
+            context_lens=ends, block_tables=q.blocks.table[slots], sample_token=query_start[sample + 1] - 1,
+            sample_slots=ss, seeds=q.seed[ss], counters=sample_index, top_k=q.top_k[ss], temperature=q.temperature[ss],
+            top_p=q.top_p[ss], max_query_len=int(counts.max()), decode_only=decode_only,
+            greedy=not (q.temperature[ss] > 0).any(), graph=graph,
+            copies=None if copies is None else copies.copies(graph is not None))
+        return IterationTask(self, self.cell_type, worker_id, total, plan=plan, slots=slots,
+                             serials=q.serial[slots].copy(), owners=q.owner[slots].copy(), sample=sample,
+                             cache_plan=copies)
 
     # completion (manager thread) ----------------------------------------------------------------
     def complete(self, task: IterationTask) -> None:
@@ -295,7 +304,7 @@ class SequenceQueue:
             return
         slots = task.slots[task.sample]
         current = q.serial[slots] == task.serials[task.sample]
-        slots, index, tokens = slots[current], task.sample_index[current], task.sampled[current]
+        slots, index, tokens = slots[current], task.plan.counters[current], task.sampled[current]
         if not len(slots):
             return
         q.tokens[slots, index] = tokens

@@ -1,24 +1,27 @@
 """Tasks: one batched execution on one worker, as the manager planned it (no torch here).
 
-Each kind of task has its own plan, and the worker has one runner per kind:
-  StepTask   one step of a cell over a batch of rows (tree frontiers; general-path nodes are
-             planned into one by the worker, since their host values need torch)
-  RoundTask  k steps of a cell over the same lanes (chains and decode loops), launched at once
-  NodeTask   general-path nodes (batchmaker/core/graph.py), planned by the worker
+Each kind of task has its own plan, and the worker has one runner per kind (`Task.kind`):
+  StepTask       one step of a cell over a batch of rows (tree frontiers; general-path nodes are
+                 planned into one by the worker, since their host values need torch)
+  RoundTask      k steps of a cell over the same lanes (chains and decode loops), launched at once
+  NodeTask       general-path nodes (batchmaker/core/graph.py), planned by the worker
+  IterationTask  one decoder iteration (its plan: core/iteration_plan.py)
 `source` formed the task and completes it: `source.complete(task)` on the manager thread once the
 worker has run it (`task.error` set if the cell raised).
 """
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from batchmaker.core.cell_type import CellType
+from batchmaker.core.iteration_plan import IterationPlan
 
 
 @dataclass(slots=True, eq=False)
 class Task:
+    kind: ClassVar[str]  # which runner of a worker runs it (with the cell type: exec/worker.py)
     source: Any  # formed it; completes it
     cell_type: CellType
     worker_id: int
@@ -35,6 +38,8 @@ class Task:
 class StepTask(Task):
     """index: int64 [layout.num_slices, batch] (batchmaker/core/cell_type.Layout); fetch: output ->
     lanes whose values the host needs after the step (copied out in the same launch)."""
+
+    kind = "step"
 
     index: np.ndarray = None
     fetch: dict[str, np.ndarray] = field(default_factory=dict)
@@ -60,6 +65,8 @@ class RoundTask(Task):
     fetch: output -> rows of the pool copied to the host after the round (in `fetched`)
     """
 
+    kind = "round"
+
     index: np.ndarray = None
     num_active: np.ndarray = None
     last: np.ndarray = None
@@ -79,6 +86,7 @@ class RoundTask(Task):
 
 @dataclass(slots=True, eq=False)
 class NodeTask(Task):
+    kind = "node"
     nodes: list = field(default_factory=list)  # general-path Nodes, planned by the worker
 
 
@@ -86,35 +94,18 @@ class NodeTask(Task):
 class IterationTask(Task):
     """One iteration of a decoder over a flat batch of `batch` tokens: prompt chunks of some
     sequences and one decode token of others (ORCA's iteration-level scheduling with selective
-    batching). Sequence i owns tokens query_start[i]..query_start[i+1]-1, the last positions of its
-    context of context_lens[i] positions; token-wise work runs on the flat batch, attention per
-    sequence over its blocks (block_tables[i]).
-
-    tokens: int64 [T], -1 where the token is the slot's last sampled one (it stays on the device)
-    positions, kv_slots, token_slots: int64 [T]: position, cache slot, sequence slot of each token
-    sample: int64 [N]: the sequences that sample a token this iteration (indices into slots);
-      sample_index [N]: which generated token it is (where it goes; the seeded sampler's counter)
-    decode_only: every sequence brings one token (the case CUDA graphs cover)
+    batching). `plan` (core/iteration_plan.py) is what the worker runs; the rest is the manager's:
+    each sequence's slot, its occupant's serial and future ([S], in the plan's order), and which
+    of them sample this iteration (`sample`: indices into slots [N]; the plan's samples in order).
     """
 
+    kind = "iteration"
+
+    plan: IterationPlan = None
     slots: np.ndarray = None
     serials: np.ndarray = None
     owners: np.ndarray = None
-    query_start: np.ndarray = None
-    context_lens: np.ndarray = None
-    block_tables: np.ndarray = None
-    tokens: np.ndarray = None
-    positions: np.ndarray = None
-    kv_slots: np.ndarray = None
-    token_slots: np.ndarray = None
     sample: np.ndarray = None
-    sample_index: np.ndarray = None
-    temperature: np.ndarray = None
-    top_k: np.ndarray = None
-    top_p: np.ndarray = None
-    seeds: np.ndarray = None
-    max_query_len: int = 1
-    decode_only: bool = False
-    cache_plan: Any = None  # a CachePlan (core/conversations.py): copies to and from the host tier
+    cache_plan: Any = None  # the manager's handle on the plan's copies (core/cache_plan.py): the worker sets `done`
     sampled: np.ndarray = None  # int64 [N], filled when the task finished
     seconds: float = math.nan  # how long the iteration ran (its runner measures it where it can)

@@ -43,6 +43,8 @@ class TreeSpec:
 class TreeQueue:
     """One of the two cell types of a Tree form, as the scheduler sees it; the two share a Forest."""
 
+    task_kind = "step"
+
     def __init__(self, forest: "Forest", kind: int):
         self.forest, self.kind = forest, kind
         self.cell_type = forest.spec.internal if kind == INTERNAL else forest.spec.leaf

@@ -107,7 +107,6 @@ class CellRunner:
 
 
 def cell_runners(cell_types: list[CellType], cells: dict, memory: StateMemory, use_fused: bool) -> dict:
-    """id(cell type) -> CellRunner, for one worker (cells batched by rows; decoder cells, whose batch
-    unit is tokens, have an IterationRunner instead: batchmaker/exec/iterations.py)."""
-    return {id(ct): CellRunner(ct, cells[id(ct)], memory, use_fused) for ct in cell_types
-            if getattr(ct.cell, "batch_unit", "rows") == "rows"}
+    """id(cell type) -> CellRunner, for one worker's cells batched by rows (decoder cells, whose
+    batch unit is tokens, have an IterationRunner instead: batchmaker/exec/iterations.py)."""
+    return {id(ct): CellRunner(ct, cells[id(ct)], memory, use_fused) for ct in cell_types}

@@ -1,24 +1,12 @@
-"""What one decoder iteration reads, from the host to the device in one copy: `host_arrays` turns
-an IterationTask's plan into named arrays, and a `Packed` holds one shape's static device buffer
-(one int64 buffer viewed as those arrays, 4-byte columns two to a word) with its pinned ring.
-A CUDA graph reads a Packed's tensors at fixed addresses; eager launches reuse them per shape.
+"""What one decoder iteration reads, from the host to the device in one copy: a `Packed` holds one
+shape's static device buffer (one int64 buffer viewed as the arrays of an iteration's plan,
+core/iteration_plan.py, 4-byte columns two to a word) with its pinned ring. A CUDA graph reads a
+Packed's tensors at fixed addresses; eager launches reuse them per shape.
 """
 import numpy as np
 import torch
 
-from batchmaker.core.task import IterationTask
 from batchmaker.exec.staging import PinnedRing
-
-
-def host_arrays(task: IterationTask) -> dict[str, np.ndarray]:
-    """The task's plan as the arrays the computation reads (sequence-level ones per sampled row)."""
-    sample_token = task.query_start[task.sample + 1] - 1
-    return {"tokens": task.tokens, "positions": task.positions, "kv_slots": task.kv_slots,
-            "token_slots": task.token_slots, "query_start": task.query_start.astype(np.int32),
-            "context_lens": task.context_lens.astype(np.int32), "block_tables": task.block_tables,
-            "sample_token": sample_token, "sample_slots": task.slots[task.sample], "seeds": task.seeds,
-            "counters": task.sample_index, "top_k": task.top_k,
-            "temperature": task.temperature.astype(np.float32), "top_p": task.top_p.astype(np.float32)}
 
 
 _NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
@@ -42,7 +30,7 @@ def column_layout(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int, int]
 
 class Packed:
     """One pinned int64 buffer per launch (a ring) copied to one static device buffer, viewed as
-    the named tensors of `host_arrays` (padded by `IterationRunner._padded` for a graph)."""
+    the named tensors of an iteration plan's arrays (padded to the shape for a graph)."""
 
     def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream,
                  work: tuple[int, int] | None = None):
@@ -64,7 +52,7 @@ class Packed:
         self.tensors["block_tables"] = self.tensors["block_tables"].view(num_seqs, max_blocks)
 
     def load(self, arrays: dict) -> None:
-        """Copy the arrays (of `host_arrays`, padded to this shape where it is a graph's)."""
+        """Copy the arrays (a plan's, padded to this shape where it is a graph's)."""
         host = self.ring.next()
         for name, (start, size, words) in self.columns.items():
             dest = host[start:start + words]

@@ -1,4 +1,5 @@
-"""The general path's planning: a NodeTask (nodes of unfolder functions) becomes a StepTask.
+"""The general path's runner: a NodeTask (nodes of unfolder functions) becomes a StepTask, which
+the worker's StepRunner runs.
 
 Per input, each node's row: row 0 for None, the producer's row for a Ref to an output on this
 worker; a host value is staged (copied into a fresh row before the step), except an integer
@@ -15,15 +16,39 @@ from batchmaker.core.task import NodeTask, StepTask
 from batchmaker.exec.cells import CellRunner
 
 
-class NodePlanner:
-    def __init__(self, worker, cells: dict[int, CellRunner]):
+class NodeRunner:
+    def __init__(self, worker, cells: dict[int, CellRunner], steps):
         self.worker = worker
         self.cells = cells
+        self.steps = steps  # exec/steps.StepRunner: runs the planned steps
         self._last_rows: dict[str, tuple] | None = None  # output -> (pool, rows) of the last task planned
 
     def forget(self) -> None:
         """Another kind of task was planned on the worker: no output of a node task to reuse."""
         self._last_rows = None
+
+    def launch(self, task: NodeTask) -> None:
+        task.handle = self.plan(task)
+        self.steps.launch(task.handle)
+
+    def execute(self, task: NodeTask) -> None:
+        task.handle = self.plan(task)
+        self.steps.execute(task.handle)
+
+    def finish(self, task: NodeTask) -> None:
+        """The step completed (or failed): fetched values to their nodes, staging rows freed."""
+        step, task.handle = task.handle, None
+        if step is None:  # (planning failed: nothing was allocated for it)
+            return
+        self.steps.finish(step)
+        task.error = task.error or step.error
+        if task.error is None:
+            for name, lanes in step.fetch.items():
+                values = step.fetched[name]
+                for b, value in zip(lanes.tolist(), values):
+                    task.nodes[b].set_host_output(name, value)
+        for pool, rows in step.info:
+            pool.free_many(rows)
 
     def plan(self, task: NodeTask) -> StepTask:
         cell = self.cells[id(task.cell_type)]
@@ -79,15 +104,6 @@ class NodePlanner:
                         reuse=reuse)
         step.info = temp
         return step
-
-    def finish(self, task: NodeTask, step: StepTask) -> None:
-        """The step completed: hand fetched values to their nodes, free the staging rows."""
-        for name, lanes in step.fetch.items():
-            values = step.fetched[name]
-            for b, value in zip(lanes.tolist(), values):
-                task.nodes[b].set_host_output(name, value)
-        for pool, rows in step.info:
-            pool.free_many(rows)
 
 
 def _reusable(name: str, pool, rows: list[int], last: dict) -> dict[str, str]:

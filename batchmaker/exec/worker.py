@@ -1,9 +1,12 @@
-"""Workers: one device each, a thin queue in front of the runners (one runner per kind of task).
+"""Workers: one device each, a thin queue in front of the runners (one runner per kind of task and
+cell type, found by one lookup: `runners[task.kind, id(task.cell_type)]`).
 
 `submit(task)` hands a task to its runner: a CUDA worker queues the launch on its stream at once
 (the manager thread) and ends it with the signaling kernel; a CPU worker runs it on a thread of
 its own. `poll()` returns finished tasks in submission order, their host values in place.
 The general path's node tasks are planned into step tasks here (batchmaker/exec/nodes.py).
+What the manager plans a decoder's iterations by is measured when a worker starts
+(`decoder_facts`: core/decoder_facts.py).
 """
 import copy
 import logging
@@ -16,11 +19,11 @@ from collections.abc import Callable
 import torch
 
 from batchmaker.core.graph import Node, Ref
-from batchmaker.core.task import IterationTask, NodeTask, RoundTask, Task
+from batchmaker.core.task import Task
 from batchmaker.exec.cells import cell_runners
 from batchmaker.exec.graphs import Graphs
 from batchmaker.exec.iterations import IterationRunner
-from batchmaker.exec.nodes import NodePlanner
+from batchmaker.exec.nodes import NodeRunner
 from batchmaker.exec.rounds import RoundRunner
 from batchmaker.exec.state import StateMemory
 from batchmaker.exec.steps import StepRunner
@@ -35,14 +38,19 @@ class Worker:
         self.device = device
         self.peers = peers  # every worker, indexed by id (for inputs produced elsewhere)
         self.memory = StateMemory(device)
-        self.cells = cell_runners(cell_types, cells, self.memory, use_fused=device.type == "cuda")
+        rows = [ct for ct in cell_types if ct.cell.batch_unit == "rows"]
+        self.cells = cell_runners(rows, cells, self.memory, use_fused=device.type == "cuda")
         self.graphs = Graphs(device, use_graphs)
         self.steps = StepRunner(self.cells, self.graphs)
         self.rounds = RoundRunner(self.cells, self.graphs, max_steps)
-        self.nodes = NodePlanner(self, self.cells)
-        self.iterations = {id(ct): IterationRunner(ct, cells[id(ct)], device, self.graphs, cells[id(ct)].num_blocks_on(device))
-                           for ct in cell_types if id(ct) not in self.cells}
-        self.cells.update(self.iterations)  # (their `pools` tell the manager the KV cache's size)
+        self.nodes = NodeRunner(self, self.cells, self.steps)
+        self.iterations = {id(ct): IterationRunner(ct, cells[id(ct)], device, self.graphs,
+                                                   cells[id(ct)].num_blocks_on(device))
+                           for ct in cell_types if ct.cell.batch_unit == "tokens"}
+        self.runners = {(kind, id(ct)): runner for ct in rows
+                        for kind, runner in (("step", self.steps), ("round", self.rounds), ("node", self.nodes))}
+        self.runners.update({("iteration", key): runner for key, runner in self.iterations.items()})
+        self.decoder_facts = {}  # id(cell type) -> DecoderFacts: measured once the worker is ready (`_measure`)
         self.num_in_flight = 0
         self.num_tasks = 0
 
@@ -56,39 +64,19 @@ class Worker:
     def num_gathers_skipped(self) -> int:
         return self.steps.num_gathers_skipped
 
-    def _prepare(self, task: Task) -> Task:
-        """The task a runner runs: a node task's plan, or the task itself."""
-        if isinstance(task, NodeTask):
-            task.handle = self.nodes.plan(task)
-            return task.handle
-        self.nodes.forget()
-        return task
+    def _measure(self) -> None:
+        """What the manager plans decoder iterations by (start-up facts, measured on free blocks)."""
+        with torch.inference_mode():
+            self.decoder_facts = {key: runner.measure() for key, runner in self.iterations.items()}
 
     def _runner(self, task: Task):
-        if isinstance(task, RoundTask):
-            return self.rounds
-        if isinstance(task, IterationTask):
-            return self.iterations[id(task.cell_type)]
-        return self.steps
+        if task.kind != "node":
+            self.nodes.forget()  # (a node task reuses the rows of the node task just before it only)
+        return self.runners[task.kind, id(task.cell_type)]
 
     def _finish(self, task: Task) -> None:
         """Manager thread, once the task completed: its host values to where they belong."""
-        if isinstance(task, NodeTask):
-            step = task.handle
-            self.steps.finish(step)
-            task.error = step.error
-            if step.error is None:
-                self.nodes.finish(task, step)
-            else:
-                for pool, rows in step.info:
-                    pool.free_many(rows)
-            task.handle = None
-        elif isinstance(task, RoundTask):
-            self.rounds.finish(task)
-        elif isinstance(task, IterationTask):
-            self.iterations[id(task.cell_type)].finish(task)
-        else:
-            self.steps.finish(task)
+        self.runners[task.kind, id(task.cell_type)].finish(task)
         self.num_in_flight -= 1
 
     # the general path's host values ---------------------------------------------------------
@@ -126,6 +114,7 @@ class CPUWorker(Worker):
 
     def __init__(self, *args, on_done: Callable[[], None], inline: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self._measure()
         self._on_done = on_done
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[Task] = deque()
@@ -136,13 +125,13 @@ class CPUWorker(Worker):
             self._thread.start()
 
     def submit(self, task: Task) -> None:
-        runnable = self._prepare(task)
+        runner = self._runner(task)
         self.num_in_flight += 1
         self.num_tasks += 1
         if self._thread is None:
-            self._execute(task, runnable)
+            self._execute(task, runner)
         else:
-            self._inbox.put((task, runnable))
+            self._inbox.put((task, runner))
 
     def poll(self) -> list[Task]:
         held = None
@@ -169,11 +158,11 @@ class CPUWorker(Worker):
                 self._execute(*item)
                 self._on_done()
 
-    def _execute(self, task: Task, runnable: Task) -> None:
+    def _execute(self, task: Task, runner) -> None:
         try:
-            self._runner(runnable).execute(runnable)
+            runner.execute(task)
         except Exception as e:  # the cell raised: its task's requests fail, the worker goes on
-            runnable.error = e
+            task.error = e
             self.steps.forget_outputs()
         self._done.append(task)
 
@@ -209,6 +198,7 @@ class CUDAWorker(Worker):
         self.num_peer_copies = 0
         if self.graphs.enabled:
             self._capture(warm)
+        self._measure()
 
     def _capture(self, warm: list) -> None:
         """Capture every (bucket[, k]) graph of the cell types `warm` names, now, not at a first request:
@@ -234,11 +224,11 @@ class CUDAWorker(Worker):
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.stream)
             _manager.stream = self.stream
-        runnable = self._prepare(task)
+        runner = self._runner(task)
         try:
-            self._runner(runnable).launch(runnable)
+            runner.launch(task)
         except Exception as e:  # raised at launch: the task fails, the FIFO stays in order
-            runnable.error = e
+            task.error = e
         self.counter.signal()
         self._in_progress.append(task)
         self.num_in_flight += 1

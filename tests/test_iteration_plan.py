@@ -1,0 +1,65 @@
+"""The iteration plan (core/iteration_plan.py) as bytes: what one process plans, another runs,
+unchanged (the ranks of a model-parallel decoder all run the plan rank 0 made). No torch."""
+import numpy as np
+import pytest
+
+from batchmaker.core.iteration_plan import ARRAYS, COPY_MODES, Copies, GraphShape, IterationPlan
+
+
+def random_plan(rng: np.random.Generator, copies: bool, graph: bool) -> IterationPlan:
+    s = int(rng.integers(1, 9))
+    counts = rng.integers(1, 6, s)
+    t, n = int(counts.sum()), int(rng.integers(0, s + 1))
+    query_start = np.concatenate([[0], np.cumsum(counts)])
+    per_chunk, n_in, n_out = int(rng.integers(1, 4)), int(rng.integers(0, 5)), int(rng.integers(0, 5))
+    return IterationPlan.of(
+        tokens=rng.integers(-1, 1000, t), positions=rng.integers(0, 4096, t), kv_slots=rng.integers(0, 1 << 40, t),
+        token_slots=rng.integers(0, 64, t), query_start=query_start, context_lens=rng.integers(1, 4096, s),
+        block_tables=rng.integers(0, 1 << 30, (s, int(rng.integers(1, 300)))), sample_token=rng.integers(0, t, n),
+        sample_slots=rng.integers(0, 64, n), seeds=rng.integers(-(1 << 62), 1 << 62, n), counters=rng.integers(0, 4096, n),
+        top_k=rng.integers(0, 50, n), temperature=rng.random(n) * 2, top_p=rng.random(n),
+        max_query_len=int(counts.max()), decode_only=bool(rng.integers(2)), greedy=bool(rng.integers(2)),
+        graph=GraphShape(int(rng.integers(16, 512)), int(rng.integers(1, 64)), [None, 512, 1024][int(rng.integers(3))],
+                         bool(rng.integers(2))) if graph else None,
+        copies=Copies(rng.integers(0, 100, n_in), rng.integers(0, 1000, (n_in, per_chunk)),
+                      rng.integers(0, 1000, (n_out, per_chunk)), rng.integers(0, 100, n_out),
+                      COPY_MODES[int(rng.integers(3))]) if copies else None)
+
+
+def assert_same(a: IterationPlan, b: IterationPlan) -> None:
+    for name, dtype in ARRAYS.items():
+        x, y = getattr(a, name), getattr(b, name)
+        assert y.dtype == dtype and x.shape == y.shape and np.array_equal(x, y), name
+    assert (a.max_query_len, a.decode_only, a.greedy, a.graph) == (b.max_query_len, b.decode_only, b.greedy, b.graph)
+    assert (a.copies is None) == (b.copies is None)
+    if a.copies is not None:
+        assert a.copies.mode == b.copies.mode
+        for name in ("swap_in_host", "swap_in_blocks", "swap_out_blocks", "swap_out_host"):
+            x, y = getattr(a.copies, name), getattr(b.copies, name)
+            assert x.shape == y.shape and np.array_equal(x, y), name
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_a_plan_comes_back_from_its_bytes_as_it_was(seed):
+    rng = np.random.default_rng(seed)
+    plan = random_plan(rng, copies=seed % 2 == 0, graph=seed % 3 == 0)
+    back = IterationPlan.from_bytes(plan.to_bytes())
+    assert_same(plan, back)
+    back.tokens[0] = 7  # (writable: a receiving rank may pad it in place or hand it to torch)
+    assert IterationPlan.from_bytes(back.to_bytes()).tokens[0] == 7
+
+
+def test_an_empty_sample_list_and_copies_without_swap_ins():
+    plan = random_plan(np.random.default_rng(0), copies=False, graph=False)
+    z = np.zeros(0)
+    plan = IterationPlan.of(**{**plan.arrays(), **dict.fromkeys(("sample_token", "sample_slots", "seeds", "counters",
+                                                                 "top_k", "temperature", "top_p"), z)},
+                            copies=Copies(z, z.reshape(0, 2), np.arange(4).reshape(2, 2), np.array([5, 6]), "side"))
+    assert_same(plan, IterationPlan.from_bytes(plan.to_bytes()))
+
+
+def test_the_plan_casts_its_arrays_and_has_no_mutable_fields():
+    plan = random_plan(np.random.default_rng(1), copies=False, graph=False)
+    assert all(getattr(plan, name).dtype == dtype for name, dtype in ARRAYS.items())
+    with pytest.raises(AttributeError):
+        plan.tokens = plan.positions  # (frozen: the runner and other ranks read what the planner made)
