@@ -19,7 +19,6 @@ Streamed partials carry each iteration's new token ({"tokens": [id]}, + "text").
 import itertools
 import math
 import random
-import secrets
 import time
 import weakref
 
@@ -27,12 +26,13 @@ import numpy as np
 
 from batchmaker.core.admission import check_keys, check_tokens, is_int
 from batchmaker.core.blocks import BlockTables
-from batchmaker.core.conversations import Conversation, ConversationCache
+from batchmaker.core.conversation_cache import ConversationCache
+from batchmaker.core.conversations import Conversation, Conversations
 from batchmaker.core.decoder_facts import DecoderFacts
 from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
-from batchmaker.errors import BadRequestError, UnknownConversationError
+from batchmaker.errors import BadRequestError
 from batchmaker.request import Result
 from batchmaker.structured import Finisher
 
@@ -57,9 +57,15 @@ class GenerativeModel(Finisher):
         # text prompts: the future -> the text streamed so far (gone with the future, cancelled or not)
         self._texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._seeds = itertools.count(random.getrandbits(40))
-        self.conversations: dict[str, Conversation] = {}
-        self.caches: dict[int, ConversationCache] = {}
-        self._swept = time.monotonic()
+        self.turns = Conversations({}, self.form.conversation_ttl)  # conversations across turns (set by `build`)
+
+    @property
+    def conversations(self) -> dict[str, Conversation]:
+        return self.turns.by_id
+
+    @property
+    def caches(self) -> dict[int, ConversationCache]:
+        return self.turns.caches
 
     def facts_from(self, worker) -> DecoderFacts:
         """What this model's queue needs of a started worker: its decoder's facts."""
@@ -73,12 +79,13 @@ class GenerativeModel(Finisher):
             sequences[worker] = Sequences(self.cell.max_seqs, self.max_len, blocks)
         self.num_blocks = min(q.blocks.num_blocks for q in sequences.values())
         kv = self.cell.kv
-        for worker, f in facts.items():
-            self.caches[worker] = ConversationCache(sequences[worker].blocks, f.host_chunks, f.chunk_tokens,
-                                                    f.chunk_costs, kv.eviction, kv.swap_threshold, f.max_swap_out,
-                                                    f.max_swap_in, kv.swap_out_rows, swap_in_seconds=f.swap_in_seconds)
-        self._chunk_bytes = {worker: f.chunk_bytes for worker, f in facts.items()}
-        self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.caches,
+        caches = {worker: ConversationCache(sequences[worker].blocks, f.host_chunks, f.chunk_tokens, f.chunk_costs,
+                                            kv.eviction, kv.swap_threshold, f.max_swap_out, f.max_swap_in,
+                                            kv.swap_out_rows, swap_in_seconds=f.swap_in_seconds)
+                  for worker, f in facts.items()}
+        self.turns = Conversations(caches, self.form.conversation_ttl,
+                                   {worker: f.chunk_bytes for worker, f in facts.items()})
+        self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.turns,
                                    {worker: f.shapes for worker, f in facts.items()})
         self.queues = [self.queue]
         return self.queues
@@ -89,8 +96,7 @@ class GenerativeModel(Finisher):
     # admission ------------------------------------------------------------------------------------
     def admit(self, futures: list) -> None:
         good, rows, prompts = [], [], []
-        if self.conversations and time.monotonic() - self._swept > 1.0:
-            self._expire()
+        self.turns.sweep()
         for f in futures:
             try:
                 if isinstance(f.inputs, dict) and "end" in f.inputs:
@@ -100,15 +106,14 @@ class GenerativeModel(Finisher):
             except BadRequestError as e:
                 self.fail([f], e)
                 continue
+            conversation = row["conversation"]
             if row["max_new"] == 0:  # nothing to compute now; a conversation keeps the prompt for its next turn
-                conversation = row["conversation"]
                 if conversation is not None:
-                    conversation.tokens = np.concatenate([conversation.tokens, prompt])
-                    conversation.turns += 1
+                    self.turns.add_prompt(conversation, prompt)
                 self._resolve(f, [], "length", f.arrival, conversation)
                 continue
-            if row["conversation"] is not None:
-                row["conversation"].turn = f
+            if conversation is not None:
+                self.turns.begin(conversation, f)
             good.append(f)
             rows.append(row)
             prompts.append(prompt)
@@ -141,7 +146,7 @@ class GenerativeModel(Finisher):
             if isinstance(inputs["tokens"], (list, tuple)) and not inputs["tokens"]:
                 raise BadRequestError("tokens: the prompt is empty")
             prompt = check_tokens(inputs["tokens"], self.vocab, "tokens")
-        conversation = self._conversation(inputs.get("conversation"))
+        conversation = self.turns.of_request(inputs.get("conversation"))
         history = len(conversation.tokens) if conversation is not None else 0
         if history + len(prompt) >= self.max_len:
             what = f"{key}: {len(prompt)} tokens" + (f" after the conversation's {history}" if history else "")
@@ -180,78 +185,28 @@ class GenerativeModel(Finisher):
                "priority": f.priority, "first": math.nan, "joined": math.nan,
                "streams": f.on_partial is not None,
                "history": history, "conversation": conversation}
-        if conversation is not None:
-            self.conversations[conversation.id] = conversation
-            conversation.restored = (0, 0, 0)
         return prompt, row
 
     # conversations --------------------------------------------------------------------------------
-    def _conversation(self, value) -> Conversation | None:
-        """The request's conversation: None, a new one (true), or a known idle one (its id)."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return Conversation(secrets.token_hex(8), touched=time.monotonic())
-        if not isinstance(value, str):
-            raise BadRequestError(f"conversation: expected true (start one) or a conversation id, got {value!r}")
-        conversation = self.conversations.get(value)
-        now = time.monotonic()
-        if conversation is not None and self._expired(conversation, now):  # (between the sweeps of _expire)
-            self._forget(conversation)
-            conversation = None
-        if conversation is None:
-            raise UnknownConversationError(value, self.form.conversation_ttl)
-        if conversation.busy:
-            raise BadRequestError(f"conversation {value!r} has a turn running: send the next one after its reply")
-        conversation.touched = now
-        return conversation
-
     def _end(self, f) -> None:
         try:
             check_keys(f.inputs, ["conversation", "end"])
             if f.inputs["end"] is not True:
                 raise BadRequestError(f"end: expected true, got {f.inputs['end']!r}")
-            conversation = self._conversation(f.inputs["conversation"])
-            if conversation is None or conversation.id not in self.conversations:
+            conversation = self.turns.of_request(f.inputs["conversation"])
+            if conversation is None or conversation.id not in self.turns.by_id:
                 raise BadRequestError("end: name the conversation to end by its id")
         except BadRequestError as e:
             self.fail([f], e)
             return
-        self._forget(conversation)
+        self.turns.end(conversation)
         now = time.perf_counter()
         self.accounting.finished(f, now - f.arrival)
         f.set_result(Result({"conversation": conversation.id, "ended": True, "turns": conversation.turns}, None,
                             (f.arrival, now, now)))
 
-    def _forget(self, conversation: Conversation) -> None:
-        if conversation.worker is not None:
-            self.caches[conversation.worker].forget(conversation.row)
-        conversation.row, conversation.worker = -1, None
-        self.conversations.pop(conversation.id, None)
-
-    def _expire(self) -> None:
-        """Conversations idle for longer than the form's conversation_ttl are forgotten."""
-        now = self._swept = time.monotonic()
-        for conversation in list(self.conversations.values()):
-            if self._expired(conversation, now):
-                self._forget(conversation)
-
-    def _expired(self, conversation: Conversation, now: float) -> bool:
-        return not conversation.busy and now - conversation.touched > self.form.conversation_ttl
-
     def conversation_stats(self) -> dict:
-        stats = {"conversations": len(self.conversations), "bytes_out": 0, "bytes_in": 0}
-        for worker, cache in self.caches.items():
-            for k, v in cache.stats.items():
-                stats[k] = stats.get(k, 0) + v
-            stats["bytes_out"] += cache.stats["chunks_out"] * self._chunk_bytes[worker]  # K/V copied to the host
-            stats["bytes_in"] += cache.stats["chunks_in"] * self._chunk_bytes[worker]  # and back
-            stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.host_chunks.num - cache.host_chunks.num_free
-            stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
-        context = sum(stats.get(f"{tier}_tokens", 0) for tier in ("gpu_hit", "host_hit", "recomputed"))
-        for tier in ("gpu_hit", "host_hit", "recomputed"):  # shares of the previous turns' positions
-            stats[f"{tier}_rate"] = stats.get(f"{tier}_tokens", 0) / context if context else 0.0
-        return stats
+        return self.turns.stats()
 
     # the queue's finisher side (manager thread) -------------------------------------------------
     def tokens(self, q: Sequences, slots: np.ndarray, tokens: np.ndarray, done: np.ndarray,

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from batchmaker.core.blocks import BlockTables
-from batchmaker.core.conversations import Conversation, ConversationCache
+from batchmaker.core.conversation_cache import ConversationCache
+from batchmaker.core.conversations import Conversation
 from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk

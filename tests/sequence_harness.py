@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchmaker.core.blocks import BlockTables
+from batchmaker.core.conversations import Conversations
 from batchmaker.core.iteration_plan import IterationPlan
 from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
@@ -106,7 +107,7 @@ class Harness:
                      for w in range(num_workers)}
         self.finisher = FakeFinisher()
         self.caches = self.make_caches()
-        self.queue = SequenceQueue(self.cell_type, self.seqs, self.finisher, reserve, self.caches)
+        self.queue = SequenceQueue(self.cell_type, self.seqs, self.finisher, reserve, Conversations(self.caches))
         self.devices = {w: FakeDevice(q.blocks, num_slots) for w, q in self.seqs.items()}
         self.in_flight = {w: deque() for w in self.seqs}
         self.expected: dict[FakeFuture, list[int]] = {}  # generated tokens

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from batchmaker.core.blocks import BlockTables
-from batchmaker.core.conversations import Conversation, ConversationCache
+from batchmaker.core.conversation_cache import ConversationCache
+from batchmaker.core.conversations import Conversation
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.core.waiting import Chunk
 from sequence_harness import VOCAB, FakeDevice, FakeFuture, Harness, reference
@@ -77,7 +78,7 @@ class ConversationHarness(Harness):
         self.expected[f] = reference(history + prompt, max_new, (), self.max_len)
         self.full[f], self.stops[f] = history + prompt + self.expected[f], []
         if conversation is not None:
-            conversation.turn = f
+            self.queue.turns.begin(conversation, f)
         row = {"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                "seed": f.request_id, "stops": [-1] * MAX_STOPS, "priority": 0, "first": math.nan, "joined": math.nan,
                "streams": False, "history": len(history)}

@@ -52,7 +52,7 @@ class BlockTables:
         self.give_back(self.detach(slot))
 
     def detach(self, slot: int) -> np.ndarray:
-        """A slot's blocks, no longer its (a conversation keeps them: core/conversations.py)."""
+        """A slot's blocks, no longer its (a conversation keeps them: core/conversation_cache.py)."""
         n = int(self.count[slot])
         ids = self.table[slot, :n].copy()
         self.count[slot] = 0

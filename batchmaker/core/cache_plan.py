@@ -1,5 +1,5 @@
 """A CachePlan: the copies between one worker's GPU blocks and its host chunks that the manager's
-cache bookkeeping (core/conversations.py) plans for an iteration, as the manager tracks them: the
+cache bookkeeping (core/conversation_cache.py) plans for an iteration, as the manager tracks them: the
 iteration's plan carries them as plain arrays (`copies`: core/iteration_plan.Copies), the worker
 (exec/kv_swap.py) carries them out and sets `done`."""
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""The host tier's chunks of one worker as ids (core/conversations.py holds which conversation's
+"""The host tier's chunks of one worker as ids (core/conversation_cache.py holds which conversation's
 chunk each is; exec/kv_swap.py holds the bytes): which are free, taken in runs of consecutive ids,
 since each run is one copy per K/V (and layer) on the way out and in."""
 import numpy as np

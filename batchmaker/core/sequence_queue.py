@@ -1,42 +1,45 @@
 """SequenceQueue: one decoder's iterations, planned from its running sequences (core/sequences.py)
 and its waiting requests (ORCA's iteration-level scheduling, Pensieve's unified prefill + decode
-batch; thesis §2.9, §3.4).
+batch; thesis §2.9, §3.4). `form` plans one iteration per call (an IterationTask whose `plan` is
+core/iteration_plan.IterationPlan); `complete` takes its sampled tokens.
 
-When the blocks run out, the newest sequence is suspended: its blocks are freed and it waits
-again, first in line, with its known tokens as its prompt (it is recomputed; sampling is seeded
-per token, so it continues as if never suspended). New sequences join only while a reserve of
-blocks stays free for the running ones.
+An iteration takes, within the token budget: every running decode (one token each, oldest
+first), then the next prompt chunks of sequences still prefilling, then new requests joining free
+slots, in chunks of what the budget leaves (a long prompt never stalls the running decodes). A
+waiting request joins only while a reserve of blocks stays free for the running ones. When the
+blocks run out, blocks of idle conversations are reclaimed, then the newest sequence is
+suspended: its blocks are freed and it waits again, first in line, with its known tokens as its
+prompt (it is recomputed; sampling is seeded per token, so it continues as if never suspended).
 
-A turn of a conversation (core/conversations.py) joins with the conversation's tokens before its
-prompt, and its cache: positions [skip_from, skip_to) are already there (on the GPU, or swapped in
-before each layer's attention in the iteration it joins); [0, skip_from) were dropped and are
-recomputed first, as a sub-request of their own that shares the sequence's blocks (Pensieve Fig.
-3.8), then the prompt. When the turn finishes, its blocks stay with the conversation.
+Turns of conversations go through the conversations layer (core/conversations.py): it routes a
+turn to the worker holding its cache, and when the turn joins, its cached blocks become the
+sequence's: positions [skip_from, skip_to) are already there (on the GPU, or copied in from the
+host), [0, skip_from) were dropped and are recomputed first, as a sub-request of their own that
+shares the sequence's blocks (Pensieve Fig. 3.8), then the prompt.
 """
 import numpy as np
 
 from batchmaker.core.cache_plan import CachePlan
-from batchmaker.core.conversations import ConversationCache
-from batchmaker.core.sequences import Sequences
+from batchmaker.core.conversations import Conversations
 from batchmaker.core.iteration_plan import IterationPlan
 from batchmaker.core.iteration_shapes import NO_GRAPHS, GraphShapes
+from batchmaker.core.sequences import Sequences
 from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
 
 
 class SequenceQueue:
     """The scheduler's queue of one decoder cell type: the waiting requests and, per worker, its
-    running sequences and its conversations' caches. `form` plans one iteration per call (the
-    scheduler's task)."""
+    running sequences."""
 
     task_kind = "iteration"
 
     def __init__(self, cell_type, sequences: dict[int, Sequences], finisher, reserve: float = 0.1,
-                 caches: dict[int, ConversationCache] | None = None, shapes: dict[int, GraphShapes] | None = None):
+                 turns: Conversations | None = None, shapes: dict[int, GraphShapes] | None = None):
         self.cell_type = cell_type
         self.sequences = sequences  # worker id -> Sequences
-        self.shapes = shapes or {w: NO_GRAPHS for w in sequences}  # worker id -> the CUDA graphs it replays
-        self.caches = caches or {}  # worker id -> ConversationCache
+        self.turns = turns or Conversations({})  # conversations and their caches across turns
+        self.shapes = shapes or dict.fromkeys(sequences, NO_GRAPHS)  # worker id -> the CUDA graphs it replays
         self.finisher = finisher  # resolves, streams and fails requests (batchmaker/generation.py)
         self.waiting = Waiting()
         self.pinned = {w: Waiting() for w in sequences}  # turns of conversations cached on a worker
@@ -50,7 +53,6 @@ class SequenceQueue:
         self.counters = dict.fromkeys(("planned", "running", "joins_pinned", "joins_waiting",
                                        "refused_blocks", "refused_copies", "idle_held", "idle_locked"), 0)
         self._reserve = {w: int(np.ceil(reserve * (q.blocks.num_blocks - 1))) for w, q in sequences.items()}
-        self.iteration_seconds = dict.fromkeys(sequences, 0.0)  # per worker: a moving average of measured iterations
         self._joined = 0
         self._epoch = 0
 
@@ -72,15 +74,13 @@ class SequenceQueue:
         return sum(int(c.bounds[-1] - c.bounds[0]) for w in lines for level in w.levels.values() for c in level)
 
     def add(self, priorities: np.ndarray, chunk: Chunk) -> None:
-        worker = np.array([getattr(c, "worker", None) for c in chunk.columns["conversation"]], dtype=object)
-        pinned = worker != None  # noqa: E711 (elementwise)
+        """Admitted requests join the waiting line; turns whose cache is on a worker, its line."""
+        workers = self.turns.route(chunk.columns["conversation"])
+        pinned = workers != None  # noqa: E711 (elementwise)
         if pinned.any():
-            for w in set(worker[pinned].tolist()):
-                here = worker == w
+            for w in set(workers[pinned].tolist()):
+                here = workers == w
                 self.pinned[w].add(priorities[here], chunk.select(here))
-                if w in self.caches:  # their caches are active again (T = 0): evicted last
-                    rows = np.fromiter((c.row for c in chunk.columns["conversation"][here]), dtype=np.int64)
-                    self.caches[w].wait(rows[rows >= 0])
             chunk, priorities = chunk.select(~pinned), priorities[~pinned]
         self.waiting.add(priorities, chunk)
 
@@ -89,38 +89,57 @@ class SequenceQueue:
         q = self.sequences[worker_id]
         if epoch != self._epoch:
             self._purge(epoch)
-        if worker_id in self.caches:
-            self.caches[worker_id].poll()
+        self.turns.poll(worker_id)
         if q.quarantine:
             q.release_quarantined()
-        budget = self.cell_type.max_batch
         plan: list[tuple[np.ndarray, ...]] = []  # (slots, starts, tokens each, occupants' serials)
         incoming = CachePlan()  # this iteration's swap-ins
-        # running decodes first, one token each: only those entering a new block are grown one by one
+        budget = self._decodes(q, worker_id, self.cell_type.max_batch, plan)
+        budget = self._prefills(q, worker_id, budget, plan)
+        self._joins(q, worker_id, budget, plan, incoming)
+        self._count(q, worker_id)
+        slots, starts, counts, serials = (np.concatenate(column) for column in zip(*plan))
+        # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
+        keep = q.active[slots] & (q.serial[slots] == serials)
+        slots, starts, counts = slots[keep], starts[keep], counts[keep]
+        if not len(slots):
+            return []
+        return [self._task(q, worker_id, slots, starts, counts, self.turns.copies(worker_id, incoming))]
+
+    def _decodes(self, q: Sequences, worker_id: int, budget: int, plan: list) -> int:
+        """Running decodes first, oldest first, one token each (only those entering a new block
+        are grown one by one); returns the budget left."""
         decoding = np.flatnonzero(q.active & (q.computed >= q.target) & (q.planned < q.limit))
         decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
         needs = q.blocks.blocks_for(q.computed[decoding] + 1) > q.blocks.count[decoding]
         grown = [s for s in decoding[needs].tolist() if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + 1)]
         decodes = np.concatenate([decoding[~needs], np.array(grown, dtype=np.int64)])
         decodes = decodes[q.active[decodes]]  # (growing may have suspended some)
-        ones = np.ones(len(decodes), dtype=np.int64)
-        plan.append((decodes, q.computed[decodes].copy(), ones, q.serial[decodes].copy()))
+        plan.append((decodes, q.computed[decodes].copy(), np.ones(len(decodes), dtype=np.int64),
+                     q.serial[decodes].copy()))
         q.computed[decodes] += 1
-        budget -= len(decodes)
-        # prompts being prefilled, then new arrivals, in chunks of what the budget leaves
+        return budget - len(decodes)
+
+    def _prefills(self, q: Sequences, worker_id: int, budget: int, plan: list) -> int:
+        """Prompts being prefilled, oldest first (a turn whose copies in run on the side waits for
+        them); returns the budget left."""
         prefilling = np.flatnonzero(q.active & (q.computed < q.target))
         for s in prefilling[np.argsort(q.order[prefilling], kind="stable")].tolist():
             if budget <= 0:
                 break
             restoring = q.restoring[s]
-            if restoring is not None:  # its copies in run on the side: its prefill waits for them
+            if restoring is not None:
                 if not restoring.finished:
                     continue
                 q.restoring[s] = None
             if q.active[s]:
                 budget = self._prefill(q, worker_id, s, budget, plan)
+        return budget
+
+    def _joins(self, q: Sequences, worker_id: int, budget: int, plan: list, incoming: CachePlan) -> None:
+        """New requests join free slots while the budget and the blocks allow."""
         while budget > 0 and q._free and (self.waiting or self.pinned[worker_id]):
-            s = self._join(q, worker_id, incoming, plan)
+            s = self._join(q, worker_id, incoming, shared=any(len(entry[0]) for entry in plan))
             if s is None:
                 break
             if q.restoring[s] is not None:
@@ -128,19 +147,14 @@ class SequenceQueue:
             budget = self._prefill(q, worker_id, s, budget, plan)
             if not q.active[s]:  # suspended for want of blocks: no more joins now
                 break
-        self.counters["planned"] += 1
-        self.counters["running"] += q.num_active
-        if worker_id in self.caches:
-            cache = self.caches[worker_id]
-            self.counters["idle_held"] += cache.num_held
-            self.counters["idle_locked"] += cache.num_locked
-        slots, starts, counts, serials = (np.concatenate(column) for column in zip(*plan))
-        # a sequence suspended by a later one's blocks leaves the plan (its slot may have a new occupant)
-        keep = q.active[slots] & (q.serial[slots] == serials)
-        slots, starts, counts = slots[keep], starts[keep], counts[keep]
-        if not len(slots):
-            return []
-        return [self._task(q, worker_id, slots, starts, counts, self._copies(worker_id, incoming))]
+
+    def _count(self, q: Sequences, worker_id: int) -> None:
+        held, locked = self.turns.idle_blocks(worker_id)
+        c = self.counters
+        c["planned"] += 1
+        c["running"] += q.num_active
+        c["idle_held"] += held
+        c["idle_locked"] += locked
 
     def _prefill(self, q: Sequences, worker_id: int, s: int, budget: int, plan: list) -> int:
         """Plan `s`'s next prompt chunks within `budget` (two where its dropped leading tokens end
@@ -158,55 +172,32 @@ class SequenceQueue:
             budget -= n
         return budget
 
-    def _join(self, q: Sequences, worker_id: int, incoming: CachePlan, plan: list) -> int | None:
-        """The first waiting request (of the shared line or of this worker's, see `_line`) joins a slot if
-        its blocks leave the reserve free (or nothing else runs here). A turn whose cache comes
-        back from the host is copied in layer by layer as its iteration runs, alone or where the
-        copies hide under the iteration's time (`iteration_seconds`); otherwise it waits for its
-        copies on the side (`restoring`: the batch does not)."""
+    def _join(self, q: Sequences, worker_id: int, incoming: CachePlan, shared: bool) -> int | None:
+        """The first waiting request (of the shared line or of this worker's, see `_line`) joins a
+        slot if its blocks leave the reserve free (or nothing else runs here) and its copies in
+        fit the iteration (`shared`: it has other sequences); else it goes back, and None."""
         line = self._line(worker_id)
         chunk = line.take(1)
         columns = {k: v[0] for k, v in chunk.columns.items()}
-        conversation = columns["conversation"]
-        history = int(columns["history"])
-        cache = self.caches.get(worker_id)
-        row = conversation.row if conversation is not None and conversation.worker == worker_id else -1
-        own = cache.held(row) if cache is not None else 0
-        available = (cache.available() if cache is not None else q.blocks.num_free) - own
+        conversation, history = columns["conversation"], int(columns["history"])
+        own = self.turns.held(worker_id, conversation)
+        available = q.blocks.num_free + self.turns.reclaimable(worker_id) - own
         need = q.blocks.blocks_for(history + int(chunk.lengths[0]) + 1) - own
-        copies_in = cache.to_swap_in(row) + len(incoming.swap_in_host) if cache is not None else 0
-        shared = any(len(entry[0]) for entry in plan)
-        # copies in layer by layer must hide under the iteration they share (else they wait for the next)
-        too_many = copies_in and (copies_in > cache.max_in or (
-            incoming.deferred is False and shared and not cache.hides(copies_in, self.iteration_seconds[worker_id])))
-        if (q.num_active and available - need < self._reserve[worker_id]) or need > available or too_many:
+        fits = self.turns.copies_fit(worker_id, conversation, incoming, shared)
+        if (q.num_active and available - need < self._reserve[worker_id]) or need > available or not fits:
             line.push_front(int(columns["priority"]), chunk)
-            self.counters["refused_copies" if too_many else "refused_blocks"] += 1
+            self.counters["refused_blocks" if fits else "refused_copies"] += 1
             return None
         self.counters["joins_pinned" if line is self.pinned[worker_id] else "joins_waiting"] += 1
         self._joined += 1
         tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
         s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
         if conversation is not None:
-            conversation.worker = worker_id
-            lost = min(history - 1, conversation.computed)
-            if row < 0 and lost > 0:  # its cache went with a failed or cancelled turn
-                conversation.restored = (0, 0, lost)
-                if cache is not None:
-                    cache.recomputed(lost)
-            if row >= 0:
-                recompute, swapped, cached, copies = cache.restore(row, q.blocks.table[s])
-                q.blocks.count[s] = q.blocks.blocks_for(cached)
-                q.skip_from[s], q.skip_to[s] = recompute, cached
-                conversation.restored = (cached - recompute - swapped, swapped, recompute)
-                if copies is not None:
-                    if incoming.deferred is None:  # on the side, unless the copies hide under the iteration
-                        incoming.deferred = shared and not cache.hides(len(copies.swap_in_host),
-                                                                       self.iteration_seconds[worker_id])
-                    incoming.add_swap_in(copies.swap_in_host, copies.swap_in_blocks)
-                    if incoming.deferred:
-                        q.restoring[s] = incoming
-            conversation.row = -1
+            cached = self.turns.join(worker_id, conversation, history, q.blocks.table[s], incoming, shared)
+            if cached is not None:
+                recompute, q.skip_to[s], q.restoring[s] = cached
+                q.skip_from[s] = recompute
+                q.blocks.count[s] = q.blocks.blocks_for(int(q.skip_to[s]))
         return s
 
     def _line(self, worker_id: int) -> Waiting:
@@ -222,10 +213,9 @@ class SequenceQueue:
     def _grow(self, q: Sequences, worker_id: int, s: int, num_tokens: int) -> bool:
         """Blocks for `s` up to `num_tokens` positions: reclaimed from idle conversations, then by
         suspending the newest sequences while they run out; False if `s` itself was suspended."""
-        cache = self.caches.get(worker_id)
         while not q.blocks.grow(s, num_tokens):
             short = int(q.blocks.blocks_for(num_tokens) - q.blocks.count[s]) - q.blocks.num_free
-            if cache is not None and cache.reclaim(short) > 0:
+            if self.turns.reclaim(worker_id, short) > 0:
                 continue
             restoring = np.array([r is not None and not r.finished for r in q.restoring], dtype=bool)
             candidates = np.flatnonzero(q.active & ~restoring)  # (copies may still write a restoring one's blocks)
@@ -240,23 +230,10 @@ class SequenceQueue:
     def suspend(self, q: Sequences, s: int, worker_id: int) -> None:
         """Free `s`'s blocks; it waits again, first in line, to be recomputed from its known tokens."""
         row = q.waiting_row(s)
-        conversation = q.conversation[s]
-        if conversation is not None:  # its cache goes with the blocks: all of it is recomputed
-            gpu, swapped, recomputed = conversation.restored
-            self.caches[worker_id].recomputed(gpu + swapped, gpu, swapped, start=recomputed)
-            conversation.restored = (0, 0, gpu + swapped + recomputed)
-            conversation.worker = None
+        self.turns.suspend(worker_id, q.conversation[s])
         self.waiting.push_front(int(row.columns["priority"][0]), row)
         q.leave(s)
         self.num_suspended += 1
-
-    def _copies(self, worker_id: int, incoming: CachePlan) -> CachePlan | None:
-        """This iteration's copies: the joining conversations' swap-ins; or, in an iteration
-        without them (swapping in goes first), ahead-of-time copies out."""
-        cache = self.caches.get(worker_id)
-        if len(incoming.swap_in_host):
-            return incoming
-        return cache.plan_swap_out() if cache is not None else None
 
     def _task(self, q: Sequences, worker_id: int, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
               copies: CachePlan | None) -> IterationTask:
@@ -271,8 +248,7 @@ class SequenceQueue:
         bs = q.blocks.block_size
         kv_slots = q.blocks.table[token_slots, positions // bs].astype(np.int64) * bs + positions % bs
         ends = starts + counts
-        samples = ends >= q.target[slots]  # the last prefill chunk, or a decode
-        sample = np.flatnonzero(samples)
+        sample = np.flatnonzero(ends >= q.target[slots])  # the last prefill chunk, or a decode
         ss = slots[sample]
         sample_index = q.planned[ss].copy()
         q.planned[ss] += 1
@@ -292,13 +268,11 @@ class SequenceQueue:
     # completion (manager thread) ----------------------------------------------------------------
     def complete(self, task: IterationTask) -> None:
         q = self.sequences[task.worker_id]
-        if task.seconds == task.seconds:  # (measured: not NaN)
-            mean = self.iteration_seconds[task.worker_id]
-            self.iteration_seconds[task.worker_id] = task.seconds if mean == 0.0 else 0.8 * mean + 0.2 * task.seconds
+        self.turns.timed(task.worker_id, task.seconds)
         if task.error is not None:
-            owners = [o for o, s, serial in zip(task.owners, task.slots, task.serials) if q.serial[s] == serial]
+            owners = list(task.owners[q.serial[task.slots] == task.serials])
             for s, serial in zip(task.slots.tolist(), task.serials.tolist()):
-                if q.serial[s] == serial:
+                if q.serial[s] == serial:  # (a slot may come twice: a turn's recompute and its prompt)
                     self._end_turn(q, s)
             self.finisher.fail(owners, task.error)
             return
@@ -313,24 +287,15 @@ class SequenceQueue:
         done = stopped | (index + 1 >= q.limit[slots])
         for s in slots[done].tolist():
             conversation = q.conversation[s]
-            if conversation is not None:  # its cache stays: every position but the last sampled one
-                n = int(q.length[s])
-                conversation.tokens = q.tokens[s, :n].copy()
-                conversation.computed = n - 1
-                conversation.row = self.caches[task.worker_id].retire(q.blocks.detach(s), n - 1)
-                conversation.worker = task.worker_id
-                conversation.turn = None
-                conversation.turns += 1
+            if conversation is not None:  # its cache stays with the conversation
+                self.turns.finish(task.worker_id, conversation, q.tokens[s, :int(q.length[s])], q.blocks.detach(s))
         self.finisher.tokens(q, slots, tokens, done, stopped)
         for s in slots[done].tolist():
             q.leave(s)
 
     def _end_turn(self, q: Sequences, s: int) -> None:
-        """A turn that failed or was cancelled: the conversation is as before it, without a cache
-        (unless its next turn came already)."""
-        conversation = q.conversation[s]
-        if conversation is not None and conversation.turn is q.owner[s]:
-            conversation.turn, conversation.worker = None, None
+        """A turn that failed or was cancelled leaves its slot (and its blocks)."""
+        self.turns.fail(q.conversation[s], q.owner[s])
         q.leave(s)
 
     def _purge(self, epoch: int) -> None:
@@ -339,10 +304,7 @@ class SequenceQueue:
         for line in (self.waiting, *self.pinned.values()):
             for chunk in line.purge():
                 for conversation, owner in zip(chunk.columns["conversation"], chunk.owners):
-                    if conversation is not None and conversation.turn is owner:
-                        conversation.turn = None
-                        if conversation.row >= 0 and conversation.worker in self.caches:
-                            self.caches[conversation.worker].wait(conversation.row, False)
+                    self.turns.withdraw(conversation, owner)
         for q in self.sequences.values():
             active = np.flatnonzero(q.active)
             done = np.fromiter((o._done for o in q.owner[active]), dtype=bool, count=len(active))
