@@ -34,7 +34,7 @@ import numpy as np
 
 from batchmaker.core.blocks import BlockTables
 from batchmaker.core.conversation_cache import ConversationCache
-from batchmaker.core.conversations import Conversation
+from batchmaker.core.conversations import Conversation, Conversations
 from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
@@ -137,20 +137,20 @@ def simulate(args, variant: str, host_gib: float, seed: int) -> dict:
                 if c.row >= 0:  # (retired by the queue just before this call)
                     cache.due[c.row] = now[0] + work[i][1][t + 1][2] if nxt else math.inf
                     if not nxt and ends[i]:
-                        cache.forget(c.row)
-                        c.row, c.worker = -1, None
+                        layer.end(c)
 
         def fail(self, owners, error):
             raise error
 
-    queue = SequenceQueue(CellType(args.max_tokens), {0: seqs}, Finisher(), 0.1, {0: cache})
+    layer = Conversations({0: cache})
+    queue = SequenceQueue(CellType(args.max_tokens), {0: seqs}, Finisher(), 0.1, layer)
     wall, iterations = time.perf_counter(), 0
     while True:
         while due and due[0][0] <= now[0]:
             _, i, t = heapq.heappop(due)
             c, (new, answer, _) = convs[i], work[i][1][t]
             owner = Turn(i, t, now[0])
-            c.turn = owner
+            layer.begin(c, owner)
             if c.row >= 0:
                 cache.due[c.row] = now[0]  # (waiting: the oracle keeps it)
                 if touch:
