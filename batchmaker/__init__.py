@@ -15,7 +15,7 @@ _EXPORTS = {
     "Tree": "batchmaker.forms", "RequestFuture": "batchmaker.future", "GraphBuilder": "batchmaker.core.graph",
     "Ref": "batchmaker.core.graph", "Model": "batchmaker.model", "build_model": "batchmaker.registry",
     "register_model": "batchmaker.registry", "registered_models": "batchmaker.registry",
-    "Result": "batchmaker.request", "RequestTiming": "batchmaker.request",
+    "Result": "batchmaker.core.request", "RequestTiming": "batchmaker.core.request",
     "SchedulerConfig": "batchmaker.core.scheduler", "Signature": "batchmaker.signature",
     "TensorSpec": "batchmaker.signature", "Client": "batchmaker.serving.client", "Server": "batchmaker.serving.server",
     "ServerConfig": "batchmaker.serving.server",

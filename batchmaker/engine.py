@@ -33,7 +33,7 @@ from batchmaker.future import RequestFuture
 from batchmaker.generation import GenerativeModel
 from batchmaker.model import Model, cell_types_of, check_cell_sharing
 from batchmaker.registry import build_model
-from batchmaker.request import Request, Result
+from batchmaker.core.request import Request, Result
 from batchmaker.stats import engine_stats
 from batchmaker.structured import Accounting, StructuredModel
 

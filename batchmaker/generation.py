@@ -33,7 +33,7 @@ from batchmaker.core.sequence_queue import SequenceQueue
 from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError
-from batchmaker.request import Result
+from batchmaker.core.request import Result
 from batchmaker.structured import Finisher
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "conversation")

@@ -22,7 +22,7 @@ from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError
 from batchmaker.forms import Chain, DecodeLoop, Tree
 from batchmaker.future import resolve_many
-from batchmaker.request import Result
+from batchmaker.core.request import Result
 
 
 class Accounting:

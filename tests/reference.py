@@ -144,7 +144,7 @@ def real_graph_builder(model):
     from batchmaker.core.graph import GraphBuilder
     from batchmaker.future import RequestFuture
     from batchmaker.model import DEFAULT_BATCH_SIZES
-    from batchmaker.request import Request
+    from batchmaker.core.request import Request
 
     cell_types = {name: CellType(name, cell, model.priorities.get(name, 0),
                                  tuple(sorted(model.batch_sizes.get(name, DEFAULT_BATCH_SIZES))))

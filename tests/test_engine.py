@@ -15,7 +15,7 @@ from batchmaker.core.graph import GraphBuilder, partition, to_networkx
 from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.future import RequestFuture
 from batchmaker.model import cell_types_of
-from batchmaker.request import Request
+from batchmaker.core.request import Request
 from helpers import submit_concurrently, wait_idle
 from toy import dec_input_peak, toy_model, toy_reference
 

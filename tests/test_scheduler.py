@@ -12,7 +12,7 @@ from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler, SchedulerConfig
 from batchmaker.model import Model, cell_types_of
-from batchmaker.request import Request
+from batchmaker.core.request import Request
 from toy import EncCell, toy_model
 
 

@@ -14,7 +14,7 @@ from batchmaker.core.cell_type import CellType
 from batchmaker.errors import BadRequestError
 
 if TYPE_CHECKING:
-    from batchmaker.request import Request
+    from batchmaker.core.request import Request
 
 log = logging.getLogger("batchmaker")
 _node_ids = itertools.count()

@@ -16,7 +16,7 @@ from batchmaker.core.cell_type import CellType
 from batchmaker.core.graph import GraphBuilder, Node, Ref, partition
 from batchmaker.core.task import NodeTask
 from batchmaker.errors import BadRequestError, BatchMakerError, CellError
-from batchmaker.request import Request, Result, refs_in, resolve
+from batchmaker.core.request import Request, Result, refs_in, resolve
 
 
 class RequestProcessor:

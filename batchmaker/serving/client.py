@@ -45,7 +45,7 @@ from batchmaker.serving.conversation import Conversation
 from batchmaker.serving.mailbox import Mailbox
 
 if TYPE_CHECKING:
-    from batchmaker.request import Result
+    from batchmaker.core.request import Result
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 log = logging.getLogger("batchmaker.client")
@@ -243,7 +243,7 @@ class Client:
             call.future.set_result(reply["value"])
             return
         # request.py holds the engine's graph types (torch): loaded with the first infer result
-        from batchmaker.request import RequestTiming, Result
+        from batchmaker.core.request import RequestTiming, Result
 
         now = time.perf_counter()
         queueing = ((reply.get("timing") or {}).get("queueing_ms") or 0.0) / 1e3

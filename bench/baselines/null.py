@@ -8,7 +8,7 @@ import itertools
 import time
 
 from batchmaker.future import RequestFuture
-from batchmaker.request import Result
+from batchmaker.core.request import Result
 
 
 class NullSystem:

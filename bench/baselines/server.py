@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from batchmaker.errors import BadRequestError, CellError, EngineStoppedError, UnknownModelError
-from batchmaker.request import RequestTiming, Result
+from batchmaker.core.request import RequestTiming, Result
 
 
 @dataclass(slots=True, eq=False)
