@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from batchmaker.kernels import attention_work  # noqa: E402
 from bench import chat_stateful  # noqa: E402
-from bench.common import add_ab_switches, apply_ab_switches, triton_compiles, write_results  # noqa: E402
+from bench.common import triton_compiles, write_results  # noqa: E402
 from bench.turn_profile import profile_window  # noqa: E402
 
 from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
@@ -267,10 +266,6 @@ def main(argv: list[str] | None = None) -> None:
                          "engine's first run read 0.44 of the roofline instead of 0.52 on an H200)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
                     help="KVSettings.prefill_graph_tokens (graphed iterations with prompt chunks up to it; 0: none)")
-    ap.add_argument("--mixed-attention-seqs", default=None,
-                    help="comma-separated: each rate runs once per value of attention_work.MIN_SEQS (the "
-                         "sequences from which a mixed batch attends in two launches), interleaved: an A/B")
-    add_ab_switches(ap)
     ap.add_argument("--profile-seconds", type=float, default=0.0,
                     help="then serve the requests once more, all at once, the first this many seconds under "
                          "torch.profiler: kernels by name")
@@ -291,7 +286,6 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,
                         num_blocks=num_blocks)
-    apply_ab_switches(args)  # (before the engine starts: its kernel variants compile with them)
     if args.prefill_graph_tokens is not None:
         cell = model.cells["decoder"]
         cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)
@@ -362,12 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(steps[-1], flush=True)
             if args.warm_up:  # the first requests compile kernels for new shapes: not in a measured window
                 run_batchmaker(engine, work[:args.warm_up], prompts[:args.warm_up], float("inf"), args.seed)
-            variants = [int(v) for v in args.mixed_attention_seqs.split(",")] if args.mixed_attention_seqs else [None]
-            default_min_seqs = attention_work.MIN_SEQS
-            for rate, min_seqs in [(float(r), v) for r in args.rates.split(",") for v in variants]:
-                attention_work.MIN_SEQS = default_min_seqs if min_seqs is None else min_seqs
+            for rate in [float(r) for r in args.rates.split(",")]:
                 row, trace = run_batchmaker(engine, work, prompts, rate, args.seed)
-                row["mixed_attention_seqs"] = attention_work.MIN_SEQS
                 ideal = roofline(trace, config, params, itemsize, args.bandwidth, args.peak)
                 serial = roofline(trace, config, params, itemsize, args.bandwidth, args.peak, serial=True)
                 row.update(iterations=len(trace), roofline_s=ideal, roofline_fraction=ideal / row["wall_s"],
@@ -377,7 +367,6 @@ def main(argv: list[str] | None = None) -> None:
                                r, config, params, itemsize, args.bandwidth, args.peak)))
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "trace"}, flush=True)
-            attention_work.MIN_SEQS = default_min_seqs
             if args.profile_seconds:
                 profile = profile_window(engine, work, prompts, args.profile_seconds)  # (bench/turn_profile.py)
                 print(profile, flush=True)

@@ -49,13 +49,8 @@ def main() -> None:
                     help="batch-1 projections: fused matrix-vector products (gemv-rope: RoPE and the K/V write inside "
                          "q | k | v), or cuBLAS with the small kernels (cells/llama.py OneTokenConfig)")
     ap.add_argument("--no-pdl", action="store_true", help="the matrix-vector products without PDL")
-    ap.add_argument("--decode-rules", choices=("current", "eleventh"), default="current",
-                    help="eleventh: decode attention launched by the eleventh session's rules (bench/common.py; an A/B)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.decode_rules == "eleventh":
-        from bench.common import eleventh_decode_rules
-        eleventh_decode_rules()
     if args.gemv_configs:
         from batchmaker.kernels import gemv
         for key, shape in json.loads(Path(args.gemv_configs).read_text())["best"].items():

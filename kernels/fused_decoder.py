@@ -29,7 +29,8 @@ from batchmaker.kernels.paged_attention import reference_write_kv
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # checked once; triton itself is imported lazily
 ROPE_BLOCK_ELEMENTS = 1024  # (heads x D/2) per rope program: D = 128 -> 16 heads
 SILU_BLOCK = 1024  # columns per silu_mul program
-PDL = True  # launch the kernels with programmatic dependent launch on Hopper (bench/chat.py --no-small-pdl: an A/B)
+PDL = True  # launch the kernels with programmatic dependent launch on Hopper (0.2 ms off a small graphed decode
+# iteration, H200: bench/results/README.md, thirteenth session)
 
 
 def can_fuse(x: Tensor) -> bool:

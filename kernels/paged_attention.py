@@ -44,8 +44,8 @@ from batchmaker.kernels.cell_launch import (KernelUnavailableError, dot_precisio
 
 LOG2_E = 1.4426950408889634
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
-PDL = True  # launches use programmatic dependent launch on Hopper (kernels/triton_pdl.py; bench/chat.py
-# --no-attention-pdl: an A/B; set it before the variants compile)
+PDL = True  # launches use programmatic dependent launch on Hopper (kernels/triton_pdl.py; measured in the
+# thirteenth session, bench/results/README.md)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

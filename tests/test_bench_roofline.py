@@ -44,15 +44,12 @@ def test_a_cpu_smoke_run_of_the_chat_benchmark_reports_device_time(tmp_path, mon
     import json
     from bench import common
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    from batchmaker.kernels import attention_work
-    default = attention_work.MIN_SEQS
-    chat.main(["--device", "cpu", "--preset", "tiny-llama", "--dtype", "fp32", "--requests", "6", "--rates", "inf",
-               "--systems", "batchmaker", "--steps", "", "--warm-up", "0", "--mixed-attention-seqs", "3,1000",
-               "--prefill-graph-tokens", "0", "--profile-seconds", "0.2"])
-    assert attention_work.MIN_SEQS == default
+    chat.main(["--device", "cpu", "--preset", "tiny-llama", "--dtype", "fp32", "--requests", "6", "--rates", "inf,50",
+               "--systems", "batchmaker", "--steps", "", "--warm-up", "0", "--prefill-graph-tokens", "0",
+               "--profile-seconds", "0.2"])
     (path,) = tmp_path.glob("chat-tiny-llama-*.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [r["mixed_attention_seqs"] for r in rows] == [3, 1000]  # (an A/B in one process)
+    assert [r["rate"] for r in rows] == [float("inf"), 50.0]
     row = rows[0]
     trace = row["trace"]  # per iteration; a prompt's first iteration attends q (q + 1) / 2 pairs, a decode its context
     assert len(trace["ms"]) == row["iterations"] and trace["pairs"][0] > trace["context"][0]

@@ -26,15 +26,16 @@ import torch
 log = logging.getLogger("batchmaker")
 
 
-class Graphs:
-    wait_for_device = False  # True: every capture waits for the device first (bench A/B: the old way)
-    capture_after = 2  # a body is captured at its run number `capture_after` (eager before): a Llama-2-7B
-    # iteration's capture takes the host ~20 ms, ~25 ms of GPU time each at 24 requests/s (H200, bench/chat.py;
-    # about half of those shapes came once in the run)
+CAPTURE_AFTER = 2  # a body is captured at its run number `capture_after` (eager before): a Llama-2-7B
+# iteration's capture takes the host ~20 ms, ~25 ms of GPU time each at 24 requests/s (H200, bench/chat.py;
+# about half of those shapes came once in the run)
 
-    def __init__(self, device: torch.device, enabled: bool = True):
+
+class Graphs:
+    def __init__(self, device: torch.device, enabled: bool = True, capture_after: int = CAPTURE_AFTER):
         self.device = device
         self.enabled = enabled and device.type == "cuda"
+        self.capture_after = capture_after
         self.num_captures = 0  # re-captures after a pool moved included
         self.num_replays = 0
         self.capture_s = 0.0  # wall time spent capturing (device syncs and warm-up runs included)
@@ -66,7 +67,7 @@ class Graphs:
         if not self.enabled or key[1] in self._eager:
             return False
         start = time.perf_counter()
-        if key in self._graphs or warm or self.wait_for_device:
+        if key in self._graphs or warm:
             # the graph dropped below may still be replaying; a warm-up run on the side stream
             # reads buffers the worker's stream filled
             torch.cuda.synchronize(self.device)
