@@ -24,7 +24,7 @@ import torch
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler
-from batchmaker.engine_config import EngineConfig
+from batchmaker.engine_config import EngineConfig, choose_cpu_threads
 from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, OverloadedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, make_worker, place_cell
@@ -336,18 +336,14 @@ class Engine:
         self.scheduler = Scheduler(queues + list(node_queues.values()), self.config.scheduler)
 
     def _set_cpu_threads(self) -> None:
-        """CPU workers share torch's one thread pool: the cores, split among them. The manager is
-        not given a core of its own: at saturation it is a few percent of the wall time, and a
-        2-core machine served 1.36x the LSTM and 1.5x the TreeLSTM requests/s with 2 threads than
-        with 1 (docs/architecture.md). Stop restores the count found at start."""
+        """CPU workers share torch's one thread pool: see choose_cpu_threads. Stop restores the
+        count found at start."""
         self._threads_before = torch.get_num_threads()
-        if self.config.cpu_threads is not None:
-            torch.set_num_threads(self.config.cpu_threads)
-            return
         num_cpu = sum(torch.device(d).type == "cpu" for d in self.config.devices)
-        if num_cpu:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // num_cpu))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = choose_cpu_threads(cores, num_cpu, self._is_inline(), self.config.cpu_threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     def _is_inline(self) -> bool:
         inline = self.config.cpu_inline

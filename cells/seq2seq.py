@@ -10,7 +10,7 @@ from batchmaker.signature import Signature, TensorSpec
 EncoderCell = LSTMCell  # same definition; a Seq2Seq model holds its own instance (own weights)
 
 
-class DecoderCell(Cell):
+class Seq2SeqDecoderCell(Cell):
     """token, (h, c) -> (next token, h', c'): one LSTM step, then argmax over a vocab projection.
 
     The greedy argmax lives inside the cell so that the next step's input token stays on the

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from batchmaker.cells import DecoderCell, LSTMCell, TreeInternalCell, TreeLeafCell, load_weights, save_weights
+from batchmaker.cells import LSTMCell, Seq2SeqDecoderCell, TreeInternalCell, TreeLeafCell, load_weights, save_weights
 from batchmaker.errors import BadRequestError
 from batchmaker.registry import build_model, registered_models
 from batchmaker.unfolders.seq2seq import BOS, EOS
@@ -25,7 +25,7 @@ def random_inputs(cell, batch: int, gen: torch.Generator) -> dict[str, torch.Ten
 
 CELLS = {
     "lstm": lambda: LSTMCell(**SMALL),
-    "decoder": lambda: DecoderCell(**SMALL),
+    "decoder": lambda: Seq2SeqDecoderCell(**SMALL),
     "leaf": lambda: TreeLeafCell(**SMALL),
     "internal": lambda: TreeInternalCell(16),
 }

@@ -12,6 +12,7 @@ import torch
 from batchmaker import (BadRequestError, CancelledError, CellError, Engine, EngineConfig, EngineStoppedError,
                         UnknownModelError, build_model)
 from batchmaker.core.graph import GraphBuilder, partition, to_networkx
+from batchmaker.engine_config import choose_cpu_threads
 from batchmaker.errors import DeadlineExceededError, OverloadedError
 from batchmaker.future import RequestFuture
 from batchmaker.model import cell_types_of
@@ -230,16 +231,38 @@ def test_stats_report_queues_histogram_and_latency_percentiles():
     assert sum(stats["batch_sizes"].values()) == stats["num_tasks"] > 0
 
 
+@pytest.mark.parametrize("cores, num_cpu, inline, override, want", [
+    (2, 1, True, None, 1), (2, 1, False, None, 1), (1, 1, False, None, 1), (2, 2, False, None, 1),
+    (16, 1, True, None, 1),  # inline: the manager thread runs the ops, beside the server's threads
+    (16, 1, False, None, 16), (16, 2, False, None, 8), (3, 1, False, None, 3), (3, 4, False, None, 1),
+    (2, 1, True, 2, 2), (16, 1, True, 4, 4), (16, 0, False, 3, 3),  # cpu_threads overrides
+    (16, 0, False, None, None), (2, 0, True, None, None),  # no CPU worker: torch's threads are left
+])
+def test_cpu_threads_rule(cores, num_cpu, inline, override, want):
+    assert choose_cpu_threads(cores, num_cpu, inline, override) == want
+
+
+def test_cpu_threads_below_one_are_refused():
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1, got 0"):
+        choose_cpu_threads(4, 1, False, 0)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        Engine([toy_model()], EngineConfig(cpu_threads=0)).start()
+
+
 def test_cpu_thread_policy_is_set_while_running_and_restored_at_stop():
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         torch.set_num_threads(3)
         with Engine([toy_model()], EngineConfig(devices=("cpu", "cpu"))):
-            assert torch.get_num_threads() == max(1, cores // 2)  # the cores, split between two workers
+            assert torch.get_num_threads() == (1 if cores <= 2 else cores // 2)  # the cores, split between two workers
         assert torch.get_num_threads() == 3
-        with Engine([toy_model()], EngineConfig(devices=("cpu",), cpu_threads=1)) as engine:
-            assert torch.get_num_threads() == 1
+        with Engine([toy_model()], EngineConfig(devices=("cpu",))):
+            assert torch.get_num_threads() == 1  # the only CPU worker runs inline
+        with Engine([toy_model()], EngineConfig(devices=("cpu",), cpu_inline=False)):
+            assert torch.get_num_threads() == (1 if cores <= 2 else cores)
+        with Engine([toy_model()], EngineConfig(devices=("cpu",), cpu_threads=2)) as engine:
+            assert torch.get_num_threads() == 2
             assert engine.infer("toy", {"xs": [1, 2]}) is not None
         assert torch.get_num_threads() == 3
     finally:

@@ -16,8 +16,9 @@ SMALL = dict(vocab=300, embed=16, hidden=16)
 def workload(name: str, rng: random.Random) -> list[dict]:
     if name == "treelstm":
         sst = load_sst_sample()
-        good = [{"tree": rng.choice(sst)} for _ in range(50)] + [{"tree": [[1, 2], [3, [4, 5]]]}, {"tree": 9}]
-        bad = [{"tree": "(1 (2 a)"}, {"tree": [[1, 2]]}, {"tree": [1, 2, 3]}, {"tree": [True, 4]}, {"trees": "x"}]
+        good = [{"tree": rng.choice(sst)} for _ in range(50)] + [{"tree": [[1, 2], [3, [4, 5]]]}, {"tree": 9},
+                                                                 {"tree": [[[3]], [[4], [5]]]}, {"tree": [[7]]}]
+        bad = [{"tree": "(1 (2 a)"}, {"tree": [[1, 2], []]}, {"tree": [1, 2, 3]}, {"tree": [True, 4]}, {"trees": "x"}]
     else:
         vocab = 8 if name == "seq2seq" else SMALL["vocab"]
         good = [{"tokens": [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]} for _ in range(70)]

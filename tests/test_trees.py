@@ -1,5 +1,6 @@
 """Tree parsing (nested lists, SST brackets), rejection of malformed trees, and the TreeLSTM
 unfolder + cells against the recursive reference."""
+import random
 import re
 import zlib
 from pathlib import Path
@@ -33,6 +34,18 @@ def test_nested_lists():
     assert parse_tree(9, VOCAB) == 9
     assert parse_tree([np.int64(1), 2], VOCAB) == (1, 2)
     assert parse_tree(["It", ["'s", "good"]], VOCAB) == (w("It"), (w("'s"), w("good")))
+
+
+def test_a_one_element_list_is_its_child():
+    assert parse_tree([[0], [98]], VOCAB) == (0, 98)
+    assert parse_tree([[[3]], [[4], [5]]], VOCAB) == (3, (4, 5))
+    assert parse_tree([[5, 6]], VOCAB) == (5, 6)
+    assert parse_tree([[[7]]], VOCAB) == parse_tree((7,), VOCAB) == 7
+    assert parse_tree([[["a"]], [["b"], ["c"]]], VOCAB) == parse_tree("(1 (2 (3 a)) (2 (2 b) (2 c)))", VOCAB)
+    with pytest.raises(BadRequestError, match="a node needs 1 or 2 children, got 3"):
+        parse_tree([[1], [2, 3, 4]], VOCAB)
+    with pytest.raises(BadRequestError, match="a node needs 1 or 2 children, got 0"):
+        parse_tree([[[]], 1], VOCAB)
 
 
 def test_bracket_strings():
@@ -75,7 +88,8 @@ BAD_TREES = [
     "", "   ", "(", ")", "(2 a", "(2 a))", "(2 a) (2 b)", "(2)", "()", "( (2 a))", "a",
     "(2 (2 a) (2 b) (2 c))", "(2 a b)", "(2 a (2 b))",
     [], [1, 2, 3], [1.5], [None], [-1], [True], [VOCAB], [1, ""], [1, [2, []]], {"a": 1}, None, 2.0,
-    [[5, 6]], [[5, 6], [7]], [[[7]]], [True, 5], [5, False],  # binary only: no 1-element lists, no bools
+    [True, 5], [5, False],  # no bools
+    [[1], []], [[[]]], [[1, 2, 3]], [[1], [2], [3]], [[1, 2], [3], 4],  # a list holds 1 or 2 children
 ]
 
 
@@ -115,6 +129,26 @@ def test_depth_limit():
             parse_tree(form, VOCAB)
 
 
+def unary_chain(depth: int, leaf=3):
+    """`depth` levels: depth - 1 nested 1-element lists around a leaf."""
+    tree = leaf
+    for _ in range(depth - 1):
+        tree = [tree]
+    return tree
+
+
+def test_depth_limit_counts_one_element_lists():
+    model = build_model("treelstm", **SMALL)
+    graph = EagerGraph(model)
+    run_eagerly(model, {"tree": [unary_chain(MAX_DEPTH - 1), 4]}, graph)  # the deepest allowed
+    assert graph.count == {"leaf": 2, "internal": 1}
+    for depth in (MAX_DEPTH + 1, 100_000):  # far past Python's recursion limit: rejected, not a RecursionError
+        with pytest.raises(BadRequestError, match=f"deeper than {MAX_DEPTH} levels"):
+            parse_tree(unary_chain(depth), VOCAB)
+        with pytest.raises(BadRequestError, match=f"deeper than {MAX_DEPTH} levels"):
+            run_eagerly(model, {"tree": [1, unary_chain(depth)]}, EagerGraph(model))
+
+
 def test_sst_trees_match_reference():
     model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5)
     for line in load_sst_sample()[:25]:
@@ -152,6 +186,12 @@ def to_brackets(tree) -> str:
     return f"(0 {tree})"
 
 
+def word_trees():
+    """At least one pair: a top-level str would be a bracket string."""
+    subtrees = st.recursive(st.sampled_from(["a", "b", "good", "'s"]), lambda sub: st.tuples(sub, sub), max_leaves=12)
+    return st.tuples(subtrees, subtrees)
+
+
 @settings(max_examples=60, deadline=None)
 @given(trees())
 def test_random_trees(tree):
@@ -165,6 +205,44 @@ def test_random_trees(tree):
     got = run_eagerly(model, {"tree": tree}, graph)
     assert graph.count["leaf"] == num_leaves(nested) and graph.count["internal"] == num_leaves(nested) - 1
     torch.testing.assert_close(got["h"], treelstm_reference(model, {"tree": tree})["h"], atol=1e-5, rtol=0)
+
+
+def spellings(tree, rng) -> tuple:
+    """One tree three ways: plain nested pairs; with 1-element lists wrapped around subtrees at
+    random; a bracket string with unary brackets at the same places."""
+    if isinstance(tree, tuple):
+        (plain_l, nested_l, brackets_l), (plain_r, nested_r, brackets_r) = (spellings(t, rng) for t in tree)
+        plain, nested, brackets = [plain_l, plain_r], [nested_l, nested_r], f"(0 {brackets_l} {brackets_r})"
+    else:
+        plain, nested, brackets = tree, tree, f"(0 {tree})"
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        nested, brackets = [nested], f"(1 {brackets})"
+    return plain, nested, brackets
+
+
+@settings(max_examples=60, deadline=None)
+@given(word_trees(), st.integers(0, 2**16))
+def test_one_element_lists_parse_as_unary_brackets(tree, seed):
+    plain, nested, brackets = spellings(tree, random.Random(seed))
+    assert parse_tree(nested, VOCAB) == parse_tree(brackets, VOCAB) == parse_tree(plain, VOCAB)
+    arrays, good, errors = parse_trees([nested, brackets, plain] * 6, VOCAB)  # 18: the batch parser too
+    assert good == list(range(18)) and not errors
+    first = arrays.tree(0)
+    for k in range(1, 18):
+        assert all(np.array_equal(a, b) for a, b in zip(arrays.tree(k), first))
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_one_element_lists_answer_as_their_child_in_the_engine(structured):
+    model = build_model("treelstm", **SMALL, seed=3, structured=structured)
+    forms = [[[["It"]], [["'s"], [[["good"]]]]], ["It", ["'s", "good"]], "(3 (1 (2 It)) (4 (2 's) (1 (1 (2 good)))))"]
+    leaves = [[[["x"]]], ["x"], "(1 (2 (3 x)))"]
+    with Engine([model]) as engine:  # one at a time: the same batches, so the same bits
+        got = [engine.infer("treelstm", {"tree": form}, timeout=30)["h"] for form in forms]
+        leaf = [engine.infer("treelstm", {"tree": form}, timeout=30)["h"] for form in leaves]
+    assert all(torch.equal(h, got[0]) for h in got[1:]) and all(torch.equal(h, leaf[0]) for h in leaf[1:])
+    torch.testing.assert_close(got[0], treelstm_reference(model, {"tree": forms[1]})["h"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(leaf[0], treelstm_reference(model, {"tree": "(2 x)"})["h"], atol=1e-5, rtol=0)
 
 
 def _leaves(tree):

@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from batchmaker.cells.seq2seq import DecoderCell, EncoderCell
+from batchmaker.cells.seq2seq import EncoderCell, Seq2SeqDecoderCell
 from batchmaker.cells.weights import load_weights
 from batchmaker.forms import Chain, DecodeLoop
 from batchmaker.model import Model
@@ -58,7 +58,7 @@ def seq2seq_model(vocab: int = 30000, embed: int = 256, hidden: int = 256, seed:
         raise ValueError(f"vocab must exceed the reserved ids (PAD, BOS, EOS), got {vocab}")
     dtype = as_dtype(dtype)
     cells = {"encoder": EncoderCell(vocab, embed, hidden, seed=seed, dtype=dtype),
-             "decoder": DecoderCell(vocab, embed, hidden, seed=seed + 1, dtype=dtype)}
+             "decoder": Seq2SeqDecoderCell(vocab, embed, hidden, seed=seed + 1, dtype=dtype)}
     if weights is not None:
         load_weights(cells, weights)
     return Model(

@@ -56,6 +56,6 @@ def treelstm_model(vocab: int = 30000, embed: int = 256, hidden: int = 256, seed
         unfold=FORM if structured else partial(unfold, vocab=vocab),
         priorities={"internal": 1, "leaf": 0},  # later stage first: finish started trees
         batch_sizes={"leaf": sizes, "internal": sizes},
-        input_schema={"tree": f"binary tree: nested pairs of int ids / str words, or an SST bracket "
-                              f"string; at most {MAX_DEPTH} levels"},
+        input_schema={"tree": f"binary tree: nested pairs of int ids / str words (a 1-element list is its "
+                              f"child), or an SST bracket string; at most {MAX_DEPTH} levels"},
     )

@@ -2,7 +2,8 @@
 
 Two input forms:
 - nested lists: a leaf is an int token id in [0, vocab) or a str word; an internal node is a
-  list/tuple of exactly 2 children (anything else is rejected: the tree is binary).
+  list/tuple of 2 children, and a 1-element list/tuple is its child (as "(label T)" below), so
+  `[[[3]], [[4], [5]]]` is the tree `[3, [4, 5]]`; any other length is rejected (the tree is binary).
 - a PTB/SST bracket string, e.g. "(3 (2 It) (4 (2 's) (2 good)))": every "(" is followed by a
   label (ignored), then either one word or one or two bracketed subtrees; "(label T)" is T.
   Words are separated by ASCII whitespace (non-ASCII spaces such as U+00A0 belong to words).
@@ -74,10 +75,12 @@ def _parse_nested(value, vocab: int, max_depth: int) -> Tree:
         elif expanded:
             right, left = done.pop(), done.pop()
             done.append((left, right))
-        else:
-            if len(node) != 2:
-                raise BadRequestError(f"tree: an internal node has exactly 2 children, got {len(node)}")
+        elif len(node) == 1:  # a 1-element list is its child: the child's subtree takes its place in `done`
+            stack.append((node[0], depth + 1, False))
+        elif len(node) == 2:
             stack += [(node, depth, True), (node[1], depth + 1, False), (node[0], depth + 1, False)]
+        else:
+            raise BadRequestError(f"tree: a node needs 1 or 2 children, got {len(node)}")
     return done[0]
 
 
