@@ -10,7 +10,7 @@ The batch is padded to its longest request and handed to `nn.LSTM` as a packed s
 the GPU cuDNN still runs as many steps as the longest request (shorter rows drop out of later
 steps, which costs little there: a step's time is nearly flat in the batch size).
 The weights are the engine cells' own, copied into an `nn.LSTM`; the Seq2Seq decoder runs the
-engine's `DecoderCell` batched, one step for all rows, for as many steps as the longest decode.
+engine's `Seq2SeqDecoderCell` batched, one step for all rows, for as many steps as the longest decode.
 """
 import copy
 from collections import defaultdict, deque
