@@ -239,21 +239,21 @@ class IterationRunner:
         return arrays
 
     def _copies(self, task: IterationTask, compute_stream):
-        """Start the plan's copies out (on the side) and in; returns the copy in layer by layer,
-        if any. The manager's handle (`task.cache_plan`) learns when the copies out, or copies in
-        on the side, are done."""
-        copies = task.plan.copies
+        """Start the plan's copies out (on the side) and in, as its `copies.mode` says; returns the
+        copy in layer by layer, if any. The host tier carries out the manager's handle on them
+        (`task.cache_plan`, the same arrays) and sets its `done`."""
+        copies, handle = task.plan.copies, task.cache_plan
         if copies is None or self.host is None:
             return None
         if len(copies.swap_out_host):
-            task.cache_plan.done = self.host.swap_out(copies, compute_stream)
+            self.host.swap_out(handle, compute_stream)
         if not len(copies.swap_in_host):
             return None
         if copies.mode == "layers":
-            return self.host.swap_in(copies, compute_stream)
-        done = task.cache_plan.done = self.host.restore(copies, compute_stream)
+            return self.host.swap_in(handle, compute_stream)
+        self.host.restore(handle, compute_stream)
         if copies.mode == "before":  # (the iteration replays a graph: its layers cannot wait one by one)
-            compute_stream.wait_event(done)
+            compute_stream.wait_event(handle.done)
         return None
 
     def finish(self, task: IterationTask) -> None:

@@ -1,8 +1,6 @@
 """The host tier of a worker's KV cache (Pensieve §3.4.3): chunks of conversations' K/V copied
 out of the GPU blocks ahead of time, and copied back in, layer by layer, as a turn resumes. The
-manager decides what moves (core/conversations.py; an iteration plan's `copies`,
-core/iteration_plan.Copies); this moves it and returns what tells when it is done (an event; True
-on the CPU).
+manager decides what moves (core/conversations.py: a CachePlan per iteration); this moves it.
 
 Host chunks are [2 (K, V), layers, chunks, chunk_tokens, kv heads, head dim] (pinned on CUDA),
 so one layer's K (or V) of consecutive chunks is one contiguous piece, and the same piece of
@@ -12,9 +10,9 @@ priority, so a turn's swap-in never queues behind copies out in flight (they use
 engine); a copy out first waits for the copies in issued before it (the host chunks those read
 may be handed out again).
   out: gather the blocks of every layer (8 chunks at a time), copy each run of consecutive host
-       chunks with one call per K and V; it returns the event after the last (the manager lets
-       the blocks go once it has passed)
-  in, deferred (`restore`, the turn is prefilled once its event has passed): every layer of
+       chunks with one call per K and V; `plan.done` is the event after the last (the manager
+       lets the blocks go once it has passed)
+  in, deferred (`restore`, the turn is prefilled once `plan.done` has passed): every layer of
        8 chunks at a time through the copies in's staging buffer, one strided copy per run and
        K/V, one scatter per K/V
   in, layer by layer (`swap_in`): layer l's chunks are copied to a staging buffer (two layers in
@@ -97,25 +95,24 @@ class HostTier:
         return seconds / n
 
     # out --------------------------------------------------------------------------------------
-    def swap_out(self, copies, compute_stream):
-        """Copies out on the side; returns when they are done (an event, or True)."""
+    def swap_out(self, plan, compute_stream) -> None:
         start = time.perf_counter()
-        done = self._swap_out(copies, compute_stream)
+        self._swap_out(plan, compute_stream)
         c = self.counters
         c["out_plans"] += 1
-        c["out_runs"] += len(_runs(copies.swap_out_host))
+        c["out_runs"] += len(_runs(plan.swap_out_host))
         c["out_ms"] += (time.perf_counter() - start) * 1e3
-        return done
 
-    def _swap_out(self, copies, compute_stream):
-        blocks, hosts = copies.swap_out_blocks, copies.swap_out_host
+    def _swap_out(self, plan, compute_stream) -> None:
+        blocks, hosts = plan.swap_out_blocks, plan.swap_out_host
         if self.out_stream is None:
             index = torch.from_numpy(blocks.reshape(-1).astype(np.int64))
             for layer in range(self.layers):
                 for kv, source in enumerate((self.cache.k[layer], self.cache.v[layer])):
                     chunks = source.index_select(0, index).view(len(hosts), self.chunk_tokens, *self.tail)
                     self.host[kv, layer].index_copy_(0, torch.from_numpy(hosts), chunks)
-            return True
+            plan.done = True
+            return
         stream = self.out_stream
         stream.wait_stream(compute_stream)
         stream.wait_stream(self.in_stream)  # (copies in still reading host chunks this may overwrite)
@@ -133,7 +130,7 @@ class HostTier:
         with torch.cuda.stream(stream):
             done = torch.cuda.Event()
             done.record(stream)
-        return done
+        plan.done = done
 
     def _staging(self, buffer: torch.Tensor, kv: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A staging buffer [2, n] for K (kv 0) or V of every layer of m chunks, as blocks [layers,
@@ -151,41 +148,40 @@ class HostTier:
         for at, host, nbytes in pieces:
             copy_to_device(dst + at, first + host, nbytes, stream)
 
-    def swap_in(self, copies, compute_stream) -> "_SwapIn":
+    def swap_in(self, plan, compute_stream) -> "_SwapIn":
         """Copies in that the iteration's layers wait for, one by one."""
         start = time.perf_counter()
-        swap_in = _SwapIn(self, copies, compute_stream)
-        self._count_in(copies, (time.perf_counter() - start) * 1e3)
-        return swap_in
+        copies = _SwapIn(self, plan, compute_stream)
+        self._count_in(plan, (time.perf_counter() - start) * 1e3)
+        return copies
 
-    def _count_in(self, copies, ms: float) -> None:
+    def _count_in(self, plan, ms: float) -> None:
         c = self.counters
         c["in_plans"] += 1
-        c["in_runs"] += len(_runs(copies.swap_in_host))
+        c["in_runs"] += len(_runs(plan.swap_in_host))
         c["in_ms"] += ms
 
-    def restore(self, copies, compute_stream):
-        """Copies in on the side stream, every layer; returns when they are done (an event, or
-        True): deferred turns are prefilled in an iteration formed after it, and a graphed
-        iteration's compute stream waits for it."""
+    def restore(self, plan, compute_stream) -> None:
+        """Copies in on the side stream, every layer (its turns are prefilled in a later
+        iteration, once `plan.done` has passed)."""
         start = time.perf_counter()
-        done = self._restore(copies, compute_stream)
-        self._count_in(copies, (time.perf_counter() - start) * 1e3)
-        return done
+        self._restore(plan, compute_stream)
+        self._count_in(plan, (time.perf_counter() - start) * 1e3)
 
-    def _restore(self, copies, compute_stream):
-        hosts = copies.swap_in_host
+    def _restore(self, plan, compute_stream) -> None:
+        hosts = plan.swap_in_host
         n = len(hosts)
         if self.in_stream is None:
-            _SwapIn(self, copies, None).all_layers()
-            return True
+            _SwapIn(self, plan, None).all_layers()
+            plan.done = True
+            return
         stream = self.in_stream
         # (the new blocks may still be written by earlier work, and the staging buffer read by the
         # compute stream's scatters of an earlier layer-by-layer swap-in)
         stream.wait_stream(compute_stream)
         step, pc = self.out_chunks, self.per_chunk
         with torch.cuda.stream(stream):  # every layer at once, through the copies' staging buffer
-            index = _on_device(copies.swap_in_blocks, self.device)
+            index = _on_device(plan.swap_in_blocks, self.device)
             for first in range(0, n, step):
                 part = hosts[first:first + step]
                 m = len(part)
@@ -196,7 +192,7 @@ class HostTier:
                     cache.index_copy_(1, index[first * pc:(first + m) * pc], staged)
             done = torch.cuda.Event()
             done.record(stream)
-        return done
+        plan.done = done
 
 
 class _SwapIn:
@@ -204,15 +200,15 @@ class _SwapIn:
     layer it costs the host a handful of calls (the forward is host-bound at small batches, so
     every microsecond here is one of the turn's): views, addresses and events are made once."""
 
-    def __init__(self, tier: HostTier, copies, compute_stream):
+    def __init__(self, tier: HostTier, plan, compute_stream):
         self.tier = tier
-        self.hosts = copies.swap_in_host
+        self.hosts = plan.swap_in_host
         self.n = len(self.hosts)
         self.compute = compute_stream
         if tier.in_stream is None:
-            self.index = torch.from_numpy(copies.swap_in_blocks.reshape(-1).astype(np.int64))
+            self.index = torch.from_numpy(plan.swap_in_blocks.reshape(-1).astype(np.int64))
             return
-        self.index = _on_device(copies.swap_in_blocks, tier.device)
+        self.index = _on_device(plan.swap_in_blocks, tier.device)
         shape = (self.n * tier.per_chunk, tier.block_size, *tier.tail)
         self.staged = [[tier.in_buffers[b, kv, :self.n].view(shape) for kv in range(2)] for b in range(2)]
         self.staged_at = [[t.data_ptr() for t in pair] for pair in self.staged]
