@@ -1,9 +1,11 @@
 """The iteration plan (core/iteration_plan.py) as bytes: what one process plans, another runs,
-unchanged (the ranks of a model-parallel decoder all run the plan rank 0 made). No torch."""
+unchanged (the ranks of a model-parallel decoder all run the plan rank 0 made); and the graph
+shapes and padding (core/iteration_shapes.py). No torch."""
 import numpy as np
 import pytest
 
 from batchmaker.core.iteration_plan import ARRAYS, COPY_MODES, Copies, GraphShape, IterationPlan
+from batchmaker.core.iteration_shapes import NO_GRAPHS, GraphShapes, graph_key, pad, pad_alone, prefill_tokens
 
 
 def random_plan(rng: np.random.Generator, copies: bool, graph: bool) -> IterationPlan:
@@ -63,3 +65,43 @@ def test_the_plan_casts_its_arrays_and_has_no_mutable_fields():
     assert all(getattr(plan, name).dtype == dtype for name, dtype in ARRAYS.items())
     with pytest.raises(AttributeError):
         plan.tokens = plan.positions  # (frozen: the runner and other ranks read what the planner made)
+
+
+# the shapes (core/iteration_shapes.py) -------------------------------------------------------------
+
+SHAPES = GraphShapes(batch_sizes=(1, 2, 4, 8, 16, 32), max_seqs=16, prefill_graph_tokens=512, short_context=512,
+                     table_width=4096)
+
+
+def test_which_graph_runs_an_iteration():
+    assert NO_GRAPHS.of(3, 3, True, 9) is None  # (CPU workers: every iteration eagerly)
+    assert SHAPES.of(3, 3, True, 100) == GraphShape(4, 4, 512, True)  # decode: sequences to a bucket
+    assert SHAPES.of(9, 9, True, 3000) == GraphShape(16, 16, None, True)  # past the short bound: the table's width
+    assert SHAPES.of(2, 9, False, 30) == GraphShape(16, 4, 512, False)  # 7 padded tokens: a padded sequence too
+    assert SHAPES.of(3, 16, False, 600) == GraphShape(16, 4, 1024, False)  # no padded tokens, contexts to 1024
+    assert SHAPES.of(16, 20, False, 30) is None  # a padded sequence would exceed max_seqs
+    assert SHAPES.of(1, 513, False, 30) is None  # prompt chunks past prefill_graph_tokens: eagerly
+    assert [prefill_tokens(n) for n in (1, 17, 128, 129, 300)] == [16, 32, 128, 192, 320]
+    assert SHAPES.decode_buckets == [1, 2, 4, 8, 16]
+    assert graph_key("t", GraphShape(4, 4, 512, True), True) == ("iteration", "t", 4, True, 512)
+    assert graph_key("t", GraphShape(16, 4, None, False), False) == ("prefill", "t", 16, 4, False, None)
+
+
+def test_padding_leaves_the_real_rows_first_and_writes_only_scratch():
+    rng = np.random.default_rng(3)
+    plan = random_plan(rng, copies=True, graph=False)
+    shape = GraphShape(plan.num_tokens + 5, plan.num_seqs + 2, 512, False)
+    padded = pad(plan, shape, scratch_slot=99, block_size=16)
+    t, s, n = plan.num_tokens, plan.num_seqs, plan.num_samples
+    assert (padded.num_tokens, padded.num_seqs, padded.num_samples) == (shape.tokens, shape.seqs, shape.seqs)
+    for name in ARRAYS:  # the real rows, unchanged, first
+        real = getattr(plan, name)
+        assert np.array_equal(getattr(padded, name)[:len(real)], real), name
+    assert (padded.kv_slots[t:] < 16).all() and (padded.token_slots[t:] == 99).all()  # the scratch block and slot
+    assert (padded.block_tables[s:] == 0).all() and (padded.sample_slots[n:] == 99).all()
+    assert padded.query_start[-1] == shape.tokens and (np.diff(padded.query_start) >= 1).all()
+    assert padded.graph == shape and padded.max_query_len == shape.tokens and padded.copies is plan.copies
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad(plan, GraphShape(t + 1, s, None, False), 99, 16)  # a padded token needs a padded sequence
+    alone = pad_alone(GraphShape(4, 4, None, True), 99, 16, 8)
+    assert alone.query_start.tolist() == [0, 1, 2, 3, 4] and alone.block_tables.shape == (4, 8)

@@ -14,6 +14,7 @@ Padded sequences take the padded tokens, one each and the rest to the first, at 
 Padded samples read row 0 and go greedily to the scratch slot.
 """
 from dataclasses import dataclass
+
 import numpy as np
 
 from batchmaker.core.iteration_plan import GraphShape, IterationPlan
