@@ -49,7 +49,18 @@ ARRAYS = {"tokens": np.int64, "positions": np.int64, "kv_slots": np.int64, "toke
           "query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
           "sample_token": np.int64, "sample_slots": np.int64, "seeds": np.int64, "counters": np.int64,
           "top_k": np.int64, "temperature": np.float32, "top_p": np.float32}
+_DIMS = {"tokens": "T", "positions": "T", "kv_slots": "T", "token_slots": "T", "query_start": "S+1",
+         "context_lens": "S", "block_tables": "SxW", "sample_token": "N", "sample_slots": "N", "seeds": "N",
+         "counters": "N", "top_k": "N", "temperature": "N", "top_p": "N"}
 _COPY_ARRAYS = ("swap_in_host", "swap_in_blocks", "swap_out_blocks", "swap_out_host")
+
+
+def array_shapes(num_tokens: int, num_seqs: int, num_samples: int, width: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each array of a plan with this many tokens, sequences and samples (block
+    tables `width` blocks wide)."""
+    dims = {"T": (num_tokens,), "S+1": (num_seqs + 1,), "S": (num_seqs,), "SxW": (num_seqs, width),
+            "N": (num_samples,)}
+    return {name: dims[dim] for name, dim in _DIMS.items()}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -119,10 +130,9 @@ class IterationPlan:
         header = np.frombuffer(data, dtype=np.int64, count=n, offset=8).tolist()
         t, s, width, m, max_query_len, decode_only, greedy, *rest = header
         graph = None if rest[0] < 0 else GraphShape(rest[0], rest[1], None if rest[2] < 0 else rest[2], bool(rest[3]))
-        shapes = {"query_start": (s + 1,), "context_lens": (s,), "block_tables": (s, width)}
+        shapes = array_shapes(t, s, m, width)
         reader = _Reader(data, 8 * (n + 1))
-        arrays = {name: reader.take(dtype, shapes.get(name, (t,) if name in _TOKEN_WISE else (m,)))
-                  for name, dtype in ARRAYS.items()}
+        arrays = {name: reader.take(dtype, shapes[name]) for name, dtype in ARRAYS.items()}
         copies = None
         if rest[4]:
             mode, n_in, per_in, n_out, per_out = rest[4:9]
@@ -131,9 +141,6 @@ class IterationPlan:
                             COPY_MODES[mode - 1])
         return cls(**arrays, max_query_len=max_query_len, decode_only=bool(decode_only), greedy=bool(greedy),
                    graph=graph, copies=copies)
-
-
-_TOKEN_WISE = ("tokens", "positions", "kv_slots", "token_slots")
 
 
 class _Reader:

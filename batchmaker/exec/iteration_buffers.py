@@ -6,12 +6,11 @@ Packed's tensors at fixed addresses; eager launches reuse them per shape.
 import numpy as np
 import torch
 
+from batchmaker.core.iteration_plan import ARRAYS, array_shapes
 from batchmaker.exec.staging import PinnedRing
 
-
-_NARROW = {"query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32,
-           "temperature": np.float32, "top_p": np.float32, "attn_small": np.int32,
-           "attn_large": np.int32}  # 4-byte columns, two per int64 word
+_DTYPES = {**ARRAYS, "attn_small": np.int32, "attn_large": np.int32}  # the plan's, and the attention's work lists
+_NARROW = {name: dtype for name, dtype in _DTYPES.items() if np.dtype(dtype).itemsize == 4}  # two per int64 word
 _TORCH = {np.int32: torch.int32, np.float32: torch.float32}
 
 
@@ -34,10 +33,8 @@ class Packed:
 
     def __init__(self, num_tokens: int, num_seqs: int, num_samples: int, max_blocks: int, device, stream,
                  work: tuple[int, int] | None = None):
-        sizes = {"tokens": num_tokens, "positions": num_tokens, "kv_slots": num_tokens, "token_slots": num_tokens,
-                 "query_start": num_seqs + 1, "context_lens": num_seqs, "block_tables": num_seqs * max_blocks,
-                 "sample_token": num_samples, "sample_slots": num_samples, "seeds": num_samples,
-                 "counters": num_samples, "top_k": num_samples, "temperature": num_samples, "top_p": num_samples}
+        shapes = array_shapes(num_tokens, num_seqs, num_samples, max_blocks)
+        sizes = {name: int(np.prod(shape)) for name, shape in shapes.items()}
         if work is not None:  # the attention's item lists, -1 after the last
             sizes.update(attn_small=work[0], attn_large=work[1])
         self.columns, self.size = column_layout(sizes)
@@ -49,7 +46,7 @@ class Packed:
             if name in _NARROW:
                 view = view.view(_TORCH[_NARROW[name]])[:size]
             self.tensors[name] = view
-        self.tensors["block_tables"] = self.tensors["block_tables"].view(num_seqs, max_blocks)
+        self.tensors["block_tables"] = self.tensors["block_tables"].view(shapes["block_tables"])
 
     def load(self, arrays: dict) -> None:
         """Copy the arrays (a plan's, padded to this shape where it is a graph's)."""
