@@ -57,10 +57,11 @@ class Attention(nn.Module):
         bias = c.has_attention_bias
         self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=bias)
         self.o_proj = nn.Linear(self.sizes[0], c.hidden_size, bias=bias)
+        self.reduce: Callable[[Tensor], Tensor] | None = None  # tensor parallel: o_proj's partial sums (cells/tensor_parallel.py)
 
     def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
         # x: [T, H]
-        return project(self.o_proj, self.mix(project(self.qkv_proj, x), rotate, attend))
+        return reduced(self, project(self.o_proj, self.mix(project(self.qkv_proj, x), rotate, attend)))
 
     def mix(self, qkv: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
         """The projected q | k | v [T, (Hq + 2 Hkv) D] -> attention's output [T, Hq D], before o_proj."""
@@ -97,6 +98,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+def reduced(module: nn.Module, x: Tensor) -> Tensor:
+    """A row-parallel projection's output summed over the ranks (as is without tensor parallelism)."""
+    return x if module.reduce is None else module.reduce(x)
+
+
 def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
     """(x + residual, norm(x + residual)); a norm with an `add_forward` (Llama's RMSNorm) fuses the two."""
     if hasattr(norm, "add_forward"):
@@ -112,11 +118,12 @@ class DecoderLM(nn.Module):
     embedding) and define `embed`; Llama also overrides `rotary`.
     """
 
-    config: DecoderConfig
+    config: DecoderConfig  # what this module computes (a rank's shard under tensor parallelism)
     embed_tokens: nn.Embedding
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Linear | None
+    tp = None  # cells/tensor_parallel.TensorParallel: this module is one rank's shard
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens, positions: LongTensor [T] -> [T, H]."""
@@ -139,7 +146,15 @@ class DecoderLM(nn.Module):
     def head(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> float32 logits [N, vocab] (final norm, then the LM head)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        return self.gathered(F.linear(self.norm(hidden), weight).float())
+
+    def tokens(self, tokens: Tensor) -> Tensor:
+        """The token embedding [T, H] (over the ranks' vocabulary rows under tensor parallelism)."""
+        return self.embed_tokens(tokens) if self.tp is None else self.tp.embed(self.embed_tokens.weight, tokens)
+
+    def gathered(self, logits: Tensor) -> Tensor:
+        """Logits of the whole vocabulary from this module's rows."""
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     @torch.no_grad()
     def dense_logits(self, tokens: Tensor) -> Tensor:

@@ -35,6 +35,8 @@ class DecoderConfig:
     enable_bias: bool = True  # OPT: biases on every linear layer
     do_layer_norm_before: bool = True  # OPT: pre-norm (every OPT but 350m)
     word_embed_proj_dim: int | None = None  # OPT: None means hidden_size (no projection)
+    shards: int = 1  # a rank's share of a model split over this many (cells/tensor_parallel.py): heads, kv
+    # heads, intermediate_size and vocab_size are the rank's
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -55,7 +57,7 @@ class DecoderConfig:
         if self.word_embed_proj_dim not in (None, self.hidden_size):
             raise ValueError(f"OPT with word_embed_proj_dim ({self.word_embed_proj_dim}) != hidden_size "
                              f"({self.hidden_size}) (projected embeddings, as opt-350m) is not supported")
-        if self.num_kv_heads != self.num_heads or self.num_heads * self.head_dim != self.hidden_size:
+        if self.num_kv_heads != self.num_heads or self.num_heads * self.head_dim * self.shards != self.hidden_size:
             raise ValueError("OPT needs num_kv_heads == num_heads and num_heads * head_dim == hidden_size")
         if self.rope_scaling is not None:
             raise ValueError("OPT has learned positions: rope_scaling must be None")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
+from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, reduced
 from batchmaker.cells.decoder_config import DecoderConfig, rope_type
 from batchmaker.kernels import gemv
 from batchmaker.kernels.skinny import project
@@ -50,10 +50,12 @@ class GatedMLP(nn.Module):
         h, i, bias = config.hidden_size, config.intermediate_size, config.has_mlp_bias
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.reduce = None  # tensor parallel: down's partial sums (cells/tensor_parallel.py)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(self.gate_up_proj, x)  # [T, 2I]: gate | up
-        return project(self.down_proj, silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up))
+        act = silu_mul(gate_up) if can_fuse(gate_up) else reference_silu_mul(gate_up)
+        return reduced(self, project(self.down_proj, act))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +93,10 @@ class LlamaLayer(DecoderLayer):
         else:
             residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight, pdl=pdl)
             mixed = attn.mix(qkv, rotate, attend)
-        out = gemv.linear(mixed, attn.o_proj.weight, pdl=pdl)
+        out = reduced(attn, gemv.linear(mixed, attn.o_proj.weight, pdl=pdl))
         residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight,
                                           pdl=pdl)
-        return gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl), residual
+        return reduced(self.mlp, gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl)), residual
 
 
 class Rotary:
@@ -152,7 +154,7 @@ class LlamaLM(DecoderLM):
         self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # float32 [D/2]
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        return self.embed_tokens(tokens)
+        return self.tokens(tokens)
 
     def set_one_token(self, how: OneTokenConfig | None) -> None:
         """How forwards of one token run on CUDA from now on (None: the general path); layers with
@@ -164,7 +166,8 @@ class LlamaLM(DecoderLM):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         how = self.layers[0].one_token
         if how is not None and gemv.can_gemv(hidden, weight):
-            return gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight, pdl=how.pdl)[1].float()
+            logits = gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight, pdl=how.pdl)[1]
+            return self.gathered(logits.float())
         return super().head(hidden)
 
     def rotary(self, positions: Tensor) -> Rotary:

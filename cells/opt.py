@@ -6,7 +6,7 @@ DecoderConfig rejects the others. The LM head is tied to the token embedding by 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
+from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, reduced
 from batchmaker.cells.decoder_config import OPT_POSITION_OFFSET, DecoderConfig
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # HF's "gelu" is the exact (erf) one, as F.gelu
@@ -21,9 +21,10 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(h, i, bias=bias)
         self.fc2 = nn.Linear(i, h, bias=bias)
         self.act = ACTIVATIONS[config.activation]
+        self.reduce = None  # tensor parallel: fc2's partial sums (cells/tensor_parallel.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return reduced(self, self.fc2(self.act(self.fc1(x))))
 
 
 class OPTLM(DecoderLM):
@@ -42,4 +43,4 @@ class OPTLM(DecoderLM):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        return self.embed_tokens(tokens) + self.embed_positions(positions + OPT_POSITION_OFFSET)
+        return self.tokens(tokens) + self.embed_positions(positions + OPT_POSITION_OFFSET)
