@@ -47,7 +47,7 @@ class GenerativeModel(Finisher):
         self.cell = self.cell_type.cell
         if self.cell.batch_unit != "tokens":
             raise TypeError(f"model {model.name!r}: a Generate form needs a DecoderCell, got {type(self.cell).__name__}")
-        config = self.cell.lm.config
+        config = self.cell.lm.config  # (the whole model's: the cell keeps it whole, its ranks hold shards)
         self.vocab, self.max_len = config.vocab_size, config.max_positions
         self.eos = tuple(config.eos_token_ids)
         self.tokenizer = getattr(self.cell, "tokenizer", None)
@@ -67,12 +67,14 @@ class GenerativeModel(Finisher):
     def caches(self) -> dict[int, ConversationCache]:
         return self.turns.caches
 
-    def facts_from(self, worker) -> DecoderFacts:
-        """What this model's queue needs of a started worker: its decoder's facts."""
-        return worker.decoder_facts[id(self.cell_type)]
+    def facts_from(self, worker) -> DecoderFacts | None:
+        """What this model's queue needs of a started worker: its decoder's facts (None: the
+        worker does not serve it, as only worker 0 serves a tensor-parallel decoder)."""
+        return worker.decoder_facts.get(id(self.cell_type))
 
-    def build(self, facts: dict[int, DecoderFacts]) -> list:
-        """The model's queue, given what each worker measured at start-up."""
+    def build(self, facts: dict[int, DecoderFacts | None]) -> list:
+        """The model's queue, given what each worker serving it measured at start-up."""
+        facts = {worker: f for worker, f in facts.items() if f is not None}
         sequences = {}
         for worker, f in facts.items():
             blocks = BlockTables(f.num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from batchmaker.cell import Cell
+from batchmaker.cells.tensor_parallel import shard_config
 from batchmaker.signature import Signature, TensorSpec
 
 
@@ -50,10 +51,11 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 class DecoderCell(Cell):
     batch_unit = "tokens"  # what the engine batches: tokens of many sequences, by iterations
 
-    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings()):
+    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings(), tensor_parallel: int = 1):
         super().__init__()
         self.lm = lm
         self.kv = kv
+        self.tensor_parallel = tensor_parallel  # ranks the model is split over (exec/tensor_group.py)
         self.block_size = kv.block_size
         self.max_seqs = kv.max_seqs
         vocab = lm.config.vocab_size
@@ -68,7 +70,8 @@ class DecoderCell(Cell):
         if self.kv.num_blocks is not None:
             return self.kv.num_blocks
         dtype = next(self.lm.parameters()).dtype
-        per_block = kv_bytes_per_block(self.lm.config, self.block_size, dtype)
+        config = self.lm.config if self.tensor_parallel == 1 else shard_config(self.lm.config, self.tensor_parallel)
+        per_block = kv_bytes_per_block(config, self.block_size, dtype)  # (a rank's kv heads)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * self.kv.gpu_fraction)

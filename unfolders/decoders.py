@@ -9,6 +9,7 @@ Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style check
 import torch
 
 from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
+from batchmaker.cells.tensor_parallel import check_shardable
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.forms import Generate
 from batchmaker.model import Model
@@ -20,10 +21,12 @@ GPU_MAX_TOKENS, CPU_MAX_TOKENS = 2048, 256
 
 def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, seed: int, dtype, device: str,
                   max_tokens: int | None, max_seqs: int, block_size: int, num_blocks: int | None,
-                  max_new_tokens: int, conversations: dict) -> Model:
+                  max_new_tokens: int, conversations: dict, tensor_parallel: int = 1) -> Model:
     from batchmaker.cells.checkpoint import load_checkpoint, load_tokenizer
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS
+    if tensor_parallel != 1 and torch.device(device).type != "cpu":
+        raise ValueError(f"tensor_parallel={tensor_parallel}: ranks run on CPU workers only so far (GPUs: issue 31)")
     tokenizer = None
     if checkpoint is not None:
         lm = load_checkpoint(checkpoint, dtype=None if dtype is None else as_dtype(dtype), device=device)
@@ -34,11 +37,12 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
         lm = build_decoder(PRESETS[preset], seed=seed, dtype=as_dtype(dtype or "float32"), device=device)
     if lm.config.family != family:
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {lm.config.family}")
+    check_shardable(lm.config, tensor_parallel)
     if max_tokens is None:  # a GPU iteration reads every weight once: more tokens each (bench/results/README.md)
         max_tokens = GPU_MAX_TOKENS if torch.device(device).type == "cuda" else CPU_MAX_TOKENS
     ttl = conversations.pop("conversation_ttl")
     kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks, **conversations)
-    cell = DecoderCell(lm, kv)
+    cell = DecoderCell(lm, kv, tensor_parallel)
     cell.tokenizer = tokenizer
     vocab, limit = lm.config.vocab_size, lm.config.max_positions - 1
     prompt = {"prompt": f"str: the prompt as text (instead of tokens), at most {limit} tokens"} if tokenizer else {}
@@ -69,7 +73,7 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
                 max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
                 max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
                 chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
-                swap_threshold: float = 0.25) -> Model:
+                swap_threshold: float = 0.25, tensor_parallel: int = 1) -> Model:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
     lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
@@ -77,11 +81,13 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     eviction "value" (Pensieve) or "lru"; chunk_tokens, the unit of eviction; conversation_ttl,
     seconds a conversation is kept idle; swap_threshold, the fraction of free blocks below which
     chunks are copied to the host ahead of time. reserve: the fraction of blocks new requests leave
-    free for running decodes."""
+    free for running decodes. tensor_parallel: ranks the model is split over (processes the engine
+    starts; CPU only so far)."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
-                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold))
+                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold),
+                         tensor_parallel)
 
 
 @register_model("opt")
@@ -90,8 +96,9 @@ def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int
               max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
               max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
               chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
-              swap_threshold: float = 0.25) -> Model:
+              swap_threshold: float = 0.25, tensor_parallel: int = 1) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
-                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold))
+                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold),
+                         tensor_parallel)

@@ -26,6 +26,7 @@ from batchmaker.core.iteration_shapes import NO_GRAPHS, GraphShapes
 from batchmaker.core.sequences import Sequences
 from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
+from batchmaker.errors import CellError
 
 
 class SequenceQueue:
@@ -274,7 +275,7 @@ class SequenceQueue:
             for s, serial in zip(task.slots.tolist(), task.serials.tolist()):
                 if q.serial[s] == serial:  # (a slot may come twice: a turn's recompute and its prompt)
                     self._end_turn(q, s)
-            self.finisher.fail(owners, task.error)
+            self.finisher.fail(owners, CellError(f"cell {self.cell_type.name} failed: {task.error!r}"))
             return
         slots = task.slots[task.sample]
         current = q.serial[slots] == task.serials[task.sample]

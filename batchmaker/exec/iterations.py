@@ -55,11 +55,12 @@ class KVCache:
 
 
 class IterationRunner:
-    def __init__(self, cell_type, module, device: torch.device, graphs, num_blocks: int):
+    def __init__(self, cell_type, module, device: torch.device, graphs, num_blocks: int, ranks=None):
         from batchmaker.kernels import paged_attention as kernels
         self.cell_type = cell_type
         self.module = module  # a DecoderCell (cells/decoder_cell.py)
-        self.lm = module.lm
+        self.ranks = ranks  # exec/tensor_group.TensorGroup: rank 0 of a tensor-parallel decoder, sends its plans
+        self.lm = module.lm if ranks is None else ranks.lm  # (rank 0's part)
         self.config = self.lm.config
         self.device = device
         self.graphs = graphs
@@ -170,6 +171,8 @@ class IterationRunner:
     def execute(self, task: IterationTask) -> None:
         record = self._record(task)
         plan = task.plan
+        if self.ranks is not None:
+            self.ranks.send(plan)
         t = {k: torch.from_numpy(v) for k, v in plan.arrays().items()}
         start = time.perf_counter()
         swap_in = self._copies(task, None)
@@ -255,6 +258,10 @@ class IterationRunner:
         if copies.mode == "before":  # (the iteration replays a graph: its layers cannot wait one by one)
             compute_stream.wait_event(handle.done)
         return None
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
 
     def finish(self, task: IterationTask) -> None:
         if task.handle is not None:

@@ -27,6 +27,7 @@ from batchmaker.exec.nodes import NodeRunner
 from batchmaker.exec.rounds import RoundRunner
 from batchmaker.exec.state import StateMemory
 from batchmaker.exec.steps import StepRunner
+from batchmaker.exec.tensor_group import TensorGroup
 
 log = logging.getLogger("batchmaker")
 
@@ -44,15 +45,23 @@ class Worker:
         self.steps = StepRunner(self.cells, self.graphs)
         self.rounds = RoundRunner(self.cells, self.graphs, max_steps)
         self.nodes = NodeRunner(self, self.cells, self.steps)
-        self.iterations = {id(ct): IterationRunner(ct, cells[id(ct)], device, self.graphs,
-                                                   cells[id(ct)].num_blocks_on(device))
-                           for ct in cell_types if ct.cell.batch_unit == "tokens"}
+        self.iterations = {id(ct): self._decoder(ct, cells[id(ct)]) for ct in cell_types
+                           if ct.cell.batch_unit == "tokens" and (ct.cell.tensor_parallel == 1 or worker_id == 0)}
         self.runners = {(kind, id(ct)): runner for ct in rows
                         for kind, runner in (("step", self.steps), ("round", self.rounds), ("node", self.nodes))}
         self.runners.update({("iteration", key): runner for key, runner in self.iterations.items()})
         self.decoder_facts = {}  # id(cell type) -> DecoderFacts: measured once the worker is ready (`_measure`)
         self.num_in_flight = 0
         self.num_tasks = 0
+
+    def _decoder(self, cell_type, cell) -> IterationRunner:
+        """A decoder's runner here; a tensor-parallel decoder's group starts with it (rank 0 on
+        worker 0, which alone serves it: exec/tensor_group.py)."""
+        num_blocks = cell.num_blocks_on(self.device)
+        if cell.tensor_parallel > 1 and self.device.type != "cpu":
+            raise ValueError(f"{cell_type.name}: tensor_parallel={cell.tensor_parallel} runs on CPU workers only so far")
+        group = TensorGroup(cell, cell_type.name, cell_type.batch_sizes, num_blocks) if cell.tensor_parallel > 1 else None
+        return IterationRunner(cell_type, cell, self.device, self.graphs, num_blocks, group)
 
     @property
     def accepts_work(self) -> bool:
@@ -97,7 +106,8 @@ class Worker:
         node.rows = {}
 
     def close(self) -> None:
-        pass
+        for runner in self.iterations.values():
+            runner.close()
 
 
 class CPUWorker(Worker):
@@ -151,6 +161,7 @@ class CPUWorker(Worker):
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join()
+        super().close()
 
     def _run(self) -> None:
         with torch.inference_mode():  # for this thread's life
@@ -266,6 +277,7 @@ class CUDAWorker(Worker):
 
     def close(self) -> None:
         self.stream.synchronize()
+        super().close()
 
 
 def make_worker(worker_id: int, device: torch.device, cells: dict, cell_types: list, peers: list, *,

@@ -1,0 +1,126 @@
+"""Tensor-parallel decoders through the engine (exec/tensor_group.py): rank 0 plans, the other ranks
+are processes the engine starts (gloo on the CPU), and every rank runs the same plans. Tokens must
+be those of one rank and of HF transformers, under continuous batching, for conversations, with
+cancels; a rank that dies fails the requests instead of hanging; stopping leaves no process."""
+import multiprocessing
+import random
+import time
+
+import pytest
+import torch
+
+from batchmaker import Engine
+from batchmaker.errors import BatchMakerError, CancelledError
+from batchmaker.registry import build_model
+from test_generation import drive, hf_greedy, step
+
+transformers = pytest.importorskip("transformers")
+
+from batchmaker.cells.decoder_config import PRESETS, to_hf  # noqa: E402
+
+
+def workload(rng: random.Random, family: str, n: int = 10) -> list:
+    """Greedy and seeded-sampling requests; some prompts longer than the token budget (48)."""
+    requests = []
+    for i in range(n):
+        prompt = [rng.randrange(1, 500) for _ in range(rng.choice([rng.randint(1, 20), rng.randint(49, 90)]))]
+        inputs = {"tokens": prompt, "max_new_tokens": rng.randint(1, 12), "ignore_eos": True}
+        if i % 3 == 2:
+            inputs.update(temperature=0.8, top_k=40, seed=i)
+        requests.append((family, inputs))
+    return requests
+
+
+def serve(model, requests: list, seed: int) -> list:
+    engine = Engine([model]).start(thread=False)
+    try:
+        return [f.result(0).outputs["tokens"] for f in drive(engine, requests, random.Random(seed))]
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory):
+    """A HF Llama with one kv head (fewer than the ranks: replicated), saved as users have it."""
+    config = to_hf(PRESETS["tiny-llama"])
+    config["num_key_value_heads"] = 1
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    path = tmp_path_factory.mktemp("one-kv")
+    hf.save_pretrained(path)
+    return str(path), hf
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_two_ranks_give_the_tokens_of_one(family):
+    requests = workload(random.Random(1), family)
+    one = serve(build_model(family, seed=2, max_tokens=48), requests, seed=4)
+    two = serve(build_model(family, seed=2, max_tokens=48, tensor_parallel=2), requests, seed=4)
+    assert two == one and len(one) == len(requests)
+    assert not multiprocessing.active_children()  # (the rank's process is gone)
+
+
+def test_replicated_kv_heads_follow_hf(one_kv_head):
+    path, hf = one_kv_head
+    requests = [r for r in workload(random.Random(2), "llama") if "temperature" not in r[1]]
+    two = serve(build_model("llama", checkpoint=path, max_tokens=48, tensor_parallel=2), requests, seed=6)
+    for tokens, (_, inputs) in zip(two, requests):
+        assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+def test_a_conversation_and_a_cancel_on_two_ranks():
+    def run(tp: int) -> tuple:
+        engine = Engine([build_model("llama", seed=3, max_tokens=48, tensor_parallel=tp)]).start(thread=False)
+        try:
+            replies, cid = [], True
+            for turn in range(3):
+                f = engine.submit("llama", {"tokens": [7 + turn, 11, 13] * (turn + 1), "max_new_tokens": 6,
+                                            "conversation": cid, "ignore_eos": True})
+                while not f.done():
+                    step(engine)
+                out = f.result(0).outputs
+                replies.append(out["tokens"])
+                cid = out["conversation"]
+            long = engine.submit("llama", {"tokens": [5] * 30, "max_new_tokens": 40, "ignore_eos": True})
+            other = engine.submit("llama", {"tokens": [9] * 10, "max_new_tokens": 5, "ignore_eos": True})
+            for _ in range(4):
+                step(engine)
+            engine.cancel(long.request_id)
+            while not (long.done() and other.done()):
+                step(engine)
+            with pytest.raises(CancelledError):
+                long.result(0)
+            queue = engine.structured["llama"].queue
+            assert all(q.num_active == 0 for q in queue.sequences.values())
+            return replies, other.result(0).outputs["tokens"]
+        finally:
+            engine.stop()
+    assert run(2) == run(1)
+
+
+def test_a_rank_that_dies_fails_the_requests_and_nothing_is_left_behind():
+    engine = Engine([build_model("llama", seed=1, max_tokens=48, tensor_parallel=2)]).start()
+    try:
+        warm = engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True})
+        warm.result(30)
+        futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
+                   for i in range(4)]
+        group = next(iter(engine.workers[0].iterations.values())).ranks
+        group.processes[0].kill()
+        start = time.monotonic()
+        for f in futures:
+            with pytest.raises(BatchMakerError):
+                f.result(15)
+        assert time.monotonic() - start < 10.0
+    finally:
+        engine.stop()
+    assert not multiprocessing.active_children()
+
+
+def test_configs_and_devices_the_ranks_cannot_take_are_refused_when_built():
+    with pytest.raises(ValueError, match="num_heads"):
+        build_model("llama", tensor_parallel=3)  # 4 heads
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        build_model("llama", tensor_parallel=0)
+    with pytest.raises(ValueError, match="CPU"):
+        build_model("llama", tensor_parallel=2, device="cuda:0")
