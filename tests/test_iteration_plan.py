@@ -105,3 +105,12 @@ def test_padding_leaves_the_real_rows_first_and_writes_only_scratch():
         pad(plan, GraphShape(t + 1, s, None, False), 99, 16)  # a padded token needs a padded sequence
     alone = pad_alone(GraphShape(4, 4, None, True), 99, 16, 8)
     assert alone.query_start.tolist() == [0, 1, 2, 3, 4] and alone.block_tables.shape == (4, 8)
+
+
+def test_block_tables_travel_up_to_their_last_block():
+    plan = random_plan(np.random.default_rng(9), copies=False, graph=False)
+    tables = np.zeros_like(plan.block_tables)
+    tables[0, 3] = 7  # (a zero before it: kept)
+    plan = IterationPlan.of(**{**plan.arrays(), "block_tables": tables})
+    assert len(plan.to_bytes()) < len(random_plan(np.random.default_rng(9), copies=False, graph=False).to_bytes())
+    assert_same(plan, IterationPlan.from_bytes(plan.to_bytes()))

@@ -106,14 +106,18 @@ class IterationPlan:
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in ARRAYS}
 
-    # bytes: a header of int64 words (shapes, scalars), then every array's bytes in order --------
+    # bytes: a header of int64 words (shapes, scalars), then every array's bytes in order; block
+    # tables only up to their last nonzero column (the rest is zeros: no block) ----------------------
     def to_bytes(self) -> bytes:
         c = self.copies
         graph = (-1, -1, -1, -1) if self.graph is None else \
             (self.graph.tokens, self.graph.seqs, -1 if self.graph.bound is None else self.graph.bound, self.graph.decode)
-        header = [self.num_tokens, self.num_seqs, self.block_tables.shape[1], self.num_samples, self.max_query_len,
+        tables = self.block_tables
+        columns = np.flatnonzero(tables.any(axis=0))
+        used = int(columns[-1]) + 1 if len(columns) else 0
+        header = [self.num_tokens, self.num_seqs, tables.shape[1], used, self.num_samples, self.max_query_len,
                   self.decode_only, self.greedy, *graph]
-        parts = [getattr(self, name) for name in ARRAYS]
+        parts = [getattr(self, name) if name != "block_tables" else tables[:, :used] for name in ARRAYS]
         if c is not None:
             header += [COPY_MODES.index(c.mode) + 1, len(c.swap_in_host), c.swap_in_blocks.shape[1],
                        len(c.swap_out_host), c.swap_out_blocks.shape[1]]
@@ -128,11 +132,14 @@ class IterationPlan:
         data = bytearray(data)  # (one copy: the arrays are writable views of it)
         n = int(np.frombuffer(data, dtype=np.int64, count=1)[0])
         header = np.frombuffer(data, dtype=np.int64, count=n, offset=8).tolist()
-        t, s, width, m, max_query_len, decode_only, greedy, *rest = header
+        t, s, width, used, m, max_query_len, decode_only, greedy, *rest = header
         graph = None if rest[0] < 0 else GraphShape(rest[0], rest[1], None if rest[2] < 0 else rest[2], bool(rest[3]))
-        shapes = array_shapes(t, s, m, width)
+        shapes = array_shapes(t, s, m, used)
         reader = _Reader(data, 8 * (n + 1))
         arrays = {name: reader.take(dtype, shapes[name]) for name, dtype in ARRAYS.items()}
+        tables = np.zeros((s, width), dtype=ARRAYS["block_tables"])
+        tables[:, :used] = arrays["block_tables"]
+        arrays["block_tables"] = tables
         copies = None
         if rest[4]:
             mode, n_in, per_in, n_out, per_out = rest[4:9]
