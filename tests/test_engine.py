@@ -41,6 +41,35 @@ def test_batched_equals_unbatched(devices, seed):
     assert stats["num_gathers_skipped"] > 0  # consecutive steps of one batch skipped the gather
 
 
+def test_the_general_path_beside_a_tree_model_on_two_threaded_workers():
+    """Node tasks are planned on the manager thread (they take rows of pools the tree queue takes
+    and frees there too); planned on a worker's thread, outputs came out wrong (review, issue 30:
+    13-31 of 4,000). Threads switch as often as they can here, to make the interleavings likely."""
+    import sys
+    from batchmaker.registry import build_model
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    model, trees = toy_model(), build_model("treelstm", vocab=100, embed=4, hidden=4)
+    rng = random.Random(0)
+
+    def tree(depth):
+        return rng.randrange(100) if depth == 0 or rng.random() < 0.3 else [tree(depth - 1), tree(depth - 1)]
+    try:
+        with Engine([model, trees], EngineConfig(devices=("cpu", "cpu"))) as engine:
+            for _ in range(10):
+                inputs = [[rng.randrange(100) for _ in range(rng.randint(1, 12))] for _ in range(200)]
+                futures = [engine.submit("toy", {"xs": xs}) for xs in inputs]
+                others = [engine.submit("treelstm", {"tree": tree(5)}) for _ in range(200)]
+                for xs, f in zip(inputs, futures):
+                    h, ys = toy_reference(model, xs)
+                    out = f.result(60).outputs
+                    assert out["ys"] == ys and (out["h"] - h).abs().max() <= 1e-5
+                for g in others:
+                    g.result(60)
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_bad_inputs_get_typed_errors_and_the_engine_keeps_serving():
     with Engine([toy_model()]) as engine:
         good = [engine.submit("toy", {"xs": [1, 2, 3]}) for _ in range(5)]

@@ -27,13 +27,21 @@ class NodeRunner:
         """Another kind of task was planned on the worker: no output of a node task to reuse."""
         self._last_rows = None
 
+    def prepare(self, task: NodeTask) -> None:
+        """Plan the task into its step, on the manager thread (it takes rows of the pools the
+        manager's other queues take and free); a planning error becomes the task's."""
+        try:
+            task.handle = self.plan(task)
+        except Exception as e:
+            task.error = e
+
     def launch(self, task: NodeTask) -> None:
-        task.handle = self.plan(task)
-        self.steps.launch(task.handle)
+        if task.handle is not None:
+            self.steps.launch(task.handle)
 
     def execute(self, task: NodeTask) -> None:
-        task.handle = self.plan(task)
-        self.steps.execute(task.handle)
+        if task.handle is not None:
+            self.steps.execute(task.handle)
 
     def finish(self, task: NodeTask) -> None:
         """The step completed (or failed): fetched values to their nodes, staging rows freed."""

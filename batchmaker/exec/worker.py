@@ -79,7 +79,10 @@ class Worker:
             self.decoder_facts = {key: runner.measure() for key, runner in self.iterations.items()}
 
     def _runner(self, task: Task):
-        if task.kind != "node":
+        """The task's runner (manager thread, at submit); a node task is planned here, now."""
+        if task.kind == "node":
+            self.nodes.prepare(task)
+        else:
             self.nodes.forget()  # (a node task reuses the rows of the node task just before it only)
         return self.runners[task.kind, id(task.cell_type)]
 
