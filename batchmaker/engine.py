@@ -75,15 +75,22 @@ class Engine:
         self._set_cpu_threads()
         warm = [w for s in self.structured.values() for w in s.warm_list()]
         warm += [("step", ct) for ct in self._distinct if not any(w[1] is ct for w in warm)]
-        for device in self.config.devices:
-            device = torch.device(device)
-            cells = {id(ct): place_cell(ct.cell, device) for ct in self._distinct}
-            self.workers.append(make_worker(len(self.workers), device, cells, self._distinct, self.workers,
-                                            use_graphs=self.config.cuda_graphs,
-                                            max_steps=self.config.scheduler.max_round_steps,
-                                            on_done=self._wake.set, warm=warm,
-                                            inline=self._is_inline()))
-        self._build_queues()
+        try:
+            for device in self.config.devices:
+                device = torch.device(device)
+                cells = {id(ct): place_cell(ct.cell, device) for ct in self._distinct}
+                self.workers.append(make_worker(len(self.workers), device, cells, self._distinct, self.workers,
+                                                use_graphs=self.config.cuda_graphs,
+                                                max_steps=self.config.scheduler.max_round_steps,
+                                                on_done=self._wake.set, warm=warm,
+                                                inline=self._is_inline()))
+            self._build_queues()
+        except BaseException:  # (workers already made may hold threads and processes)
+            for worker in self.workers:
+                worker.close()
+            self.workers.clear()
+            torch.set_num_threads(self._threads_before)
+            raise
         # Long-lived objects (torch, models) leave the collector's view: full collections would
         # otherwise walk them while many requests are live.
         gc.freeze()

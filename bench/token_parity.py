@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 
 
-def workload(rng: np.random.Generator, n: int, vocab: int, longest: int) -> list[dict]:
+def workload(rng: np.random.Generator, n: int, vocab: int, longest: int, positions: int) -> list[dict]:
+    """Prompts up to `longest` tokens, every fourth longer (up to 3x, within the model's positions)."""
     requests = []
     for i in range(n):
         length = int(rng.integers(1, longest)) if i % 4 else int(rng.integers(longest, 3 * longest))
+        length = min(length, positions - 49)  # (room for max_new_tokens)
         inputs = {"tokens": rng.integers(3, vocab, length).tolist(), "max_new_tokens": int(rng.integers(8, 48)),
                   "ignore_eos": True}
         if i % 2:
@@ -42,7 +44,8 @@ def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     config = model.cells["decoder"].lm.config
     vocab, turn_len = config.vocab_size, max(5, config.max_positions // 8)
-    futures = [engine.submit("llama", r) for r in workload(rng, args.requests, vocab, args.max_tokens // 2)]
+    futures = [engine.submit("llama", r)
+               for r in workload(rng, args.requests, vocab, args.max_tokens // 2, config.max_positions)]
     turns = [[{"tokens": rng.integers(3, vocab, int(rng.integers(4, turn_len))).tolist(), "max_new_tokens": 24,
                "ignore_eos": True} for _ in range(3)] for _ in range(args.conversations)]
     talks = [[engine.submit("llama", {**t[0], "conversation": True})] for t in turns]
@@ -62,6 +65,8 @@ def run(args) -> dict:
 
 
 def compare(a: dict, b: dict) -> dict:
+    if len(a["requests"]) != len(b["requests"]) or len(a["conversations"]) != len(b["conversations"]):
+        raise SystemExit("the two runs served different workloads")
     same = [x == y for x, y in zip(a["requests"], b["requests"])]
     turns = [x == y for p, q in zip(a["conversations"], b["conversations"]) for x, y in zip(p, q)]
     return {"requests": len(same), "identical": sum(same), "turns": len(turns), "identical_turns": sum(turns),

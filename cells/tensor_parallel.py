@@ -44,10 +44,6 @@ def shard_config(config: DecoderConfig, size: int) -> DecoderConfig:
                    shards=size)
 
 
-def _rows(t: Tensor, start: int, stop: int) -> Tensor:
-    return t[start:stop]
-
-
 def _kv_heads(config: DecoderConfig, rank: int, size: int) -> tuple[int, int]:
     """The kv heads [first, last) rank `rank` keeps."""
     kv = config.num_kv_heads
@@ -69,12 +65,12 @@ def shard_state(state: dict[str, Tensor], config: DecoderConfig, rank: int, size
         kind = name.rsplit(".", 1)[-1]
         if ".qkv_proj." in name:  # [q | k | v] rows
             q, k, v = t.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
-            t = torch.cat([_rows(q, rank * hq * d, (rank + 1) * hq * d), _rows(k, k0 * d, k1 * d), _rows(v, k0 * d, k1 * d)])
+            t = torch.cat([q[rank * hq * d:(rank + 1) * hq * d], k[k0 * d:k1 * d], v[k0 * d:k1 * d]])
         elif ".gate_up_proj." in name:  # [gate | up] rows
             gate, up = t.split(c.intermediate_size)
-            t = torch.cat([_rows(gate, rank * inner, (rank + 1) * inner), _rows(up, rank * inner, (rank + 1) * inner)])
+            t = torch.cat([gate[rank * inner:(rank + 1) * inner], up[rank * inner:(rank + 1) * inner]])
         elif ".fc1." in name:
-            t = _rows(t, rank * inner, (rank + 1) * inner)
+            t = t[rank * inner:(rank + 1) * inner]
         elif any(f".{p}." in name for p in ("o_proj", "down_proj", "fc2")):  # row-parallel: columns; bias on rank 0
             if kind == "weight":
                 width = hq * d if ".o_proj." in name else inner
@@ -88,7 +84,8 @@ def shard_state(state: dict[str, Tensor], config: DecoderConfig, rank: int, size
 
 
 class TensorParallel:
-    """One rank's view of its group: the collectives a sharded decoder runs (no-op at size 1)."""
+    """One rank's view of its group: the collectives a sharded decoder runs. `group` is the
+    group's own process group (exec/tensor_group.py), set once every rank has joined."""
 
     def __init__(self, rank: int, size: int, vocab_size: int, group=None):
         self.rank, self.size, self.group = rank, size, group
@@ -97,8 +94,7 @@ class TensorParallel:
         self.vocab_start = rank * self.shard
 
     def all_reduce(self, x: Tensor) -> Tensor:
-        import torch.distributed as dist
-        dist.all_reduce(x, group=self.group)
+        self.group.allreduce([x]).wait()
         return x
 
     def embed(self, weight: Tensor, tokens: Tensor) -> Tensor:
@@ -110,9 +106,8 @@ class TensorParallel:
 
     def gather_logits(self, logits: Tensor) -> Tensor:
         """This rank's logits [N, shard] -> every rank's [N, vocab], the same on every rank."""
-        import torch.distributed as dist
         parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        self.group.allgather([parts], [logits.contiguous()]).wait()
         return torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
 

@@ -47,6 +47,7 @@ def test_a_plan_comes_back_from_its_bytes_as_it_was(seed):
     plan = random_plan(rng, copies=seed % 2 == 0, graph=seed % 3 == 0)
     back = IterationPlan.from_bytes(plan.to_bytes())
     assert_same(plan, back)
+    assert all(a.flags.aligned for a in back.arrays().values())  # (every array starts on 8 bytes)
     back.tokens[0] = 7  # (writable: a receiving rank may pad it in place or hand it to torch)
     assert IterationPlan.from_bytes(back.to_bytes()).tokens[0] == 7
 

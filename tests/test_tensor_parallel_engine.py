@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from batchmaker import Engine
+from batchmaker import Engine, EngineConfig
 from batchmaker.errors import BatchMakerError, CancelledError
 from batchmaker.registry import build_model
 from test_generation import drive, hf_greedy, step
@@ -124,3 +124,41 @@ def test_configs_and_devices_the_ranks_cannot_take_are_refused_when_built():
         build_model("llama", tensor_parallel=0)
     with pytest.raises(ValueError, match="CPU"):
         build_model("llama", tensor_parallel=2, device="cuda:0")
+
+
+def test_two_groups_and_a_second_worker_in_one_engine():
+    """Each group is a process group of its own (not torch.distributed's default one); a worker
+    that does not serve a tensor-parallel decoder forms nothing for it."""
+    models = [build_model("llama", seed=2, max_tokens=48, tensor_parallel=2),
+              build_model("opt", seed=2, max_tokens=48, tensor_parallel=2)]
+    requests = [r for family in ("llama", "opt") for r in workload(random.Random(3), family, n=4)]
+    engine = Engine(models, EngineConfig(devices=("cpu", "cpu"))).start()
+    try:
+        two = [engine.submit(model, inputs).result(60).outputs["tokens"] for model, inputs in requests]
+    finally:
+        engine.stop()
+    assert not multiprocessing.active_children()
+    one = [serve(build_model(model, seed=2, max_tokens=48), [(model, inputs)], seed=0)[0] for model, inputs in requests]
+    assert two == one
+
+
+def test_an_iteration_that_fails_on_rank_0_breaks_the_group_at_once():
+    """The other ranks may be left inside a collective: the group stops its ranks, and every later
+    iteration fails at once instead of waiting for a collective's timeout."""
+    engine = Engine([build_model("llama", seed=1, max_tokens=48, tensor_parallel=2)]).start()
+    try:
+        assert engine.submit("llama", {"tokens": [3, 4], "max_new_tokens": 2}).result(30)
+        group = next(iter(engine.workers[0].iterations.values())).ranks
+
+        def boom(x):
+            raise RuntimeError("injected")
+        group.lm.layers[1].mlp.reduce = boom
+        start = time.monotonic()
+        with pytest.raises(BatchMakerError, match="injected"):
+            engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(30)
+        assert not multiprocessing.active_children()
+        with pytest.raises(BatchMakerError, match="broken"):
+            engine.submit("llama", {"tokens": [7], "max_new_tokens": 2}).result(30)
+        assert time.monotonic() - start < 5.0
+    finally:
+        engine.stop()

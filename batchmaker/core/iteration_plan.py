@@ -42,6 +42,7 @@ class Copies:
 
     def __post_init__(self):
         assert self.mode in COPY_MODES, self.mode
+        assert self.swap_in_blocks.ndim == self.swap_out_blocks.ndim == 2, "blocks per chunk: [n, blocks] arrays"
 
 
 # the arrays in packing order, with their dtypes and ranks (every one C-contiguous once packed)
@@ -125,7 +126,7 @@ class IterationPlan:
         else:
             header.append(0)
         head = np.array([len(header), *header], dtype=np.int64)
-        return b"".join([head.tobytes(), *(np.ascontiguousarray(p).tobytes() for p in parts)])
+        return b"".join([head.tobytes(), *(_aligned(np.ascontiguousarray(p).tobytes()) for p in parts)])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "IterationPlan":
@@ -150,6 +151,11 @@ class IterationPlan:
                    graph=graph, copies=copies)
 
 
+def _aligned(data: bytes) -> bytes:
+    """`data` padded to a multiple of 8 bytes, so that the next array starts aligned."""
+    return data + bytes(-len(data) % 8)
+
+
 class _Reader:
     """Arrays read one after another from a bytes object (views: no copies)."""
 
@@ -161,5 +167,5 @@ class _Reader:
         if count == 0:  # (numpy refuses an empty read at the buffer's end)
             return np.zeros(shape, dtype=dtype)
         out = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.offset).reshape(shape)
-        self.offset += count * np.dtype(dtype).itemsize
+        self.offset += -(-count * np.dtype(dtype).itemsize // 8) * 8  # (every array starts on 8 bytes)
         return out

@@ -87,7 +87,9 @@ class SequenceQueue:
 
     # forming ----------------------------------------------------------------------------------
     def form(self, worker_id: int, max_tasks: int, epoch: int) -> list[IterationTask]:
-        q = self.sequences[worker_id]
+        q = self.sequences.get(worker_id)
+        if q is None:  # (a worker that does not serve this decoder: a tensor-parallel one has one)
+            return []
         if epoch != self._epoch:
             self._purge(epoch)
         self.turns.poll(worker_id)

@@ -175,8 +175,13 @@ class IterationRunner:
             self.ranks.send(plan)
         t = {k: torch.from_numpy(v) for k, v in plan.arrays().items()}
         start = time.perf_counter()
-        swap_in = self._copies(task, None)
-        task.sampled = self._forward(t, plan.max_query_len, plan.greedy, swap_in).numpy().copy()
+        try:
+            swap_in = self._copies(task, None)
+            task.sampled = self._forward(t, plan.max_query_len, plan.greedy, swap_in).numpy().copy()
+        except Exception as e:
+            if self.ranks is not None:  # (the other ranks may be left inside a collective: the group is done)
+                self.ranks.fail(f"an iteration failed on rank 0: {type(e).__name__}: {e}")
+            raise
         task.seconds = time.perf_counter() - start
         if record is not None:
             record.seconds = task.seconds

@@ -45,8 +45,14 @@ class Worker:
         self.steps = StepRunner(self.cells, self.graphs)
         self.rounds = RoundRunner(self.cells, self.graphs, max_steps)
         self.nodes = NodeRunner(self, self.cells, self.steps)
-        self.iterations = {id(ct): self._decoder(ct, cells[id(ct)]) for ct in cell_types
-                           if ct.cell.batch_unit == "tokens" and (ct.cell.tensor_parallel == 1 or worker_id == 0)}
+        self.iterations = {}
+        try:
+            for ct in cell_types:
+                if ct.cell.batch_unit == "tokens" and (ct.cell.tensor_parallel == 1 or worker_id == 0):
+                    self.iterations[id(ct)] = self._decoder(ct, cells[id(ct)])
+        except BaseException:
+            Worker.close(self)  # (tensor-parallel groups already started)
+            raise
         self.runners = {(kind, id(ct)): runner for ct in rows
                         for kind, runner in (("step", self.steps), ("round", self.rounds), ("node", self.nodes))}
         self.runners.update({("iteration", key): runner for key, runner in self.iterations.items()})
@@ -127,7 +133,11 @@ class CPUWorker(Worker):
 
     def __init__(self, *args, on_done: Callable[[], None], inline: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._measure()
+        try:
+            self._measure()
+        except BaseException:
+            Worker.close(self)
+            raise
         self._on_done = on_done
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[Task] = deque()
