@@ -15,6 +15,6 @@ class DecoderFacts:
     chunk_costs: np.ndarray  # float64 [chunks of the longest context]: seconds to recompute chunk k
     max_swap_in: int  # host chunks one iteration can copy in (the worker's staging)
     max_swap_out: int  # host chunks one copy-out plan can take
-    chunk_bytes: int  # bytes of a chunk's K and V, every layer
+    chunk_bytes: int  # bytes of a chunk's K and V, every layer (and every rank of a tensor-parallel decoder)
     swap_in_seconds: float  # copying one chunk in, every layer (inf: unknown)
     shapes: GraphShapes  # the CUDA graphs it replays

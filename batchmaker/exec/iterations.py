@@ -97,11 +97,11 @@ class IterationRunner:
         blocks, before serving): the KV cache's and the host tier's sizes, what recomputing a
         chunk costs at each position (Pensieve Eq. 3.6), what copying one in takes, and the CUDA
         graphs it replays."""
-        host = self.host
+        host, ranks = self.host, 1 if self.ranks is None else self.ranks.size
         return DecoderFacts(self.cache.num_blocks, host.num_chunks if host else 0, self.chunk_tokens,
                             self.chunk_costs(), self.max_swap_in, self.max_swap_out,
-                            host.bytes_per_chunk if host else 0, host.measure_swap_in() if host else math.inf,
-                            self.shapes)
+                            host.bytes_per_chunk * ranks if host else 0,  # (every rank copies its kv heads)
+                            host.measure_swap_in() if host else math.inf, self.shapes)
 
     def chunk_costs(self) -> np.ndarray:
         """Seconds to recompute chunk k of a context (its positions end at (k + 1) * chunk_tokens),
