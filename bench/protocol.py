@@ -1,0 +1,176 @@
+"""The measurement protocol of bench/wmt.py and bench/treebank.py: what a point is, when a system
+sustains a rate, how the sustainable throughput is found, and how repeats become spreads.
+
+- A **point** offers one rate for `duration` seconds. Arrivals in the first `warm` seconds warm
+  the system to its steady state under that load and are not measured: the point's window is
+  [warm, duration). Latency percentiles are over the window's arrivals (a request still unfinished
+  when the drain ends counts as infinitely late, a failed one too); achieved throughput is the
+  completions that fall in the window over its length; the offered rate in the window is its
+  scheduled arrivals over its length. `p90_halves_ms` (the window's first and second halves) shows
+  whether latency was still growing.
+- A system **sustains** a point when achieved >= 0.95 x offered (both in the window) and p90 <= the
+  workload's SLO.
+- The **sustainable throughput** is the highest offered rate it sustains, bracketed by the shared
+  curve's rates and then bisected (geometric midpoints) until the bracket is within 5%: the true
+  value lies in [rate, bracket_high) with bracket_high <= 1.05 x rate.
+- **Repeats**: every system's curve and search is repeated (`repeats`, >= 3), the order of the
+  systems shuffled in each repeat; points at the same rate in the same repeat see the same arrival
+  instants (common random numbers). Spreads are min-max over repeats; a ratio's range is the
+  conservative one, [min(ours) / max(theirs), max(ours) / min(theirs)].
+"""
+import math
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadgen import Trace
+
+
+@dataclass(frozen=True)
+class Protocol:
+    duration: float = 2.0  # seconds of arrivals per point
+    warm: float = 0.5  # arrivals before this are not measured (the system reaches its steady state)
+    min_window_requests: int = 1000  # at low rates a point lasts until its window holds this many (the
+    # achieved-vs-offered test compares counts whose edges fluctuate by ~sqrt(rate x latency))
+    repeats: int = 3
+    resolution: float = 1.05  # the search stops when bracket_high / rate <= this
+    min_achieved: float = 0.95  # achieved / offered, in the window
+    max_search_points: int = 6  # per search, beyond the shared curve
+    drain_timeout: float = 10.0  # after the last arrival; the unfinished count as infinitely late
+    seed: int = 0
+
+    def duration_at(self, rate: float) -> float:
+        return max(self.duration, self.warm + self.min_window_requests / rate)
+
+
+@dataclass(frozen=True)
+class Slo:
+    p90_ms: float
+    why: str
+
+
+def percentiles(values_ms: np.ndarray) -> dict:
+    """p50/p90/p99 without interpolation (an infinite value stays infinite), and the mean of the finite."""
+    if len(values_ms) == 0:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan}
+    p50, p90, p99 = np.percentile(values_ms, [50, 90, 99], method="inverted_cdf")
+    finite = values_ms[np.isfinite(values_ms)]
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "mean": float(finite.mean()) if len(finite) else math.inf}
+
+
+def summarize(trace: Trace, warm: float) -> dict:
+    """A point's numbers from its raw trace (module docstring); times in ms, rates in requests/s."""
+    window = trace.duration - warm
+    measured = trace.arrivals >= warm
+    scheduled = trace.start + trace.arrivals
+    latency = np.where(trace.ok, trace.done_at - scheduled, np.inf)[measured] * 1e3
+    done = trace.done_at - trace.start
+    with np.errstate(invalid="ignore"):
+        completions = int(np.count_nonzero((done >= warm) & (done < trace.duration)))
+    mid = warm + window / 2
+    halves = [latency[trace.arrivals[measured] < mid], latency[trace.arrivals[measured] >= mid]]
+    num = int(measured.sum())
+    ok = trace.ok[measured]
+    return {
+        "offered_rate": trace.rate, "duration_s": trace.duration, "warm_s": warm,
+        "offered_in_window": num / window, "achieved": completions / window, "num_in_window": num,
+        "num_failed": int(np.count_nonzero(~ok & ~np.isnan(trace.done_at[measured]))),
+        "num_unfinished": int(np.count_nonzero(np.isnan(trace.done_at[measured]))),
+        "latency_ms": percentiles(latency),
+        "queueing_ms": percentiles(trace.queueing[measured][ok] * 1e3),
+        "computation_ms": percentiles(trace.computation[measured][ok] * 1e3),
+        "send_lag_ms": percentiles((trace.sent_at - scheduled)[measured] * 1e3),
+        "p90_halves_ms": [percentiles(h)["p90"] for h in halves],
+    }
+
+
+def sustains(point: dict, slo: Slo, protocol: Protocol) -> bool:
+    return (point["achieved"] >= protocol.min_achieved * point["offered_in_window"]
+            and point["latency_ms"]["p90"] <= slo.p90_ms)
+
+
+Measure = Callable[[float], dict]  # offered rate -> point (summarize's dict, plus the system's counters)
+
+
+def search(measure: Measure, curve: list[dict], is_ok: Callable[[dict], bool], protocol: Protocol) -> dict:
+    """The highest sustained rate: the curve's last passing rate below its first failing one
+    brackets it (extended x1.5 up or /2 down where the curve does not), then geometric bisection
+    until bracket_high / rate <= resolution or max_search_points are spent."""
+    judged = sorted((p["offered_rate"], is_ok(p)) for p in curve)
+    failing = [r for r, good in judged if not good]
+    hi = min(failing) if failing else None
+    passing = [r for r, good in judged if good and (hi is None or r < hi)]
+    lo = max(passing) if passing else None
+    points = []
+
+    def probe(rate: float) -> bool:
+        point = measure(rate)
+        points.append(point)
+        return is_ok(point)
+    while len(points) < protocol.max_search_points:
+        if hi is None:
+            rate = lo * 1.5
+        elif lo is None:
+            rate = hi / 2
+        elif hi / lo > protocol.resolution:
+            rate = math.sqrt(lo * hi)
+        else:
+            break
+        if probe(rate):
+            lo = rate
+        else:
+            hi = rate
+    resolved = lo is not None and hi is not None and hi / lo <= protocol.resolution
+    return {"rate": lo or 0.0, "bracket": [lo, hi], "resolved": resolved, "points": points}
+
+
+def run_repeats(measures: dict[str, Callable[[float, int], dict]], curve_rates: list[float],
+                is_ok: Callable[[dict], bool], protocol: Protocol, search_systems=None) -> dict:
+    """Every system's curve (at the same rates) and its sustainable-throughput search, `repeats`
+    times, the systems in a new random order each time. measures[name](rate, repeat) -> point."""
+    rng = random.Random(protocol.seed)
+    out = {name: {"repeats": []} for name in measures}
+    for repeat in range(protocol.repeats):
+        order = list(measures)
+        rng.shuffle(order)
+        print(f"-- repeat {repeat + 1}/{protocol.repeats}: {', '.join(order)}", file=sys.stderr, flush=True)
+        for position, name in enumerate(order):
+            measure = measures[name]
+            curve = [measure(rate, repeat) for rate in sorted(curve_rates)]
+            found = (search(lambda r: measure(r, repeat), curve, is_ok, protocol)
+                     if search_systems is None or name in search_systems else None)
+            out[name]["repeats"].append({"repeat": repeat, "position": position, "curve": curve, "search": found})
+    for name, record in out.items():
+        record.update(summarize_system(record["repeats"], is_ok))
+    return out
+
+
+def summarize_system(repeats: list[dict], is_ok) -> dict:
+    """Sustainable throughput and peak under overload over repeats; the curve's spread per rate."""
+    rates = sorted({p["offered_rate"] for r in repeats for p in r["curve"]})
+    curve = []
+    for rate in rates:
+        at = [p for r in repeats for p in r["curve"] if p["offered_rate"] == rate]
+        curve.append({"offered_rate": rate, "p90_ms": spread([p["latency_ms"]["p90"] for p in at]),
+                      "achieved": spread([p["achieved"] for p in at]),
+                      "sustained": [bool(is_ok(p)) for p in at]})
+    found = [r["search"]["rate"] for r in repeats if r["search"]]
+    peaks = [max(p["achieved"] for p in r["curve"] + (r["search"] or {}).get("points", [])) for r in repeats]
+    return {"sustainable": spread(found) if found else None, "peak_under_overload": spread(peaks), "curve": curve}
+
+
+def spread(values: list[float]) -> dict:
+    v = [float(x) for x in values]
+    return {"values": v, "min": min(v), "median": float(np.median(v)), "max": max(v)}
+
+
+def ratio_range(ours: list[float], theirs: list[float]) -> dict:
+    """ours / theirs: the median's ratio and the conservative range over repeats."""
+    lo = min(ours) / max(theirs) if max(theirs) > 0 else math.inf
+    hi = max(ours) / min(theirs) if min(theirs) > 0 else math.inf
+    med = float(np.median(ours)) / float(np.median(theirs)) if np.median(theirs) > 0 else math.inf
+    return {"median": med, "min": lo, "max": hi}
