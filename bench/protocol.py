@@ -129,9 +129,10 @@ def search(measure: Measure, curve: list[dict], is_ok: Callable[[dict], bool], p
 
 
 def run_repeats(measures: dict[str, Callable[[float, int], dict]], curve_rates: list[float],
-                is_ok: Callable[[dict], bool], protocol: Protocol, search_systems=None) -> dict:
+                is_ok: Callable[[dict], bool], protocol: Protocol, on_repeat=None) -> dict:
     """Every system's curve (at the same rates) and its sustainable-throughput search, `repeats`
-    times, the systems in a new random order each time. measures[name](rate, repeat) -> point."""
+    times, the systems in a new random order each time. measures[name](rate, repeat) -> point;
+    on_repeat(out) after each repeat (a checkpoint)."""
     rng = random.Random(protocol.seed)
     out = {name: {"repeats": []} for name in measures}
     for repeat in range(protocol.repeats):
@@ -141,9 +142,10 @@ def run_repeats(measures: dict[str, Callable[[float, int], dict]], curve_rates: 
         for position, name in enumerate(order):
             measure = measures[name]
             curve = [measure(rate, repeat) for rate in sorted(curve_rates)]
-            found = (search(lambda r: measure(r, repeat), curve, is_ok, protocol)
-                     if search_systems is None or name in search_systems else None)
+            found = search(lambda r: measure(r, repeat), curve, is_ok, protocol)
             out[name]["repeats"].append({"repeat": repeat, "position": position, "curve": curve, "search": found})
+        if on_repeat:
+            on_repeat({name: {**r, **summarize_system(r["repeats"], is_ok)} for name, r in out.items()})
     for name, record in out.items():
         record.update(summarize_system(record["repeats"], is_ok))
     return out

@@ -46,6 +46,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ms", type=float, default=None, help="p90 SLO (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=1000, help="requests sent at once to each system first")
     parser.add_argument("--tune", action="store_true", help="tune the baselines first (their candidates)")
+    parser.add_argument("--tune-search-points", type=int, default=2, help="search points per tuning candidate")
     parser.add_argument("--mode", default="inproc", choices=["inproc", "zmq"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
@@ -165,10 +166,12 @@ def warm_up(system: System, gen: LoadGenerator, requests, num: int) -> None:
         gen.settle()
 
 
-def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, tuning: dict | None = None) -> dict:
+def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, tuning: dict | None = None,
+                  checkpoint=None) -> dict:
     """The whole protocol (module docstring). factories: name -> make() -> (server, config);
-    comparisons: baseline -> {"sustainable": target, "p90": target, "ours": ENGINE}; tuning:
-    baseline -> {candidate label: make}."""
+    comparisons: baseline -> {"ours": ENGINE, "sustainable": target, "p90": target, "half_load": bool}; tuning:
+    baseline -> {candidate label: make}; checkpoint(partial record) after each repeat (what a
+    killed run leaves)."""
     protocol = protocol_of(args)
     is_ok = lambda p: p["sustained"]  # noqa: E731
     limits = device_limits.measure(args.device, torch.float16 if args.dtype == "fp16" else torch.float32)
@@ -194,7 +197,8 @@ def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, 
                 systems[name] = stack.enter_context(started(name, server, config, args.mode))
                 warm_up(systems[name], gen, requests, args.warmup)
             measures = {n: measurer(s, gen, requests, protocol, slo) for n, s in systems.items() if n != "null"}
-            results = run_repeats(measures, args.rates, is_ok, protocol)
+            save = (lambda partial: checkpoint({**out, "partial": True, "systems": partial})) if checkpoint else None
+            results = run_repeats(measures, args.rates, is_ok, protocol, on_repeat=save)
             for name, s in systems.items():
                 if name in results:
                     results[name]["config"] = s.config
@@ -209,7 +213,7 @@ def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, 
 
 def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) -> dict:
     """One curve and search per candidate configuration of a baseline (the tuning runs, kept)."""
-    once = Protocol(**{**asdict(protocol), "repeats": 1})
+    once = Protocol(**{**asdict(protocol), "repeats": 1, "max_search_points": args.tune_search_points})
     runs = {}
     for label, make in candidates.items():
         print(f"== tuning: {label}", file=sys.stderr, flush=True)
@@ -223,12 +227,13 @@ def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) ->
 
 
 def half_load(comparisons: dict, results: dict, measures: dict, protocol: Protocol) -> dict:
-    """Both systems of each pair at half the baseline's median sustainable throughput, once per
-    repeat, in a random order each time (measured there, not interpolated)."""
+    """Both systems of each pair marked `half_load` at half the baseline's median sustainable
+    throughput, once per repeat, in a random order each time (measured there, not interpolated)."""
     rng = random.Random(protocol.seed + 1)
     out = {}
     for baseline, spec in comparisons.items():
-        if baseline not in results or spec["ours"] not in results or not results[baseline]["sustainable"]:
+        if (not spec.get("half_load") or baseline not in results or spec["ours"] not in results
+                or not results[baseline]["sustainable"]):
             continue
         rate = 0.5 * results[baseline]["sustainable"]["median"]
         if rate <= 0:

@@ -98,19 +98,21 @@ def main(argv=None) -> int:
     reqs = [("treelstm", {"tree": t}) for t in data]
     slo = Slo(args.slo_ms, "given on the command line") if args.slo_ms else SLOS[args.device.split(":")[0]]
     make, tuning = factories(args)
-    comparisons = {b: {"ours": runner.ENGINE, **TARGETS[b]} for b in make if b in TARGETS}
-    record = runner.run_benchmark(args, reqs, make, comparisons, slo, tuning)
+    comparisons = {b: {"ours": runner.ENGINE, "half_load": b in ("graph-batching", "dynet"), **TARGETS[b]}
+                   for b in make if b in TARGETS}
     label = args.trees if args.trees in ("sample", "fixed16") else Path(args.trees).stem
     title = f"TreeLSTM h={args.hidden} {args.dtype} {label}, TF32 {args.tf32}, {args.mode}"
-    record = {"title": title, "settings": vars(args), "numerics": policy,
-              "data": {"source": args.trees if args.trees in ("sample", "fixed16") else Path(args.trees).name,
-                       "num_trees": len(data), "mean_leaves": float(sizes.mean()), "max_leaves": int(sizes.max())},
-              **runner.finite(record)}
-    for line in runner.summary_lines(record):
-        print(line)
     name = f"treebank-{label}-{args.dtype}" + (f"-{args.mode}" if args.mode != "inproc" else "")
     name += f"-{args.tag}" if args.tag else ""
-    path = write_results(name, args.device, record, plot=plots.plotter(record))
+    about = {"source": args.trees if args.trees in ("sample", "fixed16") else Path(args.trees).name,
+            "num_trees": len(data), "mean_leaves": float(sizes.mean()), "max_leaves": int(sizes.max())}
+
+    def save(record: dict, final: bool = False):
+        record = {"title": title, "settings": vars(args), "numerics": policy, "data": about, **runner.finite(record)}
+        return write_results(name, args.device, record, plot=plots.plotter(record) if final else None), record
+    path, record = save(runner.run_benchmark(args, reqs, make, comparisons, slo, tuning, checkpoint=save), final=True)
+    for line in runner.summary_lines(record):
+        print(line)
     print(f"wrote {path}")
     return 0
 

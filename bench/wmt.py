@@ -121,21 +121,22 @@ def main(argv=None) -> int:
           file=sys.stderr)
     slo = Slo(args.slo_ms, "given on the command line") if args.slo_ms else SLOS[(args.model, args.device.split(":")[0])]
     make, tuning = factories(args)
-    comparisons = {"bucketing": {"ours": runner.ENGINE, **TARGETS[args.model]},
+    comparisons = {"bucketing": {"ours": runner.ENGINE, "half_load": True, **TARGETS[args.model]},
                    "bucketing-paper": {"ours": runner.ENGINE},
                    runner.ABLATION: {"ours": runner.ENGINE}}
-    record = runner.run_benchmark(args, reqs, make, comparisons, slo, tuning)
     title = f"{args.model} h={args.hidden} {args.dtype} {args.lengths}, TF32 {args.tf32}, {args.mode}"
-    record = {"title": title, "settings": vars(args), "numerics": policy,
-              "data": {"source": "moses" if args.moses else f"synthetic WMT-like ({args.lengths})",
-                       "num_sentences": len(pairs), "mean_length": float(lengths.mean()), "max_length": int(lengths.max())},
-              **runner.finite(record)}
-    for line in runner.summary_lines(record):
-        print(line)
     name = f"wmt-{args.model}-{args.dtype}-{args.lengths if not args.moses else 'moses'}"
     name += f"-{args.mode}" if args.mode != "inproc" else ""
     name += f"-{args.tag}" if args.tag else ""
-    path = write_results(name, args.device, record, plot=plots.plotter(record))
+    about = {"source": "moses" if args.moses else f"synthetic WMT-like ({args.lengths})", "num_sentences": len(pairs),
+            "mean_length": float(lengths.mean()), "max_length": int(lengths.max())}
+
+    def save(record: dict, final: bool = False):
+        record = {"title": title, "settings": vars(args), "numerics": policy, "data": about, **runner.finite(record)}
+        return write_results(name, args.device, record, plot=plots.plotter(record) if final else None), record
+    path, record = save(runner.run_benchmark(args, reqs, make, comparisons, slo, tuning, checkpoint=save), final=True)
+    for line in runner.summary_lines(record):
+        print(line)
     print(f"wrote {path}")
     return 0
 
