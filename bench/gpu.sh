@@ -43,8 +43,8 @@ step imports import_check
 proto=(--device cuda:0 --duration "${DURATION:-0.5}" --warm "${WARM:-0.15}" --repeats "${REPEATS:-3}"
        --max-search-points 4 --warmup 1000 ${ENGINE_ARGS:-})
 RATES_LSTM=${RATES_LSTM:-12000 17600 26000 38000 56000}
-RATES_S2S=${RATES_S2S:-4000 5900 8700 12700 18700}
-RATES_TREE=${RATES_TREE:-3000 4400 6500 9500 14000}
+RATES_S2S=${RATES_S2S:-4000 5900 8700 12700 18700 27500}
+RATES_TREE=${RATES_TREE:-6500 9500 14000 20500 30000 44000}
 for suite in "$@"; do
     case "$suite" in
         tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
@@ -66,11 +66,11 @@ for suite in "$@"; do
         lstm32) step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
         lstm) step wmt-lstm-fp16 timeout 160 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" --rates $RATES_LSTM --tune
               step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
-        seq2seq) step wmt-seq2seq-fp16 timeout 120 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" --rates $RATES_S2S --systems batchmaker bucketing request-level null ;;
-        treebank) step treebank-sst-fp16 timeout 150 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 128 256 512 ;;
+        seq2seq) step wmt-seq2seq-fp16 timeout 130 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" --rates $RATES_S2S --systems batchmaker bucketing request-level null ;;
+        treebank) step treebank-sst-fp16 timeout 150 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 256 512 ;;
         serving) step wmt-lstm-zmq timeout 200 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null
                  step treebank-zmq timeout 200 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --systems batchmaker graph-batching null ;;
-        baselines) step baseline-tests timeout 45 python3 -m pytest -q -p no:cacheprovider -rf tests/test_baselines.py -k cuda ;;
+        baselines) step baseline-tests timeout 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_baselines.py -k cuda ;;
         decoders) step decoder-tests timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -s tests/test_generation_gpu.py tests/test_paged_attention.py tests/test_generation.py tests/test_decoder_models.py
                   step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
                   step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;

@@ -36,6 +36,17 @@ def batch_server(rate: float, duration: float, max_batch: int, batch_time: float
                  first - arrivals, done - first)
 
 
+def test_achieved_is_the_rate_the_windows_requests_finished_at():
+    """A batcher below its capacity finishes the window's requests as fast as they came, however
+    lumpy its completions; above it, at its capacity."""
+    for rate in (500.0, 1500.0, 3000.0):  # capacity 3200/s, batches of up to 32 every 10 ms
+        point = summarize(batch_server(rate, 1.0, 32, 0.010, seed=1), warm=0.3)
+        assert point["achieved"] == pytest.approx(point["offered_in_window"], rel=0.01)
+    for rate in (4000.0, 6400.0):
+        point = summarize(batch_server(rate, 1.0, 32, 0.010, seed=1), warm=0.3)
+        assert point["achieved"] == pytest.approx(3200.0, rel=0.02) and point["finish_slope"] > 1.2
+
+
 @pytest.mark.parametrize("capacity", [430.0, 1700.0, 3200.0, 3900.0, 9000.0])
 def test_search_brackets_a_sharp_threshold_within_the_resolution(capacity):
     """A system that sustains exactly the rates up to `capacity`: below the curve, inside it, above it."""
@@ -76,7 +87,7 @@ def test_a_points_window_percentiles_and_achieved_rate():
     assert point["num_in_window"] == 750 and point["offered_in_window"] == pytest.approx(500.0)
     assert point["num_unfinished"] == 10 and point["num_failed"] == 0
     completed_in_window = np.count_nonzero((done >= 0.5) & (done < 2.0))
-    assert point["achieved"] == pytest.approx(completed_in_window / 1.5)
+    assert point["achieved"] == pytest.approx(completed_in_window / 1.5)  # (some never finished: the count)
     assert point["latency_ms"]["p50"] == pytest.approx(10.0) and point["latency_ms"]["p90"] == pytest.approx(10.0)
     assert math.isinf(point["latency_ms"]["p99"])  # 10 of 750 are unfinished: above the 99th percentile's 7.5
     assert point["p90_halves_ms"] == pytest.approx([10.0, 10.0])
@@ -124,8 +135,9 @@ def test_the_generator_process_drives_a_system_in_process():
     assert len(submitted) == len(trace.arrivals) + len(again.arrivals)  # each arrival submitted once
     assert np.array_equal(trace.arrivals, again.arrivals)  # the same rate and seed: the same instants
     point = summarize(trace, warm=0.1)
-    assert point["achieved"] == pytest.approx(np.count_nonzero(
+    assert point["completions_in_window"] == pytest.approx(np.count_nonzero(
         (trace.done_at - trace.start >= 0.1) & (trace.done_at - trace.start < 0.5)) / 0.4)
+    assert point["num_in_window"] == np.count_nonzero(trace.arrivals >= 0.1) and point["finish_slope"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="needs pyzmq")

@@ -34,8 +34,9 @@ class TreeSteps:
         self.hidden, self.dtype = self.internal_w.hidden, self.internal_w.w.dtype
         self.sizes = level_sizes(max_level)
         self.max_level = self.sizes[-1]
-        self.fused = _fused_available(self.internal_w, self.sizes)
-        self.leaf_step = fused_tree_leaf_step if self.fused else _module_leaf_step(leaf_cell)
+        self.fused = _fused_available(self.internal_w, self.sizes, (self.hidden,), 5)
+        self.leaf_fused = _fused_available(self.leaf_w, self.sizes, (self.leaf_w.w.shape[1],), 3)
+        self.leaf_step = fused_tree_leaf_step if self.leaf_fused else _module_leaf_step(leaf_cell)
         self.internal_step = fused_tree_internal_step if self.fused else _module_internal_step(internal_cell)
         self.use_graphs = graphs and device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -43,7 +44,8 @@ class TreeSteps:
         self._allocate(rows)
 
     def config(self) -> dict:
-        return {"cells": "fused Triton kernels" if self.fused else "the cell modules, gathered and scattered",
+        return {"internal_cell": "fused Triton kernel" if self.fused else "the cell module, gathered and scattered",
+                "leaf_cell": "fused Triton kernel" if self.leaf_fused else "the cell module, scattered",
                 "cuda_graphs": bool(self.graphs), "level_sizes": self.sizes if self.graphs else None,
                 "pool_rows": self.capacity, "capture_error": self.error}
 
@@ -86,11 +88,23 @@ class TreeSteps:
         if self.use_graphs:
             self._capture()
 
+    def _warm_leaves(self) -> None:
+        """Run the leaf step once at each power-of-two size up to the pool: the kernel compiles a
+        block configuration per batch range, which must not happen while a benchmark measures."""
+        size = 1
+        while size < self.capacity - 1:
+            rows = self.rows[1:size + 1]
+            self.leaf_step(self.leaf_w, torch.ones(size, dtype=torch.int64, device=self.device), rows, rows,
+                           self.h, self.c)
+            size *= 2
+        torch.cuda.synchronize(self.device)
+
     def _capture(self) -> None:
         self.graphs = {}
         pool = torch.cuda.graph_pool_handle()
         try:
             with torch.inference_mode():
+                self._warm_leaves()
                 for size in reversed(self.sizes):
                     block = torch.zeros(3, size, dtype=torch.int64, device=self.device)
                     block[2] = self.scratch
@@ -129,16 +143,16 @@ def _module_internal_step(cell):
     return step
 
 
-def _fused_available(weights: TreeInternalWeights, sizes: list[int]) -> bool:
+def _fused_available(weights, sizes: list[int], ks: tuple[int, ...], gates: int) -> bool:
     """The engine's rule (kernels/fused_steps.py): CUDA, half precision, Triton present and a
-    block configuration for every size."""
+    block configuration for every size and reduction length."""
     if not weights.w.is_cuda or weights.w.dtype not in (torch.float16, torch.bfloat16):
         return False
     from batchmaker.kernels.cell_launch import KernelUnavailableError, load_kernels, pick_config
     try:
         load_kernels()
         for size in sizes:
-            pick_config("tree", size, weights.hidden, (weights.hidden,), 5, weights.w.element_size())
+            pick_config("tree", size, weights.hidden, ks, gates, weights.w.element_size())
     except (KernelUnavailableError, ValueError):
         return False
     return True
