@@ -45,6 +45,12 @@ def test_achieved_is_the_rate_the_windows_requests_finished_at():
     for rate in (4000.0, 6400.0):
         point = summarize(batch_server(rate, 1.0, 32, 0.010, seed=1), warm=0.3)
         assert point["achieved"] == pytest.approx(3200.0, rel=0.02) and point["finish_slope"] > 1.2
+    trace = batch_server(1500.0, 1.0, 32, 0.010, seed=2)  # keeping up, but a few requests starve late
+    late = np.flatnonzero(trace.arrivals > 0.85)[::10]
+    trace.done_at[late] += 0.4
+    point = summarize(trace, warm=0.3)
+    assert point["achieved"] == pytest.approx(point["offered_in_window"], rel=0.02)
+    assert point["ls_slope"] > 1.05  # (what a least-squares slope made of them)
 
 
 @pytest.mark.parametrize("capacity", [430.0, 1700.0, 3200.0, 3900.0, 9000.0])
