@@ -19,9 +19,11 @@ sustains a rate, how the sustainable throughput is found, and how repeats become
   `p90_halves_ms` (the window's first and second halves) shows whether latency was still growing.
 - A system **sustains** a point when achieved >= 0.95 x offered (both in the window) and p90 <= the
   workload's SLO.
-- The **sustainable throughput** is the highest offered rate it sustains, bracketed by the shared
-  curve's rates and then bisected (geometric midpoints) until the bracket is within 5%: the true
-  value lies in [rate, bracket_high) with bracket_high <= 1.05 x rate.
+- The **sustainable throughput** is the highest offered rate it sustains: the highest sustained
+  rate of the shared curve and the lowest failing rate above it bracket it, then a geometric
+  bisection narrows the bracket until its top is within 5% of the rate found. A rate that fails
+  below a sustained one (a stall in one short point) does not cap the search; it is listed as
+  `failed_below`, and the repeats show how often that happens.
 - **Repeats**: every system's curve and search is repeated (`repeats`, >= 3), the order of the
   systems shuffled in each repeat; points at the same rate in the same repeat see the same arrival
   instants (common random numbers). Spreads are min-max over repeats; a ratio's range is the
@@ -131,14 +133,14 @@ Measure = Callable[[float], dict]  # offered rate -> point (summarize's dict, pl
 
 
 def search(measure: Measure, curve: list[dict], is_ok: Callable[[dict], bool], protocol: Protocol) -> dict:
-    """The highest sustained rate: the curve's last passing rate below its first failing one
-    brackets it (extended x1.5 up or /2 down where the curve does not), then geometric bisection
-    until bracket_high / rate <= resolution or max_search_points are spent."""
+    """The highest sustained rate: the curve's highest sustained rate and the lowest failing rate
+    above it bracket it (extended x1.5 up or /2 down where the curve does not), then geometric
+    bisection until bracket_high / rate <= resolution or max_search_points are spent."""
     judged = sorted((p["offered_rate"], is_ok(p)) for p in curve)
-    failing = [r for r, good in judged if not good]
-    hi = min(failing) if failing else None
-    passing = [r for r, good in judged if good and (hi is None or r < hi)]
+    passing = [r for r, good in judged if good]
     lo = max(passing) if passing else None
+    above = [r for r, good in judged if not good and (lo is None or r > lo)]
+    hi = min(above) if above else None
     points = []
 
     def probe(rate: float) -> bool:
@@ -159,7 +161,10 @@ def search(measure: Measure, curve: list[dict], is_ok: Callable[[dict], bool], p
         else:
             hi = rate
     resolved = lo is not None and hi is not None and hi / lo <= protocol.resolution
-    return {"rate": lo or 0.0, "bracket": [lo, hi], "resolved": resolved, "points": points}
+    failed_below = sorted(p["offered_rate"] for p in curve + points if lo is not None
+                          and p["offered_rate"] < lo and not is_ok(p))
+    return {"rate": lo or 0.0, "bracket": [lo, hi], "resolved": resolved, "points": points,
+            "failed_below": failed_below}
 
 
 def run_repeats(measures: dict[str, Callable[[float, int], dict]], curve_rates: list[float],
@@ -195,7 +200,10 @@ def summarize_system(repeats: list[dict], is_ok) -> dict:
                       "achieved": spread([p["achieved"] for p in at]),
                       "sustained": [bool(is_ok(p)) for p in at]})
     found = [r["search"]["rate"] for r in repeats if r["search"]]
-    peaks = [max(p["achieved"] for p in r["curve"] + (r["search"] or {}).get("points", [])) for r in repeats]
+    # peak under overload: the most completions counted in a window (under a backlog the count is
+    # the service rate; lumpy by a batch, and secondary anyway)
+    peaks = [max(p.get("completions_in_window", p["achieved"]) for p in r["curve"] + (r["search"] or {}).get("points", []))
+             for r in repeats]
     return {"sustainable": spread(found) if found else None, "peak_under_overload": spread(peaks), "curve": curve}
 
 

@@ -65,6 +65,14 @@ def test_search_brackets_a_sharp_threshold_within_the_resolution(capacity):
     assert len(found["points"]) <= PROTOCOL.max_search_points
 
 
+def test_a_stall_below_the_knee_does_not_cap_the_search():
+    def measure(rate):
+        return {"offered_rate": rate, "ok": rate <= 3300}
+    curve = [measure(r) for r in (1000, 3000, 4000)] + [{"offered_rate": 2000, "ok": False}]  # a stalled point
+    found = search(measure, curve, lambda p: p["ok"], PROTOCOL)
+    assert found["resolved"] and found["rate"] <= 3300 < found["bracket"][1] and found["failed_below"] == [2000]
+
+
 @pytest.mark.parametrize("max_batch,batch_time", [(32, 0.010), (256, 0.040), (8, 0.004)])
 def test_search_finds_a_simulated_batchers_capacity_within_5_percent(max_batch, batch_time):
     capacity = max_batch / batch_time
