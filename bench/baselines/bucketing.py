@@ -9,7 +9,10 @@ first request has waited longest), "fullest", or the paper's "round-robin".
 
 Each batch is padded to its longest request and handed to `nn.LSTM` as a packed sequence
 (`pack_padded_sequence`), the PyTorch way to get each request's state at its own last token: one
-cuDNN call per batch, so there is no launch overhead for a CUDA graph to remove. The Seq2Seq
+cuDNN call per batch, so there is no launch overhead for a CUDA graph to remove. The batch is
+sorted by length on the host first: with `enforce_sorted=False` PyTorch sorts it itself and copies
+the order to the device from pageable memory, a copy that waits for the device to finish the batch
+before (it silently undid the two batches in flight in the first H100 runs). The Seq2Seq
 decoder runs the engine's decoder cell batched, one step for all rows, for as many steps as the
 batch's longest decode; on a GPU its steps run as CUDA graphs (decoder_graphs.py).
 The weights are the engine cells' own (copied into an `nn.LSTM`).
@@ -56,19 +59,23 @@ def padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class PaddedEncoder:
-    """Embedding + nn.LSTM over a padded batch of token arrays -> final (h, c) per row, on the device."""
+    """Embedding + nn.LSTM over a padded batch of token arrays -> final (h, c) per row, on the
+    device, rows longest first; `rank[i]` is request i's row."""
 
     def __init__(self, cell, device: torch.device):
         self.embedding = copy.deepcopy(cell.embedding).to(device).eval()
         self.lstm = lstm_like(copy.deepcopy(cell.lstm).to(device))
         self.device = device
 
-    def __call__(self, sequences: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, sequences: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         tokens, lengths = padded(sequences)
-        x = self.embedding(to_device(tokens, self.device))  # [B, T, embed]
-        packed = pack_padded_sequence(x, torch.from_numpy(lengths), batch_first=True, enforce_sorted=False)
-        _, (h, c) = self.lstm(packed)  # [1, B, hidden] each, rows in the input order
-        return h[0], c[0]
+        order = np.argsort(-lengths, kind="stable")  # longest first, as a packed sequence wants
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        x = self.embedding(to_device(tokens[order], self.device))  # [B, T, embed]
+        packed = pack_padded_sequence(x, torch.from_numpy(lengths[order]), batch_first=True, enforce_sorted=True)
+        _, (h, c) = self.lstm(packed)  # [1, B, hidden] each, rows in `order`
+        return h[0], c[0], rank
 
 
 class _BucketingServer(BatchServer):
@@ -120,16 +127,17 @@ class BucketingLSTM(_BucketingServer):
             self.buckets.add(len(r.parsed), r)
 
     def launch(self, batch: list[Pending]) -> DeviceHandle:
-        h, _ = self.encoder([r.parsed for r in batch])
+        h, _, rank = self.encoder([r.parsed for r in batch])
         out = host_buffer(tuple(h.shape), h.dtype, self.device)
         out.copy_(h, non_blocking=True)
-        return DeviceHandle(out, self.device)
+        return DeviceHandle(out, self.device, rank)
 
     def is_ready(self, handle: DeviceHandle) -> bool:
         return handle.ready()
 
     def collect(self, handle: DeviceHandle) -> list[dict]:
-        return [{"h": row} for row in handle.wait().unbind(0)]
+        rows = handle.wait().unbind(0)
+        return [{"h": rows[i]} for i in handle.extra.tolist()]
 
 
 class BucketingSeq2Seq(_BucketingServer):
@@ -163,19 +171,20 @@ class BucketingSeq2Seq(_BucketingServer):
             self.buckets.add(len(r.parsed[0]), r)
 
     def launch(self, batch: list[Pending]) -> DeviceHandle:
-        h, c = self.encoder([r.parsed[0] for r in batch])
+        h, c, rank = self.encoder([r.parsed[0] for r in batch])
         limits = [r.parsed[1] for r in batch]
-        tokens = self.decoder(h, c, BOS, max(limits))  # [steps, B] on the device
+        tokens = self.decoder(h, c, BOS, max(limits))  # [steps, B] on the device, rows in the encoder's order
         out = host_buffer(tuple(tokens.shape), tokens.dtype, self.device)
         out.copy_(tokens, non_blocking=True)
-        return DeviceHandle(out, self.device, limits)
+        return DeviceHandle(out, self.device, (rank.tolist(), limits))
 
     def is_ready(self, handle: DeviceHandle) -> bool:
         return handle.ready()
 
     def collect(self, handle: DeviceHandle) -> list[dict]:
         decoded = handle.wait().t().tolist()  # [B, steps]
-        return [{"tokens": _until_eos(row[:limit])} for row, limit in zip(decoded, handle.extra)]
+        rank, limits = handle.extra
+        return [{"tokens": _until_eos(decoded[i][:limit])} for i, limit in zip(rank, limits)]
 
 
 def _until_eos(tokens: list[int]) -> list[int]:
