@@ -45,6 +45,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=Protocol.drain_timeout)
     parser.add_argument("--slo-ms", type=float, default=None, help="p90 SLO (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=1000, help="requests sent at once to each system first")
+    parser.add_argument("--warm-points", type=int, default=2, choices=[0, 1, 2],
+                        help="discarded points per system before measuring (the curve's lowest and middle rates)")
     parser.add_argument("--tune", action="store_true", help="tune the baselines first (their candidates)")
     parser.add_argument("--tune-search-points", type=int, default=2, help="search points per tuning candidate")
     parser.add_argument("--mode", default="inproc", choices=["inproc", "zmq"])
@@ -158,12 +160,25 @@ def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, s
     return measure
 
 
-def warm_up(system: System, gen: LoadGenerator, requests, num: int) -> None:
-    """`num` requests at once (CUDA graphs captured, kernels compiled, pools grown)."""
+def warm_up(system: System, gen: LoadGenerator, requests, num: int, rates=()) -> None:
+    """`num` requests at once (CUDA graphs captured, kernels compiled, pools grown), then a
+    discarded point at each of `rates`: on the H100 the first system measured in a process ran
+    cold (lazily loaded kernels, block configurations compiled on first use) when only the burst
+    preceded it, which sank the first tuning candidate in 3 of 5 tunings."""
     if num:
         gen.run_point(system.submit, requests, rate=num / 0.05, duration=0.05, seed=99, drain_timeout=300,
                       address=system.address)
         gen.settle()
+    for rate in rates:
+        gen.run_point(system.submit, requests, rate=rate, duration=0.5, seed=98, drain_timeout=60,
+                      address=system.address)
+        gen.settle()
+
+
+def warm_rates(args) -> list[float]:
+    """The discarded warm-up points: the curve's lowest and middle rates (--warm-points 0: none)."""
+    rates = sorted(args.rates)
+    return [rates[0], rates[len(rates) // 2]][:args.warm_points]
 
 
 def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, tuning: dict | None = None,
@@ -195,7 +210,7 @@ def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, 
                     out.setdefault("skipped", {})[name] = str(e)
                     continue
                 systems[name] = stack.enter_context(started(name, server, config, args.mode))
-                warm_up(systems[name], gen, requests, args.warmup)
+                warm_up(systems[name], gen, requests, args.warmup, warm_rates(args))
             measures = {n: measurer(s, gen, requests, protocol, slo) for n, s in systems.items() if n != "null"}
             save = (lambda partial: checkpoint({**out, "partial": True, "systems": partial})) if checkpoint else None
             results = run_repeats(measures, args.rates, is_ok, protocol, on_repeat=save)
@@ -219,7 +234,7 @@ def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) ->
         print(f"== tuning: {label}", file=sys.stderr, flush=True)
         server, config = make()
         with started(label, server, config, args.mode) as system:
-            warm_up(system, gen, requests, args.warmup)
+            warm_up(system, gen, requests, args.warmup, warm_rates(args))
             runs[label] = run_repeats({label: measurer(system, gen, requests, once, slo)}, args.rates,
                                       lambda p: p["sustained"], once)[label]
             runs[label]["config"] = config
