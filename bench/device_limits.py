@@ -46,10 +46,7 @@ def measure(device: str = "cuda:0", dtype: torch.dtype = torch.bfloat16, copy_mi
         dtype = torch.float32  # (CPU half-precision matmuls are emulated: no peak worth quoting)
     copy_mib = copy_mib or (1024 if is_cuda else 128)
     matmul_n = matmul_n or (8192 if is_cuda else 1024)
-    src = torch.empty(copy_mib << 20, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_s = _time(lambda: dst.copy_(src), dev, windows, repeat=10 if is_cuda else 3)
-    del src, dst
+    copy_s = _copy_seconds(copy_mib << 20, dev, windows, repeat=10 if is_cuda else 3)
     gen = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(matmul_n, matmul_n, device=dev, dtype=dtype, generator=gen)
     b = torch.randn(matmul_n, matmul_n, device=dev, dtype=dtype, generator=gen)
@@ -61,6 +58,12 @@ def measure(device: str = "cuda:0", dtype: torch.dtype = torch.bfloat16, copy_mi
         copy_bytes_per_s=copied / statistics.median(copy_s), matmul_flops_per_s=flops / statistics.median(matmul_s),
         matmul_dtype=str(dtype).removeprefix("torch."), copy_bytes=copy_mib << 20, matmul_n=matmul_n,
         samples={"copy_s": copy_s, "matmul_s": matmul_s})
+
+
+def _copy_seconds(num_bytes: int, dev: torch.device, windows: int, repeat: int) -> list[float]:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return _time(lambda: dst.copy_(src), dev, windows, repeat)
 
 
 def _time(fn, dev: torch.device, windows: int, repeat: int) -> list[float]:

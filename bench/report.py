@@ -19,10 +19,10 @@ def _ratio(r: dict | None, digits: int = 2) -> str:
     return f"{r['median']:.{digits}f}x ({r['min']:.{digits}f}-{r['max']:.{digits}f})"
 
 
-def _met(row: dict | None) -> str:
+def _met(row: dict | None, sign: str) -> str:
     if not row or row.get("target") is None:
         return ""
-    return f" {'✓' if row['met'] else '✗'} (target {'≥' if row['target'] >= 1 else '≤'} {row['target']:.3g})"
+    return f" {'✓' if row['met'] else '✗'} (target {sign} {row['target']:.3g})"
 
 
 def peak_under_overload(system: dict) -> dict:
@@ -51,8 +51,8 @@ def comparisons_table(record: dict) -> list[str]:
     for baseline, c in record["comparisons"].items():
         half = c.get("p90_at_half")
         p90 = (f"{_ratio(half, 3)} at {_k(half['rate'])}/s, {half['p90_ms'][c['ours']]['median']:.1f} vs "
-               f"{half['p90_ms'][baseline]['median']:.1f} ms{_met(half)}") if half else "—"
-        lines.append(f"| {baseline} | {_ratio(c['sustainable'])}{_met(c['sustainable'])} | {p90} |")
+               f"{half['p90_ms'][baseline]['median']:.1f} ms{_met(half, '≤')}") if half else "—"
+        lines.append(f"| {baseline} | {_ratio(c['sustainable'])}{_met(c['sustainable'], '≥')} | {p90} |")
     return lines
 
 

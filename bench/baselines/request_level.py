@@ -64,7 +64,7 @@ class RequestLevelEngine:
 
     def submit(self, model: str, inputs: dict, **options) -> RequestFuture:
         future = RequestFuture(next(self._ids), model)
-        self._inbox.put(Pending(future, inputs, future.arrival, model))
+        self._inbox.put(Pending(future, inputs, future.arrival, parsed=model))  # (the gate parses nothing)
         return future
 
     def cancel(self, request_id: int) -> None:
@@ -85,7 +85,7 @@ class RequestLevelEngine:
             if not running:
                 batch = self.buckets.next_batch()
                 if batch:
-                    running = [self.engine.submit(r.parsed, r.inputs) for r in batch]
+                    running = [self.engine.submit(r.parsed, r.inputs) for r in batch]  # (parsed: the model)
                     proxies = batch
                     self.num_batches += 1
             if finished:
