@@ -64,7 +64,7 @@ def main() -> None:
         limits = record["device_limits"]
         print(f"### {record['title']} — {record['device']}, {record['date'][:10]} (`{path.name}`)")
         print(f"SLO p90 {record['slo']['p90_ms']:g} ms; {record['protocol']['repeats']} repeats; device: "
-              f"{limits['copy_bytes_per_s'] / 1e9:.0f} GB/s copy, {limits['matmul_flops_per_s'] / 1e12:.0f} "
+              f"{limits['copy_bytes_per_s'] / 1e9:.0f} GB/s copy, {limits['matmul_flops_per_s'] / 1e12:.3g} "
               f"TFLOP/s {limits['matmul_dtype']}; generator ceiling {record.get('generator', {}).get('ratio', 0):.1f}x "
               f"the best system\n")
         print("\n".join(systems_table(record)), "\n")
