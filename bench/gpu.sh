@@ -10,14 +10,19 @@
 #     engine   bench/gpu_engine.py: LSTM (WMT-like) and TreeLSTM (SST train) vs their cells' limit
 #     profile  the same, smaller, with the manager thread under cProfile (where the host time goes)
 #     rounds   the LSTM engine at 5, 8 and 12 steps per round (MaxTasksToSubmit)
-#     lstm     bench/wmt.py --model lstm, fp16 and fp32: BatchMaker vs bucketing vs the null system
-#     seq2seq  bench/wmt.py --model seq2seq fp16: the same
-#     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching, null
+#     lstm     bench/wmt.py --model lstm, fp16 (every system, the bucket pick tuned) and fp32 (BatchMaker
+#              vs bucketing), under bench/protocol.py: sustainable throughput, curves, 3 repeats
+#     lstm16, lstm32  each half of it
+#     seq2seq  bench/wmt.py --model seq2seq fp16: BatchMaker, bucketing, the request-level ablation
+#     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching
+#              (its tree cap tuned) and the ablation
 #     serving  bench/wmt.py and bench/treebank.py over ZeroMQ (carry pyzmq wheels in .whl)
+#     baselines the baselines' tests on the GPU (graphs, fused tree cells, batches in flight)
 #     decoders the decoder tests (HF references, Triton attention, CUDA-graph decode), bench/attention.py,
 #              and a small bench/chat.py (tiny model) that checks the script end to end
 #     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
-# Knobs: DURATION (s per rate, default 2), SWEEP_LSTM, SWEEP_S2S, SWEEP_TREE (START:STOP:FACTOR).
+# Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
+# RATES_S2S, RATES_TREE (the curves' offered rates), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
 set -o pipefail
@@ -28,7 +33,6 @@ cd "$(dirname "$0")/.." || exit 1
 exec > >(tee "$OUT/log.txt") 2>&1
 . bench/gpu_lib.sh
 
-DURATION=${DURATION:-2}
 TREES=${TREES:-../shared/data/sst/train.txt}  # SST's train split: not the sample the project ships
 [ -f "$TREES" ] || TREES=.gpu_data/train.txt  # on the GPU machine: carried there (../shared does not travel)
 marker=$(mktemp)
@@ -36,7 +40,11 @@ step environment bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.tota
     python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"; nproc'
 step install install
 step imports import_check
-common=(--device cuda:0 --duration "$DURATION" --min-requests 150 --warmup 300 ${ENGINE_ARGS:-})
+proto=(--device cuda:0 --duration "${DURATION:-0.5}" --warm "${WARM:-0.15}" --repeats "${REPEATS:-3}"
+       --max-search-points 4 --warmup 1000 ${ENGINE_ARGS:-})
+RATES_LSTM=${RATES_LSTM:-12000 17600 26000 38000 56000}
+RATES_S2S=${RATES_S2S:-4000 5900 8700 12700 18700 27500}
+RATES_TREE=${RATES_TREE:-6500 9500 14000 20500 30000 44000}
 for suite in "$@"; do
     case "$suite" in
         tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
@@ -54,15 +62,15 @@ for suite in "$@"; do
                 done ;;
         profile) step profile-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 20000 --cprofile --tag cprofile
                  step profile-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 10000 --cprofile --tag cprofile ;;
-        lstm16) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" ;;
-        lstm32) step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
-        lstm) step wmt-lstm-fp16 timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}"
-              step wmt-lstm-fp32 timeout 280 python3 bench/wmt.py --model lstm --dtype fp32 "${common[@]}" --sweep "${SWEEP_LSTM:-6400:409600:2}" --systems batchmaker bucketing ;;
-        seq2seq) step wmt-seq2seq-fp16 timeout 300 python3 bench/wmt.py --model seq2seq --dtype fp16 "${common[@]}" --sweep "${SWEEP_S2S:-1600:204800:2}" ;;
-        treebank) step treebank-sst-fp16 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}"
-                  step treebank-sst-fp16-b512 timeout 300 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${common[@]}" --sweep "${SWEEP_TREE:-800:102400:2}" --engine-max-batch 512 --systems batchmaker graph-batching --tag engine-b512 ;;
-        serving) step wmt-lstm-zmq timeout 280 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${common[@]}" --sweep 1600:102400:2
-                 step treebank-zmq timeout 280 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${common[@]}" --sweep 800:51200:2 ;;
+        lstm16) step wmt-lstm-fp16 timeout 160 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" --rates $RATES_LSTM --tune ;;
+        lstm32) step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
+        lstm) step wmt-lstm-fp16 timeout 160 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" --rates $RATES_LSTM --tune
+              step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
+        seq2seq) step wmt-seq2seq-fp16 timeout 130 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" --rates $RATES_S2S --systems batchmaker bucketing request-level null ;;
+        treebank) step treebank-sst-fp16 timeout 150 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 256 512 ;;
+        serving) step wmt-lstm-zmq timeout 200 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null
+                 step treebank-zmq timeout 200 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --systems batchmaker graph-batching null ;;
+        baselines) step baseline-tests timeout 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_baselines.py -k cuda ;;
         decoders) step decoder-tests timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -s tests/test_generation_gpu.py tests/test_paged_attention.py tests/test_generation.py tests/test_decoder_models.py
                   step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
                   step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;

@@ -1,48 +1,58 @@
 """What bench/wmt.py and bench/treebank.py share: flags, numerics, the systems' lifetimes, the
-side-by-side sweep, the target checks and the plots (Fig. 2.7: p90 latency vs throughput, one line
-per system; Fig. 2.9: CDFs of queueing and computation time at one common load).
+protocol's run (bench/protocol.py) through the load generator process (bench/loadgen.py), the
+baselines' tuning runs, the ratios against the targets and the load generator's own ceiling.
+
+A run measures the device's limits (bench/device_limits.py), starts the generator process and
+every system at once (idle ones wait on a queue), warms each up, optionally tunes a baseline
+(each candidate gets one curve and search; the best sustainable throughput wins, every run is
+kept), runs the repeats, then the p90 at half of each baseline's sustainable throughput (measured
+there, every system of the pair, in each repeat), then the null system's ceiling.
 """
 import argparse
 import contextlib
-import importlib.util
-import cProfile
-import io
-import pstats
+import math
+import random
 import sys
-import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 
-from batchmaker import Engine, EngineConfig, SchedulerConfig
-from loadgen import LoadConfig, geometric_rates, p90_at, peak, sweep
+import device_limits
+from loadgen import LoadGenerator
+from protocol import Protocol, Slo, ratio_range, run_repeats, search, spread, summarize, sustains
 
 ENGINE = "batchmaker"
+ABLATION = "request-level"
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--devices", default=None, help="engine workers, comma-separated (default: --device); "
-                                                        "baselines run on --device")
+    parser.add_argument("--devices", default=None, help="engine workers, comma-separated (default: --device)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
-    parser.add_argument("--tf32", default="off", choices=["on", "off"],
-                        help="TF32 for matmul and cuDNN alike, for every system")
+    parser.add_argument("--tf32", default="off", choices=["on", "off"], help="TF32 for matmul and cuDNN alike")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--embed", type=int, default=None, help="default: --hidden")
     parser.add_argument("--vocab", type=int, default=30000)
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="offered rates (req/s)")
-    parser.add_argument("--sweep", default="100:64000:2", help="START:STOP:FACTOR, used without --rates")
-    parser.add_argument("--null-sweep", default="4000:4096000:2", help="START:STOP:FACTOR of the null system")
-    parser.add_argument("--duration", type=float, default=3.0, help="seconds of arrivals per rate")
-    parser.add_argument("--min-requests", type=int, default=150)
-    parser.add_argument("--warmup", type=int, default=200, help="requests sent at once before each sweep")
+    parser.add_argument("--rates", type=float, nargs="+", required=True,
+                        help="the curve's offered rates (req/s), the same for every system")
+    parser.add_argument("--duration", type=float, default=Protocol.duration, help="seconds of arrivals per point")
+    parser.add_argument("--warm", type=float, default=Protocol.warm, help="seconds of each point not measured")
+    parser.add_argument("--min-window-requests", type=int, default=Protocol.min_window_requests)
+    parser.add_argument("--repeats", type=int, default=Protocol.repeats)
+    parser.add_argument("--resolution", type=float, default=Protocol.resolution)
+    parser.add_argument("--max-search-points", type=int, default=Protocol.max_search_points)
+    parser.add_argument("--drain-timeout", type=float, default=Protocol.drain_timeout)
+    parser.add_argument("--slo-ms", type=float, default=None, help="p90 SLO (default: the workload's)")
+    parser.add_argument("--warmup", type=int, default=1000, help="requests sent at once to each system first")
+    parser.add_argument("--warm-points", type=int, default=2, choices=[0, 1, 2],
+                        help="discarded points per system before measuring (the curve's lowest and middle rates)")
+    parser.add_argument("--tune", action="store_true", help="tune the baselines first (their candidates)")
+    parser.add_argument("--tune-search-points", type=int, default=2, help="search points per tuning candidate")
     parser.add_argument("--mode", default="inproc", choices=["inproc", "zmq"])
-    parser.add_argument("--address", default="tcp://127.0.0.1:5555", help="--mode zmq: where the server binds")
-    parser.add_argument("--cprofile", action="store_true", help="cProfile the engine's manager thread")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--round-steps", type=int, default=SchedulerConfig.max_round_steps,
-                        help="the engine's steps per chain or decode round (SchedulerConfig.max_round_steps)")
+    parser.add_argument("--round-steps", type=int, default=None, help="the engine's steps per chain round")
     parser.add_argument("--tag", default="", help="appended to the result name")
 
 
@@ -51,225 +61,313 @@ def numerics(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32 == "on"
     if args.threads:
         torch.set_num_threads(args.threads)
-    return {"dtype": args.dtype, "torch_cpu_threads": torch.get_num_threads(), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32}
+    return {"dtype": args.dtype, "torch_cpu_threads": torch.get_num_threads(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}
 
 
-def rates(args) -> list[float]:
-    if args.rates:
-        return sorted(args.rates)
-    start, stop, factor = (float(x) for x in args.sweep.split(":"))
-    return geometric_rates(start, stop, factor)
+def protocol_of(args) -> Protocol:
+    return Protocol(duration=args.duration, warm=args.warm, min_window_requests=args.min_window_requests,
+                    repeats=args.repeats, resolution=args.resolution, max_search_points=args.max_search_points,
+                    drain_timeout=args.drain_timeout, seed=args.seed)
 
 
-def load_config(args) -> LoadConfig:
-    return LoadConfig(duration=args.duration, min_requests=args.min_requests, seed=args.seed)
+def engine_config(args):
+    from batchmaker import EngineConfig, SchedulerConfig
+    scheduler = SchedulerConfig() if args.round_steps is None else SchedulerConfig(max_round_steps=args.round_steps)
+    return EngineConfig(devices=tuple((args.devices or args.device).split(",")), scheduler=scheduler,
+                        max_requests=1 << 20)  # open loop: no admission bound
+
+
+@dataclass
+class System:
+    """A system under test, started: `submit` in process, or `address` of the ZeroMQ server in front."""
+
+    name: str
+    submit: Callable | None
+    stats: Callable[[], dict]
+    config: dict
+    address: str | None = None
 
 
 @contextlib.contextmanager
-def engine_system(models, args):
-    """Yields (submit, extra): an engine in process, or behind a ZeroMQ server on loopback."""
-    devices = tuple((args.devices or args.device).split(","))
-    engine = Engine(models, EngineConfig(devices=devices, max_requests=1 << 20,  # open loop: no admission bound
-                                         scheduler=SchedulerConfig(max_round_steps=args.round_steps)))
-    profiler = cProfile.Profile() if args.cprofile else None
-    if profiler:
-        loop = engine._loop  # the manager thread's body, looked up when the thread starts
-
-        def profiled_loop():
-            profiler.runcall(loop)
-        engine._loop = profiled_loop
-    engine.start()
-    extra = lambda: {"time_s": time.perf_counter(), **_engine_counters(engine)}  # noqa: E731
+def started(name: str, server, config: dict, mode: str):
+    """Start `server` (anything with start/stop/submit/stats), behind the project's ZeroMQ server
+    on a loopback port of its own in --mode zmq."""
+    server.start()
     try:
-        with submitter(engine, args) as submit:
-            yield submit, extra
-    finally:
-        engine.stop()
-        if profiler:
-            args.profile_out = _top_functions(profiler)
-
-
-@contextlib.contextmanager
-def submitter(system, args):
-    """`system.submit` in process, or a Client's submit to a Server in front of `system`."""
-    if args.mode == "inproc":
-        yield system.submit
-    else:
-        with zmq_client(system, args) as submit:
-            yield submit
-
-
-@contextlib.contextmanager
-def zmq_client(engine, args):
-    """The lead's Server (issue 3) in front of `engine` (or a baseline: it only needs submit and
-    cancel) on loopback, and a Client's submit."""
-    try:
-        from batchmaker.serving.client import Client
+        if mode == "inproc":
+            yield System(name, server.submit, server.stats, config)
+            return
         from batchmaker.serving.server import Server, ServerConfig
-    except ImportError as e:
-        raise SystemExit(f"--mode zmq needs batchmaker.serving (pyzmq): {e}")
-    server = Server(engine, ServerConfig(address=args.address))
-    server.start()
-    client = Client(args.address)
-    try:
-        yield client.submit
-    finally:
-        client.close()
-        server.stop(drain_timeout=5.0)
-
-
-@contextlib.contextmanager
-def baseline_system(server, args):
-    """Yields (submit, extra) for a baseline server, in process or behind the same ZeroMQ server."""
-    server.start()
-    extra = lambda: {"time_s": time.perf_counter(), **server.stats()}  # noqa: E731
-    try:
-        with submitter(server, args) as submit:
-            yield submit, extra
+        front = Server(server, ServerConfig(address="tcp://127.0.0.1:*")).start()
+        try:
+            yield System(name, None, server.stats, config, front.address)
+        finally:
+            front.stop(drain_timeout=5.0)
     finally:
         server.stop()
 
 
-def run_system(name: str, system, requests, args) -> dict:
-    """Warm up, then sweep the offered rates (the null system: `--null-sweep`, to its own
-    saturation); returns the points and peak throughput."""
-    print(f"== {name}", file=sys.stderr, flush=True)
-    offered = rates(args) if name != "null" else geometric_rates(*(float(x) for x in args.null_sweep.split(":")))
-    with system as (submit, extra):
-        warm = [submit(*requests[i % len(requests)]) for i in range(args.warmup)]
-        for f in warm:
-            f.result(timeout=300)
-        points = sweep(submit, requests, offered, load_config(args), label=name, extra=extra)
-    out = {"peak_throughput": peak(points), "points": [asdict(p) for p in points]}
-    if getattr(args, "profile_out", None):
-        out["cprofile_manager_thread"] = args.profile_out
-        args.profile_out = None
+def engine_factory(build_models, args, model_name: str, cellular: bool = True, width: int | None = 10,
+                   max_batch: int = 512):
+    """The engine (on models of its own: build_models() -> [Model]), or the ablation (the same
+    engine behind a request-level gate)."""
+    from batchmaker import Engine
+    from baselines.request_level import RequestLevelEngine
+
+    def make():
+        models = build_models()
+        engine = Engine(models, engine_config(args))
+        config = {"name": ENGINE, "engine_config": _plain(asdict(engine.config)),
+                  "max_batch": {m.name: {c: max(s) for c, s in m.batch_sizes.items()} for m in models}}
+        if cellular:
+            return engine, config
+        gate = RequestLevelEngine(engine, model_name, width=width, max_batch=max_batch)
+        return gate, {**config, **gate.config()}
+    return make
+
+
+def baseline_factory(cls, *a, **kw):
+    def make():
+        server = cls(*a, **kw)
+        return server, server.config()
+    return make
+
+
+def null_factory():
+    from baselines.null import NullSystem
+    return lambda: (NullSystem(), {"name": "null", "what": "resolves every request at once"})
+
+
+def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, slo: Slo):
+    """measure(rate, repeat) -> point: one offered rate through the generator, summarized, with the
+    system's counters over the point."""
+    def measure(rate: float, repeat: int) -> dict:
+        before = system.stats()
+        trace = gen.run_point(system.submit, requests, rate, protocol.duration_at(rate),
+                              seed=protocol.seed * 1000 + repeat, drain_timeout=protocol.drain_timeout,
+                              address=system.address)
+        settled = gen.settle()
+        point = summarize(trace, protocol.warm)
+        point.update(counters=counters(before, system.stats()), settled=settled, repeat=repeat)
+        point["sustained"] = sustains(point, slo, protocol)
+        lat = point["latency_ms"]
+        print(f"  {system.name:15s} offered {rate:9.1f}/s achieved {point['achieved']:9.1f}/s  p50/p90/p99 "
+              f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} ms  queue p90 {point['queueing_ms']['p90']:7.2f}"
+              f"  compute p90 {point['computation_ms']['p90']:7.2f}  lag p99 {point['send_lag_ms']['p99']:6.2f}"
+              f"  {'ok' if point['sustained'] else 'NOT SUSTAINED'}", file=sys.stderr, flush=True)
+        return point
+    return measure
+
+
+def warm_up(system: System, gen: LoadGenerator, requests, num: int, rates=()) -> None:
+    """`num` requests at once (CUDA graphs captured, kernels compiled, pools grown), then a
+    discarded point at each of `rates`: on the H100 the first system measured in a process ran
+    cold (lazily loaded kernels, block configurations compiled on first use) when only the burst
+    preceded it, which sank the first tuning candidate in 3 of 5 tunings."""
+    if num:
+        gen.run_point(system.submit, requests, rate=num / 0.05, duration=0.05, seed=99, drain_timeout=300,
+                      address=system.address)
+        gen.settle()
+    for rate in rates:
+        gen.run_point(system.submit, requests, rate=rate, duration=0.5, seed=98, drain_timeout=60,
+                      address=system.address)
+        gen.settle()
+
+
+def warm_rates(args) -> list[float]:
+    """The discarded warm-up points: the curve's lowest and middle rates (--warm-points 0: none)."""
+    rates = sorted(args.rates)
+    return [rates[0], rates[len(rates) // 2]][:args.warm_points]
+
+
+def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, tuning: dict | None = None,
+                  checkpoint=None) -> dict:
+    """The whole protocol (module docstring). factories: name -> make() -> (server, config);
+    comparisons: baseline -> {"ours": ENGINE, "sustainable": target, "p90": target, "half_load": bool}; tuning:
+    baseline -> {candidate label: make}; checkpoint(partial record) after each repeat (what a
+    killed run leaves)."""
+    protocol = protocol_of(args)
+    is_ok = lambda p: p["sustained"]  # noqa: E731
+    limits = device_limits.measure(args.device, torch.float16 if args.dtype == "fp16" else torch.float32)
+    print(f"device limits: {limits.copy_bytes_per_s / 1e9:.0f} GB/s copy, "
+          f"{limits.matmul_flops_per_s / 1e12:.1f} TFLOP/s {limits.matmul_dtype}", file=sys.stderr)
+    out = {"device_limits": limits.as_dict(), "protocol": asdict(protocol), "slo": asdict(slo),
+           "curve_rates": sorted(args.rates), "tuning": {}}
+    with LoadGenerator(args.mode, requests) as gen:
+        for baseline, candidates in (tuning or {}).items() if args.tune else ():
+            out["tuning"][baseline] = tune(candidates, gen, requests, protocol, slo, args)
+            best = max(out["tuning"][baseline], key=lambda c: out["tuning"][baseline][c]["sustainable"]["median"])
+            factories[baseline] = candidates[best]
+            out["tuning"][baseline] = {"chosen": best, "candidates": out["tuning"][baseline]}
+        with contextlib.ExitStack() as stack:
+            systems = {}
+            for name, make in factories.items():
+                try:
+                    server, config = make()
+                except (ImportError, ValueError) as e:  # DyNet absent, or not on this device
+                    print(f"skipping {name}: {e}", file=sys.stderr)
+                    out.setdefault("skipped", {})[name] = str(e)
+                    continue
+                systems[name] = stack.enter_context(started(name, server, config, args.mode))
+                warm_up(systems[name], gen, requests, args.warmup, warm_rates(args))
+            measures = {n: measurer(s, gen, requests, protocol, slo) for n, s in systems.items() if n != "null"}
+            save = (lambda partial: checkpoint({**out, "partial": True, "systems": partial})) if checkpoint else None
+            results = run_repeats(measures, args.rates, is_ok, protocol, on_repeat=save)
+            for name, s in systems.items():
+                if name in results:
+                    results[name]["config"] = s.config
+            out["half_load"] = half_load(comparisons, results, measures, protocol)
+            if "null" in systems:
+                out["generator"] = null_ceiling(measurer(systems["null"], gen, requests, protocol, slo), results,
+                                                is_ok, protocol)
+    out["systems"] = results
+    out["comparisons"] = compare(comparisons, results, out["half_load"])
     return out
 
 
-def null_system(args):
-    """The null system behind the same load path (bench/baselines/null.py)."""
-    from baselines.null import NullSystem
-    return baseline_system(NullSystem(), args)
+def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) -> dict:
+    """One curve and search per candidate configuration of a baseline (the tuning runs, kept)."""
+    once = Protocol(**{**asdict(protocol), "repeats": 1, "max_search_points": args.tune_search_points})
+    runs = {}
+    for label, make in candidates.items():
+        print(f"== tuning: {label}", file=sys.stderr, flush=True)
+        server, config = make()
+        with started(label, server, config, args.mode) as system:
+            warm_up(system, gen, requests, args.warmup, warm_rates(args))
+            runs[label] = run_repeats({label: measurer(system, gen, requests, once, slo)}, args.rates,
+                                      lambda p: p["sustained"], once)[label]
+            runs[label]["config"] = config
+    return runs
 
 
-def headroom(results: dict) -> dict | None:
-    """The load generator is not the ceiling: the null system's peak over the best measured
-    system's (issue 10 asks for >= 1.5; a system that never saturated has only a lower bound)."""
-    if "null" not in results:
+def half_load(comparisons: dict, results: dict, measures: dict, protocol: Protocol) -> dict:
+    """Both systems of each pair marked `half_load` at half the baseline's median sustainable
+    throughput, once per repeat, in a random order each time (measured there, not interpolated)."""
+    rng = random.Random(protocol.seed + 1)
+    out = {}
+    for baseline, spec in comparisons.items():
+        if (not spec.get("half_load") or baseline not in results or spec["ours"] not in results
+                or not results[baseline]["sustainable"]):
+            continue
+        rate = 0.5 * results[baseline]["sustainable"]["median"]
+        if rate <= 0:
+            continue
+        pair = [spec["ours"], baseline]
+        points = {name: [] for name in pair}
+        for repeat in range(protocol.repeats):
+            rng.shuffle(pair)
+            for name in pair:
+                points[name].append(measures[name](rate, repeat))
+        out[baseline] = {"rate": rate, "points": points}
+    return out
+
+
+def null_ceiling(measure, results: dict, is_ok, protocol: Protocol) -> dict:
+    """The null system's sustainable throughput (once): the generator and the submit path alone.
+    It must be >= 1.5x the best system's, or the generator is the ceiling."""
+    best = max((r["sustainable"]["max"] for r in results.values() if r.get("sustainable")), default=0.0) or 1000.0
+    curve = [measure(best * k, 0) for k in (1, 2, 4)]
+    found = search(lambda r: measure(r, 0), curve, is_ok, protocol)
+    ratio = found["rate"] / best
+    return {"null_sustainable": found["rate"], "bracket": found["bracket"], "best_system_sustainable": best,
+            "ratio": ratio, "target": 1.5, "met": ratio >= 1.5, "points": curve + found["points"]}
+
+
+def compare(comparisons: dict, results: dict, half: dict) -> dict:
+    """Per baseline: sustainable throughput ratio (median, conservative range; met when its lower end
+    reaches the target), p90 ratio at half the baseline's sustainable throughput (met when the upper
+    end is within the target), p90 ratios at the curve's offered rates, and peak under overload."""
+    out = {}
+    for baseline, spec in comparisons.items():
+        ours = spec["ours"]
+        if baseline not in results or ours not in results or not results[baseline]["sustainable"]:
+            continue
+        a, b = results[ours], results[baseline]
+        row = {"ours": ours, "baseline": baseline}
+        s = ratio_range(a["sustainable"]["values"], b["sustainable"]["values"])
+        row["sustainable"] = {**s, "target": spec.get("sustainable"),
+                              "met": None if spec.get("sustainable") is None else s["min"] >= spec["sustainable"]}
+        if baseline in half:
+            p90 = {n: [p["latency_ms"]["p90"] for p in pts] for n, pts in half[baseline]["points"].items()}
+            r = ratio_range(p90[ours], p90[baseline])
+            row["p90_at_half"] = {"rate": half[baseline]["rate"], "p90_ms": {n: spread(v) for n, v in p90.items()},
+                                  **r, "target": spec.get("p90"),
+                                  "met": None if spec.get("p90") is None else r["max"] <= spec["p90"]}
+        row["p90_at_offered"] = [
+            {"offered_rate": pa["offered_rate"], **ratio_range(pa["p90_ms"]["values"], pb["p90_ms"]["values"])}
+            for pa, pb in zip(a["curve"], b["curve"])]
+        row["peak_under_overload"] = ratio_range(a["peak_under_overload"]["values"], b["peak_under_overload"]["values"])
+        out[baseline] = row
+    return out
+
+
+def counters(before: dict, after: dict) -> dict:
+    """The system's counters over one point: batches and mean batch per cell (or per batch), and
+    the other numeric counters' differences (stage timers, host and wait seconds)."""
+    diff = _difference(after, before)
+    sizes = diff.pop("batch_sizes", {}) or {}
+    engine = diff.get("engine")
+    if isinstance(engine, dict):  # the ablation: its engine's counters inside
+        sizes = engine.pop("batch_sizes", {}) or {}
+        diff.update({f"engine_{k}": v for k, v in engine.items() if k == "stage_ms"})
+        diff.pop("engine")
+    by_cell: dict[str, list] = {}
+    for key, count in sizes.items():
+        cell, _, rows = key.rpartition(":")
+        by_cell.setdefault(cell or "batch", []).append((int(rows), count))
+    diff["batches"] = {cell: {"num": sum(c for _, c in v), "mean_size": sum(r * c for r, c in v) / max(1, sum(c for _, c in v))}
+                       for cell, v in by_cell.items()}
+    return {k: v for k, v in diff.items() if k in ("batches", "stage_ms", "engine_stage_ms", "admit_s", "host_s",
+                                                  "wait_s", "num_batches", "num_tasks")}
+
+
+def _difference(after, before):
+    if isinstance(after, dict):
+        out = {k: _difference(v, before.get(k, 0) if isinstance(before, dict) else 0) for k, v in after.items()}
+        return {k: v for k, v in out.items() if v != 0 and v != {}}
+    if isinstance(after, (int, float)) and isinstance(before, (int, float)):
+        return after - before
+    return None
+
+
+def _plain(value):
+    """Dataclass dicts with tuples and nested configs made JSON-friendly."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+def finite(value):
+    """inf and nan as None (strict JSON); everything else unchanged."""
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
         return None
-    others = {k: r["peak_throughput"] for k, r in results.items() if k != "null" and "peak_throughput" in r}
-    best = max(others.values(), default=0.0)
-    ratio = results["null"]["peak_throughput"] / best if best else None
-    return {"null_peak": results["null"]["peak_throughput"], "best_system_peak": best, "ratio": ratio,
-            "target": 1.5, "met": ratio is not None and ratio >= 1.5}
+    return value
 
 
-def compare(results: dict, baseline: str, peak_target: float | None, load_fraction: float,
-            p90_target: float | None) -> dict:
-    """The issue's two ratios against `baseline`: peak throughput, and p90 at a fraction of the
-    baseline's peak (None where the engine never reached that load). A system that never
-    saturated has a peak that is only a lower bound (`saturated` says which did)."""
-    from loadgen import RatePoint
-    points = {name: [RatePoint(**p) for p in r["points"]] for name, r in results.items()}
-    base_peak = results[baseline]["peak_throughput"]
-    load = load_fraction * base_peak
-    ours, theirs = p90_at(points[ENGINE], load), p90_at(points[baseline], load)
-    peak_ratio = results[ENGINE]["peak_throughput"] / base_peak if base_peak else None
-    p90_ratio = ours / theirs if ours is not None and theirs else None
-    return {
-        "baseline": baseline,
-        "peak_ratio": peak_ratio, "peak_target": peak_target,
-        "peak_met": None if peak_target is None else peak_ratio is not None and peak_ratio >= peak_target,
-        "saturated": {name: any(p.is_saturated for p in pts) for name, pts in points.items()},
-        "load_for_p90": load, "p90_ms": {ENGINE: ours, baseline: theirs},
-        "p90_ratio": p90_ratio, "p90_target": p90_target,
-        "p90_met": None if p90_target is None else p90_ratio is not None and p90_ratio <= p90_target,
-    }
-
-
-def plot(fig, results: dict, title: str) -> None:
-    """Left: p90 latency vs achieved throughput; middle/right: CDFs at the common load."""
-    lat, queue_ax, comp_ax = fig.subplots(1, 3)
-    common = common_rate(results)
-    for k, (name, r) in enumerate(results.items()):
-        pts = r["points"]
-        lat.plot([p["throughput"] for p in pts], [p["latency_ms"]["p90"] for p in pts], "o-", color=f"C{k}",
-                 label=name, markersize=3)
-        at = next((p for p in pts if p["offered_rate"] == common), pts[0])
-        for ax, key in ((queue_ax, "queueing"), (comp_ax, "computation")):
-            q = at["cdf_ms"][key]
-            ax.plot(q, [i / (len(q) - 1) for i in range(len(q))], color=f"C{k}",
-                    label=f"{name} @ {at['throughput']:.0f}/s")
-    lat.set_xlabel("throughput (req/s)")
-    lat.set_ylabel("p90 latency (ms)")
-    lat.set_yscale("log")
-    lat.set_title(title, fontsize=8)
-    lat.legend(fontsize=7)
-    for ax, key in ((queue_ax, "queueing"), (comp_ax, "computation")):
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{key} time (ms)")
-        ax.set_ylabel("CDF")
-        ax.legend(fontsize=6)
-    fig.set_size_inches(13, 4)
-
-
-def common_rate(results: dict) -> float | None:
-    """The highest offered rate every system ran unsaturated (where the CDFs are compared)."""
-    ok = [{p["offered_rate"] for p in r["points"] if not p["is_saturated"]} for r in results.values()]
-    shared = set.intersection(*ok) if ok else set()
-    return max(shared) if shared else None
-
-
-def plot_or_none(results: dict, title: str):
-    """The plot function for write_results, or None where matplotlib is missing (the GPU machine
-    may lack it: `python bench/runner.py --replot FILE.json` draws it later from the JSON)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        print("matplotlib missing: no PNG (replot from the JSON)", file=sys.stderr)
-        return None
-    return lambda fig: plot(fig, results, title)
-
-
-def replot(paths: list[str]) -> None:
-    import json
-    from pathlib import Path
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    for path in map(Path, paths):
-        record = json.loads(path.read_text())
-        ran = {k: v for k, v in record["systems"].items() if "points" in v}
-        fig = plt.figure()
-        plot(fig, ran, record.get("title", path.stem))
-        fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=110)
-        plt.close(fig)
-        print(f"wrote {path.with_suffix('.png')}")
-
-
-def summary_lines(results: dict) -> list[str]:
+def summary_lines(record: dict) -> list[str]:
     lines = []
-    for name, r in results.items():
-        lines.append(f"{name:16s} peak {r['peak_throughput']:9.1f} req/s; p90 ms by offered rate: " + ", ".join(
-            f"{p['offered_rate']:g}:{p['latency_ms']['p90']:.1f}" for p in r["points"]))
+    for name, r in record["systems"].items():
+        s = r["sustainable"]
+        lines.append(f"{name:16s} sustainable {s['median']:9.1f} req/s (min {s['min']:.1f}, max {s['max']:.1f});"
+                     f" peak under overload {r['peak_under_overload']['median']:.1f}")
+    for baseline, c in record["comparisons"].items():
+        s = c["sustainable"]
+        line = (f"{c['ours']} vs {baseline}: sustainable {s['median']:.2f}x (range {s['min']:.2f}-{s['max']:.2f},"
+                f" target {s['target']}, met {s['met']})")
+        if "p90_at_half" in c:
+            p = c["p90_at_half"]
+            line += (f"; p90 at {p['rate']:.0f}/s {p['median']:.3f}x (range {p['min']:.3f}-{p['max']:.3f},"
+                     f" target {p['target']}, met {p['met']})")
+        lines.append(line)
+    if record.get("generator"):
+        g = record["generator"]
+        lines.append(f"generator: null sustains {g['null_sustainable']:.0f}/s = {g['ratio']:.1f}x the best system "
+                     f"(target 1.5, met {g['met']})")
     return lines
-
-
-def _engine_counters(engine) -> dict:
-    stats = engine.stats()
-    return {"batch_sizes": stats["batch_sizes"], "num_tasks": stats["num_tasks"], "stage_ms": stats["stage_ms"]}
-
-
-def _top_functions(profiler: cProfile.Profile, limit: int = 25) -> list[dict]:
-    stats = pstats.Stats(profiler, stream=io.StringIO())
-    rows = [{"function": f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({fn})", "calls": nc,
-             "tottime_s": tt, "cumtime_s": ct} for (path, line, fn), (cc, nc, tt, ct, _) in stats.stats.items()]
-    return sorted(rows, key=lambda r: r["tottime_s"], reverse=True)[:limit]
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="redraw the PNG of bench/wmt.py or bench/treebank.py results")
-    parser.add_argument("--replot", nargs="+", required=True, metavar="JSON")
-    replot(parser.parse_args().replot)

@@ -40,13 +40,19 @@ class DynetTreeLSTM(_TreeServer):
         self.w_gates = self.params.parameters_from_numpy(numpy(internal.gates.weight))  # [5h, 2h]
         self.b_gates = self.params.parameters_from_numpy(numpy(internal.gates.bias))
 
-    def run(self, batch: list[Pending]) -> list[dict]:
+    def launch(self, batch: list[Pending]) -> list[dict]:
         import torch
         dy = self.dy
         dy.renew_cg()
         roots = [self._tree(*r.parsed) for r in batch]
         dy.forward(roots)  # autobatching happens here, across all trees of the batch
         return [{"h": torch.from_numpy(np.asarray(root.npvalue(), dtype=np.float32))} for root in roots]
+
+    def is_ready(self, outputs) -> bool:
+        return True
+
+    def collect(self, outputs: list[dict]) -> list[dict]:
+        return outputs
 
     def _tree(self, num_leaves: int, tokens: np.ndarray, children: np.ndarray):
         """The root's h of one parsed tree (the engine's arrays: leaves 0..n-1 in order, then

@@ -2,13 +2,18 @@
 
 Graph batching takes up to max_trees queued trees, merges their graphs and runs them level by
 level: all leaves in one leaf-cell call, then the internal nodes of each height (1 + the taller
-child) in one internal-cell call each; the whole batch returns at the end. A node's batch is
-bounded by what the merged trees hold at that height (the paper's "max batch 64" counts trees).
+child) in one internal-cell call each; the whole batch returns at the end. As a competent user
+writes it (each a documented choice):
+- trees are parsed in bulk at admission by the engine's own batch parser (`parse_trees`);
+- the level plan is numpy over the batch's nodes (tree_plan.py), not a Python loop per node;
+- the cells are the engine's own fused kernels, each level a CUDA graph (tree_steps.py);
+- two batches in flight: the host plans and copies the next batch while the device runs one;
+- the tree cap is tuned (bench/treebank.py --tune keeps the sweep); its unit is trees, the
+  engine's b_max counts cells per task, so equal caps do not mean equal batches.
 
 The fixed-tree ideal (Fig. 2.15) serves only complete binary trees of `num_leaves` leaves: no
 per-node host work at all; leaves of the batch in one call, then each level pairs neighbours by
 a reshape (log2(num_leaves) + 1 cell calls per batch).
-Both run the engine's own TreeLeafCell / TreeInternalCell modules (same weights).
 """
 import copy
 from collections import deque
@@ -16,125 +21,113 @@ from collections import deque
 import numpy as np
 import torch
 
+from batchmaker.core.admission import check_keys
 from batchmaker.errors import BadRequestError
-from batchmaker.unfolders.common import check_keys
 from batchmaker.unfolders.trees import Tree, parse_tree, parse_trees
-from .server import BatchServer, Pending
+from .server import BatchServer, DeviceHandle, Pending, host_buffer, to_device
+from .tree_plan import LevelPlan
+from .tree_steps import TreeSteps
 
 
 class _TreeServer(BatchServer):
     model_name = "treelstm"
 
-    def __init__(self, model, device="cpu", max_trees: int = 64):
-        super().__init__(device)
+    def __init__(self, model, device="cpu", max_trees: int = 64, max_in_flight: int = 1):
+        super().__init__(device, max_in_flight)
         self.leaf = copy.deepcopy(model.cells["leaf"]).to(self.device).eval()
         self.internal = copy.deepcopy(model.cells["internal"]).to(self.device).eval()
         self.vocab = self.leaf.embedding.num_embeddings
         self.max_trees = max_trees
         self.queue: deque = deque()
 
-    def admit(self, request: Pending) -> None:
-        check_keys(request.inputs, required=["tree"])
-        request.parsed = self.parse(request.inputs["tree"])
-        self.queue.append(request)
+    def config(self) -> dict:
+        return {**super().config(), "max_trees": self.max_trees}
 
-    def parse(self, tree):
-        """The engine's own parser (batchmaker/core/tree_input.py): (num_leaves, tokens, children)."""
-        arrays, _, errors = parse_trees([tree], self.vocab)
-        if errors:
-            raise errors[0]
-        return arrays.tree(0)
+    def admit(self, requests: list[Pending]) -> None:
+        """Every request's tree parsed in one call: parsed = (num_leaves, tokens, children)."""
+        good = []
+        for r in requests:
+            try:
+                check_keys(r.inputs, ["tree"])
+                good.append(r)
+            except BadRequestError as e:
+                self.fail(r, e)
+        arrays, ok, errors = parse_trees([r.inputs["tree"] for r in good], self.vocab)
+        for i, e in errors.items():
+            self.fail(good[i], e)
+        n = arrays.num_leaves
+        leaf_at = np.cumsum(n) - n
+        child_at = leaf_at - np.arange(len(n))
+        for r, count, a, b in zip([good[i] for i in ok], n.tolist(), leaf_at.tolist(), child_at.tolist()):
+            r.parsed = (count, arrays.tokens[a:a + count], arrays.children[b:b + count - 1])
+            self.queue.append(r)
 
     def next_batch(self) -> list[Pending]:
-        return [self.queue.popleft() for _ in range(min(len(self.queue), self.max_trees))]
+        q = self.queue
+        return [q.popleft() for _ in range(min(len(q), self.max_trees))]
 
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+    def is_ready(self, handle: DeviceHandle) -> bool:
+        return handle.ready()
+
+    def collect(self, handle: DeviceHandle) -> list[dict]:
+        return [{"h": row} for row in handle.wait().unbind(0)]
+
+    def _to_host(self, h: torch.Tensor) -> DeviceHandle:
+        out = host_buffer(tuple(h.shape), h.dtype, self.device)
+        out.copy_(h, non_blocking=True)
+        return DeviceHandle(out, self.device)
 
 
 class GraphBatchingTreeLSTM(_TreeServer):
     name = "graph-batching"
 
-    @torch.inference_mode()
-    def run(self, batch: list[Pending]) -> list[dict]:
-        plan = LevelPlan([r.parsed for r in batch])
-        index = self.to_device(plan.index)  # one copy: leaf tokens, then (left, right) per level
-        hidden = self.internal.gates.in_features // 2
-        h = torch.empty(plan.num_nodes, hidden, dtype=self.leaf.iou.weight.dtype, device=self.device)
-        c = torch.empty_like(h)
-        out = self.leaf(token=index[:plan.num_leaves])
-        h[:plan.num_leaves], c[:plan.num_leaves] = out["h"], out["c"]
-        for start, stop, left, right in plan.levels:  # nodes [start, stop) of one height
-            li, ri = index[left:left + stop - start], index[right:right + stop - start]
-            out = self.internal(h_l=h[li], c_l=c[li], h_r=h[ri], c_r=c[ri])
-            h[start:stop], c[start:stop] = out["h"], out["c"]
-        roots = h[self.to_device(plan.roots)].cpu()
-        return [{"h": row} for row in roots]
+    def __init__(self, model, device="cpu", max_trees: int = 64, max_in_flight: int = 2, graphs: bool = True):
+        super().__init__(model, device, max_trees, max_in_flight)
+        self.steps = TreeSteps(self.leaf, self.internal, self.device, rows=max_trees * 128 + 2, graphs=graphs)
 
+    def config(self) -> dict:
+        return {**super().config(), "plan": "numpy over the batch's nodes", "parse": "bulk (parse_trees)",
+                "steps": self.steps.config()}
 
-class LevelPlan:
-    """Node numbering of merged trees: leaves first, then internal nodes grouped by height.
-
-    Trees come as (num_leaves, tokens, children) (batchmaker/core/tree_input.TreeArrays.tree):
-    nodes numbered leaves first, then internal nodes in post-order. index: int64 [num_leaves +
-    2 * num_internal]: the leaf tokens, then per level the left children's node numbers followed
-    by the right children's; levels: (start, stop, left, right) with nodes [start, stop) and
-    their children at index[left:...] and index[right:...]. Heights come from one pass over each
-    tree's internal nodes (children before parents): the per-node host work of graph batching.
-    """
-
-    def __init__(self, trees: list[tuple]):
-        tokens, by_height, root_keys = [], [], []
-        for n, leaf_tokens, children in trees:
-            first_leaf = len(tokens)
-            tokens += leaf_tokens.tolist()
-            keys = [(0, first_leaf + i) for i in range(n)]  # node -> (height, position within it)
-            for left, right in children.tolist():
-                a, b = keys[left], keys[right]
-                height = max(a[0], b[0]) + 1
-                if len(by_height) < height:
-                    by_height.append([])
-                by_height[height - 1].append((a, b))
-                keys.append((height, len(by_height[height - 1]) - 1))
-            root_keys.append(keys[-1])
-        self.num_leaves = len(tokens)
-        offsets = np.cumsum([self.num_leaves] + [len(level) for level in by_height])
-        number = lambda key: key[1] if key[0] == 0 else offsets[key[0] - 1] + key[1]  # noqa: E731
-        parts, self.levels, pos = [np.asarray(tokens, dtype=np.int64)], [], self.num_leaves
-        for height, level in enumerate(by_height):
-            parts.append(np.asarray([number(k) for k, _ in level] + [number(k) for _, k in level], dtype=np.int64))
-            start = offsets[height]
-            self.levels.append((int(start), int(start + len(level)), pos, pos + len(level)))
-            pos += 2 * len(level)
-        self.index = np.concatenate(parts)
-        self.num_nodes = int(offsets[-1])
-        self.roots = np.asarray([number(k) for k in root_keys], dtype=np.int64)
+    def launch(self, batch: list[Pending]) -> DeviceHandle:
+        steps = self.steps
+        pad = steps.pad if steps.graphs else None
+        plan = LevelPlan([r.parsed for r in batch], pad=pad, scratch=steps.scratch, max_level=steps.max_level)
+        if plan.num_rows + 1 > steps.capacity:
+            steps.ensure_rows(plan.num_rows)
+            plan = LevelPlan([r.parsed for r in batch], pad=pad, scratch=steps.scratch, max_level=steps.max_level)
+        return self._to_host(steps.run(plan, to_device(plan.index, self.device)))
 
 
 class FixedTreeIdeal(_TreeServer):
     name = "ideal"
 
-    def __init__(self, model, device="cpu", max_trees: int = 64, num_leaves: int = 16):
-        super().__init__(model, device, max_trees)
+    def __init__(self, model, device="cpu", max_trees: int = 64, num_leaves: int = 16, max_in_flight: int = 2):
+        super().__init__(model, device, max_trees, max_in_flight)
         self.num_leaves = num_leaves
 
-    def parse(self, tree):
-        leaves = complete_leaves(parse_tree(tree, self.vocab))
-        if leaves is None or len(leaves) != self.num_leaves:
-            raise BadRequestError(f"the ideal serves only complete binary trees of {self.num_leaves} leaves")
-        return leaves
+    def admit(self, requests: list[Pending]) -> None:
+        for r in requests:
+            try:
+                check_keys(r.inputs, ["tree"])
+                leaves = complete_leaves(parse_tree(r.inputs["tree"], self.vocab))
+                if leaves is None or len(leaves) != self.num_leaves:
+                    raise BadRequestError(f"the ideal serves only complete binary trees of {self.num_leaves} leaves")
+            except BadRequestError as e:
+                self.fail(r, e)
+                continue
+            r.parsed = leaves
+            self.queue.append(r)
 
-    @torch.inference_mode()
-    def run(self, batch: list[Pending]) -> list[dict]:
-        tokens = self.to_device(np.asarray([r.parsed for r in batch], dtype=np.int64).reshape(-1))
+    def launch(self, batch: list[Pending]) -> DeviceHandle:
+        tokens = to_device(np.asarray([r.parsed for r in batch], dtype=np.int64).reshape(-1), self.device)
         out = self.leaf(token=tokens)  # [B * leaves, hidden]; a tree's leaves are adjacent, in order
         h, c = out["h"], out["c"]
         while h.shape[0] > len(batch):
             h2, c2 = h.view(-1, 2, h.shape[-1]), c.view(-1, 2, c.shape[-1])  # neighbours pair up
             out = self.internal(h_l=h2[:, 0], c_l=c2[:, 0], h_r=h2[:, 1], c_r=c2[:, 1])
             h, c = out["h"], out["c"]
-        return [{"h": row} for row in h.cpu()]
+        return self._to_host(h)
 
 
 def complete_leaves(tree: Tree) -> list[int] | None:
