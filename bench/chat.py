@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import chat_stateful  # noqa: E402
 from bench.common import triton_compiles, write_results  # noqa: E402
+from bench.device_limits import measure as measure_limits  # noqa: E402
 from bench.turn_profile import profile_window  # noqa: E402
 
 from bench.workload import INPUT, OUTPUT, TURNS  # noqa: E402
@@ -229,20 +230,6 @@ def run_hf_static(hf, work, prompts, batch: int) -> dict:
     return summarize(f"hf-static-b{batch}", float("inf"), work, latencies, time.perf_counter() - start)
 
 
-def measured_bandwidth(device) -> float | None:
-    if not str(device).startswith("cuda"):
-        return None  # (a CPU smoke run)
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - t)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -258,8 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--steps", default="1,64,256", help="decode-step batches to time at context --step-context")
     ap.add_argument("--step-context", type=int, default=336)
-    ap.add_argument("--bandwidth", type=float, default=4.23e12, help="copy bandwidth (bytes/s) for the roofline")
-    ap.add_argument("--peak", type=float, default=805e12, help="matmul peak (FLOP/s) for the roofline")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="copy bandwidth (bytes/s) for the roofline; by default this device's, measured at the start")
+    ap.add_argument("--peak", type=float, default=None,
+                    help="matmul peak (FLOP/s) for the roofline; by default this device's, measured at the start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-up", type=int, default=64,
                     help="BatchMaker serves this many of the requests, unmeasured, before the first rate (a cold "
@@ -299,13 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     work = conversations(args.requests, config.max_positions, args.seed)
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(1, config.vocab_size, p).tolist() for p, _ in work]
-    bandwidth = measured_bandwidth(args.device)
+    limits = measure_limits(args.device, lm.embed_tokens.weight.dtype)  # (the roofline's: bench/device_limits.py)
+    args.bandwidth = args.bandwidth or limits.copy_bytes_per_s
+    args.peak = args.peak or limits.matmul_flops_per_s
     floor_s = params * itemsize / args.bandwidth
     rows, steps, profile = [], [], None
 
     def save() -> None:  # after each system: a run cut short keeps what it measured
         payload = {"preset": args.preset, "dtype": args.dtype, "parameters": params, "weight_floor_ms": floor_s * 1e3,
-                   "copy_bandwidth_measured": bandwidth, "bandwidth_assumed": args.bandwidth, "peak_assumed": args.peak,
+                   "device_limits": limits.as_dict(), "bandwidth": args.bandwidth, "peak": args.peak,
                    "workload": {"requests": len(work), "mean_prompt": float(np.mean([p for p, _ in work])),
                                 "mean_output": float(np.mean([o for _, o in work]))},
                    "decode_steps": steps, "rows": rows, "profile": profile}
