@@ -226,6 +226,23 @@ def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, 
     return out
 
 
+def run_and_write(args, name: str, about: dict, title: str, policy: dict, requests, factories: dict,
+                  comparisons: dict, slo: Slo, tuning: dict | None = None) -> int:
+    """`run_benchmark`, writing its JSON after each repeat (a run cut short keeps them) and with its
+    plot at the end; prints the summary. The record holds the settings, numerics and data."""
+    import plots
+    from common import write_results
+
+    def save(record: dict, final: bool = False):
+        record = {"title": title, "settings": vars(args), "numerics": policy, "data": about, **finite(record)}
+        return write_results(name, args.device, record, plot=plots.plotter(record) if final else None), record
+    path, record = save(run_benchmark(args, requests, factories, comparisons, slo, tuning, checkpoint=save), final=True)
+    for line in summary_lines(record):
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
 def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) -> dict:
     """One curve and search per candidate configuration of a baseline (the tuning runs, kept)."""
     once = Protocol(**{**asdict(protocol), "repeats": 1, "max_search_points": args.tune_search_points})

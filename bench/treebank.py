@@ -19,10 +19,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plots  # noqa: E402
 import runner  # noqa: E402
 from baselines import FixedTreeIdeal, GraphBatchingTreeLSTM  # noqa: E402
-from common import write_results  # noqa: E402
 from protocol import Slo  # noqa: E402
 
 from batchmaker import build_model  # noqa: E402
@@ -107,14 +105,7 @@ def main(argv=None) -> int:
     about = {"source": args.trees if args.trees in ("sample", "fixed16") else Path(args.trees).name,
             "num_trees": len(data), "mean_leaves": float(sizes.mean()), "max_leaves": int(sizes.max())}
 
-    def save(record: dict, final: bool = False):
-        record = {"title": title, "settings": vars(args), "numerics": policy, "data": about, **runner.finite(record)}
-        return write_results(name, args.device, record, plot=plots.plotter(record) if final else None), record
-    path, record = save(runner.run_benchmark(args, reqs, make, comparisons, slo, tuning, checkpoint=save), final=True)
-    for line in runner.summary_lines(record):
-        print(line)
-    print(f"wrote {path}")
-    return 0
+    return runner.run_and_write(args, name, about, title, policy, reqs, make, comparisons, slo, tuning)
 
 
 if __name__ == "__main__":
