@@ -47,7 +47,7 @@ class GenerativeModel(Finisher):
         self.cell = self.cell_type.cell
         if self.cell.batch_unit != "tokens":
             raise TypeError(f"model {model.name!r}: a Generate form needs a DecoderCell, got {type(self.cell).__name__}")
-        config = self.cell.lm.config  # (the whole model's: the cell keeps it whole, its ranks hold shards)
+        config = self.cell.config  # (the whole model's: rank 0 holds a shard of a tensor-parallel one)
         self.vocab, self.max_len = config.vocab_size, config.max_positions
         self.eos = tuple(config.eos_token_ids)
         self.tokenizer = getattr(self.cell, "tokenizer", None)

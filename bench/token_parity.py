@@ -42,7 +42,7 @@ def run(args) -> dict:
                         max_tokens=args.max_tokens, max_new_tokens=64)
     engine = Engine([model], EngineConfig(devices=(args.device,))).start(thread=False)
     rng = np.random.default_rng(args.seed)
-    config = model.cells["decoder"].lm.config
+    config = model.cells["decoder"].config
     vocab, turn_len = config.vocab_size, max(5, config.max_positions // 8)
     futures = [engine.submit("llama", r)
                for r in workload(rng, args.requests, vocab, args.max_tokens // 2, config.max_positions)]

@@ -94,42 +94,53 @@ class SafetensorsDirectory:
                 return candidate
         return None
 
-    def get(self, name: str) -> Tensor:
-        return self.handles[self.where[name]].get_tensor(name)
+    def slice(self, name: str):
+        return self.handles[self.where[name]].get_slice(name)
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> DecoderLM:
-    """The model stored in HF-style directory `path`, with its weights in `dtype` on `device`.
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="cpu", rank: int = 0,
+                    size: int = 1) -> DecoderLM:
+    """The model stored in HF-style directory `path`, with its weights in `dtype` on `device`;
+    with `size` > 1, rank `rank`'s shard of it (cells/tensor_parallel.py), read as slices of the
+    stored tensors: a rank never reads the whole model, and the host holds one tensor at a time.
 
     dtype None keeps the checkpoint's: config.json's torch_dtype (or dtype), else the stored
     embedding's. Raises ValueError naming the file and tensor for a missing config.json, an
     unsupported model_type, and missing or misshapen tensors.
     """
+    from batchmaker.cells.tensor_parallel import shard_config, slicing
     path = Path(path)
     config, raw = read_config(path)
     files = SafetensorsDirectory(path)
-    model = empty_decoder(config)
+    whole = empty_decoder(config)
+    model = whole if size == 1 else empty_decoder(shard_config(config, size))
     dtype = dtype or DTYPES.get(raw.get("torch_dtype") or raw.get("dtype"))
     state = {}
-    for name, param in model.named_parameters():
+    for name, param in whole.named_parameters():
         sources = hf_names(config.family, name)
-        parts = [_read(files, hf, name) for hf in sources]
+        stored = [_open(files, hf, name) for hf in sources]
+        _check_shapes(files, name, param.shape, sources, [tuple(s.get_shape()) for s in stored])
+        cut = slicing(name, config, rank, size) if size > 1 else None
+        parts = [s[:] if cut is None else cut.cut_part(i, s) for i, s in enumerate(stored)]
         dtype = dtype or parts[0].dtype  # the embedding comes first
-        joined = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-        if joined != param.shape or any(p.shape[1:] != param.shape[1:] for p in parts):
-            shapes = ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(sources, parts))
-            raise ValueError(f"{files.source}: unexpected shape: {shapes}; config.json makes "
-                             f"{name} {tuple(param.shape)}")
         parts = [p.to(device=device, dtype=dtype) for p in parts]
-        state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        state[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)) if cut is None else cut.join(parts)
     return materialize(model, state, device)
 
 
-def _read(files: SafetensorsDirectory, hf_name: str, ours: str) -> Tensor:
+def _check_shapes(files: SafetensorsDirectory, name: str, shape: tuple, sources: list[str], stored: list[tuple]):
+    joined = (sum(s[0] for s in stored), *stored[0][1:])
+    if joined != tuple(shape) or any(s[1:] != tuple(shape[1:]) for s in stored):
+        shapes = ", ".join(f"{hf} {s}" for hf, s in zip(sources, stored))
+        raise ValueError(f"{files.source}: unexpected shape: {shapes}; config.json makes {name} {tuple(shape)}")
+
+
+def _open(files: SafetensorsDirectory, hf_name: str, ours: str):
+    """A stored tensor, not read yet (a safetensors slice: indexing it reads just those rows or columns)."""
     found = files.find(hf_name)
     if found is None:
         raise ValueError(f"{files.source}: missing tensor {hf_name!r} (needed for {ours})")
-    return files.get(found)
+    return files.slice(found)
 
 
 def load_tokenizer(path: str | Path):

@@ -181,21 +181,26 @@ def materialize(model: DecoderLM, state: dict[str, Tensor], device) -> DecoderLM
     return model.to(device).requires_grad_(False).eval()  # .to moves the non-persistent rope buffer
 
 
-def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> DecoderLM:
+def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu", rank: int = 0,
+                  size: int = 1) -> DecoderLM:
     """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0.
 
     The same seed gives the same weights on the same kind of device (one generator on `device`,
-    parameters drawn in registration order).
+    parameters drawn in registration order). With `size` > 1, rank `rank`'s shard of that model
+    (cells/tensor_parallel.py): every parameter is drawn whole, one at a time, and cut, so that
+    each rank builds its own slices of the same model without the whole model ever existing.
     """
-    model = empty_decoder(config)
+    from batchmaker.cells.tensor_parallel import shard_config, slicing
+    whole = empty_decoder(config)
+    model = whole if size == 1 else empty_decoder(shard_config(config, size))
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
     state = {}
-    for name, p in model.named_parameters():
+    for name, p in whole.named_parameters():
         t = torch.empty(p.shape, dtype=dtype, device=device)
         module_name, kind = name.rsplit(".", 1)
         if module_name.endswith("norm"):
             t.fill_(1.0 if kind == "weight" else 0.0)
         else:
             t.normal_(0.0, INIT_STD, generator=generator)
-        state[name] = t
+        state[name] = t if size == 1 else slicing(name, config, rank, size).cut(t)
     return materialize(model, state, device)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from batchmaker.cell import Cell
-from batchmaker.cells.tensor_parallel import shard_config
 from batchmaker.signature import Signature, TensorSpec
 
 
@@ -51,14 +50,18 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 class DecoderCell(Cell):
     batch_unit = "tokens"  # what the engine batches: tokens of many sequences, by iterations
 
-    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings(), tensor_parallel: int = 1):
+    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings(), tensor_parallel: int = 1, source=None):
         super().__init__()
-        self.lm = lm
+        if tensor_parallel > 1 and source is None:
+            raise ValueError("a tensor-parallel DecoderCell needs its DecoderSource (each rank builds its shard from it)")
+        self.lm = lm  # the model, or rank 0's shard of it (cells/tensor_parallel.py)
         self.kv = kv
         self.tensor_parallel = tensor_parallel  # ranks the model is split over (exec/tensor_group.py)
+        self.source = source  # cells/decoder_source.DecoderSource: where the weights come from
+        self.config = lm.config if source is None else source.config  # the whole model's
         self.block_size = kv.block_size
         self.max_seqs = kv.max_seqs
-        vocab = lm.config.vocab_size
+        vocab = self.config.vocab_size
         self.signature = Signature({"token": TensorSpec((), torch.int64, high=vocab)},
                                    {"token": TensorSpec((), torch.int64, high=vocab)})
 
@@ -70,8 +73,7 @@ class DecoderCell(Cell):
         if self.kv.num_blocks is not None:
             return self.kv.num_blocks
         dtype = next(self.lm.parameters()).dtype
-        config = self.lm.config if self.tensor_parallel == 1 else shard_config(self.lm.config, self.tensor_parallel)
-        per_block = kv_bytes_per_block(config, self.block_size, dtype)  # (a rank's kv heads)
+        per_block = kv_bytes_per_block(self.lm.config, self.block_size, dtype)  # (a rank's kv heads)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * self.kv.gpu_fraction)

@@ -14,7 +14,7 @@ kv heads are replicated: rank r keeps the kv head its query heads read. Each ran
 holds its own kv heads, so a rank's model is an ordinary DecoderLM of the shard's config
 (`shard_config`) with a `TensorParallel` installed (`install`).
 """
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,25 @@ def check_shardable(config: DecoderConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel={size}: intermediate_size ({config.intermediate_size}) is not a multiple of it")
 
 
+def rank_device(device, rank: int) -> torch.device:
+    """Where rank `rank` of a group whose rank 0 is on `device` runs: the CPU, or the rank-th CUDA
+    device after rank 0's (ranks on consecutive GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_rank_devices(device, size: int) -> None:
+    """A typed refusal, when the model is built, of ranks that would run on GPUs this machine lacks."""
+    last = rank_device(device, size - 1)
+    if last.type == "cuda" and last.index >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel={size} from {device}: ranks need {torch.device(device)} to {last}, "
+                         f"this machine has {torch.cuda.device_count()} CUDA devices")
+    if last.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor_parallel={size}: ranks run on CPUs or CUDA devices, not {last.type}")
+
+
 def shard_config(config: DecoderConfig, size: int) -> DecoderConfig:
     """What one rank computes: its heads, kv heads, MLP width and vocabulary rows."""
     check_shardable(config, size)
@@ -53,34 +72,68 @@ def _kv_heads(config: DecoderConfig, rank: int, size: int) -> tuple[int, int]:
     return head, head + 1
 
 
-def shard_state(state: dict[str, Tensor], config: DecoderConfig, rank: int, size: int) -> dict[str, Tensor]:
-    """Rank `rank`'s slices of a full model's state dict (names as cells/llama.py and cells/opt.py have them)."""
+@dataclass(frozen=True)
+class Slicing:
+    """How rank r's slice of one parameter is cut from the whole one. The whole parameter is
+    `parts` stacked by rows (q | k | v, gate | up; one part otherwise, as a checkpoint stores them
+    apart), each part is cut to its span along `dim` (None: whole, replicated), and the pieces are
+    stacked again; `zero`: this rank holds zeros (a row-parallel bias off rank 0); `rows`: padded
+    with zero rows to this many (the vocabulary, to a multiple of the ranks)."""
+    parts: tuple[int, ...]  # rows of each stacked part of the whole parameter
+    dim: int | None = None
+    spans: tuple[tuple[int, int], ...] = ()
+    zero: bool = False
+    rows: int | None = None
+
+    def cut(self, t: Tensor) -> Tensor:
+        """This rank's slice of the whole parameter `t`."""
+        pieces = t.split(list(self.parts)) if len(self.parts) > 1 else [t]
+        return self.join([self.cut_part(i, p) for i, p in enumerate(pieces)])
+
+    def cut_part(self, i: int, part) -> Tensor:
+        """Part i's piece; `part` is a tensor or anything indexed like one (a safetensors slice)."""
+        if self.dim is None:
+            return part[:]
+        a, b = self.spans[i]
+        return part[a:b] if self.dim == 0 else part[:, a:b]
+
+    def join(self, pieces: list[Tensor]) -> Tensor:
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if self.zero:
+            t = torch.zeros_like(t)
+        if self.rows is not None:
+            t = F.pad(t, (0, 0, 0, self.rows - t.shape[0]))
+        t = t.contiguous()
+        return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t  # (a view keeps the whole alive)
+
+
+def slicing(name: str, config: DecoderConfig, rank: int, size: int) -> Slicing:
+    """Rank `rank`'s cut of parameter `name` (names as cells/llama.py and cells/opt.py have them)."""
     c, d = config, config.head_dim
-    hq = c.num_heads // size
+    hq, inner = c.num_heads // size, c.intermediate_size // size
     k0, k1 = _kv_heads(c, rank, size)
-    inner = c.intermediate_size // size
-    vocab = -(-c.vocab_size // size)
-    out = {}
-    for name, t in state.items():
-        kind = name.rsplit(".", 1)[-1]
-        if ".qkv_proj." in name:  # [q | k | v] rows
-            q, k, v = t.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
-            t = torch.cat([q[rank * hq * d:(rank + 1) * hq * d], k[k0 * d:k1 * d], v[k0 * d:k1 * d]])
-        elif ".gate_up_proj." in name:  # [gate | up] rows
-            gate, up = t.split(c.intermediate_size)
-            t = torch.cat([gate[rank * inner:(rank + 1) * inner], up[rank * inner:(rank + 1) * inner]])
-        elif ".fc1." in name:
-            t = t[rank * inner:(rank + 1) * inner]
-        elif any(f".{p}." in name for p in ("o_proj", "down_proj", "fc2")):  # row-parallel: columns; bias on rank 0
-            if kind == "weight":
-                width = hq * d if ".o_proj." in name else inner
-                t = t[:, rank * width:(rank + 1) * width]
-            elif rank:
-                t = torch.zeros_like(t)
-        elif name in ("embed_tokens.weight", "lm_head.weight"):
-            t = F.pad(t, (0, 0, 0, vocab * size - t.shape[0]))[rank * vocab:(rank + 1) * vocab]
-        out[name] = t.contiguous()
-    return out
+    if ".qkv_proj." in name:  # [q | k | v] rows
+        parts = (c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d)
+        return Slicing(parts, 0, ((rank * hq * d, (rank + 1) * hq * d), (k0 * d, k1 * d), (k0 * d, k1 * d)))
+    if ".gate_up_proj." in name:  # [gate | up] rows
+        return Slicing((c.intermediate_size,) * 2, 0, ((rank * inner, (rank + 1) * inner),) * 2)
+    if ".fc1." in name:
+        return Slicing((c.intermediate_size,), 0, ((rank * inner, (rank + 1) * inner),))
+    if any(f".{p}." in name for p in ("o_proj", "down_proj", "fc2")):  # row-parallel: columns; bias on rank 0
+        if name.endswith(".weight"):
+            width = hq * d if ".o_proj." in name else inner
+            return Slicing((c.hidden_size,), 1, ((rank * width, (rank + 1) * width),))
+        return Slicing((c.hidden_size,), zero=rank > 0)
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        vocab = -(-c.vocab_size // size)
+        start = min(rank * vocab, c.vocab_size)
+        return Slicing((c.vocab_size,), 0, ((start, min(start + vocab, c.vocab_size)),), rows=vocab)
+    return Slicing(())  # norms, learned positions: replicated
+
+
+def shard_state(state: dict[str, Tensor], config: DecoderConfig, rank: int, size: int) -> dict[str, Tensor]:
+    """Rank `rank`'s slices of a whole model's state dict."""
+    return {name: slicing(name, config, rank, size).cut(t) for name, t in state.items()}
 
 
 class TensorParallel:
@@ -118,13 +171,3 @@ def install(lm, tp: TensorParallel, full_config: DecoderConfig):
     for layer in lm.layers:
         layer.attn.reduce = layer.mlp.reduce = tp.all_reduce
     return lm
-
-
-def shard_decoder(lm, rank: int, size: int, group=None):
-    """Rank `rank`'s shard of a whole model `lm` (on the same device and dtype)."""
-    from batchmaker.cells.decoder import empty_decoder, materialize
-    full = lm.config
-    shard = empty_decoder(shard_config(full, size))
-    state = shard_state({k: v for k, v in lm.state_dict().items()}, full, rank, size)
-    device = next(lm.parameters()).device
-    return install(materialize(shard, state, device), TensorParallel(rank, size, full.vocab_size, group), full)

@@ -118,3 +118,36 @@ def test_configs_ranks_cannot_split_are_refused(size, field, value, message):
         config = replace(config, **{field: value})
     with pytest.raises(ValueError, match=message):
         check_shardable(config, size)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-one-kv", "llama-odd-vocab", "opt"])
+def test_each_rank_builds_its_slices_of_the_same_random_model(name):
+    """A rank draws every parameter whole, one at a time, and keeps its cut (cells/decoder.py
+    build_decoder): the slices of the model one process would build, and nothing more."""
+    config = CONFIGS[name]
+    whole = build_decoder(config, seed=7).state_dict()
+    for rank in range(2):
+        shard = build_decoder(config, seed=7, rank=rank, size=2).state_dict()
+        want = shard_state(whole, config, rank, 2)
+        assert shard.keys() == want.keys()
+        for n, t in shard.items():
+            assert torch.equal(t, want[n]), n
+            assert t.untyped_storage().nbytes() == t.nbytes, f"{n} keeps the whole parameter alive"
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_each_rank_reads_its_slices_of_a_checkpoint(tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    from batchmaker.cells.checkpoint import load_checkpoint
+    from batchmaker.cells.decoder_config import to_hf
+    config = replace(PRESETS[f"tiny-{family}"], vocab_size=509)  # (not a multiple of the ranks: padded rows)
+    torch.manual_seed(3)
+    hf_class = transformers.LlamaForCausalLM if family == "llama" else transformers.OPTForCausalLM
+    hf_config = (transformers.LlamaConfig if family == "llama" else transformers.OPTConfig)(**to_hf(config))
+    hf_class(hf_config).eval().save_pretrained(tmp_path)
+    whole = load_checkpoint(tmp_path)
+    for rank in range(2):
+        shard = load_checkpoint(tmp_path, rank=rank, size=2).state_dict()
+        want = shard_state(whole.state_dict(), whole.config, rank, 2)
+        for n, t in shard.items():
+            assert torch.equal(t, want[n]), n

@@ -122,8 +122,8 @@ def test_configs_and_devices_the_ranks_cannot_take_are_refused_when_built():
         build_model("llama", tensor_parallel=3)  # 4 heads
     with pytest.raises(ValueError, match="tensor_parallel"):
         build_model("llama", tensor_parallel=0)
-    with pytest.raises(ValueError, match="CPU"):
-        build_model("llama", tensor_parallel=2, device="cuda:0")
+    with pytest.raises(ValueError, match="CUDA devices"):
+        build_model("llama", tensor_parallel=torch.cuda.device_count() + 1, device="cuda:0")
 
 
 def test_two_groups_and_a_second_worker_in_one_engine():

@@ -9,7 +9,7 @@ Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style check
 import torch
 
 from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
-from batchmaker.cells.tensor_parallel import check_shardable
+from batchmaker.cells.tensor_parallel import check_rank_devices, check_shardable
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.forms import Generate
 from batchmaker.model import Model
@@ -22,29 +22,29 @@ GPU_MAX_TOKENS, CPU_MAX_TOKENS = 2048, 256
 def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, seed: int, dtype, device: str,
                   max_tokens: int | None, max_seqs: int, block_size: int, num_blocks: int | None,
                   max_new_tokens: int, conversations: dict, tensor_parallel: int = 1) -> Model:
-    from batchmaker.cells.checkpoint import load_checkpoint, load_tokenizer
-    from batchmaker.cells.decoder import build_decoder
+    from batchmaker.cells.checkpoint import load_tokenizer, read_config
     from batchmaker.cells.decoder_config import PRESETS
-    if tensor_parallel != 1 and torch.device(device).type != "cpu":
-        raise ValueError(f"tensor_parallel={tensor_parallel}: ranks run on CPU workers only so far (GPUs: issue 31)")
-    tokenizer = None
+    from batchmaker.cells.decoder_source import DecoderSource
     if checkpoint is not None:
-        lm = load_checkpoint(checkpoint, dtype=None if dtype is None else as_dtype(dtype), device=device)
-        tokenizer = load_tokenizer(checkpoint)
+        config, tokenizer = read_config(checkpoint)[0], load_tokenizer(checkpoint)
+    elif preset in PRESETS:
+        config, tokenizer = PRESETS[preset], None
     else:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
-        lm = build_decoder(PRESETS[preset], seed=seed, dtype=as_dtype(dtype or "float32"), device=device)
-    if lm.config.family != family:
-        raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {lm.config.family}")
-    check_shardable(lm.config, tensor_parallel)
+        raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    if config.family != family:
+        raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
+    check_shardable(config, tensor_parallel)
+    check_rank_devices(device, tensor_parallel)
+    dtype = None if dtype is None else as_dtype(dtype)
+    source = DecoderSource(config, checkpoint, seed, dtype if checkpoint is not None else dtype or torch.float32)
+    lm = source.build(device, 0, tensor_parallel)  # (rank 0's shard: the other ranks build theirs)
     if max_tokens is None:  # a GPU iteration reads every weight once: more tokens each (bench/results/README.md)
         max_tokens = GPU_MAX_TOKENS if torch.device(device).type == "cuda" else CPU_MAX_TOKENS
     ttl = conversations.pop("conversation_ttl")
     kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks, **conversations)
-    cell = DecoderCell(lm, kv, tensor_parallel)
+    cell = DecoderCell(lm, kv, tensor_parallel, source)
     cell.tokenizer = tokenizer
-    vocab, limit = lm.config.vocab_size, lm.config.max_positions - 1
+    vocab, limit = config.vocab_size, config.max_positions - 1
     prompt = {"prompt": f"str: the prompt as text (instead of tokens), at most {limit} tokens"} if tokenizer else {}
     return Model(
         name=name,
@@ -57,7 +57,7 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
             "max_new_tokens": f"int >= 0, default {max_new_tokens}",
             "temperature": "float >= 0, default 0 (greedy)", "top_k": "int >= 0 (0: off)",
             "top_p": "float in (0, 1], default 1", "seed": "int: reproducible sampling",
-            "stop_token_ids": f"list[int], at most {MAX_STOPS - len(lm.config.eos_token_ids)}, besides EOS {list(lm.config.eos_token_ids)}",
+            "stop_token_ids": f"list[int], at most {MAX_STOPS - len(config.eos_token_ids)}, besides EOS {list(config.eos_token_ids)}",
             "ignore_eos": "bool, default false",
             "conversation": "true: start a conversation with this turn (the reply names it); its id: the next "
                             "turn, after everything said so far (kept in the KV cache across turns)",
@@ -82,7 +82,7 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     seconds a conversation is kept idle; swap_threshold, the fraction of free blocks below which
     chunks are copied to the host ahead of time. reserve: the fraction of blocks new requests leave
     free for running decodes. tensor_parallel: ranks the model is split over (processes the engine
-    starts; CPU only so far)."""
+    starts: rank r on the r-th CUDA device after `device`'s, or on the CPU)."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,

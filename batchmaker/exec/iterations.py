@@ -28,6 +28,7 @@ from batchmaker.core.task import IterationTask
 from batchmaker.core.decoder_facts import DecoderFacts
 from batchmaker.exec.iteration_buffers import Packed
 from batchmaker.exec.kv_swap import HostTier
+from batchmaker.exec.tensor_group import RankFailure
 from batchmaker.exec.sampling import sample
 from batchmaker.exec.staging import Landing
 from batchmaker.kernels import attention_work
@@ -60,7 +61,7 @@ class IterationRunner:
         self.cell_type = cell_type
         self.module = module  # a DecoderCell (cells/decoder_cell.py)
         self.ranks = ranks  # exec/tensor_group.TensorGroup: rank 0 of a tensor-parallel decoder, sends its plans
-        self.lm = module.lm if ranks is None else ranks.lm  # (rank 0's part)
+        self.lm = module.lm  # (a rank's shard under tensor parallelism)
         self.config = self.lm.config
         self.device = device
         self.graphs = graphs
@@ -189,6 +190,15 @@ class IterationRunner:
 
     # CUDA: the manager thread queues it on the worker's stream -----------------------------------
     def launch(self, task: IterationTask) -> None:
+        if self.ranks is None:
+            return self._launch(task)
+        self.ranks.send(task.plan)  # (first: the other ranks' host work overlaps this one's)
+        try:
+            self._launch(task)
+        except Exception as e:  # (the other ranks launched it: their collectives wait for this one's)
+            self.ranks.fail(f"an iteration failed on rank 0: {type(e).__name__}: {e}")
+
+    def _launch(self, task: IterationTask) -> None:
         plan, shape = task.plan, task.plan.graph
         record = self._record(task)
         compute = self.stream or torch.cuda.current_stream(self.device)
@@ -278,6 +288,8 @@ class IterationRunner:
                 record.seconds = task.seconds
             self.landing.close(region)
             task.handle = None
+        if self.ranks is not None and self.ranks.broken is not None and task.error is None and self.device.type == "cuda":
+            task.error = RankFailure(f"the tensor-parallel group broke while this iteration ran: {self.ranks.broken}")
 
     def compile_kernels(self) -> None:
         """Compile every attention variant this model can launch now, not mid-serving

@@ -64,9 +64,9 @@ class Worker:
         """A decoder's runner here; a tensor-parallel decoder's group starts with it (rank 0 on
         worker 0, which alone serves it: exec/tensor_group.py)."""
         num_blocks = cell.num_blocks_on(self.device)
-        if cell.tensor_parallel > 1 and self.device.type != "cpu":
-            raise ValueError(f"{cell_type.name}: tensor_parallel={cell.tensor_parallel} runs on CPU workers only so far")
-        group = TensorGroup(cell, cell_type.name, cell_type.batch_sizes, num_blocks) if cell.tensor_parallel > 1 else None
+        group = None
+        if cell.tensor_parallel > 1:
+            group = TensorGroup(cell, cell_type.name, cell_type.batch_sizes, num_blocks, self.device, self.graphs.enabled)
         return IterationRunner(cell_type, cell, self.device, self.graphs, num_blocks, group)
 
     @property
