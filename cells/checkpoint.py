@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from batchmaker.cells.decoder import DecoderLM, empty_decoder, materialize
 from batchmaker.cells.decoder_config import DecoderConfig, from_hf

@@ -123,6 +123,8 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama-2-7b": _LLAMA2_7B,
     "llama-2-13b": replace(_LLAMA2_7B, hidden_size=5120, intermediate_size=13824, num_layers=40,
                            num_heads=40, num_kv_heads=40),
+    "llama-2-70b": replace(_LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                           num_heads=64, num_kv_heads=8),
     "opt-13b": _OPT_13B,
     # Small enough for CPU tests; GQA (4 query heads share 2 kv heads) so that path is exercised.
     "tiny-llama": replace(_LLAMA2_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,

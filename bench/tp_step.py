@@ -1,0 +1,120 @@
+"""The decode step of a tensor-parallel decoder through the engine (issue 31): B sequences decoding
+together from context C, each iteration timed on rank 0's stream (events around it; its
+collectives wait for every rank, so it spans the group's step), against one rank's floor: the
+rank's weight bytes plus the K/V bytes its step reads, over the copy bandwidth measured now.
+
+The steps are the engine's own: requests submitted to an Engine serving the model, iterations
+picked from its trace where all B sequences decode and nothing else (graphed, as served). Each
+degree runs in its own engine, one after the other, in this one process and command.
+
+    python bench/tp_step.py --preset llama-2-13b --tp 1 2 --batch 1 64 --context 512
+"""
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import write_results  # noqa: E402
+from bench.device_limits import measure as measure_limits  # noqa: E402
+
+
+def step_times(engine, runner, batch: int, context: int, steps: int, vocab: int, seed: int) -> list[float]:
+    """Seconds of each decode-only iteration of `batch` sequences (after the first few)."""
+    rng = np.random.default_rng(seed)
+    runner.trace = []
+    futures = [engine.submit("llama", {"tokens": rng.integers(3, vocab, context - 1).tolist(),
+                                       "max_new_tokens": steps, "ignore_eos": True}) for _ in range(batch)]
+    while not all(f.done() for f in futures):
+        engine.step()
+    for f in futures:
+        f.result(0)
+    trace, runner.trace = runner.trace, None
+    decodes = [r.seconds for r in trace if r.tokens == batch and r.seqs == batch and r.graphed]
+    return decodes[4:]
+
+
+def run_degree(args, tp: int, bandwidth: float) -> list[dict]:
+    from batchmaker import Engine, EngineConfig
+    from batchmaker.registry import build_model
+    start = time.perf_counter()
+    model = build_model("llama", preset=args.preset, dtype="bfloat16", device="cuda:0", tensor_parallel=tp,
+                        max_seqs=max(args.batch), max_tokens=args.max_tokens, max_new_tokens=args.steps)
+    engine = Engine([model], EngineConfig(devices=("cuda:0",))).start(thread=False)
+    print(f"TP={tp}: built and started in {time.perf_counter() - start:.1f} s", flush=True)
+    rows = []
+    try:
+        runner = next(iter(engine.workers[0].iterations.values()))
+        config = runner.lm.config  # (rank 0's shard)
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.lm.parameters())
+        kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+        for batch in args.batch:
+            seconds = step_times(engine, runner, batch, args.context, args.steps, model.cells["decoder"].config.vocab_size,
+                                 args.seed)
+            mean_context = args.context + args.steps / 2
+            floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
+            median = statistics.median(seconds)
+            q = np.quantile(seconds, [0.1, 0.9])
+            rows.append({"tp": tp, "batch": batch, "context": args.context, "steps_timed": len(seconds),
+                         "step_ms": median * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[1] * 1e3,
+                         "floor_ms": floor * 1e3, "x_floor": median / floor, "tokens_per_s": batch / median,
+                         "rank_weight_gb": weight_bytes / 1e9})
+            print(f"{args.preset} TP={tp} B={batch} ctx={args.context}: step {median * 1e3:.2f} ms "
+                  f"(p10 {q[0] * 1e3:.2f}, p90 {q[1] * 1e3:.2f}, {len(seconds)} steps); floor {floor * 1e3:.2f} ms "
+                  f"(rank weights {weight_bytes / 1e9:.1f} GB) -> {median / floor:.2f}x; {batch / median:.0f} tok/s",
+                  flush=True)
+    finally:
+        engine.stop()
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows: list[dict], title: str):
+    def draw(fig):
+        ax = fig.add_subplot(111)
+        labels = [f"TP={r['tp']}\nB={r['batch']}" for r in rows]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["step_ms"] for r in rows], 0.4, label="step (median; p10-p90)",
+               yerr=[[r["step_ms"] - r["p10_ms"] for r in rows], [r["p90_ms"] - r["step_ms"] for r in rows]])
+        ax.bar(x + 0.2, [r["floor_ms"] for r in rows], 0.4, label="one rank's floor")
+        for i, r in enumerate(rows):
+            ax.text(i - 0.2, r["step_ms"], f"{r['x_floor']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(title)
+        ax.legend()
+    return draw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-2-13b")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=48, help="tokens each sequence decodes (the first 4 steps untimed)")
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = measure_limits("cuda:0", torch.bfloat16)
+    bandwidth = limits.copy_bytes_per_s
+    print(f"{limits.device}: copy {bandwidth / 1e12:.2f} TB/s, {torch.cuda.device_count()} GPUs", flush=True)
+    rows = [row for tp in args.tp for row in run_degree(args, tp, bandwidth)]
+    title = f"{args.preset} decode step, context {args.context}, {limits.device}"
+    path = write_results(f"tp-step-{args.preset}", "cuda:0",
+                         {"preset": args.preset, "context": args.context, "steps": args.steps,
+                          "device_limits": limits.as_dict(), "gpus": torch.cuda.device_count(), "rows": rows},
+                         plot(rows, title))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
