@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from batchmaker import Engine
+from batchmaker import Engine, EngineConfig
 from batchmaker.errors import BatchMakerError
 from batchmaker.registry import build_model
 from test_generation import drive
@@ -35,7 +35,7 @@ def workload(rng: random.Random, family: str, n: int = 40) -> list:
 
 
 def serve(model, requests: list) -> list:
-    engine = Engine([model]).start(thread=False)
+    engine = Engine([model], EngineConfig(devices=("cuda:0",))).start(thread=False)
     try:
         return [f.result(0).outputs["tokens"] for f in drive(engine, requests, random.Random(0))]
     finally:
@@ -65,7 +65,8 @@ def test_two_gpus_give_the_tokens_of_one(family):
 
 
 def test_a_rank_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind():
-    engine = Engine([build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", tensor_parallel=2)]).start()
+    model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", tensor_parallel=2)
+    engine = Engine([model], EngineConfig(devices=("cuda:0",))).start()
     try:
         engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True}).result(60)
         futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})

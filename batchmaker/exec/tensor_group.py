@@ -176,8 +176,14 @@ class TensorGroup:
                 process.join(5.0)
         self.pipes, self.processes = [], []
         if self.group is not None:
-            try:
-                self.group.shutdown()
-            except Exception as e:  # (an aborted communicator)
-                log.warning("shutting the tensor-parallel group down: %s: %s", type(e).__name__, e)
+            end_group(self.group, self.device)
             self.group = None
+
+
+def end_group(group, device: torch.device) -> None:
+    """Release a process group. NCCL's orderly shutdown waits for its peers (a rank that exited or
+    was killed never comes): its communicators are aborted instead, which waits for nobody."""
+    try:
+        group.abort() if device.type == "cuda" else group.shutdown()
+    except Exception as e:
+        log.warning("ending the tensor-parallel group: %s: %s", type(e).__name__, e)

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from batchmaker.exec.tensor_group import PLAN, START_TIMEOUT_S, FollowerSpec, process_group
+from batchmaker.exec.tensor_group import PLAN, START_TIMEOUT_S, FollowerSpec, end_group, process_group
 
 IN_FLIGHT = 3  # iterations a rank queues ahead of its device (rank 0 runs at most two ahead of its own)
 
@@ -44,7 +44,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
                 while (plan := _next_plan(pipe)) is not None:
                     runner.execute(_task(cell_type, plan))
     finally:
-        lm.tp.group.shutdown()
+        end_group(lm.tp.group, device)
 
 
 def _follow_on_gpu(runner, cell_type, pipe) -> None:
