@@ -107,13 +107,15 @@ def main() -> None:
     limits = measure_limits("cuda:0", torch.bfloat16)
     bandwidth = limits.copy_bytes_per_s
     print(f"{limits.device}: copy {bandwidth / 1e12:.2f} TB/s, {torch.cuda.device_count()} GPUs", flush=True)
-    rows = [row for tp in args.tp for row in run_degree(args, tp, bandwidth)]
+    rows = []
     title = f"{args.preset} decode step, context {args.context}, {limits.device}"
-    path = write_results(f"tp-step-{args.preset}", "cuda:0",
-                         {"preset": args.preset, "context": args.context, "steps": args.steps,
-                          "device_limits": limits.as_dict(), "gpus": torch.cuda.device_count(), "rows": rows},
-                         plot(rows, title))
-    print(f"wrote {path}")
+    for tp in args.tp:  # (written after each degree: a run cut short keeps what it measured)
+        rows += run_degree(args, tp, bandwidth)
+        path = write_results(f"tp-step-{args.preset}", "cuda:0",
+                             {"preset": args.preset, "context": args.context, "steps": args.steps,
+                              "device_limits": limits.as_dict(), "gpus": torch.cuda.device_count(), "rows": rows},
+                             plot(rows, title))
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ logits may flip, and the tokens after it follow. The rule: at least 95% of reque
 tokens exactly (their first 32), and every request that differs first differs where one GPU's
 top two logits are within 0.1 of each other (bf16 logits here are O(1); a real divergence is far
 wider)."""
+import gc
 import multiprocessing
 import random
 import time
@@ -40,6 +41,15 @@ def serve(model, requests: list) -> list:
         return [f.result(0).outputs["tokens"] for f in drive(engine, requests, random.Random(0))]
     finally:
         engine.stop()
+        release(engine)
+
+
+def release(engine) -> None:
+    """The stopped engine's GPU memory back to the device (its KV cache took most of what was
+    free, and the caching allocator keeps it: the next engine's ranks could not start)."""
+    engine.workers.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
@@ -83,4 +93,5 @@ def test_a_rank_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind
             engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(15)
     finally:
         engine.stop()
+        release(engine)
     assert not multiprocessing.active_children()

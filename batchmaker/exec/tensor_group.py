@@ -39,6 +39,7 @@ log = logging.getLogger("batchmaker")
 PLAN, STOP = b"p", b"s"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_S = 10.0  # a collective waits this long for the other ranks (and their first one for them to start)
+END_TIMEOUT_S = 10.0  # a group's teardown
 START_TIMEOUT_S = 120.0  # the ranks' processes start, import torch and build their parts within this
 
 
@@ -161,7 +162,8 @@ class TensorGroup:
         raise RankFailure(f"the tensor-parallel group is broken: {self.broken}")
 
     def close(self) -> None:
-        """Stop every other rank (they exit once they read STOP, or when their pipe closes)."""
+        """Stop every other rank (they exit once they read STOP, or when their pipe closes); the
+        group's teardown runs here while the ranks run theirs (NCCL's pairs up)."""
         self._closing = True
         for pipe in self.pipes:
             try:
@@ -169,21 +171,28 @@ class TensorGroup:
             except OSError:
                 pass
             pipe.close()
+        if self.group is not None:
+            end_group(self.group, self.device, self.broken is not None)
+            self.group = None
         for process in self.processes:
             process.join(5.0 if self.broken is None else 0.5)
             if process.is_alive():
                 process.kill()
                 process.join(5.0)
         self.pipes, self.processes = [], []
-        if self.group is not None:
-            end_group(self.group, self.device)
-            self.group = None
 
 
-def end_group(group, device: torch.device) -> None:
-    """Release a process group. NCCL's orderly shutdown waits for its peers (a rank that exited or
-    was killed never comes): its communicators are aborted instead, which waits for nobody."""
-    try:
-        group.abort() if device.type == "cuda" else group.shutdown()
-    except Exception as e:
-        log.warning("ending the tensor-parallel group: %s: %s", type(e).__name__, e)
+def end_group(group, device: torch.device, broken: bool = False) -> None:
+    """Release a process group, waiting at most END_TIMEOUT_S: NCCL's orderly shutdown pairs up
+    with the other ranks' (a rank that is gone never comes), a broken group's communicators are
+    aborted instead. A teardown that does not end in time is left to the process's exit."""
+    def end():
+        try:
+            group.abort() if broken and device.type == "cuda" else group.shutdown()
+        except Exception as e:
+            log.warning("ending the tensor-parallel group: %s: %s", type(e).__name__, e)
+    thread = threading.Thread(target=end, name="batchmaker-group-end", daemon=True)
+    thread.start()
+    thread.join(END_TIMEOUT_S)
+    if thread.is_alive():
+        log.warning("the tensor-parallel group did not end within %.0f s; left to the process's exit", END_TIMEOUT_S)

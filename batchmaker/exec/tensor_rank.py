@@ -35,6 +35,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
     cell_type = CellType(spec.name, cell, 0, spec.batch_sizes)
     runner = IterationRunner(cell_type, cell, device, Graphs(device, enabled=spec.graphs), spec.num_blocks)
     lm.tp.group = process_group(store, spec.rank, spec.size, device)
+    stopped = False
     try:
         with torch.inference_mode():
             if device.type == "cuda":
@@ -43,8 +44,9 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
                 runner.measure()
                 while (plan := _next_plan(pipe)) is not None:
                     runner.execute(_task(cell_type, plan))
+        stopped = True
     finally:
-        end_group(lm.tp.group, device)
+        end_group(lm.tp.group, device, broken=not stopped)
 
 
 def _follow_on_gpu(runner, cell_type, pipe) -> None:
