@@ -103,6 +103,14 @@ class Graphs:
         self.capture_s += time.perf_counter() - start
         return True
 
+    def drop(self) -> None:
+        """Destroy every graph (the device must be done with them): a communicator whose collectives
+        a graph captured is freed only after that graph (exec/tensor_group.py)."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._runs.clear()
+
     def graph(self, key: Hashable) -> "torch.cuda.CUDAGraph | None":
         """The captured graph of `key`, if any (benchmarks replay it by itself)."""
         entry = self._graphs.get(key)

@@ -276,6 +276,7 @@ class IterationRunner:
 
     def close(self) -> None:
         if self.ranks is not None:
+            self.graphs.drop()  # (their captured collectives hold the group's communicator)
             self.ranks.close()
 
     def finish(self, task: IterationTask) -> None:

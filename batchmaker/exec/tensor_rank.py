@@ -46,6 +46,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
                     runner.execute(_task(cell_type, plan))
         stopped = True
     finally:
+        runner.graphs.drop()  # (their captured collectives hold the communicator)
         end_group(lm.tp.group, device, broken=not stopped)
 
 
