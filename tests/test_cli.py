@@ -152,3 +152,13 @@ def test_progress_redraws_one_line_on_a_terminal_and_shows_the_drain():
     text = progress.stream.getvalue()
     assert text.count("\r") == 2 and text.endswith("\n")
     assert "0.5/1 s  1/2 done" in text and "draining at 1.2 s  1/2 done" in text
+
+
+def test_a_tensor_parallel_decoders_ranks_must_be_in_devices():
+    from batchmaker.serving.cli import UsageError, _check_rank_devices
+    with pytest.raises(UsageError, match="--devices lacks cuda:1"):
+        _check_rank_devices("llama", "cuda:0", 2, ("cuda:0",))
+    with pytest.raises(UsageError, match="cuda:2 to cuda:5; --devices lacks cuda:4, cuda:5"):
+        _check_rank_devices("llama", "cuda:2", 4, ("cuda:2", "cuda:3"))
+    _check_rank_devices("llama", "cuda:0", 2, ("cuda:0", "cuda:1"))
+    _check_rank_devices("llama", "cpu", 2, ("cpu",))  # (CPU ranks: processes beside the worker)

@@ -233,7 +233,8 @@ class CUDAWorker(Worker):
                 if kind == "step":
                     self.steps.warm_up(cell_type)
                 elif kind == "iteration":
-                    self.iterations[id(cell_type)].warm_up()
+                    if id(cell_type) in self.iterations:  # (a tensor-parallel decoder: worker 0's alone)
+                        self.iterations[id(cell_type)].warm_up()
                 else:
                     self.rounds.warm_up(cell_type, *rest)
         self.stream.synchronize()

@@ -324,6 +324,7 @@ def _load_models(specs: list[str], settings: list[str], devices: tuple[str, ...]
     for name, options in per_model.items():
         if "device" in factory_options(name):
             _check_model_device(name, options.setdefault("device", devices[0]), devices)
+            _check_rank_devices(name, options["device"], options.get("tensor_parallel", 1), devices)
     models = []
     for spec in specs:
         if ":" in spec:
@@ -348,6 +349,17 @@ def _check_model_device(name: str, device: str, devices: tuple[str, ...]) -> Non
     if full(device) not in map(full, devices):
         raise UsageError(f"--set device={device}: model {name} would be built on {device}, but it is served on "
                          f"{','.join(devices)} (--devices)")
+
+
+def _check_rank_devices(name: str, device: str, size, devices: tuple[str, ...]) -> None:
+    """A tensor-parallel decoder's ranks run on consecutive GPUs from its device: --devices lists them all."""
+    if not isinstance(size, int) or size < 2 or not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    missing = [f"cuda:{index + r}" for r in range(size) if f"cuda:{index + r}" not in devices]
+    if missing:
+        raise UsageError(f"--set tensor_parallel={size}: model {name}'s ranks run on cuda:{index} to "
+                         f"cuda:{index + size - 1}; --devices lacks {', '.join(missing)}")
 
 
 def _check_address(address: str) -> None:
