@@ -46,7 +46,15 @@ def rank_device(device, rank: int) -> torch.device:
 
 
 def check_rank_devices(device, size: int) -> None:
-    """A typed refusal, when the model is built, of ranks that would run on GPUs this machine lacks."""
+    """A typed refusal, when the model is built, of ranks that would run on GPUs this machine lacks
+    (ranks a launcher started run where it put them: batchmaker/launch.py)."""
+    from batchmaker.launch import launched
+    launch = launched()
+    if launch is not None and size > 1:
+        if launch.size != size:
+            raise ValueError(f"tensor_parallel={size}: under a launcher the world (WORLD_SIZE={launch.size}) "
+                             f"is the group: set tensor_parallel={launch.size}")
+        return
     last = rank_device(device, size - 1)
     if last.type == "cuda" and last.index >= torch.cuda.device_count():
         raise ValueError(f"tensor_parallel={size} from {device}: ranks need {torch.device(device)} to {last}, "

@@ -1,5 +1,6 @@
 """The processes of a tensor-parallel decoder (issue 31; ORCA's intra-layer parallelism): rank 0
-is the engine's own worker; ranks 1..N-1 are processes the engine starts (exec/tensor_rank.py),
+is the engine's own worker; ranks 1..N-1 are processes the engine starts (exec/tensor_rank.py), or
+that a launcher started on this host or others (torchrun: exec/tensor_launch.py),
 each building its own shard of the model from the model's `DecoderSource` on its own device (the
 CPU, or the r-th GPU after rank 0's), with its own KV cache of its kv heads and its own runner.
 
@@ -52,7 +53,8 @@ class FollowerSpec:
     """What a rank needs to build its part (sent to its process once)."""
     rank: int
     size: int
-    port: int  # rank 0's store
+    host: str  # the group's store
+    port: int
     threads: int  # torch's threads, as rank 0 has (a collective waits for the slowest rank)
     source: object  # cells/decoder_source.DecoderSource: the rank builds its shard from it
     device: str  # the rank's
@@ -68,6 +70,7 @@ def process_group(store, rank: int, size: int, device: torch.device):
     collective waits for slow starts: the ranks' processes import torch and build their shards)."""
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
+    store = dist.PrefixStore("batchmaker-group", store)  # (a launcher's store holds its own keys too)
     if device.type == "cpu":
         group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=START_TIMEOUT_S))
         group.barrier().wait()  # (every rank built its part)
@@ -88,40 +91,60 @@ class TensorGroup:
     """Rank 0's side: starts the other ranks, sends them each plan, stops them."""
 
     def __init__(self, cell, name: str, batch_sizes: tuple, num_blocks: int, device: torch.device, graphs: bool):
-        from batchmaker.cells.tensor_parallel import rank_device
-        from batchmaker.exec.tensor_rank import follower_main
+        from batchmaker.launch import launched
         self.size, self.lm = cell.tensor_parallel, cell.lm  # (rank 0's shard)
         self.processes, self.pipes, self.broken = [], [], None
         self.group, self.device, self._closing = None, torch.device(device), False
         self._lock = threading.Lock()  # (the watcher and the manager both may break the group)
+
+        def spec(rank: int, host: str, port: int) -> FollowerSpec:
+            from batchmaker.cells.tensor_parallel import rank_device
+            return FollowerSpec(rank, self.size, host, port, torch.get_num_threads(), cell.source,
+                                str(rank_device(device, rank)), cell.kv, name, tuple(batch_sizes), num_blocks, graphs)
         try:
-            store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=START_TIMEOUT_S))
-            context = torch.multiprocessing.get_context("spawn")
-            for rank in range(1, self.size):
-                receive, send = context.Pipe(duplex=False)
-                spec = FollowerSpec(rank, self.size, store.port, torch.get_num_threads(), cell.source,
-                                    str(rank_device(device, rank)), cell.kv, name, tuple(batch_sizes), num_blocks,
-                                    graphs)
-                process = context.Process(target=follower_main, args=(spec, receive),
-                                          name=f"batchmaker-rank-{rank}", daemon=True)
-                process.start()
-                receive.close()  # (the rank holds its end: its pipe closes when this process goes)
-                self.processes.append(process)
-                self.pipes.append(send)
-            self.group = self.lm.tp.group = process_group(store, 0, self.size, device)
+            launch = launched()
+            store = self._join(launch, spec) if launch is not None else self._start(spec)
+            self.group = self.lm.tp.group = process_group(store, 0, self.size, self.device)
         except BaseException:
             self.close()
             raise
         self._watcher = threading.Thread(target=self._watch, name="batchmaker-rank-watcher", daemon=True)
         self._watcher.start()
 
+    def _start(self, spec):
+        """The other ranks as processes of this host, a pipe each; returns the group's store."""
+        from batchmaker.exec.tensor_rank import follower_main
+        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=START_TIMEOUT_S))
+        context = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, self.size):
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(target=follower_main, args=(spec(rank, "127.0.0.1", store.port), receive),
+                                      name=f"batchmaker-rank-{rank}", daemon=True)
+            process.start()
+            receive.close()  # (the rank holds its end: its pipe closes when this process goes)
+            self.processes.append(process)
+            self.pipes.append(send)
+        return store
+
+    def _join(self, launch, spec):
+        """The other ranks a launcher started (exec/tensor_launch.py), a connection each."""
+        from batchmaker.exec.tensor_launch import accept_ranks, launcher_store
+        if launch.rank != 0 or launch.size != self.size:
+            raise ValueError(f"tensor_parallel={self.size}: under a launcher (WORLD_SIZE={launch.size}, "
+                             f"RANK={launch.rank}) the world is the group: rank 0 serves, with tensor_parallel "
+                             f"equal to WORLD_SIZE")
+        store = launcher_store(launch)
+        self.pipes = accept_ranks(launch, store, lambda rank: spec(rank, launch.master_addr, launch.master_port))
+        return store
+
     def _watch(self) -> None:
-        """Break the group as soon as a rank's process ends while the group serves."""
-        sentinels = {p.sentinel: p for p in self.processes}
-        ended = multiprocessing.connection.wait(list(sentinels))
+        """Break the group as soon as a rank ends while the group serves: its process's sentinel,
+        or (ranks a launcher started) its connection, which it never writes to, becomes ready."""
+        ends = {p.sentinel: p.name for p in self.processes} or {c: f"rank {r + 1}" for r, c in enumerate(self.pipes)}
+        ended = multiprocessing.connection.wait(list(ends))
         if not self._closing:
-            self.abort(f"ranks exited: {', '.join(sentinels[s].name for s in ended)}")
+            self.abort(f"ranks exited: {', '.join(ends[e] for e in ended)}")
 
     def abort(self, reason: str) -> None:
         """Mark the group broken and abort its communicator: collectives waiting for a rank that

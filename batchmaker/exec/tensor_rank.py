@@ -29,7 +29,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", spec.port, spec.size, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
+    store = dist.TCPStore(spec.host, spec.port, spec.size, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
     lm = spec.source.build(device, spec.rank, spec.size)
     cell = DecoderCell(lm, spec.kv, spec.size, spec.source)
     cell_type = CellType(spec.name, cell, 0, spec.batch_sizes)

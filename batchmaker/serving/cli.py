@@ -176,6 +176,12 @@ def _demo(args) -> int:
 
 
 def _serve(args) -> int:
+    from batchmaker.launch import launched
+    launch = launched()
+    if launch is not None and launch.rank > 0:  # (torchrun: rank 0 serves, the others run its plans)
+        from batchmaker.exec.tensor_launch import follow
+        log.info("rank %d of %d: following rank 0 at %s", launch.rank, launch.size, launch.master_addr)
+        return follow(launch)
     _check_address(args.address)
     devices = _check_devices(args.devices, "--devices")
     if bool(args.curve_secret_key) != bool(args.curve_clients):
@@ -353,7 +359,8 @@ def _check_model_device(name: str, device: str, devices: tuple[str, ...]) -> Non
 
 def _check_rank_devices(name: str, device: str, size, devices: tuple[str, ...]) -> None:
     """A tensor-parallel decoder's ranks run on consecutive GPUs from its device: --devices lists them all."""
-    if not isinstance(size, int) or size < 2 or not device.startswith("cuda"):
+    from batchmaker.launch import launched
+    if not isinstance(size, int) or size < 2 or not device.startswith("cuda") or launched() is not None:
         return
     index = int(device.partition(":")[2] or 0)
     missing = [f"cuda:{index + r}" for r in range(size) if f"cuda:{index + r}" not in devices]
