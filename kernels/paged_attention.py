@@ -279,6 +279,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+HEAD_DIMS = (16, 32, 64, 128)  # what the Triton kernels take (the PyTorch twin takes any)
+
+
 def _load_kernels():
     return load_kernels("triton_attention", "paged_attention", "reference_paged_attention")
 
@@ -291,8 +294,8 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
     if k_cache.shape[3] != head_dim or q.shape[1] % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)} "
                          "(same D, Hq a multiple of Hkv)")
-    if head_dim not in (16, 32, 64, 128):  # (256 would spill and overflow shared memory with these tiles)
-        raise ValueError(f"head dim {head_dim}: 16, 32, 64 or 128 expected")
+    if head_dim not in HEAD_DIMS:  # (256 would spill and overflow shared memory with these tiles)
+        raise ValueError(f"head dim {head_dim}: one of {HEAD_DIMS} expected")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:

@@ -223,3 +223,26 @@ def test_load_tokenizer(tmp_path):
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     assert load_tokenizer(tmp_path).encode("hello there world").ids == [1, 0, 2]
+
+
+def test_a_head_size_the_gpu_kernels_lack_is_refused_when_built(tmp_path):
+    """OPT-2.7B's head size 80 (and 24 here) would fail in the engine's warm-up on a GPU: refused
+    when the model is built, naming the field; the CPU path runs any head size."""
+    from batchmaker.cells.decoder_config import to_hf
+    from batchmaker.registry import build_model
+    config = replace(TINY_LLAMA, hidden_size=144, num_heads=6, num_kv_heads=6, head_dim=24)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf(config)))
+    with pytest.raises(ValueError, match="head_dim 24 .*head sizes 16, 32, 64, 128"):
+        build_model("llama", checkpoint=str(tmp_path), device="cuda:0")
+    model = build_model("llama", preset="tiny-llama", device="cpu")  # (a supported size: no refusal)
+    assert model.cells["decoder"].config.head_dim == 16
+
+
+def test_a_decoder_off_the_cpu_is_refused_by_a_cpu_worker():
+    """A decoder built on a GPU and an engine whose devices say cpu: a clear error at start, not a
+    device mismatch inside the first iteration (its weights here on the meta device, as a GPU's)."""
+    from batchmaker.cells.decoder import empty_decoder
+    from batchmaker.cells.decoder_cell import DecoderCell
+    from batchmaker.exec.worker import place_cell
+    with pytest.raises(ValueError, match="cannot run on a CPU worker"):
+        place_cell(DecoderCell(empty_decoder(TINY_LLAMA)), torch.device("cpu"))

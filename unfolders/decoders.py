@@ -12,6 +12,7 @@ from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
 from batchmaker.cells.tensor_parallel import check_rank_devices, check_shardable
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.forms import Generate
+from batchmaker.kernels.paged_attention import HEAD_DIMS
 from batchmaker.model import Model
 from batchmaker.registry import register_model
 from batchmaker.unfolders.common import as_dtype, power_of_two_sizes
@@ -33,6 +34,9 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     if config.family != family:
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
+    if torch.device(device).type == "cuda" and config.head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
+                         f"head sizes {', '.join(map(str, HEAD_DIMS))} only so far (on a CPU any head size runs)")
     check_shardable(config, tensor_parallel)
     check_rank_devices(device, tensor_parallel)
     dtype = None if dtype is None else as_dtype(dtype)

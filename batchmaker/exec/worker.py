@@ -306,6 +306,9 @@ def place_cell(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The cell on `device`, in eval mode; CPU workers share the registered module itself."""
     cell.eval()
     params = list(cell.parameters())
+    if device.type == "cpu" and getattr(cell, "batch_unit", None) == "tokens" and any(p.device.type != "cpu" for p in params):
+        raise ValueError(f"a decoder built on {params[0].device} cannot run on a CPU worker (EngineConfig.devices "
+                         f"has cpu): serve it on its device, devices=('{params[0].device}',)")
     if device.type == "cpu" or params and all(p.device.type == device.type and device.index in (None, p.device.index)
                                               for p in params):
         return cell  # (a large model built on its device is not copied)
