@@ -354,7 +354,10 @@ class Engine:
 
     def _is_inline(self) -> bool:
         inline = self.config.cpu_inline
-        return len(self.config.devices) == 1 if inline is None else inline
+        if inline is None:  # (a pipeline's first stage runs on the worker's thread while the manager waits for tokens)
+            return len(self.config.devices) == 1 and not any(getattr(ct.cell, "pipeline_parallel", 1) > 1
+                                                             for ct in self._distinct)
+        return inline
 
     def _on_general_finished(self, request: Request) -> None:
         """The general path, just before it resolves a request's future."""

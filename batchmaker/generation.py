@@ -88,7 +88,8 @@ class GenerativeModel(Finisher):
         self.turns = Conversations(caches, self.form.conversation_ttl,
                                    {worker: f.chunk_bytes for worker, f in facts.items()})
         self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.turns,
-                                   {worker: f.shapes for worker, f in facts.items()})
+                                   {worker: f.shapes for worker, f in facts.items()},
+                                   exclusive=self.cell.pipeline_parallel > 1)
         self.queues = [self.queue]
         return self.queues
 

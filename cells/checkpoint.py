@@ -97,34 +97,41 @@ class SafetensorsDirectory:
         return self.handles[self.where[name]].get_slice(name)
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="cpu", rank: int = 0,
-                    size: int = 1) -> DecoderLM:
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="cpu", cut=None) -> DecoderLM:
     """The model stored in HF-style directory `path`, with its weights in `dtype` on `device`;
-    with `size` > 1, rank `rank`'s shard of it (cells/tensor_parallel.py), read as slices of the
-    stored tensors: a rank never reads the whole model, and the host holds one tensor at a time.
+    with a `cut` (cells/tensor_parallel.TensorCut, cells/pipeline.StageCut), one rank's part of
+    it, read as slices of the stored tensors: a rank reads only what it holds, and the host
+    holds one tensor at a time.
 
     dtype None keeps the checkpoint's: config.json's torch_dtype (or dtype), else the stored
     embedding's. Raises ValueError naming the file and tensor for a missing config.json, an
     unsupported model_type, and missing or misshapen tensors.
     """
-    from batchmaker.cells.tensor_parallel import shard_config, slicing
     path = Path(path)
     config, raw = read_config(path)
     files = SafetensorsDirectory(path)
     whole = empty_decoder(config)
-    model = whole if size == 1 else empty_decoder(shard_config(config, size))
+    model = whole if cut is None else empty_decoder(cut.config(config))
     dtype = dtype or DTYPES.get(raw.get("torch_dtype") or raw.get("dtype"))
     state = {}
     for name, param in whole.named_parameters():
         sources = hf_names(config.family, name)
         stored = [_open(files, hf, name) for hf in sources]
         _check_shapes(files, name, param.shape, sources, [tuple(s.get_shape()) for s in stored])
-        cut = slicing(name, config, rank, size) if size > 1 else None
-        parts = [s[:] if cut is None else cut.cut_part(i, s) for i, s in enumerate(stored)]
-        dtype = dtype or parts[0].dtype  # the embedding comes first
-        parts = [p.to(device=device, dtype=dtype) for p in parts]
-        state[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)) if cut is None else cut.join(parts)
+        dtype = dtype or _stored_dtype(stored[0])  # (the embedding's: it comes first)
+        local = name if cut is None else cut.take(name)
+        if local is None:  # (not this rank's: never read)
+            continue
+        piece = cut.slicing(name, config) if cut is not None else None
+        parts = [(s[:] if piece is None else piece.cut_part(i, s)).to(device=device, dtype=dtype)
+                 for i, s in enumerate(stored)]
+        state[local] = (parts[0] if len(parts) == 1 else torch.cat(parts)) if piece is None else piece.join(parts)
     return materialize(model, state, device)
+
+
+def _stored_dtype(stored) -> torch.dtype:
+    """A stored tensor's dtype, as torch names it."""
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[stored.get_dtype()]
 
 
 def _check_shapes(files: SafetensorsDirectory, name: str, shape: tuple, sources: list[str], stored: list[tuple]):

@@ -124,6 +124,7 @@ class DecoderLM(nn.Module):
     norm: nn.Module
     lm_head: nn.Linear | None
     tp = None  # cells/tensor_parallel.TensorParallel: this module is one rank's shard
+    pp = None  # cells/pipeline.PipelineStage: this module is one stage of a pipeline
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens, positions: LongTensor [T] -> [T, H]."""
@@ -137,11 +138,17 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         """tokens, positions: LongTensor [T] -> hidden states [T, H] before the final norm."""
-        hidden, residual = self.embed(tokens, positions), None
+        hidden, residual = self.run_layers(self.embed(tokens, positions), None, positions, attend)
+        return hidden if residual is None else hidden + residual
+
+    def run_layers(self, hidden: Tensor, residual: Tensor | None, positions: Tensor,
+                   attend: Attend) -> tuple[Tensor, Tensor | None]:
+        """This module's layers over the residual stream (hidden + residual, unsummed): a pipeline
+        stage runs them between what it receives and what it sends (cells/pipeline.py)."""
         rotate = self.rotary(positions)  # computed once, shared by every layer
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotate, attend)
-        return hidden if residual is None else hidden + residual
+        return hidden, residual
 
     def head(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> float32 logits [N, vocab] (final norm, then the LM head)."""
@@ -176,23 +183,30 @@ def empty_decoder(config: DecoderConfig) -> DecoderLM:
 
 
 def materialize(model: DecoderLM, state: dict[str, Tensor], device) -> DecoderLM:
-    """Install `state` (tensors already of the wanted dtype and device) into a meta `model`, for inference."""
-    model.load_state_dict(state, assign=True)
+    """Install `state` (tensors already of the wanted dtype and device) into a meta `model`, for
+    inference. A parameter `state` lacks is one this part of a model does not hold (a pipeline
+    stage's embedding or head: cells/pipeline.py): it becomes an empty tensor."""
+    missing = model.load_state_dict(state, assign=True, strict=False).missing_keys
+    if missing:
+        like = next(iter(state.values()))
+        for name in missing:
+            module_name, _, kind = name.rpartition(".")
+            setattr(model.get_submodule(module_name), kind,
+                    nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=False))
     return model.to(device).requires_grad_(False).eval()  # .to moves the non-persistent rope buffer
 
 
-def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu", rank: int = 0,
-                  size: int = 1) -> DecoderLM:
+def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu", cut=None) -> DecoderLM:
     """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0.
 
     The same seed gives the same weights on the same kind of device (one generator on `device`,
-    parameters drawn in registration order). With `size` > 1, rank `rank`'s shard of that model
-    (cells/tensor_parallel.py): every parameter is drawn whole, one at a time, and cut, so that
-    each rank builds its own slices of the same model without the whole model ever existing.
+    parameters drawn in registration order). With a `cut` (cells/tensor_parallel.TensorCut,
+    cells/pipeline.StageCut), one rank's part of that model: every parameter is drawn whole, one
+    at a time, and cut, so that each rank builds its own part of the same model without the
+    whole model ever existing.
     """
-    from batchmaker.cells.tensor_parallel import shard_config, slicing
     whole = empty_decoder(config)
-    model = whole if size == 1 else empty_decoder(shard_config(config, size))
+    model = whole if cut is None else empty_decoder(cut.config(config))
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
     state = {}
     for name, p in whole.named_parameters():
@@ -201,6 +215,8 @@ def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, dev
         if module_name.endswith("norm"):
             t.fill_(1.0 if kind == "weight" else 0.0)
         else:
-            t.normal_(0.0, INIT_STD, generator=generator)
-        state[name] = t if size == 1 else slicing(name, config, rank, size).cut(t)
+            t.normal_(0.0, INIT_STD, generator=generator)  # (drawn even where not kept: the stream stays the same)
+        local = name if cut is None else cut.take(name)
+        if local is not None:
+            state[local] = t if cut is None else cut.slicing(name, config).cut(t)
     return materialize(model, state, device)

@@ -50,13 +50,18 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 class DecoderCell(Cell):
     batch_unit = "tokens"  # what the engine batches: tokens of many sequences, by iterations
 
-    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings(), tensor_parallel: int = 1, source=None):
+    def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings(), tensor_parallel: int = 1, source=None,
+                 pipeline_parallel: int = 1):
         super().__init__()
-        if tensor_parallel > 1 and source is None:
-            raise ValueError("a tensor-parallel DecoderCell needs its DecoderSource (each rank builds its shard from it)")
-        self.lm = lm  # the model, or rank 0's shard of it (cells/tensor_parallel.py)
+        if tensor_parallel > 1 and pipeline_parallel > 1:
+            raise ValueError(f"tensor_parallel={tensor_parallel} with pipeline_parallel={pipeline_parallel}: one or "
+                             f"the other so far")
+        if max(tensor_parallel, pipeline_parallel) > 1 and source is None:
+            raise ValueError("a parallel DecoderCell needs its DecoderSource (each rank builds its part from it)")
+        self.lm = lm  # the model, or rank 0's part of it (cells/tensor_parallel.py, cells/pipeline.py)
         self.kv = kv
         self.tensor_parallel = tensor_parallel  # ranks the model is split over (exec/tensor_group.py)
+        self.pipeline_parallel = pipeline_parallel  # stages its layers are split into
         self.source = source  # cells/decoder_source.DecoderSource: where the weights come from
         self.config = lm.config if source is None else source.config  # the whole model's
         self.block_size = kv.block_size
@@ -64,6 +69,19 @@ class DecoderCell(Cell):
         vocab = self.config.vocab_size
         self.signature = Signature({"token": TensorSpec((), torch.int64, high=vocab)},
                                    {"token": TensorSpec((), torch.int64, high=vocab)})
+
+    @property
+    def ranks(self) -> int:
+        """Processes the model runs on: its tensor-parallel shards or its pipeline stages."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def cut(self, rank: int):
+        """What rank `rank` holds of the whole model (None: all of it)."""
+        from batchmaker.cells.pipeline import StageCut
+        from batchmaker.cells.tensor_parallel import TensorCut
+        if self.pipeline_parallel > 1:
+            return StageCut.of(self.config, rank, self.pipeline_parallel)
+        return TensorCut(rank, self.tensor_parallel) if self.tensor_parallel > 1 else None
 
     def forward(self, **inputs):
         raise TypeError("a DecoderCell runs by iterations (batchmaker/exec/iterations.py), not row by row")

@@ -17,16 +17,14 @@ class DecoderSource:
     seed: int = 0
     dtype: torch.dtype | None = None  # None: the checkpoint's
 
-    def build(self, device, rank: int = 0, size: int = 1):
-        """The whole model (size 1), or rank `rank`'s shard of it with its TensorParallel installed
-        (its process group is set once the group has formed)."""
+    def build(self, device, cut=None):
+        """The whole model, or one rank's part of it (`cut`: cells/tensor_parallel.TensorCut, a
+        shard with its TensorParallel; cells/pipeline.StageCut, a stage with its PipelineStage),
+        whose process group is set once the group has formed."""
         from batchmaker.cells.checkpoint import load_checkpoint
         from batchmaker.cells.decoder import build_decoder
-        from batchmaker.cells.tensor_parallel import TensorParallel, install
         if self.checkpoint is not None:
-            lm = load_checkpoint(self.checkpoint, self.dtype, device, rank, size)
+            lm = load_checkpoint(self.checkpoint, self.dtype, device, cut)
         else:
-            lm = build_decoder(self.config, self.seed, self.dtype or torch.float32, device, rank, size)
-        if size == 1:
-            return lm
-        return install(lm, TensorParallel(rank, size, self.config.vocab_size), self.config)
+            lm = build_decoder(self.config, self.seed, self.dtype or torch.float32, device, cut)
+        return lm if cut is None else cut.install(lm, self.config)

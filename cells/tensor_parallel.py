@@ -139,6 +139,25 @@ def slicing(name: str, config: DecoderConfig, rank: int, size: int) -> Slicing:
     return Slicing(())  # norms, learned positions: replicated
 
 
+@dataclass(frozen=True)
+class TensorCut:
+    """What rank `rank` of `size` holds of a whole model: every parameter, sliced."""
+    rank: int
+    size: int
+
+    def config(self, whole: DecoderConfig) -> DecoderConfig:
+        return shard_config(whole, self.size)
+
+    def take(self, name: str) -> str:
+        return name
+
+    def slicing(self, name: str, whole: DecoderConfig) -> Slicing:
+        return slicing(name, whole, self.rank, self.size)
+
+    def install(self, lm, whole: DecoderConfig):
+        return install(lm, TensorParallel(self.rank, self.size, whole.vocab_size), whole)
+
+
 def shard_state(state: dict[str, Tensor], config: DecoderConfig, rank: int, size: int) -> dict[str, Tensor]:
     """Rank `rank`'s slices of a whole model's state dict."""
     return {name: slicing(name, config, rank, size).cut(t) for name, t in state.items()}

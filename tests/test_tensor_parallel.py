@@ -10,7 +10,8 @@ import torch
 
 from batchmaker.cells.decoder import build_decoder, empty_decoder, materialize
 from batchmaker.cells.decoder_config import PRESETS
-from batchmaker.cells.tensor_parallel import (TensorParallel, check_shardable, install, shard_config, shard_state)
+from batchmaker.cells.tensor_parallel import (TensorCut, TensorParallel, check_shardable, install, shard_config,
+                                               shard_state)
 
 CONFIGS = {
     "llama-gqa": PRESETS["tiny-llama"],  # 4 heads, 2 kv heads
@@ -127,7 +128,7 @@ def test_each_rank_builds_its_slices_of_the_same_random_model(name):
     config = CONFIGS[name]
     whole = build_decoder(config, seed=7).state_dict()
     for rank in range(2):
-        shard = build_decoder(config, seed=7, rank=rank, size=2).state_dict()
+        shard = build_decoder(config, seed=7, cut=TensorCut(rank, 2)).state_dict()
         want = shard_state(whole, config, rank, 2)
         assert shard.keys() == want.keys()
         for n, t in shard.items():
@@ -147,7 +148,7 @@ def test_each_rank_reads_its_slices_of_a_checkpoint(tmp_path, family):
     hf_class(hf_config).eval().save_pretrained(tmp_path)
     whole = load_checkpoint(tmp_path)
     for rank in range(2):
-        shard = load_checkpoint(tmp_path, rank=rank, size=2).state_dict()
+        shard = load_checkpoint(tmp_path, cut=TensorCut(rank, 2)).state_dict()
         want = shard_state(whole.state_dict(), whole.config, rank, 2)
         for n, t in shard.items():
             assert torch.equal(t, want[n]), n

@@ -9,6 +9,7 @@ Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style check
 import torch
 
 from batchmaker.cells.decoder_cell import DecoderCell, KVSettings
+from batchmaker.cells.pipeline import check_stages
 from batchmaker.cells.tensor_parallel import check_rank_devices, check_shardable
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.forms import Generate
@@ -22,7 +23,8 @@ GPU_MAX_TOKENS, CPU_MAX_TOKENS = 2048, 256
 
 def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, seed: int, dtype, device: str,
                   max_tokens: int | None, max_seqs: int, block_size: int, num_blocks: int | None,
-                  max_new_tokens: int, conversations: dict, tensor_parallel: int = 1) -> Model:
+                  max_new_tokens: int, conversations: dict, tensor_parallel: int = 1,
+                  pipeline_parallel: int = 1) -> Model:
     from batchmaker.cells.checkpoint import load_tokenizer, read_config
     from batchmaker.cells.decoder_config import PRESETS
     from batchmaker.cells.decoder_source import DecoderSource
@@ -38,15 +40,18 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
         raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
                          f"head sizes {', '.join(map(str, HEAD_DIMS))} only so far (on a CPU any head size runs)")
     check_shardable(config, tensor_parallel)
-    check_rank_devices(device, tensor_parallel)
+    check_stages(config, pipeline_parallel)
+    if pipeline_parallel > 1 and torch.device(device).type != "cpu":
+        raise ValueError(f"pipeline_parallel={pipeline_parallel}: stages run on CPU workers only so far (issue 31)")
+    check_rank_devices(device, tensor_parallel * pipeline_parallel)
     dtype = None if dtype is None else as_dtype(dtype)
     source = DecoderSource(config, checkpoint, seed, dtype if checkpoint is not None else dtype or torch.float32)
-    lm = source.build(device, 0, tensor_parallel)  # (rank 0's shard: the other ranks build theirs)
-    if max_tokens is None:  # a GPU iteration reads every weight once: more tokens each (bench/results/README.md)
-        max_tokens = GPU_MAX_TOKENS if torch.device(device).type == "cuda" else CPU_MAX_TOKENS
     ttl = conversations.pop("conversation_ttl")
     kv = KVSettings(block_size=block_size, max_seqs=max_seqs, num_blocks=num_blocks, **conversations)
-    cell = DecoderCell(lm, kv, tensor_parallel, source)
+    cell = DecoderCell(None, kv, tensor_parallel, source, pipeline_parallel)
+    cell.lm = source.build(device, cell.cut(0))  # (rank 0's part: the other ranks build theirs)
+    if max_tokens is None:  # a GPU iteration reads every weight once: more tokens each (bench/results/README.md)
+        max_tokens = GPU_MAX_TOKENS if torch.device(device).type == "cuda" else CPU_MAX_TOKENS
     cell.tokenizer = tokenizer
     vocab, limit = config.vocab_size, config.max_positions - 1
     prompt = {"prompt": f"str: the prompt as text (instead of tokens), at most {limit} tokens"} if tokenizer else {}
@@ -77,7 +82,7 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
                 max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
                 max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
                 chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
-                swap_threshold: float = 0.25, tensor_parallel: int = 1) -> Model:
+                swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Model:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
     lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
@@ -86,12 +91,14 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     seconds a conversation is kept idle; swap_threshold, the fraction of free blocks below which
     chunks are copied to the host ahead of time. reserve: the fraction of blocks new requests leave
     free for running decodes. tensor_parallel: ranks the model is split over (processes the engine
-    starts: rank r on the r-th CUDA device after `device`'s, or on the CPU)."""
+    starts: rank r on the r-th CUDA device after `device`'s, or on the CPU). pipeline_parallel:
+    stages the layers are split into, a process each (ORCA's pipeline; CPU only so far; not with
+    tensor_parallel yet)."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
                               conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold),
-                         tensor_parallel)
+                         tensor_parallel, pipeline_parallel)
 
 
 @register_model("opt")
@@ -100,9 +107,9 @@ def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int
               max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
               max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
               chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
-              swap_threshold: float = 0.25, tensor_parallel: int = 1) -> Model:
+              swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
                               conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold),
-                         tensor_parallel)
+                         tensor_parallel, pipeline_parallel)

@@ -36,8 +36,13 @@ class SequenceQueue:
     task_kind = "iteration"
 
     def __init__(self, cell_type, sequences: dict[int, Sequences], finisher, reserve: float = 0.1,
-                 turns: Conversations | None = None, shapes: dict[int, GraphShapes] | None = None):
+                 turns: Conversations | None = None, shapes: dict[int, GraphShapes] | None = None,
+                 exclusive: bool = False):
         self.cell_type = cell_type
+        # ORCA's pipeline: a sequence whose sampled token is still in flight is not decoded again
+        # until it comes back (the next stage 0 cannot feed it), so iterations in flight hold
+        # disjoint sequences; without a pipeline the next iteration feeds it on the device
+        self.exclusive = exclusive
         self.sequences = sequences  # worker id -> Sequences
         self.turns = turns or Conversations({})  # conversations and their caches across turns
         self.shapes = shapes or dict.fromkeys(sequences, NO_GRAPHS)  # worker id -> the CUDA graphs it replays
@@ -112,7 +117,8 @@ class SequenceQueue:
     def _decodes(self, q: Sequences, worker_id: int, budget: int, plan: list) -> int:
         """Running decodes first, oldest first, one token each (only those entering a new block
         are grown one by one); returns the budget left."""
-        decoding = np.flatnonzero(q.active & (q.computed >= q.target) & (q.planned < q.limit))
+        ready = q.active & (q.computed >= q.target) & (q.planned < q.limit)
+        decoding = np.flatnonzero(ready & (q.planned == q.length) if self.exclusive else ready)
         decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
         needs = q.blocks.blocks_for(q.computed[decoding] + 1) > q.blocks.count[decoding]
         grown = [s for s in decoding[needs].tolist() if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + 1)]

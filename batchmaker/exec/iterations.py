@@ -27,6 +27,7 @@ from batchmaker.core.iteration_shapes import GraphShape, GraphShapes, graph_key,
 from batchmaker.core.task import IterationTask
 from batchmaker.core.decoder_facts import DecoderFacts
 from batchmaker.exec.iteration_buffers import Packed
+from batchmaker.cells.pipeline import PendingTokens
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.tensor_group import RankFailure
 from batchmaker.exec.sampling import sample
@@ -61,7 +62,8 @@ class IterationRunner:
         self.cell_type = cell_type
         self.module = module  # a DecoderCell (cells/decoder_cell.py)
         self.ranks = ranks  # exec/tensor_group.TensorGroup: rank 0 of a tensor-parallel decoder, sends its plans
-        self.lm = module.lm  # (a rank's shard under tensor parallelism)
+        self.lm = module.lm  # (a rank's shard under tensor parallelism, a stage of a pipeline)
+        self.stage = module.lm.pp  # cells/pipeline.PipelineStage, or None
         self.config = self.lm.config
         self.device = device
         self.graphs = graphs
@@ -134,7 +136,9 @@ class IterationRunner:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 start = time.perf_counter()
-                self._forward(t, ct, True, None)
+                out = self._forward(t, ct, True, None)
+                if isinstance(out, PendingTokens):  # (a pipeline: the time until its tokens are back)
+                    out.wait()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 seconds.append((time.perf_counter() - start) / rows)
@@ -151,9 +155,16 @@ class IterationRunner:
             self.cache.k, self.cache.v, t["kv_slots"], t["block_tables"], t["query_start"], t["context_lens"],
             max_query_len, self.scale, max_context_len=max_context_len,
             before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention, work=work)
-        hidden = self.lm(tokens, t["positions"], attend)
+        if self.stage is None:
+            hidden = self.lm(tokens, t["positions"], attend)
+        else:  # a pipeline stage: stage 0 waits for its tokens later, a middle stage has none
+            hidden = self.stage.run(self.lm, tokens, t["positions"], attend)
+            if hidden is None:
+                return self.stage.receive_tokens(len(t["sample_slots"]), self.device) if self.stage.first else None
         logits = self.lm.head(hidden.index_select(0, t["sample_token"]))
         chosen = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"], greedy_only)
+        if self.stage is not None:
+            self.stage.send_tokens(chosen)  # (stage 0 feeds them: core/sequence_queue.py `exclusive`)
         self.last_token.index_copy_(0, t["sample_slots"], chosen)
         return chosen
 
@@ -178,7 +189,11 @@ class IterationRunner:
         start = time.perf_counter()
         try:
             swap_in = self._copies(task, None)
-            task.sampled = self._forward(t, plan.max_query_len, plan.greedy, swap_in).numpy().copy()
+            out = self._forward(t, plan.max_query_len, plan.greedy, swap_in)
+            if isinstance(out, PendingTokens):  # (pipeline stage 0: the next iteration runs here meanwhile)
+                task.handle = out
+            elif out is not None:
+                task.sampled = out.numpy().copy()
         except Exception as e:
             if self.ranks is not None:  # (the other ranks may be left inside a collective: the group is done)
                 self.ranks.fail(f"an iteration failed on rank 0: {type(e).__name__}: {e}")
@@ -280,6 +295,8 @@ class IterationRunner:
             self.ranks.close()
 
     def finish(self, task: IterationTask) -> None:
+        if isinstance(task.handle, PendingTokens):
+            return self._tokens_back(task)
         if task.handle is not None:
             region, tokens, events, record = task.handle
             task.sampled = tokens.numpy().copy()
@@ -291,6 +308,19 @@ class IterationRunner:
             task.handle = None
         if self.ranks is not None and self.ranks.broken is not None and task.error is None and self.device.type == "cuda":
             task.error = RankFailure(f"the tensor-parallel group broke while this iteration ran: {self.ranks.broken}")
+
+    def _tokens_back(self, task: IterationTask) -> None:
+        """Pipeline stage 0, once its iteration ran here: the tokens the last stage sampled (the
+        manager waits at most for the stages after this one), fed to the next iterations."""
+        try:
+            chosen = task.handle.wait()
+        except Exception as e:  # (a stage died or hung: the group is done)
+            task.error = RankFailure(f"the pipeline's tokens did not come back: {type(e).__name__}: {e}")
+            self.ranks.abort(str(task.error))
+        else:
+            self.last_token[torch.from_numpy(task.plan.sample_slots)] = chosen
+            task.sampled = chosen.numpy().copy()
+        task.handle = None
 
     def compile_kernels(self) -> None:
         """Compile every attention variant this model can launch now, not mid-serving

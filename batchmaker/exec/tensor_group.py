@@ -56,7 +56,9 @@ class FollowerSpec:
     host: str  # the group's store
     port: int
     threads: int  # torch's threads, as rank 0 has (a collective waits for the slowest rank)
-    source: object  # cells/decoder_source.DecoderSource: the rank builds its shard from it
+    source: object  # cells/decoder_source.DecoderSource: the rank builds its part from it
+    cut: object  # what it holds (cells/tensor_parallel.TensorCut, cells/pipeline.StageCut)
+    parallel: tuple  # (tensor_parallel, pipeline_parallel)
     device: str  # the rank's
     kv: object  # the cell's KVSettings
     name: str  # the cell type's name
@@ -87,24 +89,30 @@ def process_group(store, rank: int, size: int, device: torch.device):
     return group
 
 
+def communicator(lm):
+    """A part's collectives: its TensorParallel (a shard) or its PipelineStage (a stage)."""
+    return lm.tp if lm.tp is not None else lm.pp
+
+
 class TensorGroup:
     """Rank 0's side: starts the other ranks, sends them each plan, stops them."""
 
     def __init__(self, cell, name: str, batch_sizes: tuple, num_blocks: int, device: torch.device, graphs: bool):
         from batchmaker.launch import launched
-        self.size, self.lm = cell.tensor_parallel, cell.lm  # (rank 0's shard)
+        self.size, self.lm = cell.ranks, cell.lm  # (rank 0's part)
         self.processes, self.pipes, self.broken = [], [], None
         self.group, self.device, self._closing = None, torch.device(device), False
         self._lock = threading.Lock()  # (the watcher and the manager both may break the group)
 
         def spec(rank: int, host: str, port: int) -> FollowerSpec:
             from batchmaker.cells.tensor_parallel import rank_device
-            return FollowerSpec(rank, self.size, host, port, torch.get_num_threads(), cell.source,
-                                str(rank_device(device, rank)), cell.kv, name, tuple(batch_sizes), num_blocks, graphs)
+            return FollowerSpec(rank, self.size, host, port, torch.get_num_threads(), cell.source, cell.cut(rank),
+                                (cell.tensor_parallel, cell.pipeline_parallel), str(rank_device(device, rank)), cell.kv,
+                                name, tuple(batch_sizes), num_blocks, graphs)
         try:
             launch = launched()
             store = self._join(launch, spec) if launch is not None else self._start(spec)
-            self.group = self.lm.tp.group = process_group(store, 0, self.size, self.device)
+            self.group = communicator(self.lm).group = process_group(store, 0, self.size, self.device)
         except BaseException:
             self.close()
             raise
@@ -131,8 +139,8 @@ class TensorGroup:
         """The other ranks a launcher started (exec/tensor_launch.py), a connection each."""
         from batchmaker.exec.tensor_launch import accept_ranks, launcher_store
         if launch.rank != 0 or launch.size != self.size:
-            raise ValueError(f"tensor_parallel={self.size}: under a launcher (WORLD_SIZE={launch.size}, "
-                             f"RANK={launch.rank}) the world is the group: rank 0 serves, with tensor_parallel "
+            raise ValueError(f"{self.size} ranks: under a launcher (WORLD_SIZE={launch.size}, RANK={launch.rank}) "
+                             f"the world is the group: rank 0 serves, with tensor_parallel (or pipeline_parallel) "
                              f"equal to WORLD_SIZE")
         store = launcher_store(launch)
         self.pipes = accept_ranks(launch, store, lambda rank: spec(rank, launch.master_addr, launch.master_port))

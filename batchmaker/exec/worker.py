@@ -48,7 +48,7 @@ class Worker:
         self.iterations = {}
         try:
             for ct in cell_types:
-                if ct.cell.batch_unit == "tokens" and (ct.cell.tensor_parallel == 1 or worker_id == 0):
+                if ct.cell.batch_unit == "tokens" and (ct.cell.ranks == 1 or worker_id == 0):
                     self.iterations[id(ct)] = self._decoder(ct, cells[id(ct)])
         except BaseException:
             Worker.close(self)  # (tensor-parallel groups already started)
@@ -57,6 +57,8 @@ class Worker:
                         for kind, runner in (("step", self.steps), ("round", self.rounds), ("node", self.nodes))}
         self.runners.update({("iteration", key): runner for key, runner in self.iterations.items()})
         self.decoder_facts = {}  # id(cell type) -> DecoderFacts: measured once the worker is ready (`_measure`)
+        # tasks in flight at once: two (the manager plans the next while one runs); a pipeline, one per stage
+        self.max_in_flight = max([2] + [r.module.pipeline_parallel for r in self.iterations.values()])
         self.num_in_flight = 0
         self.num_tasks = 0
 
@@ -65,15 +67,16 @@ class Worker:
         worker 0, which alone serves it: exec/tensor_group.py)."""
         num_blocks = cell.num_blocks_on(self.device)
         group = None
-        if cell.tensor_parallel > 1:
+        if cell.ranks > 1:
             group = TensorGroup(cell, cell_type.name, cell_type.batch_sizes, num_blocks, self.device, self.graphs.enabled)
         return IterationRunner(cell_type, cell, self.device, self.graphs, num_blocks, group)
 
     @property
     def accepts_work(self) -> bool:
-        """With at most one task running: the manager plans the next while the device runs it
-        (tasks run in submission order, so the next may read what the running one writes)."""
-        return self.num_in_flight <= 1
+        """With at most one task running, the manager plans the next while the device runs it
+        (tasks run in submission order, so the next may read what the running one writes); with a
+        pipeline of S stages, S iterations are in flight, one per stage."""
+        return self.num_in_flight < self.max_in_flight
 
     @property
     def num_gathers_skipped(self) -> int:

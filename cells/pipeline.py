@@ -1,0 +1,136 @@
+"""Pipeline parallelism of a decoder (ORCA's inter-layer parallelism): the layers split into
+stages of about equal cost, one rank each. Stage 0 embeds the tokens and runs its layers, and
+each stage hands its residual stream (hidden and residual, unsummed: [2, T, H]) to the next; the
+last stage runs its layers, the final norm and the head, samples, and sends the sampled tokens
+back to stage 0, whose manager needs them (and whose next iterations feed them).
+
+A stage is an ordinary `DecoderLM` of its layers (`StageCut.config`: the layers renumbered from
+0, so that its KV cache holds its layers only) with a `PipelineStage` installed, which does the
+sends and receives. Parameters a stage does not use (the embedding off stage 0, the head off the
+last) are empty tensors, never read from a checkpoint. Several iterations are in flight at once,
+one per stage, on disjoint sets of sequences (core/sequence_queue.py `exclusive`): ORCA's
+pipeline, in which no stage waits for a token another iteration has not sampled yet.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.cells.tensor_parallel import Slicing
+
+ACTIVATIONS, TOKENS = 1, 2  # message tags
+
+
+def check_stages(config: DecoderConfig, stages: int) -> None:
+    """A typed refusal, when the model is built, of stages the layers cannot fill."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_parallel: expected a number of stages >= 1, got {stages!r}")
+    if stages > config.num_layers:
+        raise ValueError(f"pipeline_parallel={stages}: more stages than the model's {config.num_layers} layers")
+
+
+def stage_bounds(config: DecoderConfig, stages: int) -> list[tuple[int, int]]:
+    """Each stage's layers [first, end), of about equal cost: a layer's weights against the
+    head's (the last stage's extra work; the embedding is a lookup), every stage at least one layer."""
+    check_stages(config, stages)
+    c = config
+    layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+             + (3 if c.family == "llama" else 2) * c.hidden_size * c.intermediate_size)
+    head = c.vocab_size * c.hidden_size / layer  # in layers
+    per_stage = (c.num_layers + head) / stages
+    cuts = [0] + [min(max(round(k * per_stage), k), c.num_layers - (stages - k)) for k in range(1, stages)]
+    for k in range(1, stages):  # (strictly increasing)
+        cuts[k] = max(cuts[k], cuts[k - 1] + 1)
+    return list(zip(cuts, cuts[1:] + [c.num_layers]))
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """What stage `stage` of `stages` holds of a whole model: its layers, renumbered from 0; the
+    token embedding (stage 0, and the last stage when the head is tied to it); the final norm
+    and the head (the last stage)."""
+    stage: int
+    stages: int
+    first: int  # its layers [first, end) in the whole model
+    end: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config: DecoderConfig, stage: int, stages: int) -> "StageCut":
+        first, end = stage_bounds(config, stages)[stage]
+        return cls(stage, stages, first, end, config.tie_word_embeddings)
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def config(self, whole: DecoderConfig) -> DecoderConfig:
+        return replace(whole, num_layers=self.end - self.first)
+
+    def take(self, name: str) -> str | None:
+        """This stage's name for the whole model's parameter `name`, or None when it does not hold it."""
+        module = name.split(".", 1)[0]
+        if module == "layers":
+            _, index, rest = name.split(".", 2)
+            i = int(index)
+            return f"layers.{i - self.first}.{rest}" if self.first <= i < self.end else None
+        if module == "embed_tokens":
+            return name if self.stage == 0 or (self.last and self.tied) else None
+        if module == "embed_positions":
+            return name if self.stage == 0 else None
+        return name if self.last else None  # the final norm, lm_head
+
+    def slicing(self, name: str, whole: DecoderConfig) -> Slicing:
+        return Slicing(())  # (a stage holds its parameters whole)
+
+    def install(self, lm, whole: DecoderConfig):
+        lm.pp, lm.full_config = PipelineStage(self.stage, self.stages), whole
+        return lm
+
+
+class PipelineStage:
+    """One stage's view of its group: what it receives and sends. `group` is the group's own
+    process group (exec/tensor_group.py), set once every stage has joined."""
+
+    def __init__(self, stage: int, stages: int, group=None):
+        self.stage, self.stages, self.group = stage, stages, group
+        self.first, self.last = stage == 0, stage == stages - 1
+
+    def run(self, lm, tokens: Tensor, positions: Tensor, attend) -> Tensor | None:
+        """This stage's part of a forward over the iteration's tokens: on the last stage the hidden
+        states before the final norm [T, H]; elsewhere None (its output went to the next stage)."""
+        if self.first:
+            hidden, residual = lm.embed(tokens, positions), None
+        else:
+            received = torch.empty(2, tokens.shape[0], lm.config.hidden_size, dtype=lm.layers[0].attn.o_proj.weight.dtype,
+                                   device=tokens.device)
+            self.group.recv([received], self.stage - 1, ACTIVATIONS).wait()
+            hidden, residual = received[0], received[1]
+        hidden, residual = lm.run_layers(hidden, residual, positions, attend)
+        if self.last:
+            return hidden + residual
+        self.group.send([torch.stack([hidden, residual])], self.stage + 1, ACTIVATIONS).wait()
+        return None
+
+    def send_tokens(self, chosen: Tensor) -> None:
+        """The last stage: the sampled tokens to stage 0."""
+        if chosen.numel():  # (an iteration of prompt chunks only samples nothing)
+            self.group.send([chosen.contiguous()], 0, TOKENS).wait()
+
+    def receive_tokens(self, num_samples: int, device) -> "PendingTokens":
+        """Stage 0: the tokens the last stage will sample for this iteration (wait for them later)."""
+        buffer = torch.empty(num_samples, dtype=torch.int64, device=device)
+        return PendingTokens(self.group.recv([buffer], self.stages - 1, TOKENS) if num_samples else None, buffer)
+
+
+@dataclass
+class PendingTokens:
+    """An iteration's sampled tokens on their way from the last stage."""
+    work: object
+    buffer: Tensor
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.buffer

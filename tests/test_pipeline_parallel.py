@@ -1,0 +1,156 @@
+"""Pipeline-parallel decoders (cells/pipeline.py; ORCA's inter-layer parallelism): the layers in
+stages of about equal cost, a process each (gloo on the CPU), several iterations in flight on
+disjoint sequences. Tokens must be those of one process and of HF transformers, under continuous
+batching, for conversations, with cancels; a stage that dies fails the requests; stopping leaves
+no process."""
+import multiprocessing
+import random
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from batchmaker import Engine
+from batchmaker.cells.decoder import build_decoder
+from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.cells.pipeline import StageCut, check_stages, stage_bounds
+from batchmaker.errors import BatchMakerError, CancelledError
+from batchmaker.registry import build_model
+from test_generation import hf_greedy, step
+from test_tensor_parallel_engine import serve, workload
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("preset, stages", [("llama-2-7b", 2), ("llama-2-7b", 4), ("llama-2-70b", 8), ("tiny-llama", 2)])
+def test_stages_cover_the_layers_at_about_equal_cost(preset, stages):
+    config = PRESETS[preset]
+    bounds = stage_bounds(config, stages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == config.num_layers
+    assert all(a < b for a, b in bounds) and all(b == a2 for (_, b), (a2, _) in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 2  # (the last stage, with the head, a layer or two lighter)
+    assert sizes[-1] <= sizes[0]
+
+
+def test_stages_the_layers_cannot_fill_are_refused():
+    with pytest.raises(ValueError, match="more stages than the model's 2 layers"):
+        check_stages(PRESETS["tiny-llama"], 3)
+    with pytest.raises(ValueError, match="pipeline_parallel"):
+        build_model("llama", pipeline_parallel=0)
+    with pytest.raises(ValueError, match="one or the other"):
+        build_model("llama", pipeline_parallel=2, tensor_parallel=2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_stage_builds_its_layers_of_the_same_random_model(tied):
+    config = replace(PRESETS["tiny-opt"] if tied else PRESETS["tiny-llama"], num_layers=4)
+    whole = build_decoder(config, seed=5).state_dict()
+    held = set()
+    for stage in range(3):
+        cut = StageCut.of(config, stage, 3)
+        part = build_decoder(config, seed=5, cut=cut).state_dict()
+        for name, t in whole.items():
+            local = cut.take(name)
+            if local is not None:
+                assert torch.equal(part[local], t), (stage, name)
+                held.add(name)
+        empty = [n for n, t in part.items() if t.numel() == 0]
+        assert all(n.split(".")[0] in ("embed_tokens", "embed_positions", "norm", "lm_head") for n in empty)
+    assert held == set(whole)  # (every parameter on some stage)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_two_stages_give_the_tokens_of_one(family):
+    requests = workload(random.Random(11), family, n=12)
+    one = serve(build_model(family, seed=2, max_tokens=48), requests, seed=4)
+    two = serve(build_model(family, seed=2, max_tokens=48, pipeline_parallel=2), requests, seed=4)
+    assert two == one and len(one) == len(requests)
+    assert not multiprocessing.active_children()
+
+
+def test_three_stages_follow_hf(tmp_path):
+    """A checkpoint of 4 layers with one kv head, in three stages: HF's greedy tokens."""
+    from batchmaker.cells.decoder_config import to_hf
+    config = dict(to_hf(PRESETS["tiny-llama"]), num_hidden_layers=4, num_key_value_heads=1)
+    torch.manual_seed(8)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    hf.save_pretrained(tmp_path)
+    requests = [r for r in workload(random.Random(12), "llama", n=8) if "temperature" not in r[1]]
+    got = serve(build_model("llama", checkpoint=str(tmp_path), max_tokens=48, pipeline_parallel=3), requests, seed=5)
+    for tokens, (_, inputs) in zip(got, requests):
+        assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+def test_a_conversation_and_a_cancel_in_two_stages():
+    def run(stages: int) -> tuple:
+        engine = Engine([build_model("llama", seed=3, max_tokens=48, pipeline_parallel=stages)]).start(thread=False)
+        try:
+            replies, cid = [], True
+            for turn in range(3):
+                f = engine.submit("llama", {"tokens": [7 + turn, 11, 13] * (turn + 1), "max_new_tokens": 6,
+                                            "conversation": cid, "ignore_eos": True})
+                while not f.done():
+                    step(engine)
+                replies.append(f.result(0).outputs["tokens"])
+                cid = f.result(0).outputs["conversation"]
+            long = engine.submit("llama", {"tokens": [5] * 30, "max_new_tokens": 40, "ignore_eos": True})
+            other = engine.submit("llama", {"tokens": [9] * 10, "max_new_tokens": 5, "ignore_eos": True})
+            for _ in range(4):
+                step(engine)
+            engine.cancel(long.request_id)
+            while not (long.done() and other.done()):
+                step(engine)
+            with pytest.raises(CancelledError):
+                long.result(0)
+            return replies, other.result(0).outputs["tokens"]
+        finally:
+            engine.stop()
+    assert run(2) == run(1)
+
+
+def test_iterations_in_flight_hold_disjoint_sequences():
+    """ORCA's pipeline: with two stages, two iterations run at once, and none decodes a sequence
+    whose last token is still in the other."""
+    engine = Engine([build_model("llama", seed=1, max_tokens=48, pipeline_parallel=2)]).start(thread=False)
+    try:
+        worker = engine.workers[0]
+        seen, overlap, most = [], [], 0
+        submit = worker.submit
+
+        def spy(task):
+            live = [t for t in seen if t.sampled is None and t.error is None]
+            if task.kind == "iteration":
+                decodes = set(task.slots[task.plan.tokens[task.plan.query_start[:-1]] < 0].tolist())
+                overlap.extend(decodes & set(s for t in live for s in t.slots[t.sample].tolist()))
+                seen.append(task)
+            submit(task)
+        worker.submit = spy
+        futures = [engine.submit("llama", {"tokens": [i + 2] * (3 + i), "max_new_tokens": 12, "ignore_eos": True})
+                   for i in range(8)]
+        while not all(f.done() for f in futures):
+            step(engine)
+            most = max(most, worker.num_in_flight)
+        assert all(f.result(0).outputs["tokens"] for f in futures)
+        assert most == 2 and not overlap
+    finally:
+        engine.stop()
+
+
+def test_a_stage_that_dies_fails_the_requests_and_nothing_is_left_behind():
+    engine = Engine([build_model("llama", seed=1, max_tokens=48, pipeline_parallel=2)]).start()
+    try:
+        engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True}).result(30)
+        futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
+                   for i in range(4)]
+        group = next(iter(engine.workers[0].iterations.values())).ranks
+        group.processes[0].kill()
+        start = time.monotonic()
+        for f in futures:
+            with pytest.raises(BatchMakerError):
+                f.result(15)
+        assert time.monotonic() - start < 10.0
+    finally:
+        engine.stop()
+    assert not multiprocessing.active_children()
