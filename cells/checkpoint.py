@@ -21,6 +21,8 @@ HF_LAYER_NAMES = {
         "attn_norm": ["input_layernorm"],
         "attn.qkv_proj": _QKV,
         "attn.o_proj": ["self_attn.o_proj"],
+        "attn.q_norm": ["self_attn.q_norm"],  # (Qwen3)
+        "attn.k_norm": ["self_attn.k_norm"],
         "mlp_norm": ["post_attention_layernorm"],
         "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
         "mlp.down_proj": ["mlp.down_proj"],

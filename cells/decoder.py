@@ -54,9 +54,10 @@ class Attention(nn.Module):
         c = config
         self.sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        bias = c.has_attention_bias
-        self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=bias)
-        self.o_proj = nn.Linear(self.sizes[0], c.hidden_size, bias=bias)
+        self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=c.has_qkv_bias)
+        self.o_proj = nn.Linear(self.sizes[0], c.hidden_size, bias=c.has_attention_bias)
+        if c.qk_norm:  # (Qwen3: each head of q and k normed before RoPE)
+            self.q_norm, self.k_norm = HeadNorm(c.head_dim, c.norm_eps), HeadNorm(c.head_dim, c.norm_eps)
         self.reduce: Callable[[Tensor], Tensor] | None = None  # tensor parallel: o_proj's partial sums (cells/tensor_parallel.py)
 
     def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
@@ -70,6 +71,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotate is not None and hasattr(attend, "attend_cached"):  # k, v written with the rotation
             q = rotate.write_kv(q, k, v, *attend.kv_cache(self.layer_index))
             out = attend.attend_cached(self.layer_index, q)
@@ -78,6 +81,21 @@ class Attention(nn.Module):
                 q, k = rotate(q, k)
             out = attend(self.layer_index, q, k, v)  # [T, Hq, D]
         return out.reshape(num_tokens, self.sizes[0])
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over each head's [.., D] (Qwen3's q and k norms), as HF computes it: in float32,
+    cast back, then the weight."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -1,12 +1,14 @@
 """The shape of a decoder-only language model (Llama or OPT style), its presets, and HF config.json.
 
 One frozen, hashable dataclass describes both families; the fields that only one family reads
-say so. `from_hf` / `to_hf` translate to and from a HF `config.json` dict, so that a checkpoint
+say so. The Llama family takes the models built like it (`model_type` llama, mistral, qwen2,
+qwen3: their deltas are biases on q, k, v only, per-head norms of q and k, an explicit head size). `from_hf` / `to_hf` translate to and from a HF `config.json` dict, so that a checkpoint
 directory can be loaded and the tests can build the matching `transformers` model.
 """
 from dataclasses import dataclass, replace
 
 FAMILIES = ("llama", "opt")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # model_types the Llama family runs
 ACTIVATIONS = {"llama": ("silu",), "opt": ("relu", "gelu")}
 ROPE_TYPES = ("linear", "llama3")  # besides none
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding legacy)
@@ -33,6 +35,9 @@ class DecoderConfig:
     attention_bias: bool = False  # Llama: biases on q/k/v/o
     mlp_bias: bool = False  # Llama: biases on gate/up/down
     enable_bias: bool = True  # OPT: biases on every linear layer
+    qkv_bias: bool = False  # Llama family: biases on q/k/v only (Qwen2)
+    qk_norm: bool = False  # Llama family: RMSNorm of each head of q and k before RoPE (Qwen3)
+    model_type: str = ""  # the checkpoint's (HF config.json); "" for presets: the family's own
     do_layer_norm_before: bool = True  # OPT: pre-norm (every OPT but 350m)
     word_embed_proj_dim: int | None = None  # OPT: None means hidden_size (no projection)
     shards: int = 1  # a rank's share of a model split over this many (cells/tensor_parallel.py): heads, kv
@@ -61,6 +66,8 @@ class DecoderConfig:
             raise ValueError("OPT needs num_kv_heads == num_heads and num_heads * head_dim == hidden_size")
         if self.rope_scaling is not None:
             raise ValueError("OPT has learned positions: rope_scaling must be None")
+        if self.qkv_bias or self.qk_norm:
+            raise ValueError("qkv_bias and qk_norm are Llama-family fields")
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -68,7 +75,12 @@ class DecoderConfig:
 
     @property
     def has_attention_bias(self) -> bool:
+        """Biases on q, k, v and o."""
         return self.enable_bias if self.family == "opt" else self.attention_bias
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.has_attention_bias or self.qkv_bias
 
     @property
     def has_mlp_bias(self) -> bool:
@@ -99,7 +111,8 @@ def num_parameters(config: DecoderConfig) -> int:
     """The model's parameter count, computed from the config (nothing is allocated)."""
     c = config
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    attention = h * (q + 2 * kv) + q * h + (q + 2 * kv + h) * c.has_attention_bias
+    attention = h * (q + 2 * kv) + q * h + (q + 2 * kv) * c.has_qkv_bias + h * c.has_attention_bias
+    attention += 2 * c.head_dim * c.qk_norm
     if c.family == "llama":
         mlp = 3 * h * c.intermediate_size + (2 * c.intermediate_size + h) * c.has_mlp_bias
         norms, positions = 2 * h, 0  # two RMSNorm weights per layer
@@ -135,13 +148,13 @@ PRESETS: dict[str, DecoderConfig] = {
 
 
 def from_hf(config: dict) -> DecoderConfig:
-    """The DecoderConfig of a HF `config.json` dict (model_type "llama" or "opt")."""
+    """The DecoderConfig of a HF `config.json` dict (model_type llama, mistral, qwen2, qwen3 or opt)."""
     model_type = config.get("model_type")
-    if model_type == "llama":
+    if model_type in LLAMA_LIKE:
         return _llama_from_hf(config)
     if model_type == "opt":
         return _opt_from_hf(config)
-    raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(LLAMA_LIKE + ('opt',))}")
 
 
 def _eos_tuple(eos) -> tuple[int, ...]:
@@ -154,7 +167,11 @@ def _llama_from_hf(c: dict) -> DecoderConfig:
     # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters (theta inside).
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     num_heads = c["num_attention_heads"]
+    model_type = c["model_type"]
+    _check_window(c)
     return DecoderConfig(
+        model_type="" if model_type == "llama" else model_type, qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         family="llama", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=num_heads,
         num_kv_heads=c.get("num_key_value_heads") or num_heads,
@@ -165,6 +182,16 @@ def _llama_from_hf(c: dict) -> DecoderConfig:
         tie_word_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
         eos_token_ids=_eos_tuple(c.get("eos_token_id")), attention_bias=c.get("attention_bias", False),
         mlp_bias=c.get("mlp_bias", False))
+
+
+def _check_window(c: dict) -> None:
+    """Sliding-window attention is refused where it would bind (a window shorter than the
+    positions): the attention kernels and their twin attend to every earlier position so far."""
+    window = c.get("sliding_window")
+    used = c.get("use_sliding_window", c["model_type"] == "mistral")
+    if used and window is not None and window < c["max_position_embeddings"]:
+        raise ValueError(f"sliding_window {window} < max_position_embeddings {c['max_position_embeddings']}: "
+                         f"sliding-window attention is not supported yet")
 
 
 def _opt_from_hf(c: dict) -> DecoderConfig:
@@ -191,6 +218,8 @@ def to_hf(config: DecoderConfig) -> dict:
                   num_attention_heads=c.num_heads, max_position_embeddings=c.max_positions,
                   tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
                   eos_token_id=eos)
+    if c.family == "llama" and c.model_type not in ("", "llama"):
+        return _llama_like_to_hf(c, common)
     if c.family == "llama":
         return dict(model_type="llama", architectures=["LlamaForCausalLM"], **common,
                     intermediate_size=c.intermediate_size, num_key_value_heads=c.num_kv_heads,
@@ -201,3 +230,15 @@ def to_hf(config: DecoderConfig) -> dict:
                 activation_function=c.activation, enable_bias=c.enable_bias,
                 do_layer_norm_before=c.do_layer_norm_before,
                 word_embed_proj_dim=c.word_embed_proj_dim or c.hidden_size)
+
+
+def _llama_like_to_hf(c: DecoderConfig, common: dict) -> dict:
+    """Mistral, Qwen2, Qwen3: their config.json (no sliding window: the engine attends to every position)."""
+    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[c.model_type]
+    out = dict(model_type=c.model_type, architectures=[f"{name}ForCausalLM"], **common,
+               intermediate_size=c.intermediate_size, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+               rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling_dict,
+               hidden_act=c.activation, sliding_window=None, use_sliding_window=False)
+    if c.model_type == "qwen3":
+        out["attention_bias"] = c.attention_bias
+    return out

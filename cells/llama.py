@@ -75,7 +75,8 @@ class LlamaLayer(DecoderLayer):
     def __init__(self, config: DecoderConfig, layer_index: int):
         super().__init__(RMSNorm(config.hidden_size, config.norm_eps), Attention(config, layer_index),
                          RMSNorm(config.hidden_size, config.norm_eps), GatedMLP(config))
-        self.has_bias = config.has_attention_bias or config.has_mlp_bias  # (the kernels take none)
+        # (the one-token kernels take no biases and no norms of q and k)
+        self.has_bias = config.has_qkv_bias or config.has_mlp_bias or config.qk_norm
         self.one_token: OneTokenConfig | None = None if self.has_bias else OneTokenConfig()
 
     def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:

@@ -156,6 +156,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     Split-KV then merges in the kernel (at most COMBINE_MAX_SPLITS slices) or does not split.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    if q.shape[2] not in HEAD_DIMS:  # (256 would spill and overflow shared memory with these tiles; the twin takes any)
+        raise ValueError(f"head dim {q.shape[2]}: one of {HEAD_DIMS} expected")
     if not (q.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"paged_attention runs on CUDA tensors, got {q.device}; "
                                      "use reference_paged_attention")
@@ -294,8 +296,6 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
     if k_cache.shape[3] != head_dim or q.shape[1] % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)} "
                          "(same D, Hq a multiple of Hkv)")
-    if head_dim not in HEAD_DIMS:  # (256 would spill and overflow shared memory with these tiles)
-        raise ValueError(f"head dim {head_dim}: one of {HEAD_DIMS} expected")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:

@@ -1,0 +1,78 @@
+"""The models built like Llama that people serve (issue 33): Mistral, Qwen2/2.5 (biases on q, k, v
+only), Qwen3 (each head of q and k RMS-normed before RoPE, an explicit head size), and Llama 3's
+EOS lists, loaded from the checkpoints transformers saves and served by the one `llama` model:
+logits and greedy tokens equal to transformers' own (fp32, CPU), also split over two ranks.
+Sliding windows that would bind are refused when the model is built."""
+import json
+import random
+
+import pytest
+import torch
+
+from batchmaker.cells.checkpoint import load_checkpoint
+from batchmaker.cells.decoder_config import num_parameters
+from batchmaker.registry import build_model
+from test_generation import hf_greedy
+from test_tensor_parallel_engine import serve
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=[2, 3],
+            rope_theta=100000.0)
+FAMILIES = {
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),  # (not hidden / heads)
+}
+HEAD_24 = {"qwen3-head-24": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24))}
+
+
+def save(family: str, path) -> torch.nn.Module:
+    """A tiny model of `family` with every weight perturbed (biases and norms too), saved as users have it."""
+    config_class, model_class, extra = {**FAMILIES, **HEAD_24}[family]
+    torch.manual_seed(0)
+    hf = model_class(config_class(**TINY, **extra))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    hf = hf.float().eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers(family, tmp_path):
+    hf = save(family, tmp_path)
+    model = load_checkpoint(tmp_path)
+    assert model.config.model_type == family and model.config.eos_token_ids == (2, 3)
+    assert num_parameters(model.config) == sum(p.numel() for p in hf.parameters())  # (a tied head counted once)
+    generator = torch.Generator().manual_seed(2)
+    for length in (1, 7, 40):
+        tokens = torch.randint(0, 512, (length,), generator=generator)
+        with torch.no_grad():
+            expected = hf(tokens[None]).logits[0]
+        torch.testing.assert_close(model.dense_logits(tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2), ("mistral", 2),
+                                        ("qwen3-head-24", 1)])  # (a head size the GPU kernels lack: the CPU's twin)
+def test_served_tokens_equal_transformers(family, tp, tmp_path):
+    hf = save(family, tmp_path)
+    rng = random.Random(3)
+    requests = [("llama", {"tokens": [rng.randrange(4, 512) for _ in range(rng.randint(1, 70))],
+                           "max_new_tokens": rng.randint(1, 10), "ignore_eos": True}) for _ in range(6)]
+    got = serve(build_model("llama", checkpoint=str(tmp_path), max_tokens=48, tensor_parallel=tp), requests, seed=1)
+    for tokens, (_, inputs) in zip(got, requests):
+        assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+def test_a_sliding_window_that_binds_is_refused_when_built(tmp_path):
+    save("mistral", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=64)))
+    with pytest.raises(ValueError, match="sliding_window 64 < max_position_embeddings 256"):
+        build_model("llama", checkpoint=str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=4096)))  # (never binds)
+    assert build_model("llama", checkpoint=str(tmp_path)).cells["decoder"].config.model_type == "mistral"
