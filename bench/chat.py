@@ -162,7 +162,7 @@ def hf_model(lm, config):
         hf = transformers.LlamaForCausalLM(hf_config)
     state = {}
     for name, tensor in lm.state_dict().items():
-        names = hf_names(config.family, name)
+        names = hf_names(config, name)
         for hf_name, part in zip(names, _split(tensor, names, config)):
             state[hf_name] = part
     if "lm_head.weight" not in state:

@@ -36,6 +36,8 @@ HF_LAYER_NAMES = {
         "mlp.fc2": ["fc2"],
     },
 }
+HF_LAYER_NAMES["phi3"] = dict(HF_LAYER_NAMES["llama"], **{"attn.qkv_proj": ["self_attn.qkv_proj"],  # (stored fused)
+                                                            "mlp.gate_up_proj": ["mlp.gate_up_proj"]})
 HF_LAYER_PREFIX = {"llama": "model.layers.{}.", "opt": "model.decoder.layers.{}."}
 HF_MODEL_NAMES = {
     "llama": {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"},
@@ -45,13 +47,14 @@ HF_MODEL_NAMES = {
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def hf_names(family: str, name: str) -> list[str]:
+def hf_names(config: DecoderConfig, name: str) -> list[str]:
     """The HF tensor names that make up our parameter `name` (e.g. layers.0.attn.qkv_proj.weight)."""
+    family = config.family
     module, kind = name.rsplit(".", 1)
     if module.startswith("layers."):
         _, index, inner = module.split(".", 2)
         prefix = HF_LAYER_PREFIX[family].format(index)
-        return [f"{prefix}{hf}.{kind}" for hf in HF_LAYER_NAMES[family][inner]]
+        return [f"{prefix}{hf}.{kind}" for hf in HF_LAYER_NAMES.get(config.model_type, HF_LAYER_NAMES[family])[inner]]
     return [f"{HF_MODEL_NAMES[family][module]}.{kind}"]
 
 
@@ -117,7 +120,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="
     dtype = dtype or DTYPES.get(raw.get("torch_dtype") or raw.get("dtype"))
     state = {}
     for name, param in whole.named_parameters():
-        sources = hf_names(config.family, name)
+        sources = hf_names(config, name)
         stored = [_open(files, hf, name) for hf in sources]
         _check_shapes(files, name, param.shape, sources, [tuple(s.get_shape()) for s in stored])
         dtype = dtype or _stored_dtype(stored[0])  # (the embedding's: it comes first)
@@ -125,6 +128,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="
         if local is None:  # (not this rank's: never read)
             continue
         piece = cut.slicing(name, config) if cut is not None else None
+        if piece is not None and len(stored) < len(piece.parts):  # (q | k | v stored fused: read it, cut it)
+            state[local] = piece.cut(stored[0][:].to(device=device, dtype=dtype))
+            continue
         parts = [(s[:] if piece is None else piece.cut_part(i, s)).to(device=device, dtype=dtype)
                  for i, s in enumerate(stored)]
         state[local] = (parts[0] if len(parts) == 1 else torch.cat(parts)) if piece is None else piece.join(parts)

@@ -2,13 +2,14 @@
 
 One frozen, hashable dataclass describes both families; the fields that only one family reads
 say so. The Llama family takes the models built like it (`model_type` llama, mistral, qwen2,
-qwen3: their deltas are biases on q, k, v only, per-head norms of q and k, an explicit head size). `from_hf` / `to_hf` translate to and from a HF `config.json` dict, so that a checkpoint
+qwen3, phi3: their deltas are biases on q, k, v only, per-head norms of q and k, an explicit head
+size, q | k | v and gate | up stored fused). `from_hf` / `to_hf` translate to and from a HF `config.json` dict, so that a checkpoint
 directory can be loaded and the tests can build the matching `transformers` model.
 """
 from dataclasses import dataclass, replace
 
 FAMILIES = ("llama", "opt")
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # model_types the Llama family runs
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # model_types the Llama family runs
 ACTIVATIONS = {"llama": ("silu",), "opt": ("relu", "gelu")}
 ROPE_TYPES = ("linear", "llama3")  # besides none
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding legacy)
@@ -102,7 +103,7 @@ def scaling_tuple(scaling: dict | None) -> tuple | None:
     kind = rope_type(scaling)
     if kind == "default":
         return None
-    pairs = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}
+    pairs = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
     pairs["rope_type"] = kind
     return tuple(sorted(pairs.items()))
 
@@ -169,6 +170,10 @@ def _llama_from_hf(c: dict) -> DecoderConfig:
     num_heads = c["num_attention_heads"]
     model_type = c["model_type"]
     _check_window(c)
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial}: rotary embeddings over part of each head are not "
+                         f"supported yet")
     return DecoderConfig(
         model_type="" if model_type == "llama" else model_type, qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
@@ -188,7 +193,7 @@ def _check_window(c: dict) -> None:
     """Sliding-window attention is refused where it would bind (a window shorter than the
     positions): the attention kernels and their twin attend to every earlier position so far."""
     window = c.get("sliding_window")
-    used = c.get("use_sliding_window", c["model_type"] == "mistral")
+    used = c.get("use_sliding_window", c["model_type"] in ("mistral", "phi3"))  # (Qwen's need the flag)
     if used and window is not None and window < c["max_position_embeddings"]:
         raise ValueError(f"sliding_window {window} < max_position_embeddings {c['max_position_embeddings']}: "
                          f"sliding-window attention is not supported yet")
@@ -234,7 +239,7 @@ def to_hf(config: DecoderConfig) -> dict:
 
 def _llama_like_to_hf(c: DecoderConfig, common: dict) -> dict:
     """Mistral, Qwen2, Qwen3: their config.json (no sliding window: the engine attends to every position)."""
-    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[c.model_type]
+    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[c.model_type]
     out = dict(model_type=c.model_type, architectures=[f"{name}ForCausalLM"], **common,
                intermediate_size=c.intermediate_size, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling_dict,

@@ -1,5 +1,6 @@
 """The models built like Llama that people serve (issue 33): Mistral, Qwen2/2.5 (biases on q, k, v
-only), Qwen3 (each head of q and k RMS-normed before RoPE, an explicit head size), and Llama 3's
+only), Qwen3 (each head of q and k RMS-normed before RoPE, an explicit head size), Phi-3 (q | k | v
+and gate | up stored fused; read whole and cut per rank), and Llama 3's
 EOS lists, loaded from the checkpoints transformers saves and served by the one `llama` model:
 logits and greedy tokens equal to transformers' own (fp32, CPU), also split over two ranks.
 Sliding windows that would bind are refused when the model is built."""
@@ -24,6 +25,7 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),  # (not hidden / heads)
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(pad_token_id=0)),  # (q | k | v stored fused)
 }
 HEAD_24 = {"qwen3-head-24": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24))}
 
@@ -56,7 +58,7 @@ def test_logits_equal_transformers(family, tmp_path):
         torch.testing.assert_close(model.dense_logits(tokens), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2), ("mistral", 2),
+@pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2), ("mistral", 2), ("phi3", 2),
                                         ("qwen3-head-24", 1)])  # (a head size the GPU kernels lack: the CPU's twin)
 def test_served_tokens_equal_transformers(family, tp, tmp_path):
     hf = save(family, tmp_path)
@@ -76,3 +78,16 @@ def test_a_sliding_window_that_binds_is_refused_when_built(tmp_path):
         build_model("llama", checkpoint=str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=4096)))  # (never binds)
     assert build_model("llama", checkpoint=str(tmp_path)).cells["decoder"].config.model_type == "mistral"
+
+
+def test_partial_rotary_and_longrope_are_refused_when_built(tmp_path):
+    save("phi3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for change, message in [({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+                            ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                               "long_factor": [2.0] * 8}}, "longrope")]:
+        changed = dict(config, **change)
+        changed.pop("rope_parameters", None)
+        (tmp_path / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(ValueError, match=message):
+            build_model("llama", checkpoint=str(tmp_path))

@@ -209,7 +209,7 @@ def save_checkpoint(path, seed: int = 0) -> None:
               "up_proj": config.intermediate_size}
     tensors = {}
     for name, value in lm.state_dict().items():
-        names = hf_names("llama", name)
+        names = hf_names(config, name)
         parts = [value] if len(names) == 1 else value.split([widths[n.split(".")[-2]] for n in names])
         tensors.update({n: p.contiguous() for n, p in zip(names, parts)})
     save_file(tensors, str(path / "model.safetensors"))
