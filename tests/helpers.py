@@ -1,10 +1,13 @@
 """What several test files share: waiting for an idle engine, concurrent submitters, small model
 settings, the Seq2Seq weights that make decoding vary, and the GPU/Triton markers (fixtures live
 in conftest.py)."""
+import atexit
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -96,3 +99,11 @@ def sharp_seq2seq(seed: int, structured: bool = True, scale: float = 20.0):
             for p in cell.parameters():
                 p.mul_(scale)
     return model
+
+
+def ipc_address() -> str:
+    """A ZeroMQ ipc address in a folder of its own, removed when the test run ends (ipc paths must
+    stay under ~100 bytes: pytest's tmp_path can be longer)."""
+    folder = tempfile.mkdtemp(prefix="bm-")
+    atexit.register(shutil.rmtree, folder, True)
+    return f"ipc://{folder}/s"

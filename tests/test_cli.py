@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,11 @@ import pytest
 zmq = pytest.importorskip("zmq")  # the GPU machine has no pyzmq: skip there, do not fail collection
 
 from batchmaker.serving.cli import UsageError, main  # noqa: E402
+from helpers import ipc_address  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 # The console script's view: unlike `python -m` or `-c`, the current directory is not on sys.path.
 AS_CONSOLE_SCRIPT = "import sys; sys.path.remove(''); from batchmaker.serving.cli import main; sys.exit(main())"
-
-
-def short_ipc_address() -> str:
-    return f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -101,7 +97,7 @@ print(sorted(m for m in ("torch", "numpy") if m in sys.modules))
 
 
 def test_serve_finds_module_attribute_in_the_current_directory_and_stops_on_sigterm(capsys):
-    address = short_ipc_address()
+    address = ipc_address()
     proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address,
                              "--models", "lstm,toy:toy_model", "--set", "hidden=8", "--set", "embed=8",
                              "--set", "vocab=50"], cwd=TESTS, stderr=subprocess.PIPE, text=True)

@@ -1,7 +1,6 @@
 """The server and client end to end over real loopback sockets (tcp and ipc)."""
 import asyncio
 import random
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,16 +16,11 @@ from batchmaker.errors import (BadRequestError, CancelledError, DeadlineExceeded
                                ServerUnavailableError, UnknownModelError)
 from batchmaker.serving.client import Client  # noqa: E402
 from batchmaker.serving.server import Server, ServerConfig  # noqa: E402
-from helpers import wait_idle  # noqa: E402
+from helpers import ipc_address, wait_idle  # noqa: E402
 from toy import toy_model, toy_reference  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 SMALL = dict(vocab=60, embed=8, hidden=8)
-
-
-def short_ipc_address() -> str:
-    """ipc paths must stay under ~100 bytes; pytest's tmp_path can be longer."""
-    return f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
 
 
 def models():
@@ -36,7 +30,7 @@ def models():
 
 @pytest.fixture(params=["tcp", "ipc"])
 def served(request):
-    address = "tcp://127.0.0.1:*" if request.param == "tcp" else short_ipc_address()
+    address = "tcp://127.0.0.1:*" if request.param == "tcp" else ipc_address()
     with Engine(models()) as engine:
         server = Server(engine, ServerConfig(address)).start()
         yield engine, server

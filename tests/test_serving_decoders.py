@@ -4,7 +4,6 @@ numpy inputs, and `batchmaker serve` on a HF-style checkpoint with a tokenizer (
 import json
 import subprocess
 import sys
-import tempfile
 import time
 
 import msgpack
@@ -21,7 +20,7 @@ from batchmaker.errors import BadRequestError, CancelledError, DeadlineExceededE
 from batchmaker.serving.cli import main  # noqa: E402
 from batchmaker.serving.client import Client  # noqa: E402
 from batchmaker.serving.server import Server, ServerConfig  # noqa: E402
-from helpers import wait_idle, wait_until  # noqa: E402
+from helpers import ipc_address, wait_idle, wait_until  # noqa: E402
 
 MAX_LEN = PRESETS["tiny-llama"].max_positions  # 256
 GREEDY = {"max_new_tokens": 12, "ignore_eos": True}
@@ -224,7 +223,7 @@ def test_serve_a_hf_checkpoint_and_stream_text(served, tmp_path, capsys):
     pytest.importorskip("tokenizers")
     engine, _ = served
     save_checkpoint(tmp_path)
-    address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
+    address = ipc_address()
     proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address,
                              "--models", "llama", "--set", f"llama.checkpoint={tmp_path}", "--set", "num_blocks=32"],
                             stderr=subprocess.PIPE, text=True)

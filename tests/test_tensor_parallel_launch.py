@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from batchmaker.launch import launched
 from batchmaker.registry import build_model
 from batchmaker.serving.cli import main
+from helpers import ipc_address
 from test_tensor_parallel_engine import serve, workload
 
 pytest.importorskip("zmq")
@@ -43,7 +43,7 @@ def processes_naming(text: str) -> list[int]:
 
 
 def test_torchrun_ranks_serve_the_tokens_of_one_rank(capsys):
-    address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
+    address = ipc_address()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "-m", "batchmaker.serving.cli", "serve", "--models", "llama",
                "--set", "llama.seed=2", "--set", "llama.max_tokens=48", "--set", "llama.tensor_parallel=2",
