@@ -129,6 +129,7 @@ def test_demo_runs_drains_and_prints_plain_progress_lines_when_not_on_a_terminal
     assert "\r" not in captured.err and progress  # a file or a pipe gets plain lines
     done, sent = progress[-1].split()[-2].split("/")
     assert "drained" in progress[-1] and done == sent
+    assert sum("drained" in line for line in progress) == 1  # (said once)
 
 
 def test_progress_redraws_one_line_on_a_terminal_and_shows_the_drain():

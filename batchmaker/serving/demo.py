@@ -113,6 +113,7 @@ class Progress:
         self.is_terminal = self.stream.isatty()
         self.every = 0.2 if self.is_terminal else 5.0  # seconds between updates
         self.next_show = 0.0  # perf_counter instant of the next update
+        self.drained_shown = False  # (the drain's last update and the final one would both say so)
 
     def show(self, elapsed: float, futures: list, final: bool = False) -> None:
         now = time.perf_counter()
@@ -120,6 +121,10 @@ class Progress:
             return
         self.next_show = now + self.every
         done, sent = sum(f.done() for _, f in futures), len(futures)
+        drained = elapsed >= self.duration and done == sent
+        if drained and self.drained_shown and not self.is_terminal:  # (a terminal's last redraw ends the line)
+            return
+        self.drained_shown = drained
         if elapsed < self.duration:
             phase = f"{elapsed:5.1f}/{self.duration:g} s"
         else:  # the drain: requests sent near the end are still running
