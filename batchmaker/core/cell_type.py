@@ -1,4 +1,5 @@
 """What the scheduler batches by (a cell type) and how a batch's rows are laid out in its index."""
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,12 @@ class CellType:
 
     def bucket(self, batch: int) -> int:
         """The smallest batch size that holds `batch` rows (the padded size a graph runs at)."""
-        for size in self.batch_sizes:
-            if size >= batch:
-                return size
-        raise ValueError(f"{self.name}: batch {batch} exceeds the largest batch size {self.max_batch}")
+        return bucket_of(self.batch_sizes, batch, self.name)
+
+
+def bucket_of(sizes, n: int, what: str) -> int:
+    """The smallest of the ascending `sizes` that holds `n`."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{what}: {n} exceeds the largest batch size {sizes[-1]}")
+    return sizes[i]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchmaker.core.cell_type import bucket_of
 from batchmaker.core.iteration_plan import GraphShape, IterationPlan
 
 PREFILL_GRAPH_MIN_TOKENS = 16  # the smallest token bucket of those graphs
@@ -45,10 +46,7 @@ class GraphShapes:
     enabled: bool = True
 
     def bucket(self, n: int) -> int:
-        for size in self.batch_sizes:
-            if size >= n:
-                return size
-        raise ValueError(f"{n} sequences exceed the largest batch size {self.batch_sizes[-1]}")
+        return bucket_of(self.batch_sizes, n, "sequences")
 
     @property
     def decode_buckets(self) -> list[int]:
