@@ -162,3 +162,15 @@ def test_an_iteration_that_fails_on_rank_0_breaks_the_group_at_once():
         assert time.monotonic() - start < 5.0
     finally:
         engine.stop()
+
+
+def test_the_host_tier_is_the_whole_models_over_the_ranks():
+    """host_bytes is the whole model's: each rank keeps as many chunks, each of its part of the K/V."""
+    facts = []
+    for tp in (1, 2):
+        engine = Engine([build_model("llama", seed=1, max_tokens=48, tensor_parallel=tp, host_bytes=1 << 20)]).start()
+        try:
+            facts.append(next(iter(engine.workers[0].decoder_facts.values())))
+        finally:
+            engine.stop()
+    assert facts[0].host_chunks == facts[1].host_chunks > 0 and facts[0].chunk_bytes == facts[1].chunk_bytes

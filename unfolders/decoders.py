@@ -86,7 +86,8 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
     lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
-    the KV cache (default 8 GiB beside a GPU, 32 MiB beside a CPU; 0: the GPU tier only);
+    the KV cache (default 8 GiB beside a GPU, 32 MiB beside a CPU, over all ranks of a parallel model;
+    0: the GPU tier only);
     eviction "value" (Pensieve) or "lru"; chunk_tokens, the unit of eviction; conversation_ttl,
     seconds a conversation is kept idle; swap_threshold, the fraction of free blocks below which
     chunks are copied to the host ahead of time. reserve: the fraction of blocks new requests leave

@@ -89,7 +89,8 @@ class IterationRunner:
         kv = module.kv
         self.chunk_tokens = max(kv.chunk_tokens // module.block_size, 1) * module.block_size
         host_bytes = kv.host_bytes if kv.host_bytes is not None else (8 << 30 if cuda else 32 << 20)
-        host_chunks = HostTier.num_chunks_for(host_bytes, self.config, self.chunk_tokens, dtype)
+        # (the whole model's: each rank's chunk holds its part of the K/V, so every rank keeps as many chunks)
+        host_chunks = HostTier.num_chunks_for(host_bytes // module.ranks, self.config, self.chunk_tokens, dtype)
         max_chunks = -(-self.max_blocks * module.block_size // self.chunk_tokens)
         self.max_swap_in, self.max_swap_out = 2 * max_chunks, 32
         self.host = HostTier(self.cache, host_chunks, self.chunk_tokens, self.max_swap_in, self.max_swap_out) \
@@ -100,7 +101,7 @@ class IterationRunner:
         blocks, before serving): the KV cache's and the host tier's sizes, what recomputing a
         chunk costs at each position (Pensieve Eq. 3.6), what copying one in takes, and the CUDA
         graphs it replays."""
-        host, ranks = self.host, 1 if self.ranks is None else self.ranks.size
+        host, ranks = self.host, self.module.ranks
         return DecoderFacts(self.cache.num_blocks, host.num_chunks if host else 0, self.chunk_tokens,
                             self.chunk_costs(), self.max_swap_in, self.max_swap_out,
                             host.bytes_per_chunk * ranks if host else 0,  # (every rank copies its kv heads)
