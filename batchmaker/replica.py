@@ -22,7 +22,7 @@ from batchmaker.engine_config import EngineConfig
 from batchmaker.errors import BatchMakerError
 from batchmaker.forms import Generate
 from batchmaker.registry import load_model
-from batchmaker.replica_wire import FAILED, READY, STOPPED, ModelInfo, Report, Turn, decode, encode
+from batchmaker.replica_wire import FAILED, READY, STOPPED, ModelInfo, Report, Turn, decode, encode, stack_outputs
 
 log = logging.getLogger("batchmaker.replica")
 # The rule for every process the server starts (as exec/tensor_group.py's ranks): NVLink
@@ -165,6 +165,7 @@ class ReplicaLoop:
                 return
             self._check_parent()
         report.progress = self.engine.num_tasks + self.engine.accounting.num_finished
+        stack_outputs(report)
         self._send(report)
         self.report = Report(self.spec.index)
 

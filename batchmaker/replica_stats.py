@@ -16,9 +16,10 @@ if TYPE_CHECKING:
 
 
 def front_stats(replicas: "Replicas") -> dict[str, Any]:
-    return {"num_queued_requests": replicas.num_accepted - replicas.num_finished,
+    front = replicas.front
+    return {"num_queued_requests": replicas.num_accepted - (front.num_finished if front else 0),
             "max_requests": replicas.config.engine.max_requests,
-            "latency_ms": {name: percentiles(list(lat)) for name, lat in replicas.latencies.items()}}
+            "latency_ms": {name: percentiles(list(lat)) for name, lat in (front.latencies if front else {}).items()}}
 
 
 def merge_stats(front: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class Turn:
     def is_empty(self) -> bool:
         return not (self.requests or self.cancels or self.queries or self.stop)
 
+    def __reduce__(self):  # (the dataclass's own pickling costs ~3 µs a message)
+        return Turn, (self.requests, self.cancels, self.queries, self.stop)
+
 
 @dataclass(slots=True)
 class Report:
@@ -56,11 +59,40 @@ class Report:
     replica: int
     state: str = RUNNING
     results: list = field(default_factory=list)  # (id, outputs, first_cell instant | None)
+    stacked: dict = field(default_factory=dict)  # output name -> [len(results), ...]: see stack_outputs
     failures: list = field(default_factory=list)  # (id, error class name, wire code, message)
     partials: list = field(default_factory=list)  # (id, streamed value)
     progress: int = 0  # tasks run + requests finished: grows while the replica's engine works
     answers: list = field(default_factory=list)  # (query id, the engine's stats)
     detail: Any = None  # READY: [ModelInfo, ...], pid; FAILED: why
+
+    def __reduce__(self):
+        return Report, (self.replica, self.state, self.results, self.stacked, self.failures, self.partials,
+                        self.progress, self.answers, self.detail)
+
+
+def stack_outputs(report: Report) -> None:
+    """The replica's side: an output that is a tensor of one shape and dtype in every result
+    leaves the results' dicts and travels as one tensor, its rows in result order (a tensor pickled
+    alone costs ~10 µs on both sides; a row of a stacked one, ~1 µs)."""
+    outputs = [result[1] for result in report.results]
+    if not outputs:
+        return
+    for name, first in outputs[0].items():
+        if isinstance(first, torch.Tensor) and all(
+                type(o.get(name)) is torch.Tensor and o[name].shape == first.shape and o[name].dtype == first.dtype
+                for o in outputs):
+            report.stacked[name] = torch.stack([o[name] for o in outputs])
+    for o in outputs:
+        for name in report.stacked:
+            del o[name]
+
+
+def unstack_outputs(report: Report) -> None:
+    """The front's side: each result's outputs get their rows back (views of one tensor)."""
+    for name, stacked in report.stacked.items():
+        for result, row in zip(report.results, stacked.unbind(0)):
+            result[1][name] = row
 
 
 def encode(message: Turn | Report) -> bytes:

@@ -35,6 +35,8 @@ def short_ipc_address() -> str:
     (["serve", "--address", "127.0.0.1:5555"], "did you mean tcp://127.0.0.1:5555?"),
     (["serve", "--devices", "cpu,cuda:99"], "--devices cuda:99: "),
     (["serve", "--devices", "tpu"], "--devices tpu: expected cpu or cuda:N"),
+    (["serve", "--models", "lstm,llama", "--replicas"], "--replicas: llama is a decoder; replicas serve the RNN"),
+    (["serve", "--models", "lstm", "--replicas", "--set", "hiden=8"], "--set hiden: unknown key for lstm"),
     (["serve", "--curve-secret-key", "/no/such.key", "--curve-clients", "/no/a.pub"], "/no/such.key: No such file"),
     (["serve", "--curve-secret-key", "/no/such.key"], "needs both --curve-secret-key and --curve-clients"),
     (["demo", "--device", "cuda:99"], "--device cuda:99: "),

@@ -1,10 +1,14 @@
 """Data-parallel replicas (batchmaker/replicas.py), each a process with its own engine on the CPU:
 outputs equal each request run alone, cancel, deadlines, priorities, merged stats, typed errors,
 the server in front, and failures (a replica killed or hung mid-run) with no process left behind."""
+import json
 import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -18,7 +22,7 @@ from batchmaker.replica_stats import merge
 from batchmaker.replica_wire import Report, decode, encode
 from batchmaker.replicas import Replicas, ReplicasConfig
 from helpers import sharp_seq2seq, submit_concurrently, wait_idle, wait_until
-from reference import lstm_reference, seq2seq_reference, treelstm_reference
+from reference import seq2seq_reference
 from test_models import assert_same, lstm_case, treelstm_case
 
 SMALL = dict(vocab=500, embed=24, hidden=32)
@@ -158,6 +162,28 @@ def test_the_server_serves_replicas_unchanged(replicas):
         assert client.health()["devices"] == list(replicas.config.devices)
         assert sorted(client.models()) == ["lstm", "seq2seq", "treelstm"]
         assert len(client.stats()["replicas"]) == len(replicas.replicas)
+
+
+def test_serve_with_replicas_answers_and_stops_every_replica_on_sigterm(capsys):
+    from batchmaker.serving.cli import main
+    address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
+    proc = subprocess.Popen([sys.executable, "-m", "batchmaker.serving.cli", "serve", "--replicas", "--devices", "cpu,cpu",
+                             "--models", "lstm", "--set", "hidden=8", "--set", "embed=8", "--address", address],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert main(["client", "stats", "--address", address, "--timeout", "60"]) == 0
+        pids = [row["pid"] for row in json.loads(capsys.readouterr().out)["replicas"]]
+        assert len(pids) == 2 and proc.pid not in pids
+        assert main(["client", "infer", "lstm", '{"tokens": [5, 6]}', "--address", address]) == 0
+        assert len(json.loads(capsys.readouterr().out)["outputs"]["h"]) == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "serving lstm on ipc://" in proc.stderr.read()
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        proc.kill()
 
 
 def test_a_killed_replica_fails_its_requests_within_seconds_and_the_others_keep_serving():

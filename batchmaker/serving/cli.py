@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   batchmaker demo                         # server + client in one process, Poisson load, a table
   batchmaker serve [--models lstm,seq2seq,treelstm] [--address tcp://127.0.0.1:5555] [--devices cpu]
   batchmaker serve --models llama --set checkpoint=/models/Llama-2-7b-hf --set dtype=bfloat16 --devices cuda:0
+  batchmaker serve --models lstm,treelstm --devices cuda:0,cuda:1 --replicas   # a process per device
   batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
   batchmaker client infer llama '{"tokens": [1, 450, 73], "max_new_tokens": 16}' --stream
   batchmaker client chat llama '{"max_new_tokens": 16}' < turns.txt   # one turn of token ids a line
@@ -118,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(repeatable; the keys are listed below)")
     serve.add_argument("--address", default=DEFAULT_ADDRESS, help="tcp://HOST:PORT or ipc:///PATH to bind")
     serve.add_argument("--devices", default="cpu", help="comma-separated: cpu, cuda:0, cuda:1, ... (one worker each)")
+    serve.add_argument("--replicas", action="store_true",
+                       help="one replica process per device, each an engine of its own, behind a front that "
+                            "routes to the least loaded (the RNN and tree models; not decoders)")
     serve.add_argument("--max-requests", type=int, default=4096, metavar="N",
                        help="infer requests queued or running at once; beyond it new ones are answered overloaded")
     serve.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="BYTES",
@@ -182,28 +186,49 @@ def _serve(args) -> int:
         raise UsageError("CurveZMQ needs both --curve-secret-key and --curve-clients")
     config_keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
                        curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
-    models = _load_models([s.strip() for s in args.models.split(",") if s.strip()], args.set, devices)
-
-    from batchmaker.engine import Engine
+    specs = [s.strip() for s in args.models.split(",") if s.strip()]
     from batchmaker.engine_config import EngineConfig
     from batchmaker.serving.server import Server, ServerConfig
+
+    engine_config = EngineConfig(devices=devices, max_requests=args.max_requests)
+    if args.replicas:
+        engine = _replicas(specs, args.set, engine_config)
+    else:
+        from batchmaker.engine import Engine
+        engine = Engine(_load_models(specs, args.set, devices), engine_config)
 
     config = ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,
                           **config_keys)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Engine(models, EngineConfig(devices=devices, max_requests=args.max_requests)) as engine:
+    with engine:
         server = Server(engine, config).start()
-        for m in models:
+        for m in engine.models.values():
             log.info("model %s: cells %s, inputs %s", m.name, sorted(m.cells), sorted(m.input_schema))
-        log.info("serving %s on %s (devices %s%s)", ", ".join(m.name for m in models), server.address,
-                 ",".join(devices), ", CurveZMQ" if config.curve_secret_key else "")
-        stop.wait()
+        log.info("serving %s on %s (devices %s%s%s)", ", ".join(engine.models), server.address, ",".join(devices),
+                 ", a replica each" if args.replicas else "", ", CurveZMQ" if config.curve_secret_key else "")
+        while not stop.wait(0.5):
+            if args.replicas and not engine.num_alive:
+                log.error("no replica is left: stopping")
+                break
         log.info("stopping: draining in-flight requests for up to %g s", config.drain_timeout)
         server.stop()
     log.info("stopped")
-    return 0
+    return 0 if stop.is_set() else 1
+
+
+def _replicas(specs: list[str], settings: list[str], engine_config):
+    """A replica per device builds the models; here the options are only checked. The server
+    exits (status 1) once no replica is left."""
+    from batchmaker.replicas import Replicas, ReplicasConfig
+    from batchmaker.serving.model_options import SettingError, replica_specs
+
+    try:
+        models = replica_specs(specs, settings)
+    except (SettingError, LookupError) as e:  # (an unknown registered name: UnknownModelError)
+        raise UsageError(str(e)) from None
+    return Replicas(models, ReplicasConfig(devices=engine_config.devices, engine=engine_config))
 
 
 def _client(args) -> int:
