@@ -70,13 +70,13 @@ def replica_main(spec: ReplicaSpec) -> None:
 
 
 def build_engine(spec: ReplicaSpec) -> Engine:
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))  # (nothing of ours lands on another device by default)
     models = [load_model(name, **options) for name, options in spec.models]
     for model in models:
         if model.forms and isinstance(model.forms[0], Generate):
             raise ValueError(f"model {model.name} is a decoder: replicas serve the RNN and tree models (a decoder "
                              "keeps conversations and KV on one engine; serve it without --replicas)")
-    if spec.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(spec.device))
     return Engine(models, replace(spec.engine, devices=(spec.device,))).start(thread=False)
 
 
@@ -91,6 +91,7 @@ class ReplicaLoop:
         self.report = Report(spec.index)
         self.last_sent = 0.0
         self.is_stopping = False
+        self.is_orphaned = False  # the front's process is gone: nobody reads our reports
 
     def run(self) -> None:
         models = [ModelInfo.of(m) for m in self.engine.models.values()]
@@ -105,6 +106,9 @@ class ReplicaLoop:
                 log.exception("replica %d failed", self.spec.index)
                 raise SystemExit(1)
         self.engine.stop()  # unfinished requests fail with EngineStoppedError (their callbacks fire now)
+        if self.is_orphaned:
+            self.reports.setsockopt(zmq.LINGER, 0)  # (its close would wait for a reader that is gone)
+            return
         self.report.state = STOPPED
         self._flush()
 
@@ -174,5 +178,5 @@ class ReplicaLoop:
         self.last_sent = time.perf_counter()
 
     def _check_parent(self) -> None:
-        if os.getppid() != self.spec.parent_pid:  # the front's process is gone: nobody reads our reports
-            self.is_stopping = True
+        if os.getppid() != self.spec.parent_pid:
+            self.is_orphaned = self.is_stopping = True

@@ -186,6 +186,30 @@ def test_serve_with_replicas_answers_and_stops_every_replica_on_sigterm(capsys):
         proc.kill()
 
 
+def test_replicas_exit_when_their_front_process_is_killed():
+    code = ("from batchmaker.replicas import Replicas, ReplicasConfig\n"
+            "r = Replicas([('lstm', {'hidden': 8, 'embed': 8})], ReplicasConfig(devices=('cpu', 'cpu'), heartbeat=0.2))\n"
+            "r.start()\nprint(*[h.pid for h in r.replicas], flush=True)\nimport time; time.sleep(600)\n")
+    front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in front.stdout.readline().split()]
+        assert len(pids) == 2
+        front.kill()
+        front.wait(10)
+        wait_until(lambda: not any(is_running(pid) for pid in pids), timeout=10)
+    finally:
+        front.kill()
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_killed_replica_fails_its_requests_within_seconds_and_the_others_keep_serving():
     config = ReplicasConfig(devices=("cpu", "cpu"))
     with Replicas([("lstm", SMALL)], config) as replicas:
