@@ -150,7 +150,7 @@ class Replicas:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every accepted request has finished; False if `timeout` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.num_accepted > self.front.num_finished:
+        while self.front is not None and self.num_accepted > self.front.num_finished:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.005)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -152,9 +153,10 @@ def test_priorities_reach_the_replicas(replicas):
     assert done_low < 0.5 * len(low)
 
 
-def test_the_server_serves_replicas_unchanged(replicas):
+def test_the_server_serves_replicas_unchanged_and_drains_them(replicas):
     from batchmaker import Client, Server, ServerConfig
-    with Server(replicas, ServerConfig("tcp://127.0.0.1:*")) as server, Client(server.address) as client:
+    server = Server(replicas, ServerConfig("tcp://127.0.0.1:*")).start()
+    with Client(server.address) as client:
         assert client.submit("lstm", {"tokens": [1, 2, 3]}).result(30).outputs["h"].shape == (SMALL["hidden"],)
         stream = client.stream("seq2seq", {"tokens": [3, 4, 5]})
         streamed = [t for partial in stream for t in partial["tokens"]]
@@ -162,6 +164,12 @@ def test_the_server_serves_replicas_unchanged(replicas):
         assert client.health()["devices"] == list(replicas.config.devices)
         assert sorted(client.models()) == ["lstm", "seq2seq", "treelstm"]
         assert len(client.stats()["replicas"]) == len(replicas.replicas)
+        long = client.submit("lstm", {"tokens": [5] * 2000})
+        wait_until(lambda: server.counters.num_requests == 3)  # (it reached the server)
+        stopping = threading.Thread(target=server.stop, kwargs={"drain_timeout": 30})
+        stopping.start()
+        assert long.result(30).outputs["h"].shape == (SMALL["hidden"],)  # drained: answered, not cancelled
+        stopping.join()
 
 
 def test_serve_with_replicas_answers_and_stops_every_replica_on_sigterm(capsys):
