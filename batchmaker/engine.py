@@ -324,12 +324,7 @@ class Engine:
             return EngineStoppedError("the engine is not running")
         if model not in self.models:
             return UnknownModelError(model, self.models)
-        if type(priority) is not int or not -(2**31) <= priority < 2**31:
-            return BadRequestError(f"priority must be a 32-bit integer, got {priority!r}")
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                     or not 0 < deadline < 1e7):
-            return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
-        return None
+        return check_options(priority, deadline)
 
     # start-up -------------------------------------------------------------------------------
     def _build_queues(self) -> None:
@@ -369,6 +364,16 @@ class Engine:
 
     def _release(self, node) -> None:
         self.workers[node.worker_id].release(node)
+
+
+def check_options(priority, deadline) -> BadRequestError | None:
+    """A request's priority and deadline as submit takes them (Engine, Replicas)."""
+    if type(priority) is not int or not -(2**31) <= priority < 2**31:
+        return BadRequestError(f"priority must be a 32-bit integer, got {priority!r}")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not 0 < deadline < 1e7):
+        return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
+    return None
 
 
 def _copy_state(source: RequestFuture, waiter: asyncio.Future) -> None:

@@ -67,10 +67,24 @@ class EngineStoppedError(BatchMakerError, RuntimeError):
     code = "cancelled"
 
 
-def error_from_code(code: str, message: str) -> BatchMakerError:
-    """The typed error for a wire error code (the client's side of the protocol)."""
-    cls = next((c for c in (BadRequestError, UnknownConversationError, UnknownModelError, OverloadedError, CancelledError,
-                            DeadlineExceededError) if c.code == code), BatchMakerError)
+class ReplicaFailedError(BatchMakerError, RuntimeError):
+    """The replica process serving the request died or stopped answering (batchmaker/replicas.py);
+    or, at start, a replica could not build its models."""
+
+    code = "internal"
+
+
+def error_from_code(code: str, message: str, name: str | None = None) -> BatchMakerError:
+    """The typed error for a wire error code (the client's side of the protocol); `name`, the
+    error's class name where the sender sent it (a replica process), picks among classes of one code."""
+    cls = _BY_NAME.get(name) or next((c for c in (BadRequestError, UnknownConversationError, UnknownModelError,
+                                                  OverloadedError, CancelledError, DeadlineExceededError)
+                                      if c.code == code), BatchMakerError)
     error = cls.__new__(cls)
     BatchMakerError.__init__(error, message)
     return error
+
+
+_BY_NAME = {c.__name__: c for c in (BatchMakerError, BadRequestError, UnknownConversationError, UnknownModelError,
+                                    CellError, CancelledError, OverloadedError, DeadlineExceededError,
+                                    EngineStoppedError, ReplicaFailedError)}

@@ -27,7 +27,7 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "num_tasks": engine.num_tasks,
         "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(engine.batch_sizes).items())},
         "stage_ms": {k: v / 1e6 for k, v in engine.stage_ns.items()},
-        "latency_ms": {name: _percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()},
+        "latency_ms": {name: percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()},
     }
 
 
@@ -37,7 +37,7 @@ def _num_live_structured(engine: "Engine") -> int:
     return max(0, len(engine.accounting.live) - general)
 
 
-def _percentiles(values: list[float]) -> dict[str, float | int]:
+def percentiles(values: list[float]) -> dict[str, float | int]:
     if not values:
         return {"count": 0}
     values.sort()

@@ -17,12 +17,16 @@
 #     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching
 #              (its tree cap tuned) and the ablation
 #     serving  bench/wmt.py and bench/treebank.py over ZeroMQ (carry pyzmq wheels in .whl)
+#     replicas-lstm, replicas-seq2seq, replicas-treebank (a multi-GPU machine): the engine as 1, 2 and 4
+#              data-parallel replicas (those the machine has GPUs for) in one run, each N against 1
+#              (issue 31: >= 1.8x at 2, >= 3.4x at 4); fp16; ~5-8 min each
 #     baselines the baselines' tests on the GPU (graphs, fused tree cells, batches in flight)
 #     decoders the decoder tests (HF references, Triton attention, CUDA-graph decode), bench/attention.py,
 #              and a small bench/chat.py (tiny model) that checks the script end to end
 #     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
-# RATES_S2S, RATES_TREE (the curves' offered rates), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
+# RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
+# RATES_REPLICAS_TREE (the replica suites'), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
 set -o pipefail
@@ -45,6 +49,12 @@ proto=(--device cuda:0 --duration "${DURATION:-0.5}" --warm "${WARM:-0.15}" --re
 RATES_LSTM=${RATES_LSTM:-12000 17600 26000 38000 56000}
 RATES_S2S=${RATES_S2S:-4000 5900 8700 12700 18700 27500}
 RATES_TREE=${RATES_TREE:-6500 9500 14000 20500 30000 44000}
+RATES_REPLICAS_LSTM=${RATES_REPLICAS_LSTM:-15000 30000 60000 120000 180000 240000}
+RATES_REPLICAS_S2S=${RATES_REPLICAS_S2S:-8000 16000 32000 64000 96000 128000}
+RATES_REPLICAS_TREE=${RATES_REPLICAS_TREE:-5000 10000 20000 40000 60000 80000}
+GPUS=$(python3 -c 'import torch; print(",".join(f"cuda:{i}" for i in range(torch.cuda.device_count())))' 2>/dev/null)
+REPLICA_COUNTS=$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= torch.cuda.device_count()])' 2>/dev/null)
+replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
 for suite in "$@"; do
     case "$suite" in
         tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
@@ -70,6 +80,9 @@ for suite in "$@"; do
         treebank) step treebank-sst-fp16 timeout 150 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 256 512 ;;
         serving) step wmt-lstm-zmq timeout 200 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null
                  step treebank-zmq timeout 200 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --systems batchmaker graph-batching null ;;
+        replicas-lstm) step replicas-lstm timeout 590 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" "${replicas[@]}" --rates $RATES_REPLICAS_LSTM ;;
+        replicas-seq2seq) step replicas-seq2seq timeout 590 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" "${replicas[@]}" --rates $RATES_REPLICAS_S2S ;;
+        replicas-treebank) step replicas-treebank timeout 590 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" "${replicas[@]}" --rates $RATES_REPLICAS_TREE ;;
         baselines) step baseline-tests timeout 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_baselines.py -k cuda ;;
         decoders) step decoder-tests timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -s tests/test_generation_gpu.py tests/test_paged_attention.py tests/test_generation.py tests/test_decoder_models.py
                   step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"

@@ -53,6 +53,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-steps", type=int, default=None, help="the engine's steps per chain round")
+    parser.add_argument("--replicas", type=int, nargs="+", default=None, metavar="N",
+                        help="the engine as data-parallel replicas (a process each) over the first N of --devices, "
+                             "one system per N (batchmaker-rN, in place of batchmaker), each compared with r1")
     parser.add_argument("--tag", default="", help="appended to the result name")
 
 
@@ -74,8 +77,11 @@ def protocol_of(args) -> Protocol:
 def engine_config(args):
     from batchmaker import EngineConfig, SchedulerConfig
     scheduler = SchedulerConfig() if args.round_steps is None else SchedulerConfig(max_round_steps=args.round_steps)
-    return EngineConfig(devices=tuple((args.devices or args.device).split(",")), scheduler=scheduler,
-                        max_requests=1 << 20)  # open loop: no admission bound
+    return EngineConfig(devices=devices_of(args), scheduler=scheduler, max_requests=1 << 20)  # open loop: no bound
+
+
+def devices_of(args) -> tuple[str, ...]:
+    return tuple((args.devices or args.device).split(","))
 
 
 @dataclass
@@ -118,7 +124,7 @@ def engine_factory(build_models, args, model_name: str, cellular: bool = True, w
     def make():
         models = build_models()
         engine = Engine(models, engine_config(args))
-        config = {"name": ENGINE, "engine_config": _plain(asdict(engine.config)),
+        config = {"name": ENGINE, "engine_config": plain(asdict(engine.config)),
                   "max_batch": {m.name: {c: max(s) for c, s in m.batch_sizes.items()} for m in models}}
         if cellular:
             return engine, config
@@ -184,7 +190,8 @@ def warm_rates(args) -> list[float]:
 def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, tuning: dict | None = None,
                   checkpoint=None) -> dict:
     """The whole protocol (module docstring). factories: name -> make() -> (server, config);
-    comparisons: baseline -> {"ours": ENGINE, "sustainable": target, "p90": target, "half_load": bool}; tuning:
+    comparisons: baseline (or a label with "baseline" inside) -> {"ours": ENGINE, "sustainable": target, "p90":
+    target, "half_load": bool}; tuning:
     baseline -> {candidate label: make}; checkpoint(partial record) after each repeat (what a
     killed run leaves)."""
     protocol = protocol_of(args)
@@ -263,7 +270,8 @@ def half_load(comparisons: dict, results: dict, measures: dict, protocol: Protoc
     throughput, once per repeat, in a random order each time (measured there, not interpolated)."""
     rng = random.Random(protocol.seed + 1)
     out = {}
-    for baseline, spec in comparisons.items():
+    for key, spec in comparisons.items():
+        baseline = spec.get("baseline", key)
         if (not spec.get("half_load") or baseline not in results or spec["ours"] not in results
                 or not results[baseline]["sustainable"]):
             continue
@@ -276,7 +284,7 @@ def half_load(comparisons: dict, results: dict, measures: dict, protocol: Protoc
             rng.shuffle(pair)
             for name in pair:
                 points[name].append(measures[name](rate, repeat))
-        out[baseline] = {"rate": rate, "points": points}
+        out[key] = {"rate": rate, "points": points}
     return out
 
 
@@ -296,8 +304,8 @@ def compare(comparisons: dict, results: dict, half: dict) -> dict:
     reaches the target), p90 ratio at half the baseline's sustainable throughput (met when the upper
     end is within the target), p90 ratios at the curve's offered rates, and peak under overload."""
     out = {}
-    for baseline, spec in comparisons.items():
-        ours = spec["ours"]
+    for key, spec in comparisons.items():
+        ours, baseline = spec["ours"], spec.get("baseline", key)
         if baseline not in results or ours not in results or not results[baseline]["sustainable"]:
             continue
         a, b = results[ours], results[baseline]
@@ -305,17 +313,17 @@ def compare(comparisons: dict, results: dict, half: dict) -> dict:
         s = ratio_range(a["sustainable"]["values"], b["sustainable"]["values"])
         row["sustainable"] = {**s, "target": spec.get("sustainable"),
                               "met": None if spec.get("sustainable") is None else s["min"] >= spec["sustainable"]}
-        if baseline in half:
-            p90 = {n: [p["latency_ms"]["p90"] for p in pts] for n, pts in half[baseline]["points"].items()}
+        if key in half:
+            p90 = {n: [p["latency_ms"]["p90"] for p in pts] for n, pts in half[key]["points"].items()}
             r = ratio_range(p90[ours], p90[baseline])
-            row["p90_at_half"] = {"rate": half[baseline]["rate"], "p90_ms": {n: spread(v) for n, v in p90.items()},
+            row["p90_at_half"] = {"rate": half[key]["rate"], "p90_ms": {n: spread(v) for n, v in p90.items()},
                                   **r, "target": spec.get("p90"),
                                   "met": None if spec.get("p90") is None else r["max"] <= spec["p90"]}
         row["p90_at_offered"] = [
             {"offered_rate": pa["offered_rate"], **ratio_range(pa["p90_ms"]["values"], pb["p90_ms"]["values"])}
             for pa, pb in zip(a["curve"], b["curve"])]
         row["peak_under_overload"] = ratio_range(a["peak_under_overload"]["values"], b["peak_under_overload"]["values"])
-        out[baseline] = row
+        out[key] = row
     return out
 
 
@@ -348,12 +356,12 @@ def _difference(after, before):
     return None
 
 
-def _plain(value):
+def plain(value):
     """Dataclass dicts with tuples and nested configs made JSON-friendly."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
@@ -374,9 +382,9 @@ def summary_lines(record: dict) -> list[str]:
         s = r["sustainable"]
         lines.append(f"{name:16s} sustainable {s['median']:9.1f} req/s (min {s['min']:.1f}, max {s['max']:.1f});"
                      f" peak under overload {r['peak_under_overload']['median']:.1f}")
-    for baseline, c in record["comparisons"].items():
+    for c in record["comparisons"].values():
         s = c["sustainable"]
-        line = (f"{c['ours']} vs {baseline}: sustainable {s['median']:.2f}x (range {s['min']:.2f}-{s['max']:.2f},"
+        line = (f"{c['ours']} vs {c['baseline']}: sustainable {s['median']:.2f}x (range {s['min']:.2f}-{s['max']:.2f},"
                 f" target {s['target']}, met {s['met']})")
         if "p90_at_half" in c:
             p = c["p90_at_half"]

@@ -11,6 +11,7 @@ with --tune: every candidate's run is kept in the JSON).
     python bench/treebank.py --device cpu --hidden 256 --trees dev.txt --systems batchmaker graph-batching dynet \
         --rates 100 200 400
     python bench/treebank.py --trees fixed16 --systems batchmaker graph-batching ideal --rates ...
+    python bench/treebank.py --dtype fp16 --devices cuda:0,cuda:1 --replicas 1 2 --systems batchmaker null --rates ...
 """
 import argparse
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import replica_runs  # noqa: E402
 import runner  # noqa: E402
 from baselines import FixedTreeIdeal, GraphBatchingTreeLSTM  # noqa: E402
 from protocol import Slo  # noqa: E402
@@ -47,9 +49,15 @@ def trees(args) -> list:
     return read_trees(args.trees)
 
 
+def spec(args, max_batch: int) -> tuple[str, dict]:
+    """The model's registered name and options (same seed: same weights wherever it is built)."""
+    return "treelstm", dict(vocab=args.vocab, embed=args.embed or args.hidden, hidden=args.hidden, dtype=args.dtype,
+                            seed=args.seed, max_batch=max_batch)
+
+
 def build(args, max_batch: int):
-    return build_model("treelstm", vocab=args.vocab, embed=args.embed or args.hidden, hidden=args.hidden,
-                       dtype=args.dtype, seed=args.seed, max_batch=max_batch)
+    name, options = spec(args, max_batch)
+    return build_model(name, **options)
 
 
 def factories(args) -> tuple[dict, dict]:
@@ -61,7 +69,8 @@ def factories(args) -> tuple[dict, dict]:
         from baselines.dynet_treelstm import DynetTreeLSTM  # optional: pip install dynet38
         return runner.baseline_factory(lambda: DynetTreeLSTM(build(args, 64), args.device, max_trees=args.max_trees))()
     make = {
-        runner.ENGINE: runner.engine_factory(lambda: [build(args, args.engine_max_batch)], args, "treelstm"),
+        **replica_runs.engine_systems(args, lambda: [build(args, args.engine_max_batch)],
+                                      lambda: [spec(args, args.engine_max_batch)], "treelstm"),
         "graph-batching": graph_batching(args.max_trees),
         runner.ABLATION: runner.engine_factory(lambda: [build(args, args.engine_max_batch)], args, "treelstm",
                                                cellular=False, width=None, max_batch=args.max_trees),
@@ -70,7 +79,7 @@ def factories(args) -> tuple[dict, dict]:
         "null": runner.null_factory(),
     }
     tuning = {"graph-batching": {f"graph-batching-{cap}": graph_batching(cap) for cap in args.tune_caps}}
-    return {name: make[name] for name in args.systems}, tuning
+    return {name: make[name] for name in replica_runs.expand(args.systems, args)}, tuning
 
 
 def main(argv=None) -> int:
@@ -98,6 +107,7 @@ def main(argv=None) -> int:
     make, tuning = factories(args)
     comparisons = {b: {"ours": runner.ENGINE, "half_load": b in ("graph-batching", "dynet"), **TARGETS[b]}
                    for b in make if b in TARGETS}
+    comparisons.update(replica_runs.comparisons(args))
     label = args.trees if args.trees in ("sample", "fixed16") else Path(args.trees).stem
     title = f"TreeLSTM h={args.hidden} {args.dtype} {label}, TF32 {args.tf32}, {args.mode}"
     name = f"treebank-{label}-{args.dtype}" + (f"-{args.mode}" if args.mode != "inproc" else "")

@@ -11,6 +11,8 @@ clipped to --max-decode, in every system.
     python bench/wmt.py --model lstm --dtype fp16 --rates 12800 25600 38400 51200 --tune
     python bench/wmt.py --model lstm --device cpu --hidden 256 --rates 200 400 800 1200
     python bench/wmt.py --model seq2seq --moses europarl-v7.de-en.de europarl-v7.de-en.en --rates ...
+    python bench/wmt.py --model lstm --dtype fp16 --devices cuda:0,cuda:1 --replicas 1 2 --systems batchmaker null \
+        --rates ...           # the engine as 1 and 2 replica processes (bench/replica_runs.py)
 """
 import argparse
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import replica_runs  # noqa: E402
 import runner  # noqa: E402
 from baselines import BucketingLSTM, BucketingSeq2Seq  # noqa: E402
 from protocol import Slo  # noqa: E402
@@ -57,13 +60,19 @@ def requests(args, pairs) -> list[tuple[str, dict]]:
     return [("seq2seq", {"tokens": s, "max_len": min(n, args.max_decode)}) for s, n in pairs]
 
 
-def build(args):
-    """A fresh model (same seed: same weights) for each engine and baseline."""
+def spec(args) -> tuple[str, dict]:
+    """The model's registered name and options (same seed: same weights wherever it is built)."""
     sizes = dict(vocab=args.vocab, embed=args.embed or args.hidden, hidden=args.hidden, dtype=args.dtype, seed=args.seed)
     if args.model == "lstm":
-        return build_model("lstm", **sizes, max_batch=args.max_batch)
-    return build_model("seq2seq", **sizes, max_len=args.max_decode, max_batch_encoder=args.max_batch,
-                       max_batch_decoder=args.max_batch_decoder)
+        return "lstm", dict(sizes, max_batch=args.max_batch)
+    return "seq2seq", dict(sizes, max_len=args.max_decode, max_batch_encoder=args.max_batch,
+                           max_batch_decoder=args.max_batch_decoder)
+
+
+def build(args):
+    """A fresh model for each engine and baseline."""
+    name, options = spec(args)
+    return build_model(name, **options)
 
 
 def bucketing(args, pick: str, max_in_flight: int, max_batch: int, graphs: bool = True):
@@ -79,7 +88,7 @@ def factories(args) -> tuple[dict, dict]:
     """The systems, and the strong baseline's tuning candidates (its bucket pick)."""
     model_name = args.model
     make = {
-        runner.ENGINE: runner.engine_factory(lambda: [build(args)], args, model_name),
+        **replica_runs.engine_systems(args, lambda: [build(args)], lambda: [spec(args)], model_name),
         "bucketing": bucketing(args, args.pick, 2, args.max_batch),
         "bucketing-paper": bucketing(args, "round-robin", 1, args.paper_max_batch, graphs=False),
         runner.ABLATION: runner.engine_factory(lambda: [build(args)], args, model_name, cellular=False,
@@ -87,7 +96,7 @@ def factories(args) -> tuple[dict, dict]:
         "null": runner.null_factory(),
     }
     tuning = {"bucketing": {f"bucketing-{pick}": bucketing(args, pick, 2, args.max_batch) for pick in ("oldest", "fullest")}}
-    return {name: make[name] for name in args.systems}, tuning
+    return {name: make[name] for name in replica_runs.expand(args.systems, args)}, tuning
 
 
 def main(argv=None) -> int:
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
     make, tuning = factories(args)
     comparisons = {"bucketing": {"ours": runner.ENGINE, "half_load": True, **TARGETS[args.model]},
                    "bucketing-paper": {"ours": runner.ENGINE},
-                   runner.ABLATION: {"ours": runner.ENGINE}}
+                   runner.ABLATION: {"ours": runner.ENGINE}, **replica_runs.comparisons(args)}
     title = f"{args.model} h={args.hidden} {args.dtype} {args.lengths}, TF32 {args.tf32}, {args.mode}"
     name = f"wmt-{args.model}-{args.dtype}-{args.lengths if not args.moses else 'moses'}"
     name += f"-{args.mode}" if args.mode != "inproc" else ""

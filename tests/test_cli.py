@@ -31,6 +31,8 @@ AS_CONSOLE_SCRIPT = "import sys; sys.path.remove(''); from batchmaker.serving.cl
     (["serve", "--address", "127.0.0.1:5555"], "did you mean tcp://127.0.0.1:5555?"),
     (["serve", "--devices", "cpu,cuda:99"], "--devices cuda:99: "),
     (["serve", "--devices", "tpu"], "--devices tpu: expected cpu or cuda:N"),
+    (["serve", "--models", "lstm,llama", "--replicas"], "--replicas: llama is a decoder; replicas serve the RNN"),
+    (["serve", "--models", "lstm", "--replicas", "--set", "hiden=8"], "--set hiden: unknown key for lstm"),
     (["serve", "--curve-secret-key", "/no/such.key", "--curve-clients", "/no/a.pub"], "/no/such.key: No such file"),
     (["serve", "--curve-secret-key", "/no/such.key"], "needs both --curve-secret-key and --curve-clients"),
     (["demo", "--device", "cuda:99"], "--device cuda:99: "),
@@ -152,10 +154,10 @@ def test_progress_redraws_one_line_on_a_terminal_and_shows_the_drain():
 
 
 def test_a_tensor_parallel_decoders_ranks_must_be_in_devices():
-    from batchmaker.serving.cli import UsageError, _check_rank_devices
+    from batchmaker.serving.cli_models import UsageError, check_rank_devices
     with pytest.raises(UsageError, match="--devices lacks cuda:1"):
-        _check_rank_devices("llama", "cuda:0", 2, ("cuda:0",))
+        check_rank_devices("llama", "cuda:0", 2, ("cuda:0",))
     with pytest.raises(UsageError, match="cuda:2 to cuda:5; --devices lacks cuda:4, cuda:5"):
-        _check_rank_devices("llama", "cuda:2", 4, ("cuda:2", "cuda:3"))
-    _check_rank_devices("llama", "cuda:0", 2, ("cuda:0", "cuda:1"))
-    _check_rank_devices("llama", "cpu", 2, ("cpu",))  # (CPU ranks: processes beside the worker)
+        check_rank_devices("llama", "cuda:2", 4, ("cuda:2", "cuda:3"))
+    check_rank_devices("llama", "cuda:0", 2, ("cuda:0", "cuda:1"))
+    check_rank_devices("llama", "cpu", 2, ("cpu",))  # (CPU ranks: processes beside the worker)

@@ -9,12 +9,13 @@ and `client` start without torch (bench/cli_startup.py measures it).
 import argparse
 import json
 import logging
-import os
 import re
 import signal
 import sys
 import threading
 from pathlib import Path
+
+from batchmaker.serving.cli_models import UsageError, check_devices, load_models, replicas_of
 
 log = logging.getLogger("batchmaker")
 
@@ -22,6 +23,7 @@ EXAMPLES = """examples:
   batchmaker demo                         # server + client in one process, Poisson load, a table
   batchmaker serve [--models lstm,seq2seq,treelstm] [--address tcp://127.0.0.1:5555] [--devices cpu]
   batchmaker serve --models llama --set checkpoint=/models/Llama-2-7b-hf --set dtype=bfloat16 --devices cuda:0
+  batchmaker serve --models lstm,treelstm --devices cuda:0,cuda:1 --replicas   # a process per device
   batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
   batchmaker client infer llama '{"tokens": [1, 450, 73], "max_new_tokens": 16}' --stream
   batchmaker client chat llama '{"max_new_tokens": 16}' < turns.txt   # one turn of token ids a line
@@ -30,10 +32,6 @@ EXAMPLES = """examples:
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _ADDRESS = re.compile(r"(tcp|ipc|inproc)://.+")
-
-
-class UsageError(Exception):
-    """A mistake in the command line or in what it names: reported as one line, exit status 2."""
 
 
 def main(argv=None) -> int:
@@ -118,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(repeatable; the keys are listed below)")
     serve.add_argument("--address", default=DEFAULT_ADDRESS, help="tcp://HOST:PORT or ipc:///PATH to bind")
     serve.add_argument("--devices", default="cpu", help="comma-separated: cpu, cuda:0, cuda:1, ... (one worker each)")
+    serve.add_argument("--replicas", action="store_true",
+                       help="one replica process per device, each an engine of its own, behind a front that "
+                            "routes to the least loaded (the RNN and tree models; not decoders)")
     serve.add_argument("--max-requests", type=int, default=4096, metavar="N",
                        help="infer requests queued or running at once; beyond it new ones are answered overloaded")
     serve.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="BYTES",
@@ -169,7 +170,7 @@ def _model_options_epilog() -> str:
 
 # subcommands ----------------------------------------------------------------------------------
 def _demo(args) -> int:
-    device = _check_devices(args.device, "--device")[0] if args.device else None
+    device = check_devices(args.device, "--device")[0] if args.device else None
     from batchmaker.serving.demo import run_demo
 
     return run_demo(args.duration, args.rate, device, args.seed)
@@ -183,33 +184,41 @@ def _serve(args) -> int:
         log.info("rank %d of %d: following rank 0 at %s", launch.rank, launch.size, launch.master_addr)
         return follow(launch)
     _check_address(args.address)
-    devices = _check_devices(args.devices, "--devices")
+    devices = check_devices(args.devices, "--devices")
     if bool(args.curve_secret_key) != bool(args.curve_clients):
         raise UsageError("CurveZMQ needs both --curve-secret-key and --curve-clients")
     config_keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
                        curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
-    models = _load_models([s.strip() for s in args.models.split(",") if s.strip()], args.set, devices)
-
-    from batchmaker.engine import Engine
+    specs = [s.strip() for s in args.models.split(",") if s.strip()]
     from batchmaker.engine_config import EngineConfig
     from batchmaker.serving.server import Server, ServerConfig
+
+    engine_config = EngineConfig(devices=devices, max_requests=args.max_requests)
+    if args.replicas:
+        engine = replicas_of(specs, args.set, engine_config)
+    else:
+        from batchmaker.engine import Engine
+        engine = Engine(load_models(specs, args.set, devices), engine_config)
 
     config = ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,
                           **config_keys)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Engine(models, EngineConfig(devices=devices, max_requests=args.max_requests)) as engine:
+    with engine:
         server = Server(engine, config).start()
-        for m in models:
+        for m in engine.models.values():
             log.info("model %s: cells %s, inputs %s", m.name, sorted(m.cells), sorted(m.input_schema))
-        log.info("serving %s on %s (devices %s%s)", ", ".join(m.name for m in models), server.address,
-                 ",".join(devices), ", CurveZMQ" if config.curve_secret_key else "")
-        stop.wait()
+        log.info("serving %s on %s (devices %s%s%s)", ", ".join(engine.models), server.address, ",".join(devices),
+                 ", a replica each" if args.replicas else "", ", CurveZMQ" if config.curve_secret_key else "")
+        while not stop.wait(0.5):
+            if args.replicas and not engine.num_alive:
+                log.error("no replica is left: stopping")
+                break
         log.info("stopping: draining in-flight requests for up to %g s", config.drain_timeout)
         server.stop()
     log.info("stopped")
-    return 0
+    return 0 if stop.is_set() else 1
 
 
 def _client(args) -> int:
@@ -309,92 +318,10 @@ def _keygen(args) -> int:
 
 
 # checks -------------------------------------------------------------------------------------
-def _load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] = ("cpu",)) -> list:
-    """Registered names (with their --set options) and module:attribute specs -> Models. A
-    registered model with a `device` option (the decoders) is built on the first of `devices`
-    unless told otherwise, so that large weights are placed once, where they run."""
-    from batchmaker.errors import UnknownModelError
-    from batchmaker.registry import load_model, registered_models
-    from batchmaker.serving.model_options import SettingError, factory_options, parse_settings
-
-    known = registered_models()
-    unknown = [s for s in specs if ":" not in s and s not in known]
-    if unknown:
-        raise UsageError(str(UnknownModelError(unknown[0], known)) + "; or module:attribute for your own")
-    if any(":" in s for s in specs) and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # module:attribute from the current directory, as `python -m` does
-    try:
-        per_model = parse_settings(settings, [s for s in specs if ":" not in s])
-    except SettingError as e:
-        raise UsageError(str(e)) from None
-    for name, options in per_model.items():
-        if "device" in factory_options(name):
-            _check_model_device(name, options.setdefault("device", devices[0]), devices)
-            _check_rank_devices(name, options["device"], options.get("tensor_parallel", 1), devices)
-    models = []
-    for spec in specs:
-        if ":" in spec:
-            try:
-                models.append(load_model(spec))
-            except ValueError as e:  # not importable, not a Model: the message names the spec
-                raise UsageError(str(e)) from None
-            continue
-        try:  # the model checks its values: --set hidden=-1, a checkpoint that is not one, no safetensors
-            models.append(load_model(spec, **per_model[spec]))
-        except (TypeError, ValueError, RuntimeError, ImportError) as e:
-            shown = " ".join(f"{k}={v}" for k, v in per_model[spec].items())
-            raise UsageError(f"cannot build model {spec}{' with ' + shown if shown else ''}: {e}") from e
-    return models
-
-
-def _check_model_device(name: str, device: str, devices: tuple[str, ...]) -> None:
-    """A model built on a device no worker runs on would fail every request: refuse it here."""
-    def full(d: str) -> str:
-        return "cuda:0" if d == "cuda" else d
-
-    if full(device) not in map(full, devices):
-        raise UsageError(f"--set device={device}: model {name} would be built on {device}, but it is served on "
-                         f"{','.join(devices)} (--devices)")
-
-
-def _check_rank_devices(name: str, device: str, size, devices: tuple[str, ...]) -> None:
-    """A tensor-parallel decoder's ranks run on consecutive GPUs from its device: --devices lists them all."""
-    from batchmaker.launch import launched
-    if not isinstance(size, int) or size < 2 or not device.startswith("cuda") or launched() is not None:
-        return
-    index = int(device.partition(":")[2] or 0)
-    missing = [f"cuda:{index + r}" for r in range(size) if f"cuda:{index + r}" not in devices]
-    if missing:
-        raise UsageError(f"--set tensor_parallel={size}: model {name}'s ranks run on cuda:{index} to "
-                         f"cuda:{index + size - 1}; --devices lacks {', '.join(missing)}")
-
-
 def _check_address(address: str) -> None:
     if not _ADDRESS.fullmatch(address):
         hint = f" (did you mean tcp://{address}?)" if re.fullmatch(r"[\w.\-]+:\d+|\*:\d+", address) else ""
         raise UsageError(f"--address {address!r}: expected tcp://HOST:PORT or ipc:///PATH{hint}")
-
-
-def _check_devices(text: str, flag: str) -> tuple[str, ...]:
-    """cpu and cuda:N only, and only CUDA devices this torch can see."""
-    devices = tuple(d.strip() for d in text.split(",") if d.strip())
-    if not devices:
-        raise UsageError(f"{flag}: no device given")
-    cuda = [d for d in devices if d != "cpu"]
-    for device in cuda:
-        if not re.fullmatch(r"cuda(:\d+)?", device):
-            raise UsageError(f"{flag} {device}: expected cpu or cuda:N")
-    if cuda:
-        import torch
-
-        if not torch.cuda.is_available():
-            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise UsageError(f"{flag} {cuda[0]}: {why} (torch {torch.__version__}); use cpu")
-        count = torch.cuda.device_count()
-        missing = [d for d in cuda if int(d.partition(":")[2] or 0) >= count]
-        if missing:
-            raise UsageError(f"{flag} {missing[0]}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
-    return devices
 
 
 def _read_key(path: Path | None, flag: str) -> bytes | None:

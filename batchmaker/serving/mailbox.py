@@ -31,12 +31,12 @@ class Mailbox:
 
     def drain(self) -> list:
         """Everything put so far (owner thread only)."""
-        self._is_signalled = False
-        try:
-            while self._reader.recv(4096):
-                pass
+        try:  # the wake bytes first, then the flag: cleared first, a put between the two would see
+            while self._reader.recv(4096):  # it clear, write a byte that we then swallow, and leave it
+                pass  # set with no byte pending: the next puts would never wake the owner
         except (BlockingIOError, OSError):
             pass
+        self._is_signalled = False
         items = []
         while True:
             try:

@@ -58,6 +58,20 @@ def parse_settings(items: list[str], names: list[str]) -> dict[str, dict[str, ob
     return settings
 
 
+def replica_specs(specs: list[str], items: list[str]) -> list[tuple[str, dict]]:
+    """(name, options) per served model, as replica processes build them (batchmaker/replicas.py):
+    registered names with their `--set` options, module:attribute specs as given. A registered
+    decoder (a model with a `device` option) is refused: replicas serve the RNN and tree models."""
+    names = [s for s in specs if ":" not in s]
+    settings = parse_settings(items, names)
+    decoders = [name for name in names if "device" in factory_options(name)]
+    if decoders:
+        raise SettingError(f"--replicas: {', '.join(decoders)} is a decoder; replicas serve the RNN and tree "
+                           "models (a decoder keeps its conversations and KV cache on one engine: serve it "
+                           "without --replicas)")
+    return [(s, settings.get(s, {})) for s in specs]
+
+
 def convert(key: str, text: str, option: inspect.Parameter):
     """`text` as the option's annotated type (or its default's type when it has no annotation)."""
     kinds = _kinds(option)

@@ -1,0 +1,182 @@
+"""One data-parallel replica (issue 31): a process with its own Engine on one device, started by
+`Replicas` (batchmaker/replicas.py). It builds its models itself from (name, options), so no
+model is ever pickled, and it drives its engine on its one thread: a turn receives the front's
+requests, runs `Engine.step()`, and reports what finished. No second thread shares its
+interpreter (the engine's manager would otherwise give up the GIL to an I/O thread).
+
+A replica exits when told to stop (its unfinished requests fail with EngineStoppedError, as in one
+process), when its front's process is gone, or when its engine raises (the front then fails its
+requests: one process's bug costs that replica, not the server).
+"""
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import zmq
+
+from batchmaker.engine import Engine
+from batchmaker.engine_config import EngineConfig
+from batchmaker.errors import BatchMakerError
+from batchmaker.forms import Generate
+from batchmaker.registry import load_model
+from batchmaker.replica_wire import FAILED, READY, STOPPED, ModelInfo, Report, Turn, decode, encode, stack_outputs
+
+log = logging.getLogger("batchmaker.replica")
+# The issue's rule for every process the server starts (as exec/tensor_group.py's ranks): NVLink
+# multicast stays off.
+REPLICA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+BUSY_WAIT_S = 0.001  # longest socket wait while requests are live (their deadlines are checked each turn)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica process is told at its start."""
+
+    index: int
+    device: str
+    models: tuple  # ((registered name or module:attribute, options), ...)
+    engine: EngineConfig  # with devices=(device,)
+    turns_address: str  # the front's PUSH for this replica
+    reports_address: str  # the front's PULL, shared by all replicas
+    heartbeat: float  # seconds between reports when nothing finishes
+    parent_pid: int
+
+
+def replica_main(spec: ReplicaSpec) -> None:
+    """The process's target (spawned)."""
+    os.environ.update(REPLICA_ENV)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front stops us
+    context = zmq.Context()
+    turns, reports = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    for sock in (turns, reports):
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 5000)  # the last report (results of a stop) is flushed at close
+    turns.connect(spec.turns_address)
+    reports.connect(spec.reports_address)
+    try:
+        engine = build_engine(spec)
+    except BaseException as e:  # (a model that does not build: its message goes to the front)
+        reports.send(encode(Report(spec.index, FAILED, detail=f"{type(e).__name__}: {e}")))
+    else:
+        ReplicaLoop(spec, engine, turns, reports).run()
+    finally:
+        turns.close()
+        reports.close()
+        context.term()
+
+
+def build_engine(spec: ReplicaSpec) -> Engine:
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))  # (nothing of ours lands on another device by default)
+    models = [load_model(name, **options) for name, options in spec.models]
+    for model in models:
+        if model.forms and isinstance(model.forms[0], Generate):
+            raise ValueError(f"model {model.name} is a decoder: replicas serve the RNN and tree models (a decoder "
+                             "keeps conversations and KV on one engine; serve it without --replicas)")
+    return Engine(models, replace(spec.engine, devices=(spec.device,))).start(thread=False)
+
+
+class ReplicaLoop:
+    """receive -> step -> report, until told to stop."""
+
+    def __init__(self, spec: ReplicaSpec, engine: Engine, turns: zmq.Socket, reports: zmq.Socket):
+        self.spec, self.engine = spec, engine
+        self.turns, self.reports = turns, reports
+        self.live: dict = {}  # front id -> the engine's future (for cancels)
+        self.front_ids: dict = {}  # the engine's request id -> front id
+        self.report = Report(spec.index)
+        self.last_sent = 0.0
+        self.is_stopping = False
+        self.is_orphaned = False  # the front's process is gone: nobody reads our reports
+
+    def run(self) -> None:
+        models = [ModelInfo.of(m) for m in self.engine.models.values()]
+        self._send(Report(self.spec.index, READY, detail=(models, os.getpid())))
+        with torch.inference_mode():  # for the process's life (a context per step costs ~10 µs)
+            try:
+                while not self.is_stopping:
+                    self._receive(self._wait())
+                    self.engine.step()
+                    self._flush()
+            except Exception:  # an engine bug: exit, and the front fails this replica's requests
+                log.exception("replica %d failed", self.spec.index)
+                raise SystemExit(1)
+        self.engine.stop()  # unfinished requests fail with EngineStoppedError (their callbacks fire now)
+        if self.is_orphaned:
+            self.reports.setsockopt(zmq.LINGER, 0)  # (its close would wait for a reader that is gone)
+            return
+        self.report.state = STOPPED
+        self._flush()
+
+    def _wait(self) -> int:
+        """Milliseconds the socket may be waited on: none while the engine has work in hand."""
+        engine = self.engine
+        if engine.num_accepted > engine.accounting.num_finished:
+            in_flight = any(w.num_in_flight for w in engine.workers)
+            return 0 if in_flight else int(BUSY_WAIT_S * 1000)
+        return int(self.spec.heartbeat * 1000)
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.turns.poll(timeout_ms):
+            return
+        while True:
+            try:
+                turn = decode(self.turns.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._apply(turn)
+
+    def _apply(self, turn: Turn) -> None:
+        submit, now = self.engine.submit, time.perf_counter()
+        for front_id, model, inputs, priority, deadline, is_streamed in turn.requests:
+            on_partial = (lambda value, i=front_id: self.report.partials.append((i, value))) if is_streamed else None
+            remaining = None if deadline is None else max(1e-9, deadline - now)  # (shared clock: CLOCK_MONOTONIC)
+            future = submit(model, inputs, priority=priority, deadline=remaining, on_partial=on_partial)
+            self.front_ids[future.request_id] = front_id
+            self.live[front_id] = future
+            future.add_done_callback(self._on_done)
+        for front_id in turn.cancels:
+            future = self.live.get(front_id)
+            if future is not None:
+                self.engine.cancel(future.request_id)
+        if turn.queries:
+            stats = self.engine.stats()
+            self.report.answers += [(query_id, stats) for query_id in turn.queries]
+        self.is_stopping |= turn.stop
+
+    def _on_done(self, future) -> None:
+        """On this thread, inside step() (or submit, for a request refused at once)."""
+        front_id = self.front_ids.pop(future.request_id)
+        del self.live[front_id]
+        error = future.exception()
+        if error is None:
+            result = future.result()
+            self.report.results.append((front_id, result.outputs, result.timing.first_cell))
+        else:
+            code = error.code if isinstance(error, BatchMakerError) else "internal"
+            self.report.failures.append((front_id, type(error).__name__, code, str(error)))
+
+    def _flush(self) -> None:
+        """Send the report when something finished, an answer is due, or the heartbeat is."""
+        report = self.report
+        now = time.perf_counter()
+        if not (report.results or report.failures or report.partials or report.answers or report.state == STOPPED):
+            if now - self.last_sent < self.spec.heartbeat:
+                return
+            self._check_parent()
+        report.progress = self.engine.num_tasks + self.engine.accounting.num_finished
+        stack_outputs(report)
+        self._send(report)
+        self.report = Report(self.spec.index)
+
+    def _send(self, report: Report) -> None:
+        self.reports.send(encode(report))
+        self.last_sent = time.perf_counter()
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self.spec.parent_pid:
+            self.is_orphaned = self.is_stopping = True

@@ -1,0 +1,270 @@
+"""Data-parallel replicas (issue 31): one process per device, each with an Engine of its own (its
+own manager and worker), behind a front that routes every request to the least-loaded replica.
+
+One engine has one manager thread, and on a GPU that thread is saturated before the device is
+(~15 µs of host per LSTM request, ~50 per tree): a second device fed by the same manager made the
+RNN models slower. With replicas the host work grows with the devices.
+
+    with Replicas(["lstm", ("treelstm", {"hidden": 512})], ReplicasConfig(devices=("cuda:0", "cuda:1"))) as r:
+        result = r.submit("lstm", {"tokens": [5, 7, 9]}).result()
+
+`Replicas` has the Engine's serving surface (submit, cancel, stats, models, config.devices,
+start/stop, a context manager), so the Server and the benchmarks take it as they take an Engine.
+
+- **submit** (any thread) checks the request, counts it against the admission bound and hands its
+  future to the front thread (batchmaker/replica_front.py), which routes it to the live replica
+  with the fewest requests of that model outstanding, in one `Turn` per replica per front turn
+  (batchmaker/replica_wire.py), and resolves it from that replica's `Report`.
+- **Failure.** A replica that exits or hangs fails its requests with ReplicaFailedError (wire code
+  `internal`) within `hang_timeout` seconds, and the others keep serving (replica_front.py); with
+  none left, submit fails at once.
+- **stop** sends every replica STOP: each fails what it has unfinished with EngineStoppedError (as
+  Engine.stop does), reports and exits; a replica that does not within `stop_timeout` is killed.
+"""
+import concurrent.futures
+import gc
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+
+from batchmaker.engine import check_options
+from batchmaker.engine_config import EngineConfig
+from batchmaker.errors import (BatchMakerError, EngineStoppedError, OverloadedError, ReplicaFailedError,
+                               UnknownModelError)
+from batchmaker.future import RequestFuture
+from batchmaker.replica import ReplicaSpec, replica_main
+from batchmaker.replica_front import Front, ReplicaHandle
+from batchmaker.replica_stats import front_stats, merge_stats
+from batchmaker.replica_wire import FAILED, READY, Report, decode
+from batchmaker.serving.mailbox import Mailbox
+
+log = logging.getLogger("batchmaker.replicas")
+ModelSpec = str | tuple[str, dict]  # a registered name or module:attribute, with its options
+
+
+@dataclass(frozen=True)
+class ReplicasConfig:
+    devices: tuple[str, ...] = ("cpu", "cpu")  # one replica process per entry
+    # Each replica's engine (its devices: the replica's one). Its max_requests bounds the requests
+    # the front accepts and has not finished, across all replicas.
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    start_timeout: float = 600.0  # seconds for every replica to build its models and capture its graphs
+    # A replica that sends nothing, or makes no progress while holding requests, this long is
+    # killed (5 s + one heartbeat: its requests fail within the issue's 10 s).
+    hang_timeout: float = 5.0
+    heartbeat: float = 0.5  # seconds between a quiet replica's reports
+    stop_timeout: float = 10.0  # seconds replicas have to fail their requests and exit at stop
+
+
+class Replicas:
+    def __init__(self, models: Iterable[ModelSpec], config: ReplicasConfig = ReplicasConfig()):
+        if not config.devices:
+            raise ValueError("ReplicasConfig.devices is empty: a replica needs a device")
+        self.config = config
+        self.specs = tuple(model_spec(m) for m in models)
+        self.models: dict = {}  # name -> ModelInfo, as the replicas built them (at start)
+        self.replicas: list[ReplicaHandle] = []
+        self.num_accepted = 0  # written by submitting threads (under _submit_lock)
+        self.front: Front | None = None  # the front thread's state (at start)
+        self._submit_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._mailbox = Mailbox()  # futures, ("cancel", id), ("stats", future), ("stop",): to the front thread
+        self._thread: threading.Thread | None = None
+        self._running = self._stopping = False
+
+    # public API -----------------------------------------------------------------------------
+    def start(self) -> "Replicas":
+        """Start every replica process and wait until each has built its models."""
+        self._dir = tempfile.mkdtemp(prefix="batchmaker-replicas-")  # (mode 0700: only we connect)
+        self._context = zmq.Context()
+        self._reports = self._bind(zmq.PULL, "reports")
+        try:
+            for index, device in enumerate(self.config.devices):
+                self.replicas.append(self._spawn(index, device))
+            self._await_ready()
+        except BaseException:
+            self._close()
+            raise
+        self.front = Front(self.replicas, self.models, self._mailbox, self._reports, self.config)
+        self._freeze_gc()
+        self._running = True
+        self._thread = threading.Thread(target=self.front.run, name="batchmaker-replicas", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop every replica; requests still unfinished fail with EngineStoppedError."""
+        if not self._running:
+            return
+        self._stopping = True
+        self._mailbox.put(("stop",))
+        self._thread.join(self.config.stop_timeout + 5.0)  # (it gives up on replicas after stop_timeout)
+        if not self._thread.is_alive():
+            self.front.finish()  # (a submit that raced the stop)
+        self._close()
+        self._running = False
+        gc.unfreeze()
+        gc.set_threshold(*self._gc_before)
+
+    def __enter__(self) -> "Replicas":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def submit(self, model: str, inputs: dict[str, Any], *, priority: int = 0, deadline: float | None = None,
+               on_partial: Callable[[dict], None] | None = None) -> RequestFuture:
+        """As Engine.submit; on_partial is called on the front thread."""
+        future = RequestFuture(next(self._ids), model, inputs, priority, None, on_partial)
+        error = self._check_submit(model, priority, deadline)
+        if error is None:
+            with self._submit_lock:
+                if self.num_accepted - self.front.num_finished >= self.config.engine.max_requests:
+                    error = OverloadedError(f"{self.config.engine.max_requests} requests queued or running; retry later")
+                else:
+                    self.num_accepted += 1
+        if error is not None:
+            future.set_exception(error)
+            return future
+        if deadline is not None:
+            future.deadline = future.arrival + deadline
+        self._mailbox.put(future)
+        return future
+
+    def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None, **options) -> dict[str, Any]:
+        return self.submit(model, inputs, **options).result(timeout).outputs
+
+    def cancel(self, request_id: int) -> None:
+        self._mailbox.put(("cancel", request_id))
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted request has finished; False if `timeout` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.front is not None and self.num_accepted > self.front.num_finished:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine counters summed (per-worker lists joined in replica order), the
+        front's own admission counts and latency percentiles (arrival to reply at the front), and
+        per replica its device, pid, liveness and engine counters under `replicas`."""
+        answers = {}
+        if self._running and not self._stopping:
+            query = RequestFuture(-1)
+            self._mailbox.put(("stats", query))
+            try:
+                answers = query.result(self.config.hang_timeout + self.config.heartbeat)
+            except concurrent.futures.TimeoutError:
+                log.warning("stats: a replica did not answer in time")
+        return merge_stats(front_stats(self), [self._row(h, answers.get(h.index)) for h in self.replicas])
+
+    @property
+    def num_alive(self) -> int:
+        return sum(h.is_alive for h in self.replicas)
+
+    # start-up -------------------------------------------------------------------------------
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.SNDHWM, 0)  # (bounded by max_requests, never by dropping)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"ipc://{self._dir}/{name}")
+        return sock
+
+    def _spawn(self, index: int, device: str) -> ReplicaHandle:
+        sock = self._bind(zmq.PUSH, f"replica-{index}")
+        spec = ReplicaSpec(index, device, self.specs, replace(self.config.engine, devices=(device,)),
+                           sock.getsockopt_string(zmq.LAST_ENDPOINT), self._reports.getsockopt_string(zmq.LAST_ENDPOINT),
+                           self.config.heartbeat, os.getpid())
+        process = multiprocessing.get_context("spawn").Process(target=replica_main, args=(spec,), daemon=True,
+                                                               name=f"batchmaker-replica-{index}")
+        try:
+            process.start()
+        except BaseException:
+            sock.close()
+            raise
+        return ReplicaHandle(index, device, process, sock)
+
+    def _await_ready(self) -> None:
+        """Every replica's READY report; the first failure (a report or an exit) raises."""
+        waiting = {h.index for h in self.replicas}
+        deadline = time.monotonic() + self.config.start_timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise ReplicaFailedError(f"replicas {sorted(waiting)} did not start within {self.config.start_timeout:g} s")
+            if self._reports.poll(100):
+                self._on_started(decode(self._reports.recv()), waiting)
+                continue
+            exited = [h for h in self.replicas if h.index in waiting and not h.process.is_alive()]
+            if exited and not self._reports.poll(500):  # (its failure report may still be on its way)
+                h = exited[0]
+                raise ReplicaFailedError(f"replica {h.index} ({h.device}) exited with code {h.process.exitcode} "
+                                         "while starting")
+
+    def _on_started(self, report: Report, waiting: set) -> None:
+        h = self.replicas[report.replica]
+        h.last_heard = time.perf_counter()
+        if report.state == FAILED:
+            raise ReplicaFailedError(f"replica {h.index} ({h.device}) failed to start: {report.detail}")
+        if report.state != READY:  # (a heartbeat of one that is ready)
+            return
+        infos, h.pid = report.detail
+        self.models = self.models or {info.name: info for info in infos}
+        h.progress_at = h.last_heard
+        waiting.discard(h.index)
+
+    def _close(self) -> None:
+        for h in self.replicas:
+            h.process.join(self.config.stop_timeout if h.is_stopped else 0)
+            if h.process.is_alive():
+                h.process.kill()
+                h.process.join()
+            h.is_alive = False
+            h.socket.close()
+        self._reports.close()
+        self._context.term()
+        self._mailbox.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _freeze_gc(self) -> None:
+        """As Engine.start: long-lived objects leave the collector's view, young collections are
+        rarer (every request allocates a few tracked objects here too)."""
+        gc.freeze()
+        self._gc_before = gc.get_threshold()
+        if self.config.engine.gc_young_threshold is not None:
+            gc.set_threshold(self.config.engine.gc_young_threshold, *self._gc_before[1:])
+
+    def _check_submit(self, model, priority, deadline) -> BatchMakerError | None:
+        if not self._running or self._stopping or self.front.is_done:
+            return EngineStoppedError("the replicas are not running")
+        if model not in self.models:
+            return UnknownModelError(model, self.models)
+        if not self.num_alive:
+            return ReplicaFailedError("every replica failed")
+        return check_options(priority, deadline)
+
+    def _row(self, h: ReplicaHandle, stats: dict | None) -> dict:
+        return {"replica": h.index, "device": h.device, "pid": h.pid, "alive": h.is_alive, "failure": h.failure,
+                "num_in_flight": h.num_in_flight, "engine": stats}
+
+
+def model_spec(model: ModelSpec) -> tuple[str, dict]:
+    """(name, options): a replica builds its models itself (registry.load_model), never from a pickle."""
+    if isinstance(model, str):
+        return model, {}
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], str) and isinstance(model[1], dict):
+        return model[0], dict(model[1])
+    raise TypeError(f"a replica builds its models from (name, options): expected a registered name, "
+                    f"'module:attribute' or (name, {{option: value}}), got {type(model).__name__}")
