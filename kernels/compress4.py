@@ -1,0 +1,60 @@
+"""4-bit group-wise compression (FlexGen §5, after Q-BERT; issue 34): `group` contiguous values
+along one dimension share an asymmetric min-max range, and each value is stored as the 4-bit
+code round((x - min) / (max - min) * 15), two codes a byte. A group of 64 fp16 values takes 32
+bytes of codes plus a (scale, min) pair: 36 bytes instead of 128. The aim is less memory and
+less traffic, not faster arithmetic: values are expanded back to their dtype before use.
+
+Weights group along their output channels (dim 0 of a [out, in] weight), the KV cache along the
+head dimension (FlexGen's choices). A dimension that is not a multiple of the group is padded
+with copies of its last value (they widen no range) and the padding is dropped on the way back.
+This is the PyTorch reference; a Triton kernel that fuses the expansion into its consumer is to
+be checked against it.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LEVELS = 15  # 4 bits
+
+
+@dataclass(frozen=True)
+class Compressed:
+    codes: Tensor  # uint8 [..groups.., group // 2]: two 4-bit codes a byte, the even value in the low nibble
+    scale: Tensor  # [..groups.., 1] (max - min) / 15 per group, in the original dtype
+    low: Tensor  # [..groups.., 1] the group's min
+    shape: tuple  # the original shape
+    dim: int  # the grouped dimension
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
+
+
+def compress(x: Tensor, group: int = 64, dim: int = 0) -> Compressed:
+    """x -> its 4-bit codes and per-group (scale, min) along `dim` (groups of `group` values)."""
+    if group < 2 or group % 2:
+        raise ValueError(f"group: an even number of values >= 2, got {group}")
+    dim = dim % x.dim()
+    moved = x.movedim(dim, -1)
+    size = moved.shape[-1]
+    pad = -size % group
+    if pad:
+        moved = torch.cat([moved, moved[..., -1:].expand(*moved.shape[:-1], pad)], dim=-1)
+    groups = moved.reshape(*moved.shape[:-1], -1, group).float()
+    low = groups.amin(-1, keepdim=True)
+    scale = (groups.amax(-1, keepdim=True) - low) / LEVELS
+    codes = torch.round((groups - low) / torch.where(scale > 0, scale, 1.0)).clamp_(0, LEVELS).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Compressed(packed, scale.to(x.dtype), low.to(x.dtype), tuple(x.shape), dim, group)
+
+
+def decompress(c: Compressed) -> Tensor:
+    """The values back in the original dtype and shape: min + code * scale per group."""
+    codes = torch.stack([c.codes & 0x0F, c.codes >> 4], dim=-1).flatten(-2)
+    values = c.low.float() + codes.float() * c.scale.float()
+    moved_shape = list(c.shape)
+    moved_shape.append(moved_shape.pop(c.dim))
+    values = values.reshape(*moved_shape[:-1], -1)[..., :moved_shape[-1]]
+    return values.to(c.scale.dtype).movedim(-1, c.dim).contiguous()

@@ -1,0 +1,54 @@
+"""4-bit group-wise compression (kernels/compress4.py; FlexGen §5): every value comes back within
+half a step of its group's grid, (max - min) / 30; values on the grid and constant groups come
+back exactly; 64 fp16 values take 36 bytes; any dimension, any size (padded groups)."""
+import pytest
+import torch
+
+from batchmaker.kernels.compress4 import compress, decompress
+
+
+def group_ranges(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    """Each value's group's max - min, in x's shape (the reference's own grouping, by loops)."""
+    moved = x.movedim(dim, -1)
+    out = torch.empty_like(moved)
+    for start in range(0, moved.shape[-1], group):
+        part = moved[..., start:start + group]
+        out[..., start:start + group] = (part.amax(-1, keepdim=True) - part.amin(-1, keepdim=True))
+    return out.movedim(-1, dim)
+
+
+@pytest.mark.parametrize("shape, dim, group", [((128, 64), 0, 64), ((96, 40), 1, 64), ((3, 5, 130), 2, 64),
+                                               ((7, 33), 0, 16), ((2, 4, 8, 24), 3, 8)])
+def test_every_value_comes_back_within_half_a_step_of_its_group(shape, dim, group):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    c = compress(x, group, dim)
+    y = decompress(c)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    bound = group_ranges(x, group, dim) / 30
+    assert ((y - x).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+    assert (y - x).abs().max() > 0  # (it is lossy: the test sees the error it bounds)
+
+
+def test_values_on_the_grid_and_constant_groups_come_back_exactly():
+    low, step = -2.0, 0.25
+    codes = torch.randint(0, 16, (8, 64), generator=torch.Generator().manual_seed(1))
+    codes[:, 0], codes[:, 1] = 0, 15  # (every group spans the whole grid)
+    x = low + codes.float() * step
+    assert torch.equal(decompress(compress(x, 64, 1)), x)
+    flat = torch.full((4, 64), 3.5)
+    assert torch.equal(decompress(compress(flat, 64, 1)), flat)
+
+
+def test_64_fp16_values_take_36_bytes_and_fp16_keeps_its_bound():
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(2)).half()
+    c = compress(x, 64, 1)
+    assert c.nbytes == 256 * 36 and c.codes.dtype == torch.uint8
+    y = decompress(c)
+    assert y.dtype == torch.float16
+    bound = group_ranges(x.float(), 64, 1) / 30
+    assert ((y.float() - x.float()).abs() <= bound * 1.02 + 2e-3).all()  # (scale and min stored in fp16)
+
+
+def test_an_odd_group_is_refused():
+    with pytest.raises(ValueError, match="even"):
+        compress(torch.zeros(8, 8), group=7)
