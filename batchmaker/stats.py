@@ -20,6 +20,9 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "num_rows_used": [w.memory.num_rows_used for w in engine.workers],
         "kv_blocks_used": {name: [q.blocks.num_used for q in s.queue.sequences.values()]
                            for name, s in engine.structured.items() if getattr(s, "queue", None)},
+        "kv_blocks_free": {name: [q.blocks.num_free for q in s.queue.sequences.values()]
+                           for name, s in engine.structured.items() if getattr(s, "queue", None)},
+        "sequences": {name: _sequences(s.queue) for name, s in engine.structured.items() if getattr(s, "queue", None)},
         "conversations": {name: s.conversation_stats() for name, s in engine.structured.items()
                           if hasattr(s, "conversation_stats")},
         "num_tasks_in_flight": [w.num_in_flight for w in engine.workers],
@@ -29,6 +32,12 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "stage_ms": {k: v / 1e6 for k, v in engine.stage_ns.items()},
         "latency_ms": {name: percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()},
     }
+
+
+def _sequences(queue) -> dict[str, int]:
+    """A decoder's requests running in slots and waiting to join (suspended ones wait again)."""
+    waiting = len(queue.waiting) + sum(len(w) for w in queue.pinned.values())
+    return {"running": sum(q.num_active for q in queue.sequences.values()), "waiting": waiting}
 
 
 def _num_live_structured(engine: "Engine") -> int:

@@ -31,6 +31,7 @@ AS_CONSOLE_SCRIPT = "import sys; sys.path.remove(''); from batchmaker.serving.cl
     (["serve", "--address", "127.0.0.1:5555"], "did you mean tcp://127.0.0.1:5555?"),
     (["serve", "--devices", "cpu,cuda:99"], "--devices cuda:99: "),
     (["serve", "--devices", "tpu"], "--devices tpu: expected cpu or cuda:N"),
+    (["serve", "--replicas", "--http", "127.0.0.1:0"], "--http serves decoders, --replicas the RNN"),
     (["serve", "--models", "lstm,llama", "--replicas"], "--replicas: llama is a decoder; replicas serve the RNN"),
     (["serve", "--models", "lstm", "--replicas", "--set", "hiden=8"], "--set hiden: unknown key for lstm"),
     (["serve", "--curve-secret-key", "/no/such.key", "--curve-clients", "/no/a.pub"], "/no/such.key: No such file"),

@@ -24,6 +24,7 @@ EXAMPLES = """examples:
   batchmaker serve [--models lstm,seq2seq,treelstm] [--address tcp://127.0.0.1:5555] [--devices cpu]
   batchmaker serve --models llama --set checkpoint=/models/Llama-2-7b-hf --set dtype=bfloat16 --devices cuda:0
   batchmaker serve --models lstm,treelstm --devices cuda:0,cuda:1 --replicas   # a process per device
+  batchmaker serve --models llama --set checkpoint=DIR --http 127.0.0.1:8000   # + the OpenAI HTTP API
   batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
   batchmaker client infer llama '{"tokens": [1, 450, 73], "max_new_tokens": 16}' --stream
   batchmaker client chat llama '{"max_new_tokens": 16}' < turns.txt   # one turn of token ids a line
@@ -128,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--curve-secret-key", type=Path, metavar="FILE", help="file with the server's z85 secret key: turns CurveZMQ on")
     serve.add_argument("--curve-clients", type=Path, nargs="+", default=[], metavar="FILE",
                        help="files with the z85 public keys of the clients allowed in (with --curve-secret-key)")
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8000 (decoders with a "
+                            "tokenizer.json; needs pip install 'batchmaker[http]')")
+    serve.add_argument("--api-key", metavar="KEY", help="--http: the Bearer key clients must send to /v1 routes "
+                                                        "(required where HOST is not loopback)")
+    serve.add_argument("--chat-template", type=Path, metavar="FILE",
+                       help="--http: a Jinja chat template used instead of the checkpoints' own")
     serve.set_defaults(run=_serve)
 
     client = sub.add_parser("client", help="send one request to a server and print the JSON reply",
@@ -190,6 +198,13 @@ def _serve(args) -> int:
     config_keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
                        curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
     specs = [s.strip() for s in args.models.split(",") if s.strip()]
+    from batchmaker.serving.http_config import config_from_flags
+    try:  # (--http is checked before the models load)
+        http = config_from_flags(args.http, args.api_key, args.chat_template, args.drain_timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if http is not None and args.replicas:
+        raise UsageError("--http serves decoders, --replicas the RNN and tree models: not both in one server yet")
     from batchmaker.engine_config import EngineConfig
     from batchmaker.serving.server import Server, ServerConfig
 
@@ -207,6 +222,10 @@ def _serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with engine:
         server = Server(engine, config).start()
+        front = None
+        if http is not None:  # (aiohttp is imported only here)
+            from batchmaker.serving.http import HttpFront
+            front = HttpFront(engine, http).start()
         for m in engine.models.values():
             log.info("model %s: cells %s, inputs %s", m.name, sorted(m.cells), sorted(m.input_schema))
         log.info("serving %s on %s (devices %s%s%s)", ", ".join(engine.models), server.address, ",".join(devices),
@@ -216,6 +235,8 @@ def _serve(args) -> int:
                 log.error("no replica is left: stopping")
                 break
         log.info("stopping: draining in-flight requests for up to %g s", config.drain_timeout)
+        if front is not None:
+            front.stop()
         server.stop()
     log.info("stopped")
     return 0 if stop.is_set() else 1

@@ -1,0 +1,163 @@
+"""One HTTP generation request in the engine: each of its choices is one engine request. Tokens
+arrive on the manager thread (streamed partials, or the result), cross to the HTTP loop through
+the LoopBridge, and become text there: detokenized, cut at stop strings. The handler awaits
+`next_events()`: text of one choice, its finish reason on its last event, or an error.
+
+A choice that meets a stop string is cancelled in the engine at once (its KV cache is freed);
+`cancel()` cancels every unfinished choice (a client that went away, a failed sibling).
+"""
+import asyncio
+import time
+from dataclasses import dataclass
+
+from batchmaker.serving.detokenize import IncrementalDetokenizer, StopMatcher
+from batchmaker.serving.loop_bridge import LoopBridge
+from batchmaker.serving.openai_api import ApiError, GenerationRequest, engine_error
+
+
+@dataclass(slots=True)
+class Event:
+    index: int  # the choice
+    text: str
+    finish_reason: str | None = None  # on the choice's last event: "stop" or "length"
+    error: ApiError | None = None  # the choice failed (its last event)
+
+
+class Choice:
+    """One choice's text as its tokens come: stop tokens leave no text, stop strings end it."""
+
+    __slots__ = ("index", "detokenizer", "matcher", "stop_ids", "future", "num_tokens", "finish_reason", "last_token")
+
+    def __init__(self, index: int, request: GenerationRequest):
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(request.model.tokenizer)
+        self.matcher = StopMatcher(request.stops) if request.stops else None
+        self.stop_ids = request.stop_ids
+        self.future = None  # the engine's RequestFuture
+        self.num_tokens = 0
+        self.finish_reason: str | None = None  # set once: stop, length, error, cancelled
+        self.last_token = 0.0  # perf_counter instant of its latest token (0: none yet)
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int) -> str:
+        """The text `token` adds; a stop string ending in it sets finish_reason "stop"."""
+        self.num_tokens += 1
+        if token in self.stop_ids:  # EOS or a stop id: the engine's last token, not part of the text
+            return ""
+        return self._cut(self.detokenizer.add(token))
+
+    def finish(self, reason: str) -> str:
+        """The engine finished the choice: the text still held."""
+        text = self._cut(self.detokenizer.flush())
+        if self.matcher is not None and not self.matcher.is_stopped:
+            text += self.matcher.flush()
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        return text
+
+    def _cut(self, text: str) -> str:
+        if self.matcher is None or not text:
+            return text
+        text = self.matcher.add(text)
+        if self.matcher.is_stopped:
+            self.finish_reason = "stop"
+        return text
+
+
+class Completion:
+    def __init__(self, engine, bridge: LoopBridge, request: GenerationRequest, metrics):
+        self.engine, self.request, self.metrics = engine, request, metrics
+        self._events: list[Event] = []  # not yet taken by next_events()
+        self._waiter: asyncio.Future | None = None  # set when an event arrives for a waiting handler
+        self.choices = [Choice(i, request) for i in range(request.num_choices)]
+        self.arrival = time.perf_counter()
+        self._bridge = bridge
+        self._streams = request.stream or bool(request.stops)  # tokens as they come (not only the result)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.request.prompts))
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def start(self) -> None:
+        """Submit every choice; ApiError if the engine refuses one at once (overloaded, stopping)."""
+        name, call = self.request.model.name, self._bridge.call
+        for choice in self.choices:
+            on_partial = (lambda partial, c=choice: call(self._on_tokens, c, partial["tokens"])) \
+                if self._streams else None
+            choice.future = self.engine.submit(name, self.request.engine_inputs(choice.index), on_partial=on_partial)
+            if choice.future.done() and choice.future.exception() is not None:
+                choice.finish_reason = "error"
+                self.cancel()
+                raise engine_error(choice.future.exception())
+            choice.future.add_done_callback(lambda f, c=choice: call(self._on_done, c, f))
+
+    def cancel(self) -> None:
+        """Cancel every unfinished choice in the engine (each frees its sequence at its next turn)."""
+        for choice in self.choices:
+            if not choice.is_done:
+                choice.finish_reason = "cancelled"
+                if choice.future is not None:
+                    self.engine.cancel(choice.future.request_id)
+                self.metrics.finished(self.request.model.name, "cancelled", choice.num_tokens)
+
+    async def next_events(self) -> list[Event]:
+        """The events since the last call, in order; waits for one if there is none (one wake-up
+        for however many came meanwhile)."""
+        if not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        events, self._events = self._events, []
+        return events
+
+    # on the loop thread, through the bridge ------------------------------------------------------
+    def _put(self, event: Event) -> None:
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _on_tokens(self, choice: Choice, tokens: list[int]) -> None:
+        if choice.is_done:
+            return
+        self._timed(choice)
+        text = ""
+        for token in tokens:
+            text += choice.add(token)
+            if choice.is_done:
+                break
+        if choice.is_done:  # a stop string: the rest is not wanted
+            self.engine.cancel(choice.future.request_id)
+            self._finished(choice, text)
+        elif text:
+            self._put(Event(choice.index, text))
+
+    def _on_done(self, choice: Choice, future) -> None:
+        if choice.is_done:  # stopped by a stop string, or cancelled
+            return
+        error = future.exception()
+        if error is not None:
+            choice.finish_reason = "error"
+            self.metrics.finished(self.request.model.name, "error", choice.num_tokens)
+            self._put(Event(choice.index, "", error=engine_error(error)))
+            return
+        outputs = future.result().outputs
+        text = "" if self._streams else "".join(choice.add(t) for t in outputs["tokens"])
+        self._finished(choice, text + choice.finish(outputs["finish_reason"]))
+
+    def _finished(self, choice: Choice, text: str) -> None:
+        self.metrics.finished(self.request.model.name, choice.finish_reason, choice.num_tokens)
+        self._put(Event(choice.index, text, choice.finish_reason))
+
+    def _timed(self, choice: Choice) -> None:
+        now = time.perf_counter()
+        if choice.last_token:
+            self.metrics.inter_token(self.request.model.name, now - choice.last_token)
+        else:
+            self.metrics.first_token(self.request.model.name, now - self.arrival)
+        choice.last_token = now
