@@ -34,6 +34,7 @@ from batchmaker.core.sequences import MAX_STOPS, Sequences
 from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError
 from batchmaker.core.request import Result
+from batchmaker.detokenize import IncrementalDetokenizer
 from batchmaker.structured import Finisher
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "conversation")
@@ -144,7 +145,7 @@ class GenerativeModel(Finisher):
             if not ids:
                 raise BadRequestError("prompt: the text gives no tokens")
             prompt = np.asarray(ids, dtype=np.int64)
-            self._texts[f] = ""
+            self._texts[f] = IncrementalDetokenizer(self.tokenizer)
         else:
             if isinstance(inputs["tokens"], (list, tuple)) and not inputs["tokens"]:
                 raise BadRequestError("tokens: the prompt is empty")
@@ -222,7 +223,7 @@ class GenerativeModel(Finisher):
         owners = q.owner[slots]
         for i in np.flatnonzero(q.streams[slots]).tolist():
             partial = {"tokens": [int(tokens[i])]}
-            text = self._text_delta(owners[i], q, int(slots[i]))
+            text = self._text_delta(owners[i], int(tokens[i]))
             if text is not None:
                 partial["text"] = text
             self.stream(owners[i], partial)
@@ -232,13 +233,11 @@ class GenerativeModel(Finisher):
             self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.joined[s]),
                           q.conversation[s])
 
-    def _text_delta(self, owner, q: Sequences, s: int) -> str | None:
-        seen = self._texts.get(owner)
-        if seen is None:
-            return None
-        text = self.tokenizer.decode(q.tokens[s, q.prompt_len[s]:q.length[s]].tolist())
-        self._texts[owner] = text
-        return text[len(seen):]
+    def _text_delta(self, owner, token: int) -> str | None:
+        """The text `token` adds to `owner`'s streamed text: whole characters only (a token that
+        ends inside one adds "" until the next completes it; the final reply has all the text)."""
+        text = self._texts.get(owner)
+        return None if text is None else text.add(token)
 
     def _resolve(self, owner, generated: list, reason: str, first: float, conversation=None) -> None:
         """Resolve `owner`'s future; `first`: its first cell's instant (when it joined a slot), so

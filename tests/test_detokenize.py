@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
-from batchmaker.serving.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher  # noqa: E402
+from batchmaker.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from tiny_checkpoint import train_tokenizer  # noqa: E402

@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from batchmaker.serving.detokenize import IncrementalDetokenizer, StopMatcher
+from batchmaker.detokenize import IncrementalDetokenizer, StopMatcher
 from batchmaker.serving.loop_bridge import LoopBridge
 from batchmaker.serving.openai_api import ApiError, GenerationRequest, engine_error
 
