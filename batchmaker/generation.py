@@ -9,11 +9,15 @@ A request's inputs:
   seed             int: sampling is a pure function of (seed, position), so a seeded request
                    gives the same tokens however it is batched
   stop_token_ids   list[int] (at most 7), besides the model's EOS; ignore_eos bool
+  logprobs         int in [0, 20]: each generated token's log-probability, and those of the k
+                   most likely tokens, under the model's distribution (before temperature, top-k
+                   and top-p)
   conversation     true: start a conversation with this turn; "<id>": its next turn, whose
                    prompt follows everything said so far (the cache keeps it; core/conversations.py)
 Reply: {"tokens": [generated ids], "finish_reason": "stop" | "length"} (+ "text" for a text
-prompt; + "conversation": id and "context": where the previous turns' positions came from).
-Streamed partials carry each iteration's new token ({"tokens": [id]}, + "text").
+prompt; + "conversation": id and "context": where the previous turns' positions came from; +
+"logprobs": [per token], "top_logprobs": [per token: [[id, logprob], ...]] when asked).
+Streamed partials carry each iteration's new token ({"tokens": [id]}, + "text", + its logprobs).
 {"conversation": id, "end": true} ends a conversation ({"conversation": id, "ended": true}).
 """
 import itertools
@@ -37,7 +41,9 @@ from batchmaker.core.request import Result
 from batchmaker.detokenize import IncrementalDetokenizer
 from batchmaker.structured import Finisher
 
-OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "conversation")
+OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "conversation",
+           "logprobs")
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask the log-probabilities of (OpenAI's bound)
 
 
 class GenerativeModel(Finisher):
@@ -57,6 +63,7 @@ class GenerativeModel(Finisher):
         self.num_blocks = 0  # of the smallest worker
         # text prompts: the future -> the text streamed so far (gone with the future, cancelled or not)
         self._texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._logprobs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> (logprobs, top) lists
         self._seeds = itertools.count(random.getrandbits(40))
         self.turns = Conversations({}, self.form.conversation_ttl)  # conversations across turns (set by `build`)
 
@@ -111,6 +118,8 @@ class GenerativeModel(Finisher):
                 self.fail([f], e)
                 continue
             conversation = row["conversation"]
+            if row["logprobs"] >= 0:  # (its reply has the lists, empty if it samples nothing)
+                self._logprobs[f] = ([], [])
             if row["max_new"] == 0:  # nothing to compute now; a conversation keeps the prompt for its next turn
                 if conversation is not None:
                     self.turns.add_prompt(conversation, prompt)
@@ -170,6 +179,11 @@ class GenerativeModel(Finisher):
         top_k = inputs.get("top_k", 0)
         if not is_int(top_k) or top_k < 0:
             raise BadRequestError(f"top_k: expected an integer >= 0, got {top_k!r}")
+        logprobs = inputs.get("logprobs", -1)
+        if logprobs != -1 and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise BadRequestError(f"logprobs: expected an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+        if logprobs >= 0 and self.cell.pipeline_parallel > 1:
+            raise BadRequestError("logprobs: not served by a pipeline-parallel model yet")
         seed = inputs.get("seed")
         if seed is None:
             seed = next(self._seeds)
@@ -187,7 +201,7 @@ class GenerativeModel(Finisher):
         row = {"prompt_len": len(prompt), "max_new": int(max_new), "temperature": temperature, "top_k": int(top_k),
                "top_p": top_p, "seed": int(seed), "stops": stops + [-1] * (MAX_STOPS - len(stops)),
                "priority": f.priority, "first": math.nan, "joined": math.nan,
-               "streams": f.on_partial is not None,
+               "streams": f.on_partial is not None, "logprobs": int(logprobs),
                "history": history, "conversation": conversation}
         return prompt, row
 
@@ -214,24 +228,41 @@ class GenerativeModel(Finisher):
 
     # the queue's finisher side (manager thread) -------------------------------------------------
     def tokens(self, q: Sequences, slots: np.ndarray, tokens: np.ndarray, done: np.ndarray,
-               stopped: np.ndarray) -> None:
-        """An iteration sampled `tokens` for `slots` (their serials current): stream them, and
-        resolve the requests that are `done`."""
+               stopped: np.ndarray, logprobs: tuple | None = None) -> None:
+        """An iteration sampled `tokens` for `slots` (their serials current), with their
+        log-probabilities where its plan asked for them: stream them, and resolve the requests
+        that are `done`."""
         now = time.perf_counter()
         first = np.isnan(q.first[slots])
         q.first[slots[first]] = now
         owners = q.owner[slots]
+        scored = self._score(q, slots, owners, logprobs) if logprobs is not None else {}
         for i in np.flatnonzero(q.streams[slots]).tolist():
             partial = {"tokens": [int(tokens[i])]}
             text = self._text_delta(owners[i], int(tokens[i]))
             if text is not None:
                 partial["text"] = text
+            if i in scored:
+                partial["logprobs"], partial["top_logprobs"] = [scored[i][0]], [scored[i][1]]
             self.stream(owners[i], partial)
         for i in np.flatnonzero(done).tolist():
             s = int(slots[i])
             generated = q.tokens[s, q.prompt_len[s]:q.length[s]].tolist()
             self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.joined[s]),
                           q.conversation[s])
+
+    def _score(self, q: Sequences, slots: np.ndarray, owners: np.ndarray, logprobs: tuple) -> dict:
+        """Each asking sequence's (logprob, [[id, logprob] of its top k]) of this token, kept for its reply."""
+        chosen, top_ids, top_values = logprobs
+        scored = {}
+        for i in np.flatnonzero(q.logprobs[slots] >= 0).tolist():
+            k = int(q.logprobs[slots[i]])
+            entry = (float(chosen[i]), [[int(t), float(v)] for t, v in zip(top_ids[i, :k], top_values[i, :k])])
+            kept = self._logprobs[owners[i]]
+            kept[0].append(entry[0])
+            kept[1].append(entry[1])
+            scored[i] = entry
+        return scored
 
     def _text_delta(self, owner, token: int) -> str | None:
         """The text `token` adds to `owner`'s streamed text: whole characters only (a token that
@@ -251,6 +282,9 @@ class GenerativeModel(Finisher):
             outputs["context"] = {"cached": gpu, "swapped_in": swapped, "recomputed": recomputed}
         if self._texts.pop(owner, None) is not None:
             outputs["text"] = self.tokenizer.decode(generated)
+        scored = self._logprobs.pop(owner, None)
+        if scored is not None:
+            outputs["logprobs"], outputs["top_logprobs"] = scored
         now = time.perf_counter()
         self.accounting.finished(owner, now - owner.arrival)
         owner.set_result(Result(outputs, None, (owner.arrival, first, now)))

@@ -59,7 +59,7 @@ class FakeFinisher:
         self.calls = []  # (owners, tokens, done)
         self.failed = []
 
-    def tokens(self, q: Sequences, slots, tokens, done, stopped) -> None:
+    def tokens(self, q: Sequences, slots, tokens, done, stopped, logprobs=None) -> None:
         owners = q.owner[slots]
         self.calls.append((list(owners), tokens.tolist(), done.tolist()))
         for o, t in zip(owners, tokens.tolist()):
@@ -130,7 +130,7 @@ class Harness:
             self.full[f], self.stops[f] = list(prompt) + self.expected[f], stops
             rows.append({"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                          "seed": f.request_id, "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-                         "priority": f.priority, "first": math.nan, "joined": math.nan, "streams": False, "history": 0})
+                         "priority": f.priority, "first": math.nan, "joined": math.nan, "streams": False, "logprobs": -1, "history": 0})
         owners = np.empty(len(futures), dtype=object)
         owners[:] = futures
         columns = {name: np.array([r[name] for r in rows]) for name in rows[0]}

@@ -81,7 +81,7 @@ class ConversationHarness(Harness):
             self.queue.turns.begin(conversation, f)
         row = {"prompt_len": len(prompt), "max_new": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                "seed": f.request_id, "stops": [-1] * MAX_STOPS, "priority": 0, "first": math.nan, "joined": math.nan,
-               "streams": False, "history": len(history)}
+               "streams": False, "logprobs": -1, "history": len(history)}
         owners = np.empty(1, dtype=object)
         owners[0] = f
         columns = {name: np.array([value]) for name, value in row.items()}

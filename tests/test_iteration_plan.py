@@ -21,7 +21,7 @@ def random_plan(rng: np.random.Generator, copies: bool, graph: bool) -> Iteratio
         sample_slots=rng.integers(0, 64, n), seeds=rng.integers(-(1 << 62), 1 << 62, n), counters=rng.integers(0, 4096, n),
         top_k=rng.integers(0, 50, n), temperature=rng.random(n) * 2, top_p=rng.random(n),
         max_query_len=int(counts.max()), decode_only=bool(rng.integers(2)), greedy=bool(rng.integers(2)),
-        graph=GraphShape(int(rng.integers(16, 512)), int(rng.integers(1, 64)), [None, 512, 1024][int(rng.integers(3))],
+        logprobs=int(rng.integers(-1, 21)), graph=GraphShape(int(rng.integers(16, 512)), int(rng.integers(1, 64)), [None, 512, 1024][int(rng.integers(3))],
                          bool(rng.integers(2))) if graph else None,
         copies=Copies(rng.integers(0, 100, n_in), rng.integers(0, 1000, (n_in, per_chunk)),
                       rng.integers(0, 1000, (n_out, per_chunk)), rng.integers(0, 100, n_out),
@@ -32,7 +32,8 @@ def assert_same(a: IterationPlan, b: IterationPlan) -> None:
     for name, dtype in ARRAYS.items():
         x, y = getattr(a, name), getattr(b, name)
         assert y.dtype == dtype and x.shape == y.shape and np.array_equal(x, y), name
-    assert (a.max_query_len, a.decode_only, a.greedy, a.graph) == (b.max_query_len, b.decode_only, b.greedy, b.graph)
+    assert (a.max_query_len, a.decode_only, a.greedy, a.logprobs, a.graph) == \
+        (b.max_query_len, b.decode_only, b.greedy, b.logprobs, b.graph)
     assert (a.copies is None) == (b.copies is None)
     if a.copies is not None:
         assert a.copies.mode == b.copies.mode

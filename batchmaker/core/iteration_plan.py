@@ -83,6 +83,7 @@ class IterationPlan:
     max_query_len: int = 1  # the most new tokens of one sequence
     decode_only: bool = False  # every sequence feeds its last sampled token (one token each)
     greedy: bool = True  # no sample needs noise (temperature 0 everywhere)
+    logprobs: int = -1  # log-probabilities to return: -1 none, k >= 0 the sampled tokens' and the top k's
     graph: GraphShape | None = None  # the CUDA graph it replays, padded to its shape; None: eagerly
     copies: Copies | None = None
 
@@ -117,7 +118,7 @@ class IterationPlan:
         columns = np.flatnonzero(tables.any(axis=0))
         used = int(columns[-1]) + 1 if len(columns) else 0
         header = [self.num_tokens, self.num_seqs, tables.shape[1], used, self.num_samples, self.max_query_len,
-                  self.decode_only, self.greedy, *graph]
+                  self.decode_only, self.greedy, self.logprobs, *graph]
         parts = [getattr(self, name) if name != "block_tables" else tables[:, :used] for name in ARRAYS]
         if c is not None:
             header += [COPY_MODES.index(c.mode) + 1, len(c.swap_in_host), c.swap_in_blocks.shape[1],
@@ -133,7 +134,7 @@ class IterationPlan:
         data = bytearray(data)  # (one copy: the arrays are writable views of it)
         n = int(np.frombuffer(data, dtype=np.int64, count=1)[0])
         header = np.frombuffer(data, dtype=np.int64, count=n, offset=8).tolist()
-        t, s, width, used, m, max_query_len, decode_only, greedy, *rest = header
+        t, s, width, used, m, max_query_len, decode_only, greedy, logprobs, *rest = header
         graph = None if rest[0] < 0 else GraphShape(rest[0], rest[1], None if rest[2] < 0 else rest[2], bool(rest[3]))
         shapes = array_shapes(t, s, m, used)
         reader = _Reader(data, 8 * (n + 1))
@@ -148,7 +149,7 @@ class IterationPlan:
                             reader.take(np.int64, (n_out, per_out)), reader.take(np.int64, (n_out,)),
                             COPY_MODES[mode - 1])
         return cls(**arrays, max_query_len=max_query_len, decode_only=bool(decode_only), greedy=bool(greedy),
-                   graph=graph, copies=copies)
+                   logprobs=logprobs, graph=graph, copies=copies)
 
 
 def _aligned(data: bytes) -> bytes:

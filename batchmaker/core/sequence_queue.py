@@ -262,13 +262,14 @@ class SequenceQueue:
         sample_index = q.planned[ss].copy()
         q.planned[ss] += 1
         decode_only = bool(decode.all())
-        graph = self.shapes[worker_id].of(len(slots), total, decode_only, int(ends.max()))
+        logprobs = int(q.logprobs[ss].max()) if len(ss) else -1
+        graph = self.shapes[worker_id].of(len(slots), total, decode_only, int(ends.max())) if logprobs < 0 else None
         plan = IterationPlan.of(
             tokens=tokens, positions=positions, kv_slots=kv_slots, token_slots=token_slots, query_start=query_start,
             context_lens=ends, block_tables=q.blocks.table[slots], sample_token=query_start[sample + 1] - 1,
             sample_slots=ss, seeds=q.seed[ss], counters=sample_index, top_k=q.top_k[ss], temperature=q.temperature[ss],
             top_p=q.top_p[ss], max_query_len=int(counts.max()), decode_only=decode_only,
-            greedy=not (q.temperature[ss] > 0).any(), graph=graph,
+            greedy=not (q.temperature[ss] > 0).any(), logprobs=logprobs, graph=graph,
             copies=None if copies is None else copies.copies(graph is not None))
         return IterationTask(self, self.cell_type, worker_id, total, plan=plan, slots=slots,
                              serials=q.serial[slots].copy(), owners=q.owner[slots].copy(), sample=sample,
@@ -290,6 +291,7 @@ class SequenceQueue:
         slots, index, tokens = slots[current], task.plan.counters[current], task.sampled[current]
         if not len(slots):
             return
+        logprobs = None if task.logprobs is None else tuple(a[current] for a in task.logprobs)
         q.tokens[slots, index] = tokens
         q.length[slots] = index + 1
         stopped = (q.stops[slots] == tokens[:, None]).any(1)
@@ -298,7 +300,7 @@ class SequenceQueue:
             conversation = q.conversation[s]
             if conversation is not None:  # its cache stays with the conversation
                 self.turns.finish(task.worker_id, conversation, q.tokens[s, :int(q.length[s])], q.blocks.detach(s))
-        self.finisher.tokens(q, slots, tokens, done, stopped)
+        self.finisher.tokens(q, slots, tokens, done, stopped, logprobs)
         for s in slots[done].tolist():
             q.leave(s)
 

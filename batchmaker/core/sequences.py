@@ -28,7 +28,8 @@ from batchmaker.core.blocks import BlockTables
 from batchmaker.core.waiting import Chunk
 
 MAX_STOPS = 8  # stop token ids per request (EOS included)
-_CARRIED = ("temperature", "top_k", "top_p", "seed", "stops", "first", "joined", "streams")  # what a waiting row brings
+_CARRIED = ("temperature", "top_k", "top_p", "seed", "stops", "first", "joined", "streams", "logprobs")  # what a
+# waiting row brings
 
 
 class Sequences:
@@ -50,6 +51,7 @@ class Sequences:
         self.active = np.zeros(num_slots, dtype=bool)
         self.temperature = np.zeros(num_slots, dtype=np.float64)
         self.top_k = np.zeros(num_slots, dtype=np.int64)
+        self.logprobs = np.full(num_slots, -1, dtype=np.int64)  # -1: none; k >= 0: the sampled token's and the top k's
         self.top_p = np.ones(num_slots, dtype=np.float64)
         self.seed = np.zeros(num_slots, dtype=np.int64)
         self.stops = np.full((num_slots, MAX_STOPS), -1, dtype=np.int64)

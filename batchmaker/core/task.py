@@ -108,4 +108,5 @@ class IterationTask(Task):
     sample: np.ndarray = None
     cache_plan: Any = None  # the manager's handle on the plan's copies (core/cache_plan.py): the worker sets `done`
     sampled: np.ndarray = None  # int64 [N], filled when the task finished
+    logprobs: tuple = None  # with plan.logprobs >= 0: the sampled tokens' [N] and the top k's ids and values [N, k]
     seconds: float = math.nan  # how long the iteration ran (its runner measures it where it can)

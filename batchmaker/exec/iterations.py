@@ -30,7 +30,7 @@ from batchmaker.exec.iteration_buffers import Packed
 from batchmaker.cells.pipeline import PendingTokens
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.tensor_group import RankFailure
-from batchmaker.exec.sampling import sample
+from batchmaker.exec.sampling import log_probabilities, sample
 from batchmaker.exec.staging import Landing
 from batchmaker.kernels import attention_work
 from batchmaker.kernels.attention_variants import compile_variants
@@ -147,8 +147,9 @@ class IterationRunner:
 
     # the computation ---------------------------------------------------------------------------
     def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in,
-                 max_context_len: int | None = None, work: tuple | None = None) -> torch.Tensor:
-        """The iteration on tensors already on the device; returns the sampled tokens [N].
+                 max_context_len: int | None = None, work: tuple | None = None, logprobs: int = -1):
+        """The iteration on tensors already on the device; returns the sampled tokens [N] (with
+        `logprobs` >= 0: and their log-probabilities, exec/sampling.log_probabilities).
         max_context_len: a host bound on every context (it picks the attention launch; None: the
         block tables' width); work: the attention's item lists (kernels/attention_work.py)."""
         tokens = torch.where(t["tokens"] >= 0, t["tokens"], self.last_token[t["token_slots"]])
@@ -167,7 +168,7 @@ class IterationRunner:
         if self.stage is not None:
             self.stage.send_tokens(chosen)  # (stage 0 feeds them: core/sequence_queue.py `exclusive`)
         self.last_token.index_copy_(0, t["sample_slots"], chosen)
-        return chosen
+        return chosen if logprobs < 0 else (chosen, log_probabilities(logits, chosen, logprobs))
 
     def _record(self, task: IterationTask) -> "IterationRecord | None":
         if self.trace is None:
@@ -190,7 +191,10 @@ class IterationRunner:
         start = time.perf_counter()
         try:
             swap_in = self._copies(task, None)
-            out = self._forward(t, plan.max_query_len, plan.greedy, swap_in)
+            out = self._forward(t, plan.max_query_len, plan.greedy, swap_in, logprobs=plan.logprobs)
+            if isinstance(out, tuple):
+                out, extras = out
+                task.logprobs = tuple(x.numpy().copy() for x in extras)
             if isinstance(out, PendingTokens):  # (pipeline stage 0: the next iteration runs here meanwhile)
                 task.handle = out
             elif out is not None:
@@ -233,11 +237,16 @@ class IterationRunner:
             packed.load(arrays)
             work = packed.work(sizes, arrays.get("work_counts"))
             longest = int(plan.context_lens.max())  # (host arrays: no device sync)
-            out = self._forward(packed.tensors, plan.max_query_len, plan.greedy, swap_in, longest, work)
+            out = self._forward(packed.tensors, plan.max_query_len, plan.greedy, swap_in, longest, work,
+                                plan.logprobs)
+        extras = ()
+        if isinstance(out, tuple):
+            out, extras = out
         if timed:
             end.record(compute)  # (before the copy to the host: passed once the tokens have landed)
         region = self.landing.open()
-        task.handle = (region, region.to_host(out[:plan.num_samples]), (start, end) if timed else None, record)
+        task.handle = (region, region.to_host(out[:plan.num_samples]), (start, end) if timed else None, record,
+                       tuple(region.to_host(x) for x in extras))
         self.num_iterations += 1
 
     def _replay(self, padded: IterationPlan) -> torch.Tensor:
@@ -299,8 +308,10 @@ class IterationRunner:
         if isinstance(task.handle, PendingTokens):
             return self._tokens_back(task)
         if task.handle is not None:
-            region, tokens, events, record = task.handle
+            region, tokens, events, record, extras = task.handle
             task.sampled = tokens.numpy().copy()
+            if extras:
+                task.logprobs = tuple(x.numpy().copy() for x in extras)
             if events is not None:
                 task.seconds = events[0].elapsed_time(events[1]) / 1e3
             if record is not None:

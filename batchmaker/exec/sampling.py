@@ -49,3 +49,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _MASK
     return x ^ (x >> 16)
+
+
+def log_probabilities(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """The chosen tokens' log-probabilities [N] and the k most likely tokens' ids and
+    log-probabilities [N, k], under the model's own distribution (the logits' softmax, before
+    temperature, top-k or top-p), in float32."""
+    logp = torch.log_softmax(logits.float(), -1)
+    top = logp.topk(k, -1) if k else None
+    empty = logp.new_empty(logp.shape[0], 0)
+    return (logp.gather(1, chosen.unsqueeze(1)).squeeze(1), top.indices if top else empty.long(),
+            top.values if top else empty)
