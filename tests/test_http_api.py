@@ -9,6 +9,7 @@ mid-stream (its sequence freed, seen through /metrics), draining, and `batchmake
 """
 import asyncio
 import json
+import math
 import re
 import socket
 import subprocess
@@ -233,7 +234,8 @@ def test_64_concurrent_streams_equal_their_whole_replies(served):
     ("completions", b'{"model": ["llama"], "prompt": "hi"}', 400, "model", None),
     ("completions", json.dumps({"model": "llama", "prompt": [5] * 300}).encode(), 400, "prompt",
      "context_length_exceeded"),
-    ("completions", b'{"model": "llama", "prompt": "hi", "logprobs": 2}', 400, "logprobs", "unsupported_parameter"),
+    ("completions", b'{"model": "llama", "prompt": "hi", "frequency_penalty": 2}', 400, "frequency_penalty",
+     "unsupported_parameter"),
     ("completions", b'{"model": "llama", "prompt": "hi", "beam_width": 2}', 400, "beam_width", None),
 ])
 def test_a_bad_request_gets_its_status_and_an_openai_error(served, route, body, status, param, code):
@@ -242,7 +244,7 @@ def test_a_bad_request_gets_its_status_and_an_openai_error(served, route, body, 
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
-    if param == "logprobs":
+    if param == "frequency_penalty":
         assert "not supported yet" in error["message"]
 
 
@@ -251,7 +253,7 @@ def test_the_openai_client_raises_its_typed_errors(served):
         served.client().completions.create(model="gpt-4o", prompt="hi")
     assert caught.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        create(served.client(), "chat", logprobs=True, top_logprobs=2)
+        create(served.client(), "chat", presence_penalty=0.5)
 
 
 def test_an_api_key_is_required_and_checked(served):
@@ -356,3 +358,31 @@ def test_the_readme_http_example_runs(served, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_logprobs_through_the_openai_client_are_the_engines(served, kind):
+    """Chat's logprobs.content and completions' token_logprobs: one entry per token of the text,
+    each with its k alternatives (most likely first; the engine's values: tests/test_logprobs.py
+    checks them against transformers); streamed, the chunks' entries add up to the whole reply's."""
+    options = dict(max_tokens=6, seed=3, temperature=0.7, extra_body=LONG)
+    options.update(logprobs=True, top_logprobs=2) if kind == "chat" else options.update(logprobs=2)
+    reply = create(served.client(), kind, **options)
+    logprobs = reply.choices[0].logprobs
+    if kind == "chat":
+        entries = [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in logprobs.content]
+    else:
+        entries = [(t, lp, list(top.items())) for t, lp, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                                                     logprobs.top_logprobs)]
+        assert logprobs.text_offset == [sum(len(t) for t, _, _ in entries[:i]) for i in range(len(entries))]
+    assert len(entries) == reply.usage.completion_tokens  # (EOS ignored: every token is text)
+    assert "".join(t for t, _, _ in entries) == text_of(reply.choices[0])
+    for _, lp, top in entries:  # (completions' alternatives are a dict by text: two byte tokens may share "\ufffd")
+        assert lp <= 0 and (len(top) == 2 if kind == "chat" else 1 <= len(top) <= 2)
+        assert kind != "chat" or top[0][1] >= top[1][1] >= -math.inf and top[0][1] >= lp
+    streamed = create(served.client(), kind, stream=True, **options)
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs is not None]
+    if kind == "chat":
+        assert [e.logprob for p in pieces for e in p.content] == [lp for _, lp, _ in entries]
+    else:
+        assert [lp for p in pieces for lp in p.token_logprobs] == [lp for _, lp, _ in entries]

@@ -67,9 +67,11 @@ def refused(kind: str, body) -> ApiError:
     ({**CHAT, "ignore_eos": 1}, 400, "ignore_eos", None),
     ({**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", None),  # without stream
     ({**CHAT, "stream": True, "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options", None),
-    ({**CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
-    ({**CHAT, "top_logprobs": 3}, 400, "top_logprobs", "unsupported_parameter"),
-    ({**TEXT, "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),  # (0 asks for the sampled token's)
+    ({**CHAT, "logprobs": 1}, 400, "logprobs", None),  # (chat's is a bool)
+    ({**CHAT, "top_logprobs": 3}, 400, "top_logprobs", None),  # (without logprobs true)
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    ({**TEXT, "logprobs": True}, 400, "logprobs", None),  # (completions' is a count)
+    ({**TEXT, "logprobs": -1}, 400, "logprobs", None),
     ({**CHAT, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter"),
     ({**TEXT, "echo": True}, 400, "echo", "unsupported_parameter"),
@@ -157,3 +159,12 @@ def test_a_text_chunk_is_the_json_of_its_fields(kind, include_usage):
                    **({"usage": None} if include_usage else {})}
     last = json.loads(replies.delta(3, "", "stop")[len(b"data: "):])
     assert last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_become_the_engines_input():
+    assert parse("chat.completion", {**CHAT, "logprobs": True, "top_logprobs": 3}).logprobs == 3
+    assert parse("chat.completion", {**CHAT, "logprobs": True}).logprobs == 0
+    assert parse("chat.completion", {**CHAT, "logprobs": False}).logprobs == -1
+    request = parse("text_completion", {**TEXT, "logprobs": 0})
+    assert request.logprobs == 0 and request.engine_inputs(0)["logprobs"] == 0
+    assert "logprobs" not in parse("text_completion", TEXT).engine_inputs(0)

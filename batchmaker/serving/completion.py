@@ -7,6 +7,7 @@ A choice that meets a stop string is cancelled in the engine at once (its KV cac
 `cancel()` cancels every unfinished choice (a client that went away, a failed sibling).
 """
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -21,12 +22,14 @@ class Event:
     text: str
     finish_reason: str | None = None  # on the choice's last event: "stop" or "length"
     error: ApiError | None = None  # the choice failed (its last event)
+    scores: list | None = None  # asked log-probabilities: (token id, logprob, [[id, logprob], ...]) of its tokens
 
 
 class Choice:
     """One choice's text as its tokens come: stop tokens leave no text, stop strings end it."""
 
-    __slots__ = ("index", "detokenizer", "matcher", "stop_ids", "future", "num_tokens", "finish_reason", "last_token")
+    __slots__ = ("index", "detokenizer", "matcher", "stop_ids", "future", "num_tokens", "finish_reason", "last_token",
+                 "scores")
 
     def __init__(self, index: int, request: GenerationRequest):
         self.index = index
@@ -37,17 +40,25 @@ class Choice:
         self.num_tokens = 0
         self.finish_reason: str | None = None  # set once: stop, length, error, cancelled
         self.last_token = 0.0  # perf_counter instant of its latest token (0: none yet)
+        self.scores = [] if request.logprobs >= 0 else None  # of tokens not yet in an event
 
     @property
     def is_done(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, token: int) -> str:
-        """The text `token` adds; a stop string ending in it sets finish_reason "stop"."""
+    def add(self, token: int, score: tuple | None = None) -> str:
+        """The text `token` adds; a stop string ending in it sets finish_reason "stop". `score`:
+        its (logprob, top alternatives), kept for the next event when asked."""
         self.num_tokens += 1
         if token in self.stop_ids:  # EOS or a stop id: the engine's last token, not part of the text
             return ""
+        if self.scores is not None and score is not None:
+            self.scores.append((token, *score))
         return self._cut(self.detokenizer.add(token))
+
+    def take_scores(self) -> list | None:
+        scores, self.scores = self.scores, ([] if self.scores is not None else None)
+        return scores
 
     def finish(self, reason: str) -> str:
         """The engine finished the choice: the text still held."""
@@ -89,8 +100,7 @@ class Completion:
         """Submit every choice; ApiError if the engine refuses one at once (overloaded, stopping)."""
         name, call = self.request.model.name, self._bridge.call
         for choice in self.choices:
-            on_partial = (lambda partial, c=choice: call(self._on_tokens, c, partial["tokens"])) \
-                if self._streams else None
+            on_partial = (lambda partial, c=choice: call(self._on_tokens, c, partial)) if self._streams else None
             choice.future = self.engine.submit(name, self.request.engine_inputs(choice.index), on_partial=on_partial)
             if choice.future.done() and choice.future.exception() is not None:
                 choice.finish_reason = "error"
@@ -122,20 +132,20 @@ class Completion:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _on_tokens(self, choice: Choice, tokens: list[int]) -> None:
+    def _on_tokens(self, choice: Choice, partial: dict) -> None:
         if choice.is_done:
             return
         self._timed(choice)
         text = ""
-        for token in tokens:
-            text += choice.add(token)
+        for token, score in zip(partial["tokens"], _scores(partial)):
+            text += choice.add(token, score)
             if choice.is_done:
                 break
         if choice.is_done:  # a stop string: the rest is not wanted
             self.engine.cancel(choice.future.request_id)
             self._finished(choice, text)
         elif text:
-            self._put(Event(choice.index, text))
+            self._put(Event(choice.index, text, scores=choice.take_scores()))
 
     def _on_done(self, choice: Choice, future) -> None:
         if choice.is_done:  # stopped by a stop string, or cancelled
@@ -147,12 +157,13 @@ class Completion:
             self._put(Event(choice.index, "", error=engine_error(error)))
             return
         outputs = future.result().outputs
-        text = "" if self._streams else "".join(choice.add(t) for t in outputs["tokens"])
+        text = "" if self._streams else "".join(choice.add(t, score) for t, score in zip(outputs["tokens"],
+                                                                                        _scores(outputs)))
         self._finished(choice, text + choice.finish(outputs["finish_reason"]))
 
     def _finished(self, choice: Choice, text: str) -> None:
         self.metrics.finished(self.request.model.name, choice.finish_reason, choice.num_tokens)
-        self._put(Event(choice.index, text, choice.finish_reason))
+        self._put(Event(choice.index, text, choice.finish_reason, scores=choice.take_scores()))
 
     def _timed(self, choice: Choice) -> None:
         now = time.perf_counter()
@@ -161,3 +172,10 @@ class Completion:
         else:
             self.metrics.first_token(self.request.model.name, now - self.arrival)
         choice.last_token = now
+
+
+def _scores(outputs: dict):
+    """(logprob, top alternatives) of each token of a partial or a result; None each when not asked."""
+    if "logprobs" not in outputs:
+        return itertools.repeat(None)
+    return zip(outputs["logprobs"], outputs["top_logprobs"])

@@ -212,17 +212,20 @@ class HttpFront:
 async def _whole(gen: GenerationRequest, completion: Completion) -> web.Response:
     texts: list[list[str]] = [[] for _ in completion.choices]
     reasons: list[str | None] = [None] * len(texts)
+    scores: list[list | None] = [[] if gen.logprobs >= 0 else None for _ in texts]
     remaining = len(texts)
     while remaining:
         for e in await completion.next_events():
             if e.error is not None:
                 raise e.error
             texts[e.index].append(e.text)
+            if e.scores:
+                scores[e.index] += e.scores
             if e.finish_reason is not None:
                 reasons[e.index] = e.finish_reason
                 remaining -= 1
-    body = Replies(gen).whole([("".join(t), r) for t, r in zip(texts, reasons)], completion.prompt_tokens,
-                              completion.completion_tokens)
+    body = Replies(gen).whole([("".join(t), r, sc) for t, r, sc in zip(texts, reasons, scores)],
+                              completion.prompt_tokens, completion.completion_tokens)
     return web.json_response(body, dumps=_dumps)
 
 
@@ -237,7 +240,7 @@ async def _write_events(response: web.StreamResponse, replies: Replies, completi
             if e.error is not None:
                 await response.write(b"".join(chunks) + event(e.error.body()))
                 return "error"
-            chunks.append(replies.delta(e.index, e.text, e.finish_reason))
+            chunks.append(replies.delta(e.index, e.text, e.finish_reason, e.scores))
             remaining -= e.finish_reason is not None
         await response.write(b"".join(chunks))
         if not remaining:

@@ -19,11 +19,12 @@ _MASK64 = (1 << 64) - 1
 
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
           "ignore_eos", "stream", "stream_options", "user"}
-PARAMETERS = {"text_completion": COMMON | {"prompt"},
-              "chat.completion": COMMON | {"messages", "max_completion_tokens"}}
+PARAMETERS = {"text_completion": COMMON | {"prompt", "logprobs"},
+              "chat.completion": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
+MAX_LOGPROBS = 20  # the engine's (batchmaker/generation.py)
 # OpenAI parameters not implemented: accepted with these values only (None: absent)
 NOT_YET = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
     "logit_bias": (None, {}), "echo": (None, False), "suffix": (None,), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
@@ -64,6 +65,7 @@ class GenerationRequest:
     stops: tuple[str, ...]  # stop strings, matched on the text
     stream: bool
     include_usage: bool
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and its k most likely alternatives'
 
     @property
     def num_choices(self) -> int:
@@ -79,6 +81,8 @@ class GenerationRequest:
                   **self.sampling}
         if self.seed is not None:
             inputs["seed"] = choice_seed(self.seed, index)
+        if self.logprobs >= 0:
+            inputs["logprobs"] = self.logprobs
         return inputs
 
     @property
@@ -124,7 +128,7 @@ def parse_request(kind: str, body, models: dict[str, TextModel], others: set[str
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, model.max_positions - max(map(len, prompts)))
     return GenerationRequest(kind, model, tuple(map(tuple, prompts)), n, max_tokens, _sampling(body, model),
                              _int(body, "seed", -(2**63), 2**63 - 1), _stops(body.get("stop")), stream,
-                             include_usage)
+                             include_usage, _logprobs(kind, body))
 
 
 def _check_names(kind: str, body: dict) -> None:
@@ -134,8 +138,7 @@ def _check_names(kind: str, body: dict) -> None:
         if name not in NOT_YET:
             raise ApiError(400, f"unrecognized request argument {name!r}", name)
         if not any(_same(value, off) for off in NOT_YET[name]):
-            why = " (the engine does not return log-probabilities)" if "logprobs" in name else ""
-            raise ApiError(400, f"{name!r} is not supported yet{why}", name, "unsupported_parameter")
+            raise ApiError(400, f"{name!r} is not supported yet", name, "unsupported_parameter")
 
 
 def _same(value, off) -> bool:
@@ -166,6 +169,19 @@ def _max_tokens(kind: str, body: dict) -> int | None:
             raise ApiError(400, "max_tokens and max_completion_tokens differ: send one", "max_completion_tokens")
         value = newer if newer is not None else value
     return value
+
+
+def _logprobs(kind: str, body: dict) -> int:
+    """Chat: logprobs true (and top_logprobs k); completions: logprobs k. -1: none asked."""
+    if kind == "text_completion":
+        k = _int(body, "logprobs", 0, MAX_LOGPROBS)
+        return -1 if k is None else k
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top:
+            raise ApiError(400, "top_logprobs: only with logprobs true", "top_logprobs")
+        return -1
+    return top or 0
 
 
 def _stream_options(body: dict, stream: bool) -> bool:

@@ -30,6 +30,8 @@ class Replies:
         self.model = request.model.name
         self.object = request.kind
         self.include_usage = request.include_usage
+        self._tokenizer = request.model.tokenizer
+        self._offsets: dict[int, int] = {}  # completions' text_offset so far, by choice
         # a text delta's chunk is these bytes around its index and text: no dict, one string encoded
         head = _encode({"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model})
         self._head = b"data: " + head[:-1].encode() + b',"choices":[{"index":'
@@ -37,25 +39,45 @@ class Replies:
         self._tail = (b"}" if self.is_chat else b"") + b',"logprobs":null,"finish_reason":null}]' + \
             (b',"usage":null' if self.include_usage else b"") + b"}\n\n"
 
-    def whole(self, choices: list[tuple[str, str]], prompt_tokens: int, completion_tokens: int) -> dict:
-        """choices: (text, finish_reason) by index."""
+    def whole(self, choices: list[tuple], prompt_tokens: int, completion_tokens: int) -> dict:
+        """choices: (text, finish_reason, scores or None) by index."""
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self._choice(i, text, reason) for i, (text, reason) in enumerate(choices)],
+                "choices": [self._choice(i, text, reason, self.logprobs(i, scores))
+                            for i, (text, reason, scores) in enumerate(choices)],
                 "usage": usage(prompt_tokens, completion_tokens)}
+
+    def logprobs(self, index: int, scores: list | None) -> dict | None:
+        """OpenAI's logprobs object of a choice's tokens (token id, logprob, [[id, logprob], ...])."""
+        if scores is None:
+            return None
+        piece = lambda t: self._tokenizer.decode([t])  # noqa: E731
+        if self.is_chat:
+            return {"content": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
+                                 "top_logprobs": [{"token": piece(a), "logprob": v, "bytes": list(piece(a).encode())}
+                                                  for a, v in top]} for t, lp, top in scores]}
+        tokens = [piece(t) for t, _, _ in scores]
+        offsets, at = [], self._offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self._offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in scores],
+                "top_logprobs": [{piece(a): v for a, v in top} for _, _, top in scores], "text_offset": offsets}
 
     def opening(self, index: int) -> bytes:
         """A chat choice's first chunk: the assistant's role (completions have none)."""
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def delta(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
-        if text and finish_reason is None:  # (most chunks)
+    def delta(self, index: int, text: str, finish_reason: str | None = None, scores: list | None = None) -> bytes:
+        if text and finish_reason is None and scores is None:  # (most chunks)
             return b"".join((self._head, str(index).encode(), self._key, _encode(text).encode(), self._tail))
+        logprobs = self.logprobs(index, scores)
         if self.is_chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._chunk([choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
@@ -74,8 +96,8 @@ class Replies:
             body["usage"] = None
         return event(body)
 
-    def _choice(self, index: int, text: str, reason: str) -> dict:
+    def _choice(self, index: int, text: str, reason: str, logprobs: dict | None) -> dict:
         if self.is_chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
