@@ -140,6 +140,9 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama-2-70b": replace(_LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_layers=80,
                            num_heads=64, num_kv_heads=8),
     "opt-13b": _OPT_13B,
+    # A CPU benchmark's: big enough that the layers, not the host, take the time
+    "small-llama": replace(_LLAMA2_7B, vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=8,
+                           num_heads=8, num_kv_heads=8, head_dim=64, max_positions=1024),
     # Small enough for CPU tests; GQA (4 query heads share 2 kv heads) so that path is exercised.
     "tiny-llama": replace(_LLAMA2_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=16, max_positions=256),
