@@ -1,6 +1,6 @@
-"""A tensor-parallel decoder over ranks a launcher started: `torchrun --nproc-per-node 2 -m
-batchmaker.serving.cli serve ...`, the same command in both processes, exactly as on several
-hosts (exec/tensor_launch.py), here on one host with gloo. Rank 0 serves over ZeroMQ and plans;
+"""A tensor- or pipeline-parallel decoder over ranks a launcher started: `torchrun
+--nproc-per-node 2 -m batchmaker.serving.cli serve ...`, the same command in both processes,
+exactly as on several hosts (exec/tensor_launch.py), here on one host with gloo. Rank 0 serves over ZeroMQ and plans;
 rank 1 runs its plans. The tokens are those of one rank in one process; stopping torchrun leaves
 no process behind."""
 import json
@@ -42,11 +42,12 @@ def processes_naming(text: str) -> list[int]:
     return pids
 
 
-def test_torchrun_ranks_serve_the_tokens_of_one_rank(capsys):
+@pytest.mark.parametrize("parallel", ["tensor_parallel", "pipeline_parallel"])
+def test_torchrun_ranks_serve_the_tokens_of_one_rank(capsys, parallel):
     address = ipc_address()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "-m", "batchmaker.serving.cli", "serve", "--models", "llama",
-               "--set", "llama.seed=2", "--set", "llama.max_tokens=48", "--set", "llama.tensor_parallel=2",
+               "--set", "llama.seed=2", "--set", "llama.max_tokens=48", "--set", f"llama.{parallel}=2",
                "--address", address]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
