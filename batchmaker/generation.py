@@ -172,6 +172,25 @@ class GenerativeModel(Finisher):
         blocks = -(-total // self.cell.block_size)
         if blocks > self.num_blocks - 1:
             raise BadRequestError(f"{total} tokens need {blocks} KV blocks; a worker's cache has {self.num_blocks - 1}")
+        sampling = self._sampling(inputs)
+        ignore_eos = inputs.get("ignore_eos", False)
+        if type(ignore_eos) is not bool:
+            raise BadRequestError(f"ignore_eos: expected true or false, got {ignore_eos!r}")
+        stops = list(() if ignore_eos else self.eos)
+        extra = inputs.get("stop_token_ids", [])
+        if extra:
+            stops += check_tokens(extra, self.vocab, "stop_token_ids").tolist()
+        if len(stops) > MAX_STOPS:
+            raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
+        row = {"prompt_len": len(prompt), "max_new": int(max_new), **sampling,
+               "stops": stops + [-1] * (MAX_STOPS - len(stops)), "priority": f.priority, "first": math.nan,
+               "joined": math.nan, "streams": f.on_partial is not None, "history": history,
+               "conversation": conversation}
+        return prompt, row
+
+    def _sampling(self, inputs: dict) -> dict:
+        """A request's sampling settings, checked: temperature, top_p, top_k, seed (drawn when not
+        given) and logprobs (-1: none)."""
         temperature = _number(inputs.get("temperature", 0.0), "temperature", 0.0, math.inf)
         top_p = _number(inputs.get("top_p", 1.0), "top_p", 0.0, 1.0)
         if top_p == 0.0:
@@ -189,21 +208,8 @@ class GenerativeModel(Finisher):
             seed = next(self._seeds)
         elif not is_int(seed) or not -(2**63) <= seed < 2**63:
             raise BadRequestError(f"seed: expected a 64-bit integer, got {seed!r}")
-        ignore_eos = inputs.get("ignore_eos", False)
-        if type(ignore_eos) is not bool:
-            raise BadRequestError(f"ignore_eos: expected true or false, got {ignore_eos!r}")
-        stops = list(() if ignore_eos else self.eos)
-        extra = inputs.get("stop_token_ids", [])
-        if extra:
-            stops += check_tokens(extra, self.vocab, "stop_token_ids").tolist()
-        if len(stops) > MAX_STOPS:
-            raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
-        row = {"prompt_len": len(prompt), "max_new": int(max_new), "temperature": temperature, "top_k": int(top_k),
-               "top_p": top_p, "seed": int(seed), "stops": stops + [-1] * (MAX_STOPS - len(stops)),
-               "priority": f.priority, "first": math.nan, "joined": math.nan,
-               "streams": f.on_partial is not None, "logprobs": int(logprobs),
-               "history": history, "conversation": conversation}
-        return prompt, row
+        return {"temperature": temperature, "top_k": int(top_k), "top_p": top_p, "seed": int(seed),
+                "logprobs": int(logprobs)}
 
     # conversations --------------------------------------------------------------------------------
     def _end(self, f) -> None:

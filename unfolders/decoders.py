@@ -25,25 +25,8 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
                   max_tokens: int | None, max_seqs: int, block_size: int, num_blocks: int | None,
                   max_new_tokens: int, conversations: dict, tensor_parallel: int = 1,
                   pipeline_parallel: int = 1) -> Model:
-    from batchmaker.cells.checkpoint import load_tokenizer, read_config
-    from batchmaker.cells.decoder_config import PRESETS
     from batchmaker.cells.decoder_source import DecoderSource
-    if checkpoint is not None:
-        config, tokenizer = read_config(checkpoint)[0], load_tokenizer(checkpoint)
-    elif preset in PRESETS:
-        config, tokenizer = PRESETS[preset], None
-    else:
-        raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
-    if config.family != family:
-        raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
-    if torch.device(device).type == "cuda" and config.head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
-                         f"head sizes {', '.join(map(str, HEAD_DIMS))} only so far (on a CPU any head size runs)")
-    check_shardable(config, tensor_parallel)
-    check_stages(config, pipeline_parallel)
-    if pipeline_parallel > 1 and torch.device(device).type != "cpu":
-        raise ValueError(f"pipeline_parallel={pipeline_parallel}: stages run on CPU workers only so far (issue 31)")
-    check_rank_devices(device, tensor_parallel * pipeline_parallel)
+    config, tokenizer = _config(name, family, preset, checkpoint, device, tensor_parallel, pipeline_parallel)
     dtype = None if dtype is None else as_dtype(dtype)
     source = DecoderSource(config, checkpoint, seed, dtype if checkpoint is not None else dtype or torch.float32)
     ttl = conversations.pop("conversation_ttl")
@@ -74,6 +57,31 @@ def decoder_model(name: str, family: str, preset: str, checkpoint: str | None, s
         },
         streamed_outputs=("tokens",),
     )
+
+
+def _config(name: str, family: str, preset: str, checkpoint: str | None, device: str, tensor_parallel: int,
+            pipeline_parallel: int):
+    """The whole model's DecoderConfig and tokenizer, refused here (a typed error when the model is
+    built) if this engine cannot run it on `device` over the ranks asked."""
+    from batchmaker.cells.checkpoint import load_tokenizer, read_config
+    from batchmaker.cells.decoder_config import PRESETS
+    if checkpoint is not None:
+        config, tokenizer = read_config(checkpoint)[0], load_tokenizer(checkpoint)
+    elif preset in PRESETS:
+        config, tokenizer = PRESETS[preset], None
+    else:
+        raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    if config.family != family:
+        raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
+    if torch.device(device).type == "cuda" and config.head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
+                         f"head sizes {', '.join(map(str, HEAD_DIMS))} only so far (on a CPU any head size runs)")
+    check_shardable(config, tensor_parallel)
+    check_stages(config, pipeline_parallel)
+    if pipeline_parallel > 1 and torch.device(device).type != "cpu":
+        raise ValueError(f"pipeline_parallel={pipeline_parallel}: stages run on CPU workers only so far (issue 31)")
+    check_rank_devices(device, tensor_parallel * pipeline_parallel)
+    return config, tokenizer
 
 
 @register_model("llama")

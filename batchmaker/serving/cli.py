@@ -191,32 +191,18 @@ def _serve(args) -> int:
         from batchmaker.exec.tensor_launch import follow
         log.info("rank %d of %d: following rank 0 at %s", launch.rank, launch.size, launch.master_addr)
         return follow(launch)
-    _check_address(args.address)
+    config, http = _serving_configs(args)
     devices = check_devices(args.devices, "--devices")
-    if bool(args.curve_secret_key) != bool(args.curve_clients):
-        raise UsageError("CurveZMQ needs both --curve-secret-key and --curve-clients")
-    config_keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
-                       curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
-    specs = [s.strip() for s in args.models.split(",") if s.strip()]
-    from batchmaker.serving.http_config import config_from_flags
-    try:  # (--http is checked before the models load)
-        http = config_from_flags(args.http, args.api_key, args.chat_template, args.drain_timeout)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if http is not None and args.replicas:
-        raise UsageError("--http serves decoders, --replicas the RNN and tree models: not both in one server yet")
     from batchmaker.engine_config import EngineConfig
-    from batchmaker.serving.server import Server, ServerConfig
+    from batchmaker.serving.server import Server
 
+    specs = [s.strip() for s in args.models.split(",") if s.strip()]
     engine_config = EngineConfig(devices=devices, max_requests=args.max_requests)
     if args.replicas:
         engine = replicas_of(specs, args.set, engine_config)
     else:
         from batchmaker.engine import Engine
         engine = Engine(load_models(specs, args.set, devices), engine_config)
-
-    config = ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,
-                          **config_keys)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -240,6 +226,26 @@ def _serve(args) -> int:
         server.stop()
     log.info("stopped")
     return 0 if stop.is_set() else 1
+
+
+def _serving_configs(args):
+    """The ZeroMQ server's config and the HTTP front's (None without --http), checked before any
+    model loads."""
+    from batchmaker.serving.http_config import config_from_flags
+    from batchmaker.serving.server import ServerConfig
+    _check_address(args.address)
+    if bool(args.curve_secret_key) != bool(args.curve_clients):
+        raise UsageError("CurveZMQ needs both --curve-secret-key and --curve-clients")
+    keys = dict(curve_secret_key=_read_key(args.curve_secret_key, "--curve-secret-key"),
+                curve_client_keys=tuple(_read_key(p, "--curve-clients") for p in args.curve_clients))
+    try:
+        http = config_from_flags(args.http, args.api_key, args.chat_template, args.drain_timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if http is not None and args.replicas:
+        raise UsageError("--http serves decoders, --replicas the RNN and tree models: not both in one server yet")
+    return ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,
+                        **keys), http
 
 
 def _client(args) -> int:
