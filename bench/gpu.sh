@@ -24,6 +24,9 @@
 #     decoders the decoder tests (HF references, Triton attention, CUDA-graph decode), bench/attention.py,
 #              and a small bench/chat.py (tiny model) that checks the script end to end
 #     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
+#     tp-tests, tp-step, tp-chat (a multi-GPU machine; issue 31): the tensor-parallel GPU tests; the
+#              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
+#              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
 # RATES_REPLICAS_TREE (the replica suites'), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
@@ -55,6 +58,8 @@ RATES_REPLICAS_TREE=${RATES_REPLICAS_TREE:-5000 10000 20000 40000 60000 80000}
 GPUS=$(python3 -c 'import torch; print(",".join(f"cuda:{i}" for i in range(torch.cuda.device_count())))' 2>/dev/null)
 REPLICA_COUNTS=$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= torch.cuda.device_count()])' 2>/dev/null)
 replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
+TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
 for suite in "$@"; do
     case "$suite" in
         tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
@@ -88,6 +93,16 @@ for suite in "$@"; do
                   step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
                   step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;
         chat) step chat timeout 590 python3 bench/chat.py --device cuda:0 --preset llama-2-7b --dtype bf16 ${CHAT_ARGS:-} ;;
+        tp-tests) step tp-tests timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_tensor_parallel_gpu.py ;;
+        tp-step)  # the anchor in the same command, then the engine's step (issue 31)
+            step tp-probe timeout 200 python3 -m torch.distributed.run --nproc-per-node "$TP" .probes/tp_probe.py \
+                --preset "${TP_PROBE_PRESET:-13b}" --batches 1,64 --ctx 512
+            step tp-step timeout 400 python3 bench/tp_step.py --preset "${TP_PRESET:-llama-2-13b}" --tp ${TP_DEGREES:-1 $TP} \
+                --batch 1 64 --context 512 --steps 32 ;;
+        tp-chat) for tp in ${TP_DEGREES:-1 $TP}; do
+                step "tp-chat-$tp" timeout 300 python3 bench/chat.py --preset "${TP_PRESET:-llama-2-13b}" \
+                    --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" --tensor-parallel "$tp"
+            done ;;
         *) echo "unknown suite $suite"; failed+=("$suite") ;;
     esac
 done
