@@ -150,7 +150,10 @@ class TensorGroup:
         """Break the group as soon as a rank ends while the group serves: its process's sentinel,
         or (ranks a launcher started) its connection, which it never writes to, becomes ready."""
         ends = {p.sentinel: p.name for p in self.processes} or {c: f"rank {r + 1}" for r, c in enumerate(self.pipes)}
-        ended = multiprocessing.connection.wait(list(ends))
+        try:
+            ended = multiprocessing.connection.wait(list(ends))
+        except (OSError, ValueError):  # (a connection closed under it: the group is closing)
+            ended = list(ends)
         if not self._closing:
             self.abort(f"ranks exited: {', '.join(ends[e] for e in ended)}")
 
