@@ -1,0 +1,100 @@
+"""FlexGen's zig-zag block schedule (Sheng et al., ICML 2023, §4.2 and Algorithm 1; issue 34), as
+a list of operations an offloading executor carries out. No torch here: the order is the thing,
+and it is tested as a property with a fake device (tests/test_zigzag.py).
+
+A block is `num_batches` GPU batches generated together for `num_tokens` steps (step 0 is the
+prompt). The schedule walks one layer across every batch of the block before the next layer, so
+that a layer's weights cross the host link once per block and step, not once per batch; and it
+overlaps, in each slot between two syncs, the computation of (step, layer, batch) with six moves:
+the next layer's weights in, the next batch's cache and hidden states in, the previous batch's
+cache and hidden states out. Weights take two device buffers (the layer computing, the next one
+coming: by the parity of the layer's place in the walk), a batch's cache and hidden states three
+(the batch computing, the next coming in, the previous going out: by batch index mod 3), so what
+moves in a slot never lands where that slot computes or reads.
+
+    for step, for layer, for batch:
+        load_weights(layer + 1)            (once per layer: at the layer's first batch)
+        load_cache(layer, batch + 1)       store_cache(layer, batch - 1)
+        load_hidden(layer, batch + 1)      store_hidden(layer, batch - 1)
+        compute(step, layer, batch)
+        sync()
+
+Which moves exist depends on the placement: weights that stay on the device are never loaded
+(`Placement.weights`), nor a cache or hidden states that stay there.
+"""
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What lives off the device between uses (True) or stays on it (False)."""
+    weights: bool = True
+    cache: bool = True
+    hidden: bool = True
+
+
+WEIGHT_BUFFERS, BATCH_BUFFERS = 2, 3
+
+
+class Op(NamedTuple):
+    kind: str  # load_weights, load_cache, store_cache, load_hidden, store_hidden, compute, sync
+    step: int = -1
+    layer: int = -1
+    batch: int = -1
+    slot: int = -1  # the device buffer a move uses (weights' or the batch's); compute: its batch's
+
+
+def _op(kind: str, step: int, layer: int, batch: int = -1, num_layers: int = 1) -> Op:
+    if kind == "load_weights":
+        return Op(kind, step, layer, batch, (step * num_layers + layer) % WEIGHT_BUFFERS)
+    return Op(kind, step, layer, batch, batch % BATCH_BUFFERS)
+
+
+def zigzag(num_layers: int, num_batches: int, num_tokens: int, placement: Placement = Placement()) -> list[Op]:
+    """The block's operations in issue order (Algorithm 1), `sync` closing each slot. A layer's
+    last batch is followed by its cache and hidden states out, a sync, the next layer's first
+    batch's in, and a sync (with one batch they share a buffer)."""
+    if min(num_layers, num_batches, num_tokens) < 1:
+        raise ValueError(f"a block needs layers, batches and tokens >= 1, got {num_layers}, {num_batches}, {num_tokens}")
+    ops = _window(([_op("load_weights", 0, 0)] if placement.weights else []) + _first_batch_in((0, 0), placement))
+    for step in range(num_tokens):
+        for layer in range(num_layers):
+            nxt = _next_layer(step, layer, num_layers, num_tokens)
+            for batch in range(num_batches):
+                ops += _slot(step, layer, batch, num_batches, num_layers, nxt, placement)
+            ops += _window([_op(kind, step, layer, num_batches - 1) for kind, on in
+                            (("store_cache", placement.cache), ("store_hidden", placement.hidden)) if on])
+            if nxt is not None:
+                ops += _window(_first_batch_in(nxt, placement))
+    return ops
+
+
+def _slot(step: int, layer: int, batch: int, num_batches: int, num_layers: int, nxt: tuple | None,
+          placement: Placement) -> list[Op]:
+    """One slot: compute (step, layer, batch) beside the six moves."""
+    moves = [("load_weights", placement.weights and batch == 0 and nxt is not None, *(nxt or (0, 0)), -1),
+             ("load_cache", placement.cache and batch + 1 < num_batches and step > 0, step, layer, batch + 1),
+             ("store_cache", placement.cache and batch > 0, step, layer, batch - 1),
+             ("load_hidden", placement.hidden and batch + 1 < num_batches, step, layer, batch + 1),
+             ("store_hidden", placement.hidden and batch > 0, step, layer, batch - 1)]
+    ops = [_op(kind, s, layer_, b, num_layers) for kind, on, s, layer_, b in moves if on]
+    return _window(ops + [_op("compute", step, layer, batch)])  # (the prompt step reads no cache: none loaded)
+
+
+def _first_batch_in(at: tuple[int, int], placement: Placement) -> list[Op]:
+    """Before a layer's first slot: its batch 0's cache (past the prompt step) and hidden states."""
+    step, layer = at
+    return [_op(kind, step, layer, 0) for kind, on in (("load_cache", placement.cache and step > 0),
+                                                       ("load_hidden", placement.hidden)) if on]
+
+
+def _window(ops: list[Op]) -> list[Op]:
+    return ops + [Op("sync")] if ops else []
+
+
+def _next_layer(step: int, layer: int, num_layers: int, num_tokens: int) -> tuple[int, int] | None:
+    """(step, layer) that comes after `layer` of `step` (the next step's layer 0 after the last), or None."""
+    if layer + 1 < num_layers:
+        return step, layer + 1
+    return (step + 1, 0) if step + 1 < num_tokens else None

@@ -1,0 +1,118 @@
+"""FlexGen's zig-zag block schedule (core/zigzag.py) run on a fake device that records what every
+buffer holds: for random shapes and placements, every compute finds its layer's weights, its
+batch's cache and hidden states on the device, loaded in an earlier slot; nothing is loaded over
+data not yet stored or still in use in the same slot; every output reaches the host; and a
+layer's weights cross once per step of the block, not once per batch."""
+import itertools
+import random
+
+import pytest
+
+from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Placement, zigzag
+
+
+class FakeDevice:
+    def __init__(self, num_layers: int, placement: Placement):
+        self.num_layers, self.placement = num_layers, placement
+        self.weights = [None] * WEIGHT_BUFFERS  # the (step, layer) each weight buffer was loaded for
+        self.buffers = {kind: [None] * BATCH_BUFFERS for kind in ("cache", "hidden")}  # (tag, "in" | "out")
+        self.host = {"cache": set(), "hidden": set()}  # tags stored off the device
+        self.computed = []
+        self.weight_loads = 0
+
+    def run(self, ops) -> None:
+        window = []
+        for op in ops:
+            if op.kind == "sync":
+                self.window(window)
+                window = []
+            else:
+                window.append(op)
+        assert not window, "operations after the last sync"
+
+    def window(self, ops) -> None:
+        """Check every op against the state at the window's start, then apply them all."""
+        computes = [op for op in ops if op.kind == "compute"]
+        busy = {(kind, op.slot) for op in computes for kind in ("cache", "hidden")}
+        busy |= {(op.kind.split("_")[1], op.slot) for op in ops if op.kind.startswith("store")}
+        weight_in_use = {self.weights.index((op.step, op.layer)) for op in computes
+                         if self.placement.weights and (op.step, op.layer) in self.weights}
+        updates = []
+        for op in ops:
+            updates += getattr(self, op.kind)(op, busy, weight_in_use)
+        for apply in updates:
+            apply()
+
+    # each op: checks now, returns what it changes at the window's end
+    def compute(self, op, busy, weight_in_use):
+        tag = (op.step, op.layer, op.batch)
+        assert not self.placement.weights or (op.step, op.layer) in self.weights, f"{tag}: its weights are absent"
+        for kind in ("cache", "hidden"):
+            if not getattr(self.placement, kind):
+                continue
+            held = self.buffers[kind][op.slot]
+            if kind == "hidden" or op.step > 0:
+                assert held == (tag, "in"), f"compute {tag}: {kind} buffer holds {held}"
+            else:  # (the prompt step writes a fresh cache)
+                assert held is None or held[1] != "out", f"compute {tag} overwrites unsaved {kind} {held}"
+        self.computed.append(tag)
+        return [lambda k=kind: self.buffers[k].__setitem__(op.slot, (tag, "out"))
+                for kind in ("cache", "hidden") if getattr(self.placement, kind)]
+
+    def load_weights(self, op, busy, weight_in_use):
+        assert op.slot not in weight_in_use, f"weights of layer {op.layer} over the buffer in use"
+        self.weight_loads += 1
+        return [lambda: self.weights.__setitem__(op.slot, (op.step, op.layer))]
+
+    def _load(self, kind, op, busy, source):
+        tag = (op.step, op.layer, op.batch)
+        assert source is None or source in self.host[kind], f"load {kind} {tag}: {source} not on the host"
+        held = self.buffers[kind][op.slot]
+        assert (kind, op.slot) not in busy, f"load {kind} {tag} into a buffer in use in the same slot"
+        assert held is None or held[1] != "out", f"load {kind} {tag} over unsaved {held}"
+        return [lambda: self.buffers[kind].__setitem__(op.slot, (tag, "in"))]
+
+    def load_cache(self, op, busy, weight_in_use):
+        return self._load("cache", op, busy, (op.step - 1, op.layer, op.batch))
+
+    def load_hidden(self, op, busy, weight_in_use):
+        if op.layer > 0:
+            source = (op.step, op.layer - 1, op.batch)
+        else:
+            source = (op.step - 1, self.num_layers - 1, op.batch) if op.step > 0 else None  # (the prompt: given)
+        return self._load("hidden", op, busy, source)
+
+    def _store(self, kind, op):
+        tag = (op.step, op.layer, op.batch)
+        assert self.buffers[kind][op.slot] == (tag, "out"), f"store {kind} {tag}: buffer holds {self.buffers[kind][op.slot]}"
+        return [lambda: self.host[kind].add(tag), lambda: self.buffers[kind].__setitem__(op.slot, (tag, "stored"))]
+
+    def store_cache(self, op, busy, weight_in_use):
+        return self._store("cache", op)
+
+    def store_hidden(self, op, busy, weight_in_use):
+        return self._store("hidden", op)
+
+
+CASES = [(1, 1, 1), (1, 3, 2), (2, 1, 3), (3, 2, 2), (2, 3, 4)] + \
+        [(random.Random(i).randint(1, 6), random.Random(i + 50).randint(1, 7), random.Random(i + 99).randint(1, 5))
+         for i in range(12)]
+
+
+@pytest.mark.parametrize("layers, batches, tokens", CASES)
+@pytest.mark.parametrize("placement", [Placement(*p) for p in itertools.product((True, False), repeat=3)],
+                         ids=lambda p: f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}")
+def test_the_schedule_keeps_every_dependency_on_a_fake_device(layers, batches, tokens, placement):
+    device = FakeDevice(layers, placement)
+    device.run(zigzag(layers, batches, tokens, placement))
+    walk = [(s, lay, b) for s in range(tokens) for lay in range(layers) for b in range(batches)]
+    assert device.computed == walk  # (each once, a layer across the block's batches before the next)
+    assert device.weight_loads == (layers * tokens if placement.weights else 0)  # (once per layer and step)
+    for kind in ("cache", "hidden"):
+        if getattr(placement, kind):
+            assert device.host[kind] == set(walk)  # (every output reached the host)
+
+
+def test_a_block_needs_layers_batches_and_tokens():
+    with pytest.raises(ValueError, match=">= 1"):
+        zigzag(2, 0, 3)
