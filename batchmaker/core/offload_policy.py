@@ -1,0 +1,146 @@
+"""FlexGen's cost model and policy search (Sheng et al., ICML 2023, §4.3 and Appendix A.3; issue
+34): how long a block of `num_batches` GPU batches of `gpu_batch` sequences takes per layer, for
+a placement of weights (w), KV cache (c) and activations (h) over GPU (g), CPU (c) and disk (d),
+from the machine's link bandwidths and compute rates; and the policy that maximizes tokens/s
+within the tiers' capacities. No torch here: the rates come from measurements made elsewhere.
+
+Per layer, with w the layer's weight bytes, h1 the hidden size, s the prompt, n the generated
+tokens and bls = gpu_batch x num_batches (2-byte values):
+  prefill  max(ctog + dtoc, gtoc + ctod, comp)
+  decode   ctog + max(gtoc, dtoc, ctod, comp)          (FlexGen's code: serialised chains)
+where ctog moves CPU- and disk-resident weights and activations to the GPU, gtoc the new cache
+and activations back, dtoc/ctod the disk's share, and comp the GPU's matmuls and attention over
+its cache plus the CPU's attention over the CPU's and disk's cache (A.3's table). The whole
+block takes l x (prefill + (n - 1) x decode). Placements are searched on a grid of fractions,
+GPU batch sizes over FlexGen's candidates, and the number of GPU batches by doubling while it
+fits and pays (FlexGen's procedure), each checked against an exhaustive search in the tests.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int  # l
+    hidden: int  # h1
+    intermediate: int  # h2
+    prompt: int  # s
+    generate: int  # n
+
+    @property
+    def layer_bytes(self) -> float:
+        return 2.0 * (4 * self.hidden ** 2 + 2 * self.hidden * self.intermediate)  # FlexGen's 8h1² + 4h1h2
+
+
+@dataclass(frozen=True)
+class Hardware:
+    ctog: float  # bytes/s, CPU -> GPU
+    gtoc: float  # GPU -> CPU
+    dtoc: float  # disk -> CPU
+    ctod: float  # CPU -> disk
+    mm_flops: float  # the GPU's matmuls
+    bmm_flops: float  # the GPU's attention
+    cpu_flops: float  # the CPU's attention
+    gpu_bytes: float
+    cpu_bytes: float
+    disk_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    gpu_batch: int
+    num_batches: int
+    wg: float
+    wc: float
+    cg: float
+    cc: float
+    hg: float
+    hc: float
+
+    @property
+    def block(self) -> int:
+        return self.gpu_batch * self.num_batches
+
+
+def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc)."""
+    wg, wc, cg, cc, hg, hc = p.T
+    wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
+    w, h1, s, n, bls = m.layer_bytes, m.hidden, m.prompt, m.generate, gbs * nb
+    kv_mean = 4 * bls * (s + n / 2) * h1
+    pre = (((wc + wd) * w + 2 * (hc + hd) * s * h1 * bls) / hw.ctog,
+           (4 * (cc + cd) * (s + 1) * h1 * bls + 2 * (hc + hd) * s * h1 * bls) / hw.gtoc,
+           (wd * w + 2 * hd * s * h1 * bls) / hw.dtoc if hw.dtoc else np.where(wd + hd > 0, np.inf, 0.0),
+           (4 * cd * bls * (s + 1) * h1 + 2 * hd * s * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
+           bls * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate) / hw.mm_flops + 4 * bls * s ** 2 * h1 / hw.bmm_flops)
+    dec = (((wc + wd) * w + 2 * (hc + hd) * h1 * bls) / hw.ctog,
+           2 * (hc + hd) * h1 * bls / hw.gtoc,
+           (4 * cd * kv_mean + wd * w + 2 * hd * h1 * bls) / hw.dtoc if hw.dtoc else np.where(cd + wd + hd > 0, np.inf, 0.0),
+           (4 * cd * bls * h1 + 2 * hd * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
+           bls * w / hw.mm_flops + cg * kv_mean / hw.bmm_flops + (cc + cd) * kv_mean / hw.cpu_flops)
+    prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), pre[4])
+    decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], dec[4]))
+    return np.broadcast_to(prefill, wg.shape), np.broadcast_to(decode, wg.shape)
+
+
+def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray) -> np.ndarray:
+    """[P, 3]: each tier's peak (GPU, CPU, disk): what lives there, plus the GPU's working set
+    (two layers' weight buffers for what is not resident, one GPU batch's activations)."""
+    wg, wc, cg, cc, hg, hc = p.T
+    wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
+    weights = m.layer_bytes * m.layers
+    kv = 4 * (m.prompt + m.generate) * m.hidden * gbs * nb * m.layers
+    act = 2 * m.hidden * gbs * nb * m.prompt
+    gpu = wg * weights + cg * kv + hg * act + 2 * (1 - wg) * m.layer_bytes + 2 * m.hidden * gbs * m.prompt
+    return np.stack([gpu, wc * weights + cc * kv + hc * act, wd * weights + cd * kv + hd * act], axis=1)
+
+
+def placements(step: float) -> np.ndarray:
+    """Every (wg, wc, cg, cc, hg, hc) on a grid of `step` whose tiers' fractions sum to 1."""
+    f = np.round(np.arange(0, 1 + step / 2, step), 6)
+    pairs = np.array([(a, b) for a in f for b in f if a + b <= 1 + 1e-9])
+    i, j, k = np.meshgrid(*(np.arange(len(pairs)),) * 3, indexing="ij")
+    return np.concatenate([pairs[i.ravel()], pairs[j.ravel()], pairs[k.ravel()]], axis=1)
+
+
+def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray) -> tuple[float, np.ndarray | None]:
+    """(tokens/s, placement) of the fastest placement of `grid` that fits; (0, None) if none does."""
+    fits = (peak_bytes(m, gbs, nb, grid) <= np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes]) + 1e-6).all(1)
+    if not fits.any():
+        return 0.0, None
+    prefill, decode = layer_seconds(m, hw, gbs, nb, grid[fits])
+    rate = gbs * nb * m.generate / (m.layers * (prefill + (m.generate - 1) * decode))
+    best = int(np.argmax(rate))
+    return float(rate[best]), grid[fits][best]
+
+
+def gpu_batch_sizes(limit: int) -> list[int]:
+    """FlexGen's candidates: 1, 2, 3, 4, then doubling."""
+    sizes, size = [1, 2, 3, 4], 8
+    while size <= limit:
+        sizes.append(size)
+        size *= 2
+    return [s for s in sizes if s <= limit]
+
+
+def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int = 64,
+           max_batches: int = 64) -> tuple[float, Policy | None]:
+    """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
+    placement fits and tokens/s grows, then look between the last two; the best policy found."""
+    grid = placements(step)
+    best_rate, best = 0.0, None
+    for gbs in gpu_batch_sizes(max_gpu_batch):
+        rates = {}
+        nb = 1
+        while nb <= max_batches:
+            rates[nb] = best_placement(m, hw, gbs, nb, grid)
+            if rates[nb][1] is None or (nb > 1 and rates[nb][0] <= rates[nb // 2][0]):
+                break
+            nb *= 2
+        for between in range(max(1, nb // 4) + 1, min(nb, max_batches + 1)):  # (between the last doublings)
+            rates.setdefault(between, best_placement(m, hw, gbs, between, grid))
+        for nb, (rate, placement) in rates.items():
+            if placement is not None and rate > best_rate:
+                best_rate, best = rate, Policy(gbs, nb, *map(float, placement))
+    return best_rate, best

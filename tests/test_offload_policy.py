@@ -1,0 +1,57 @@
+"""FlexGen's cost model and policy search (core/offload_policy.py): the search (GPU batch sizes,
+doubling the number of GPU batches, placements on a grid) finds what trying every policy of the
+same grid finds; what it picks fits every tier; a GPU that holds everything keeps everything;
+a faster host link never makes the best policy slower."""
+import numpy as np
+import pytest
+
+from batchmaker.core.offload_policy import (Hardware, ModelShape, best_placement, gpu_batch_sizes, layer_seconds,
+                                            peak_bytes, placements, search)
+
+GB = 1e9
+T4 = Hardware(ctog=12.89 * GB, gtoc=4.82 * GB, dtoc=0.473 * GB, ctod=0.746 * GB, mm_flops=4.3e12, bmm_flops=0.079e12,
+              cpu_flops=0.0123e12, gpu_bytes=16 * GB, cpu_bytes=200 * GB, disk_bytes=1500 * GB)
+OPT_30B = ModelShape(layers=48, hidden=7168, intermediate=28672, prompt=512, generate=32)
+OPT_6B = ModelShape(layers=32, hidden=4096, intermediate=16384, prompt=256, generate=64)
+
+
+def brute_force(m, hw, step, max_gpu_batch, max_batches):
+    grid = placements(step)
+    return max(best_placement(m, hw, gbs, nb, grid)[0] for gbs in gpu_batch_sizes(max_gpu_batch)
+               for nb in range(1, max_batches + 1))
+
+
+@pytest.mark.parametrize("model", [OPT_30B, OPT_6B], ids=["opt-30b", "opt-6.7b"])
+@pytest.mark.parametrize("gpu_gb, cpu_gb", [(16, 200), (24, 64), (80, 400), (8, 30)])
+def test_the_search_finds_what_trying_every_policy_finds(model, gpu_gb, cpu_gb):
+    hw = Hardware(**{**T4.__dict__, "gpu_bytes": gpu_gb * GB, "cpu_bytes": cpu_gb * GB})
+    rate, policy = search(model, hw, step=0.5, max_gpu_batch=16, max_batches=24)
+    assert rate == pytest.approx(brute_force(model, hw, 0.5, 16, 24), rel=1e-9)
+    if policy is not None:
+        p = np.array([[policy.wg, policy.wc, policy.cg, policy.cc, policy.hg, policy.hc]])
+        assert (peak_bytes(model, policy.gpu_batch, policy.num_batches, p)[0] <=
+                np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes]) + 1e-6).all()
+
+
+def test_a_gpu_that_holds_everything_keeps_everything():
+    hw = Hardware(**{**T4.__dict__, "gpu_bytes": 10_000 * GB})
+    _, policy = search(OPT_6B, hw, step=0.25, max_gpu_batch=8, max_batches=4)
+    assert (policy.wg, policy.cg, policy.hg) == (1.0, 1.0, 1.0)
+    prefill, decode = layer_seconds(OPT_6B, hw, policy.gpu_batch, policy.num_batches,
+                                    np.array([[1.0, 0, 1.0, 0, 1.0, 0]]))
+    assert decode[0] == pytest.approx(policy.block * OPT_6B.layer_bytes / hw.mm_flops
+                                      + 4 * policy.block * (256 + 32) * 4096 / hw.bmm_flops)
+
+
+def test_a_faster_host_link_never_makes_the_best_policy_slower():
+    slow, _ = search(OPT_30B, T4, step=0.25, max_gpu_batch=16, max_batches=16)
+    fast, _ = search(OPT_30B, Hardware(**{**T4.__dict__, "ctog": 4 * T4.ctog, "gtoc": 4 * T4.gtoc}), step=0.25,
+                     max_gpu_batch=16, max_batches=16)
+    assert fast >= slow > 0
+
+
+def test_placements_cover_the_grid_and_sum_to_one():
+    grid = placements(0.25)
+    assert len(grid) == 15 ** 3 and (grid >= 0).all()
+    for pair in ((0, 1), (2, 3), (4, 5)):
+        assert (grid[:, pair].sum(1) <= 1 + 1e-9).all()
