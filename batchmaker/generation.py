@@ -168,6 +168,11 @@ class GenerativeModel(Finisher):
         max_new = inputs.get("max_new_tokens", self.form.max_new_tokens)
         if not is_int(max_new) or max_new < 0:
             raise BadRequestError(f"max_new_tokens: expected an integer >= 0, got {max_new!r}")
+        if conversation is None and self.cell.kv.prefix_caching and max_new > 0 and "conversation" not in inputs:
+            conversation = self.turns.match(prompt)  # (a stateless request continuing a cached context)
+            if conversation is None:
+                conversation = self.turns.anonymous()
+            prompt, history = prompt[len(conversation.tokens):], len(conversation.tokens)
         total = min(history + len(prompt) + max_new, self.max_len)
         blocks = -(-total // self.cell.block_size)
         if blocks > self.num_blocks - 1:
@@ -284,7 +289,8 @@ class GenerativeModel(Finisher):
         outputs = {"tokens": generated, "finish_reason": reason}
         if conversation is not None:
             gpu, swapped, recomputed = conversation.restored
-            outputs["conversation"] = conversation.id
+            if not conversation.anonymous:
+                outputs["conversation"] = conversation.id
             outputs["context"] = {"cached": gpu, "swapped_in": swapped, "recomputed": recomputed}
         if self._texts.pop(owner, None) is not None:
             outputs["text"] = self.tokenizer.decode(generated)

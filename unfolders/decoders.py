@@ -90,7 +90,8 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
                 max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
                 max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
                 chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
-                swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Model:
+                swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                prefix_caching: bool = False) -> Model:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
     lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
@@ -102,11 +103,14 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     free for running decodes. tensor_parallel: ranks the model is split over (processes the engine
     starts: rank r on the r-th CUDA device after `device`'s, or on the CPU). pipeline_parallel:
     stages the layers are split into, a process each (ORCA's pipeline; CPU only so far; not with
-    tensor_parallel yet)."""
+    tensor_parallel yet). prefix_caching: a request without a conversation keeps its context like
+    one, and a later request whose prompt continues it exactly (a client resending its history)
+    takes it."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
-                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold),
+                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold,
+                              prefix_caching=prefix_caching),
                          tensor_parallel, pipeline_parallel)
 
 
@@ -116,9 +120,11 @@ def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int
               max_seqs: int = 64, block_size: int = 16, num_blocks: int | None = None,
               max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
               chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
-              swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Model:
+              swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+              prefix_caching: bool = False) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
-                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold),
+                              conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold,
+                              prefix_caching=prefix_caching),
                          tensor_parallel, pipeline_parallel)

@@ -3,8 +3,9 @@ that keeps each conversation's tokens and, per worker, its KV cache between turn
 writer of `Conversation` fields. No torch here.
 
 Its callers and calls:
-  admission (batchmaker/generation.py)  `of_request` (a new, or a known idle, conversation), `begin`
-      a turn, `add_prompt` (a turn that generates nothing), `end`, `sweep` (expiry), `stats`
+  admission (batchmaker/generation.py)  `of_request` (a new, or a known idle, conversation), `match`
+      and `anonymous` (a stateless request's: automatic prefix caching), `begin` a turn,
+      `add_prompt` (a turn that generates nothing), `end`, `sweep` (expiry), `stats`
   the planner (core/sequence_queue.py)  `route` waiting turns to the worker holding their cache,
       `poll`, `held` / `reclaimable` / `copies_fit` before a turn joins, `join` (its cached blocks
       become the sequence's), `reclaim` blocks for a sequence, `suspend`, `finish` (the blocks
@@ -20,6 +21,7 @@ import numpy as np
 
 from batchmaker.core.cache_plan import CachePlan
 from batchmaker.core.conversation_cache import ConversationCache
+from batchmaker.core.prefix_index import PrefixIndex
 from batchmaker.errors import BadRequestError, UnknownConversationError
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -39,6 +41,7 @@ class Conversation:
     computed: int = 0  # leading positions of `tokens` some turn computed (a turn of max_new_tokens 0 only adds
     # its prompt, which the next turn computes)
     restored: tuple = (0, 0, 0)  # the running turn's context: positions on the GPU, swapped in, recomputed
+    anonymous: bool = False  # made for a stateless request (automatic prefix caching): found by its tokens, not its id
 
     @property
     def busy(self) -> bool:
@@ -53,6 +56,7 @@ class Conversations:
         self.chunk_bytes = chunk_bytes or dict.fromkeys(caches, 0)  # worker id -> bytes a host chunk holds
         self.iteration_seconds = dict.fromkeys(caches, 0.0)  # per worker: a moving average of measured iterations
         self._swept = time.monotonic()
+        self.prefixes = PrefixIndex()  # idle anonymous conversations, by their tokens
 
     # admission (generation.py) --------------------------------------------------------------------
     def of_request(self, value) -> Conversation | None:
@@ -75,8 +79,25 @@ class Conversations:
         conversation.touched = now
         return conversation
 
+    def match(self, prompt: np.ndarray) -> Conversation | None:
+        """The idle anonymous conversation whose tokens are the longest proper prefix of a
+        stateless request's `prompt` (its cache serves the request as that conversation's next
+        turn), or None."""
+        conversation = self.prefixes.find(prompt)
+        if conversation is not None and self._expired(conversation, time.monotonic()):
+            self._forget(conversation)
+            return self.match(prompt)
+        if conversation is not None:
+            conversation.touched = time.monotonic()
+        return conversation
+
+    def anonymous(self) -> Conversation:
+        """A new conversation for a stateless request: its context is kept for a request that continues it."""
+        return Conversation(secrets.token_hex(8), touched=time.monotonic(), anonymous=True)
+
     def begin(self, conversation: Conversation, owner) -> None:
         """A turn of `conversation` was admitted (`owner`: its future); it is known from now on."""
+        self.prefixes.remove(conversation)  # (busy: not to be matched until the turn ends)
         self.by_id[conversation.id] = conversation
         conversation.restored = (0, 0, 0)
         conversation.turn = owner
@@ -109,6 +130,7 @@ class Conversations:
             self.caches[conversation.worker].forget(conversation.row)
         conversation.row, conversation.worker = -1, None
         self.by_id.pop(conversation.id, None)
+        self.prefixes.remove(conversation)
 
     def stats(self) -> dict:
         stats = {"conversations": len(self.by_id), "bytes_out": 0, "bytes_in": 0}
@@ -222,12 +244,16 @@ class Conversations:
         conversation.worker = worker
         conversation.turn = None
         conversation.turns += 1
+        if conversation.anonymous:
+            self.prefixes.add(conversation)
 
     def fail(self, conversation: Conversation | None, owner) -> None:
         """A running turn failed or was cancelled: the conversation is as before it, without a
         cache (unless its next turn came already)."""
         if conversation is not None and conversation.turn is owner:
             conversation.turn, conversation.worker = None, None
+            if conversation.anonymous:  # (its tokens are as before the turn; its context is recomputed)
+                self.prefixes.add(conversation)
 
     def withdraw(self, conversation: Conversation | None, owner) -> None:
         """A waiting turn was cancelled or expired: its cache is idle again."""
@@ -236,6 +262,8 @@ class Conversations:
         conversation.turn = None
         if conversation.row >= 0 and conversation.worker in self.caches:
             self.caches[conversation.worker].wait(conversation.row, False)
+        if conversation.anonymous:
+            self.prefixes.add(conversation)
 
     def copies(self, worker: int, incoming: CachePlan) -> CachePlan | None:
         """The iteration's copies: the joining turns' swap-ins; or, in an iteration without them

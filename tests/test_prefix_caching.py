@@ -1,0 +1,118 @@
+"""Automatic prefix caching, first slice (core/prefix_index.py, `prefix_caching=True`): a stateless
+request's context is kept like a conversation's, and a later request whose prompt continues it
+exactly takes its cache. Tokens are those without it (greedy, fp32, every token); a prompt that
+diverges anywhere inside a cached context never uses it; requests running at once with the same
+prefix are each served right."""
+import random
+
+import numpy as np
+import pytest
+
+from batchmaker import Engine
+from batchmaker.core.prefix_index import PrefixIndex
+from batchmaker.registry import build_model
+
+
+class Conv:
+    def __init__(self, tokens):
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+
+
+def test_the_index_finds_the_longest_exact_proper_prefix():
+    index = PrefixIndex()
+    short, long_, other = Conv(range(20)), Conv(range(40)), Conv(list(range(39)) + [7])
+    for c in (short, long_, other):
+        index.add(c)
+    prompt = np.arange(50)
+    assert index.find(prompt) is long_
+    assert index.find(np.arange(40)) is short  # (a context must leave a token to compute)
+    assert index.find(np.array(list(range(39)) + [7, 1])) is other
+    assert index.find(np.array([1, 2, 3])) is None
+    changed = prompt.copy()
+    changed[3] = 99  # (diverges inside every filed context: none is a prefix)
+    assert index.find(changed) is None
+    index.remove(long_)
+    assert index.find(prompt) is short and len(index) == 2
+
+
+def chat(engine, rng: random.Random, turns: int, system: list) -> list:
+    """A stateless client: every turn resends the whole history (its prompts and the replies)."""
+    history, replies = list(system), []
+    for _ in range(turns):
+        history += [rng.randrange(3, 500) for _ in range(rng.randint(3, 40))]
+        f = engine.submit("llama", {"tokens": history, "max_new_tokens": rng.randint(2, 12), "ignore_eos": True})
+        while not f.done():
+            engine.step()
+        out = f.result(0).outputs
+        replies.append((out["tokens"], out.get("context")))
+        history += out["tokens"]
+    return replies
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tokens_equal_without_it_and_later_turns_hit_the_cache(seed):
+    def run(prefix_caching: bool) -> list:
+        engine = Engine([build_model("llama", seed=3, max_tokens=48, prefix_caching=prefix_caching)]).start(thread=False)
+        try:
+            rng = random.Random(seed)
+            system = [rng.randrange(3, 500) for _ in range(37)]
+            return [chat(engine, random.Random(seed + k), 4, system) for k in range(3)]
+        finally:
+            engine.stop()
+    on, off = run(True), run(False)
+    assert [[t for t, _ in talk] for talk in on] == [[t for t, _ in talk] for talk in off]
+    assert all(context is None for talk in off for _, context in talk)
+    later = [context for talk in on for _, context in talk[1:]]
+    assert all(c["cached"] + c["swapped_in"] > 0 for c in later)  # (each later turn continued its own context)
+    assert "conversation" not in str(on)  # (stateless replies name no conversation)
+
+
+def test_a_prompt_diverging_inside_a_cached_context_is_computed_afresh():
+    engine = Engine([build_model("llama", seed=3, max_tokens=48, prefix_caching=True)]).start(thread=False)
+    reference = Engine([build_model("llama", seed=3, max_tokens=48)]).start(thread=False)
+    try:
+        rng = random.Random(5)
+        base = [rng.randrange(3, 500) for _ in range(60)]
+        prompts = [base[:40]]  # (cached with its reply)
+        for cut in (0, 15, 16, 17, 39):
+            prompts.append(base[:cut] + [(base[cut] + 1) % 500 + 3] + base[cut + 1:])
+        prompts.append(base)  # (continues the first only if its reply matched: it does not here)
+        got, want = [], []
+        for prompt in prompts:
+            for eng, out in ((engine, got), (reference, want)):
+                f = eng.submit("llama", {"tokens": prompt, "max_new_tokens": 5, "ignore_eos": True})
+                while not f.done():
+                    eng.step()
+                out.append(f.result(0).outputs)
+        assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+        assert all(g["context"]["cached"] + g["context"]["swapped_in"] == 0 for g in got[1:])
+    finally:
+        engine.stop()
+        reference.stop()
+
+
+def test_requests_at_once_with_one_prefix_are_each_served_right():
+    engine = Engine([build_model("llama", seed=3, max_tokens=48, prefix_caching=True)]).start(thread=False)
+    reference = Engine([build_model("llama", seed=3, max_tokens=48)]).start(thread=False)
+    try:
+        rng = random.Random(9)
+        shared = [rng.randrange(3, 500) for _ in range(33)]
+        first = {"tokens": shared, "max_new_tokens": 4, "ignore_eos": True}
+        f = engine.submit("llama", first)
+        while not f.done():
+            engine.step()
+        grown = shared + f.result(0).outputs["tokens"]
+        batch = [{"tokens": grown + [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))], "max_new_tokens": 6,
+                  "ignore_eos": True} for _ in range(4)]
+        results = []
+        for eng in (engine, reference):
+            futures = [eng.submit("llama", r) for r in batch]
+            while not all(x.done() for x in futures):
+                eng.step()
+            results.append([x.result(0).outputs for x in futures])
+        assert [r["tokens"] for r in results[0]] == [r["tokens"] for r in results[1]]
+        hits = [r["context"]["cached"] + r["context"]["swapped_in"] > 0 for r in results[0]]
+        assert hits.count(True) == 1  # (one takes the cached context; the others compute theirs)
+    finally:
+        engine.stop()
+        reference.stop()
