@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from batchmaker.core.admission import AdmissionBound
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler
 from batchmaker.engine_config import EngineConfig, choose_cpu_threads
 from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
-                               EngineStoppedError, OverloadedError, UnknownModelError)
+                               EngineStoppedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, make_worker, place_cell
 from batchmaker.forms import Generate
 from batchmaker.future import RequestFuture
@@ -58,8 +59,7 @@ class Engine:
         # manager wall time per stage (turns that did something): admit, complete, schedule (=
         # form + launch: the scheduler's forming, the workers' planning and launching)
         self.stage_ns = {"admit": 0, "complete": 0, "schedule": 0, "form": 0, "launch": 0}
-        self.num_accepted = 0  # written by submitting threads (under _submit_lock)
-        self._submit_lock = threading.Lock()
+        self.bound = AdmissionBound(config.max_requests)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id); manager only
         self._ids = itertools.count()
         self._inbox: deque = deque()  # futures and ("cancel", id), from any thread; drained by step()
@@ -121,6 +121,10 @@ class Engine:
         gc.unfreeze()  # (start froze them) the collector may free a dropped engine's cycles again
         gc.set_threshold(*self._gc_before)
 
+    @property
+    def num_accepted(self) -> int:
+        return self.bound.num_accepted
+
     def __enter__(self) -> "Engine":
         return self.start()
 
@@ -139,11 +143,7 @@ class Engine:
         future = RequestFuture(next(self._ids), model, inputs, priority, None, on_partial)
         error = self._check_submit(model, inputs, priority, deadline)
         if error is None:
-            with self._submit_lock:
-                if self.num_accepted - self.accounting.num_finished >= self.config.max_requests:
-                    error = OverloadedError(f"{self.config.max_requests} requests queued or running; retry later")
-                else:
-                    self.num_accepted += 1
+            error = self.bound.take(self.accounting.num_finished)
         if error is not None:
             future.set_exception(error)
             return future

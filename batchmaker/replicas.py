@@ -37,9 +37,10 @@ from typing import Any
 
 import zmq
 
+from batchmaker.core.admission import AdmissionBound
 from batchmaker.engine import check_options
 from batchmaker.engine_config import EngineConfig
-from batchmaker.errors import (BatchMakerError, EngineStoppedError, OverloadedError, ReplicaFailedError,
+from batchmaker.errors import (BatchMakerError, EngineStoppedError, ReplicaFailedError,
                                UnknownModelError)
 from batchmaker.future import RequestFuture
 from batchmaker.replica import ReplicaSpec, replica_main
@@ -74,9 +75,8 @@ class Replicas:
         self.specs = tuple(model_spec(m) for m in models)
         self.models: dict = {}  # name -> ModelInfo, as the replicas built them (at start)
         self.replicas: list[ReplicaHandle] = []
-        self.num_accepted = 0  # written by submitting threads (under _submit_lock)
+        self.bound = AdmissionBound(config.engine.max_requests)
         self.front: Front | None = None  # the front thread's state (at start)
-        self._submit_lock = threading.Lock()
         self._ids = itertools.count()
         self._mailbox = Mailbox()  # futures, ("cancel", id), ("stats", future), ("stop",): to the front thread
         self._thread: threading.Thread | None = None
@@ -116,6 +116,10 @@ class Replicas:
         gc.unfreeze()
         gc.set_threshold(*self._gc_before)
 
+    @property
+    def num_accepted(self) -> int:
+        return self.bound.num_accepted
+
     def __enter__(self) -> "Replicas":
         return self.start()
 
@@ -128,11 +132,7 @@ class Replicas:
         future = RequestFuture(next(self._ids), model, inputs, priority, None, on_partial)
         error = self._check_submit(model, priority, deadline)
         if error is None:
-            with self._submit_lock:
-                if self.num_accepted - self.front.num_finished >= self.config.engine.max_requests:
-                    error = OverloadedError(f"{self.config.engine.max_requests} requests queued or running; retry later")
-                else:
-                    self.num_accepted += 1
+            error = self.bound.take(self.front.num_finished)
         if error is not None:
             future.set_exception(error)
             return future

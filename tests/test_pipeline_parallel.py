@@ -5,7 +5,6 @@ batching, for conversations, with cancels; a stage that dies fails the requests;
 no process."""
 import multiprocessing
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -15,10 +14,9 @@ from batchmaker import Engine
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.cells.pipeline import StageCut, check_stages, stage_bounds
-from batchmaker.errors import BatchMakerError, CancelledError
 from batchmaker.registry import build_model
 from test_generation import hf_greedy, step
-from test_tensor_parallel_engine import serve, workload
+from test_tensor_parallel_engine import converse_and_cancel, kill_a_rank, serve, workload
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,24 +85,7 @@ def test_a_conversation_and_a_cancel_in_two_stages():
     def run(stages: int) -> tuple:
         engine = Engine([build_model("llama", seed=3, max_tokens=48, pipeline_parallel=stages)]).start(thread=False)
         try:
-            replies, cid = [], True
-            for turn in range(3):
-                f = engine.submit("llama", {"tokens": [7 + turn, 11, 13] * (turn + 1), "max_new_tokens": 6,
-                                            "conversation": cid, "ignore_eos": True})
-                while not f.done():
-                    step(engine)
-                replies.append(f.result(0).outputs["tokens"])
-                cid = f.result(0).outputs["conversation"]
-            long = engine.submit("llama", {"tokens": [5] * 30, "max_new_tokens": 40, "ignore_eos": True})
-            other = engine.submit("llama", {"tokens": [9] * 10, "max_new_tokens": 5, "ignore_eos": True})
-            for _ in range(4):
-                step(engine)
-            engine.cancel(long.request_id)
-            while not (long.done() and other.done()):
-                step(engine)
-            with pytest.raises(CancelledError):
-                long.result(0)
-            return replies, other.result(0).outputs["tokens"]
+            return converse_and_cancel(engine)
         finally:
             engine.stop()
     assert run(2) == run(1)
@@ -141,16 +122,7 @@ def test_iterations_in_flight_hold_disjoint_sequences():
 def test_a_stage_that_dies_fails_the_requests_and_nothing_is_left_behind():
     engine = Engine([build_model("llama", seed=1, max_tokens=48, pipeline_parallel=2)]).start()
     try:
-        engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True}).result(30)
-        futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
-                   for i in range(4)]
-        group = next(iter(engine.workers[0].iterations.values())).ranks
-        group.processes[0].kill()
-        start = time.monotonic()
-        for f in futures:
-            with pytest.raises(BatchMakerError):
-                f.result(15)
-        assert time.monotonic() - start < 10.0
+        kill_a_rank(engine)
     finally:
         engine.stop()
     assert not multiprocessing.active_children()

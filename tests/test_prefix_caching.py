@@ -35,15 +35,20 @@ def test_the_index_finds_the_longest_exact_proper_prefix():
     assert index.find(prompt) is short and len(index) == 2
 
 
+def answers(engine, requests: list) -> list:
+    """Each request's outputs, all submitted at once, the engine stepped until they are done."""
+    futures = [engine.submit("llama", inputs) for inputs in requests]
+    while not all(f.done() for f in futures):
+        engine.step()
+    return [f.result(0).outputs for f in futures]
+
+
 def chat(engine, rng: random.Random, turns: int, system: list) -> list:
     """A stateless client: every turn resends the whole history (its prompts and the replies)."""
     history, replies = list(system), []
     for _ in range(turns):
         history += [rng.randrange(3, 500) for _ in range(rng.randint(3, 40))]
-        f = engine.submit("llama", {"tokens": history, "max_new_tokens": rng.randint(2, 12), "ignore_eos": True})
-        while not f.done():
-            engine.step()
-        out = f.result(0).outputs
+        out, = answers(engine, [{"tokens": history, "max_new_tokens": rng.randint(2, 12), "ignore_eos": True}])
         replies.append((out["tokens"], out.get("context")))
         history += out["tokens"]
     return replies
@@ -67,52 +72,40 @@ def test_tokens_equal_without_it_and_later_turns_hit_the_cache(seed):
     assert "conversation" not in str(on)  # (stateless replies name no conversation)
 
 
-def test_a_prompt_diverging_inside_a_cached_context_is_computed_afresh():
-    engine = Engine([build_model("llama", seed=3, max_tokens=48, prefix_caching=True)]).start(thread=False)
-    reference = Engine([build_model("llama", seed=3, max_tokens=48)]).start(thread=False)
-    try:
-        rng = random.Random(5)
-        base = [rng.randrange(3, 500) for _ in range(60)]
-        prompts = [base[:40]]  # (cached with its reply)
-        for cut in (0, 15, 16, 17, 39):
-            prompts.append(base[:cut] + [(base[cut] + 1) % 500 + 3] + base[cut + 1:])
-        prompts.append(base)  # (continues the first only if its reply matched: it does not here)
-        got, want = [], []
-        for prompt in prompts:
-            for eng, out in ((engine, got), (reference, want)):
-                f = eng.submit("llama", {"tokens": prompt, "max_new_tokens": 5, "ignore_eos": True})
-                while not f.done():
-                    eng.step()
-                out.append(f.result(0).outputs)
-        assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
-        assert all(g["context"]["cached"] + g["context"]["swapped_in"] == 0 for g in got[1:])
-    finally:
+@pytest.fixture
+def engines():
+    """An engine with prefix caching and one without, on the same weights (driven by `answers`)."""
+    pair = [Engine([build_model("llama", seed=3, max_tokens=48, prefix_caching=on)]).start(thread=False)
+            for on in (True, False)]
+    yield pair
+    for engine in pair:
         engine.stop()
-        reference.stop()
 
 
-def test_requests_at_once_with_one_prefix_are_each_served_right():
-    engine = Engine([build_model("llama", seed=3, max_tokens=48, prefix_caching=True)]).start(thread=False)
-    reference = Engine([build_model("llama", seed=3, max_tokens=48)]).start(thread=False)
-    try:
-        rng = random.Random(9)
-        shared = [rng.randrange(3, 500) for _ in range(33)]
-        first = {"tokens": shared, "max_new_tokens": 4, "ignore_eos": True}
-        f = engine.submit("llama", first)
-        while not f.done():
-            engine.step()
-        grown = shared + f.result(0).outputs["tokens"]
-        batch = [{"tokens": grown + [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))], "max_new_tokens": 6,
-                  "ignore_eos": True} for _ in range(4)]
-        results = []
-        for eng in (engine, reference):
-            futures = [eng.submit("llama", r) for r in batch]
-            while not all(x.done() for x in futures):
-                eng.step()
-            results.append([x.result(0).outputs for x in futures])
-        assert [r["tokens"] for r in results[0]] == [r["tokens"] for r in results[1]]
-        hits = [r["context"]["cached"] + r["context"]["swapped_in"] > 0 for r in results[0]]
-        assert hits.count(True) == 1  # (one takes the cached context; the others compute theirs)
-    finally:
-        engine.stop()
-        reference.stop()
+def test_a_prompt_diverging_inside_a_cached_context_is_computed_afresh(engines):
+    engine, reference = engines
+    rng = random.Random(5)
+    base = [rng.randrange(3, 500) for _ in range(60)]
+    prompts = [base[:40]]  # (cached with its reply)
+    for cut in (0, 15, 16, 17, 39):
+        prompts.append(base[:cut] + [(base[cut] + 1) % 500 + 3] + base[cut + 1:])
+    prompts.append(base)  # (continues the first only if its reply matched: it does not here)
+    got, want = [], []
+    for prompt in prompts:
+        for eng, out in ((engine, got), (reference, want)):
+            out += answers(eng, [{"tokens": prompt, "max_new_tokens": 5, "ignore_eos": True}])
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    assert all(g["context"]["cached"] + g["context"]["swapped_in"] == 0 for g in got[1:])
+
+
+def test_requests_at_once_with_one_prefix_are_each_served_right(engines):
+    engine, reference = engines
+    rng = random.Random(9)
+    shared = [rng.randrange(3, 500) for _ in range(33)]
+    grown = shared + answers(engine, [{"tokens": shared, "max_new_tokens": 4, "ignore_eos": True}])[0]["tokens"]
+    batch = [{"tokens": grown + [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))], "max_new_tokens": 6,
+              "ignore_eos": True} for _ in range(4)]
+    results = [answers(eng, batch) for eng in (engine, reference)]
+    assert [r["tokens"] for r in results[0]] == [r["tokens"] for r in results[1]]
+    hits = [r["context"]["cached"] + r["context"]["swapped_in"] > 0 for r in results[0]]
+    assert hits.count(True) == 1  # (one takes the cached context; the others compute theirs)

@@ -68,50 +68,62 @@ def test_replicated_kv_heads_follow_hf(one_kv_head):
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
 
 
+def converse_and_cancel(engine) -> tuple:
+    """Three turns of a conversation, then a long request cancelled mid-stream beside a short one:
+    the turns' tokens and the short one's (what every parallel degree must give alike)."""
+    replies, cid = [], True
+    for turn in range(3):
+        f = engine.submit("llama", {"tokens": [7 + turn, 11, 13] * (turn + 1), "max_new_tokens": 6,
+                                    "conversation": cid, "ignore_eos": True})
+        while not f.done():
+            step(engine)
+        out = f.result(0).outputs
+        replies.append(out["tokens"])
+        cid = out["conversation"]
+    long = engine.submit("llama", {"tokens": [5] * 30, "max_new_tokens": 40, "ignore_eos": True})
+    other = engine.submit("llama", {"tokens": [9] * 10, "max_new_tokens": 5, "ignore_eos": True})
+    for _ in range(4):
+        step(engine)
+    engine.cancel(long.request_id)
+    while not (long.done() and other.done()):
+        step(engine)
+    with pytest.raises(CancelledError):
+        long.result(0)
+    return replies, other.result(0).outputs["tokens"]
+
+
 def test_a_conversation_and_a_cancel_on_two_ranks():
     def run(tp: int) -> tuple:
         engine = Engine([build_model("llama", seed=3, max_tokens=48, tensor_parallel=tp)]).start(thread=False)
         try:
-            replies, cid = [], True
-            for turn in range(3):
-                f = engine.submit("llama", {"tokens": [7 + turn, 11, 13] * (turn + 1), "max_new_tokens": 6,
-                                            "conversation": cid, "ignore_eos": True})
-                while not f.done():
-                    step(engine)
-                out = f.result(0).outputs
-                replies.append(out["tokens"])
-                cid = out["conversation"]
-            long = engine.submit("llama", {"tokens": [5] * 30, "max_new_tokens": 40, "ignore_eos": True})
-            other = engine.submit("llama", {"tokens": [9] * 10, "max_new_tokens": 5, "ignore_eos": True})
-            for _ in range(4):
-                step(engine)
-            engine.cancel(long.request_id)
-            while not (long.done() and other.done()):
-                step(engine)
-            with pytest.raises(CancelledError):
-                long.result(0)
+            got = converse_and_cancel(engine)
             queue = engine.structured["llama"].queue
             assert all(q.num_active == 0 for q in queue.sequences.values())
-            return replies, other.result(0).outputs["tokens"]
+            return got
         finally:
             engine.stop()
     assert run(2) == run(1)
 
 
+def kill_a_rank(engine, warm_timeout: float = 30.0, settle: float = 0.0) -> None:
+    """A rank's process killed while four long requests run: each fails within 10 s."""
+    engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True}).result(warm_timeout)
+    futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
+               for i in range(4)]
+    time.sleep(settle)
+    group = next(iter(engine.workers[0].iterations.values())).ranks
+    group.processes[0].kill()
+    start = time.monotonic()
+    for f in futures:
+        with pytest.raises(BatchMakerError):
+            f.result(15)
+    assert time.monotonic() - start < 10.0
+
+
 def test_a_rank_that_dies_fails_the_requests_and_nothing_is_left_behind():
     engine = Engine([build_model("llama", seed=1, max_tokens=48, tensor_parallel=2)]).start()
     try:
-        warm = engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True})
-        warm.result(30)
-        futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
-                   for i in range(4)]
-        group = next(iter(engine.workers[0].iterations.values())).ranks
-        group.processes[0].kill()
-        start = time.monotonic()
-        for f in futures:
-            with pytest.raises(BatchMakerError):
-                f.result(15)
-        assert time.monotonic() - start < 10.0
+        kill_a_rank(engine)
     finally:
         engine.stop()
     assert not multiprocessing.active_children()

@@ -14,7 +14,6 @@ on the CPU (tests/test_tensor_parallel_engine.py)."""
 import gc
 import multiprocessing
 import random
-import time
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from batchmaker import Engine, EngineConfig
 from batchmaker.errors import BatchMakerError
 from batchmaker.registry import build_model
 from test_generation import drive
+from test_tensor_parallel_engine import kill_a_rank
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -99,17 +99,7 @@ def test_a_rank_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind
     model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", tensor_parallel=2)
     engine = Engine([model], EngineConfig(devices=("cuda:0",))).start()
     try:
-        engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True}).result(60)
-        futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
-                   for i in range(4)]
-        time.sleep(0.05)
-        group = next(iter(engine.workers[0].iterations.values())).ranks
-        group.processes[0].kill()
-        start = time.monotonic()
-        for f in futures:
-            with pytest.raises(BatchMakerError):
-                f.result(15)
-        assert time.monotonic() - start < 10.0
+        kill_a_rank(engine, warm_timeout=60, settle=0.05)
         with pytest.raises(BatchMakerError, match="broken"):
             engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(15)
     finally:

@@ -6,11 +6,12 @@ on its own (the slow path), so every bad request gets its own precise BadRequest
 good ones go ahead.
 """
 import itertools
+import threading
 from numbers import Integral
 
 import numpy as np
 
-from batchmaker.errors import BadRequestError
+from batchmaker.errors import BadRequestError, OverloadedError
 
 _INT64, _UINT64 = np.dtype(np.int64), np.dtype(np.uint64)
 
@@ -96,3 +97,22 @@ def check_limit(value, limit: int, what: str) -> int:
     if not is_int(value) or not 1 <= value <= limit:
         raise BadRequestError(f"{what}: expected an integer in [1, {limit}], got {value!r}")
     return int(value)
+
+
+class AdmissionBound:
+    """Requests accepted and not yet finished, at most `limit` (submitting threads take a place
+    under a lock; whoever finishes requests counts them): beyond it a request is answered
+    OverloadedError at once, so a flood costs a reply, not memory."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.num_accepted = 0
+        self._lock = threading.Lock()
+
+    def take(self, num_finished: int) -> OverloadedError | None:
+        """A place for one more request (None), or the error that refuses it."""
+        with self._lock:
+            if self.num_accepted - num_finished >= self.limit:
+                return OverloadedError(f"{self.limit} requests queued or running; retry later")
+            self.num_accepted += 1
+            return None
