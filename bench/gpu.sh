@@ -93,7 +93,7 @@ for suite in "$@"; do
                   step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
                   step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;
         chat) step chat timeout 590 python3 bench/chat.py --device cuda:0 --preset llama-2-7b --dtype bf16 ${CHAT_ARGS:-} ;;
-        tp-tests) step tp-tests timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_tensor_parallel_gpu.py ;;
+        tp-tests) step tp-tests timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_one_shot_gpu.py tests/test_tensor_parallel_gpu.py ;;
         tp-step)  # the anchor in the same command, then the engine's step (issue 31)
             step tp-probe timeout 200 python3 -m torch.distributed.run --nproc-per-node "$TP" .probes/tp_probe.py \
                 --preset "${TP_PROBE_PRESET:-13b}" --batches 1,64 --ctx 512

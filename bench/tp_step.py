@@ -7,10 +7,14 @@ The steps are the engine's own: requests submitted to an Engine serving the mode
 picked from its trace where all B sequences decode and nothing else (graphed, as served). Each
 degree runs in its own engine, one after the other, in this one process and command.
 
-    python bench/tp_step.py --preset llama-2-13b --tp 1 2 --batch 1 64 --context 512
+    python bench/tp_step.py --preset llama-2-13b --tp 1 2 --batch 1 64 --context 512 --all-reduce auto nccl
+
+A degree above 1 runs once per `--all-reduce` kind: `auto` (exec/one_shot.py picks, per message
+size, the one-shot all-reduce or NCCL by measuring both at start-up) and `nccl` (NCCL only).
 """
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -39,18 +43,22 @@ def step_times(engine, runner, batch: int, context: int, steps: int, vocab: int,
     return decodes[4:]
 
 
-def run_degree(args, tp: int, bandwidth: float) -> list[dict]:
+def run_degree(args, tp: int, bandwidth: float, all_reduce: str) -> list[dict]:
     from batchmaker import Engine, EngineConfig
     from batchmaker.registry import build_model
+    os.environ["BATCHMAKER_ONE_SHOT"] = "0" if all_reduce == "nccl" else "1"  # (the ranks' processes inherit it)
     start = time.perf_counter()
     model = build_model("llama", preset=args.preset, dtype="bfloat16", device="cuda:0", tensor_parallel=tp,
                         max_seqs=max(args.batch), max_tokens=args.max_tokens, max_new_tokens=args.steps)
     engine = Engine([model], EngineConfig(devices=("cuda:0",))).start(thread=False)
-    print(f"TP={tp}: built and started in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"TP={tp} ({all_reduce}): built and started in {time.perf_counter() - start:.1f} s", flush=True)
     rows = []
     try:
         runner = next(iter(engine.workers[0].iterations.values()))
         config = runner.lm.config  # (rank 0's shard)
+        one_shot = getattr(runner.lm.tp, "one_shot", None) if runner.lm.tp is not None else None
+        one_shot_bytes = one_shot.max_bytes if one_shot is not None else 0
+        one_shot_table = {str(k): v for k, v in one_shot.table.items()} if one_shot is not None else {}
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.lm.parameters())
         kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
         for batch in args.batch:
@@ -60,11 +68,13 @@ def run_degree(args, tp: int, bandwidth: float) -> list[dict]:
             floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
             median = statistics.median(seconds)
             q = np.quantile(seconds, [0.1, 0.9])
-            rows.append({"tp": tp, "batch": batch, "context": args.context, "steps_timed": len(seconds),
+            rows.append({"tp": tp, "all_reduce": all_reduce, "one_shot_max_bytes": one_shot_bytes,
+                         "all_reduce_us_one_shot_vs_nccl": one_shot_table, "batch": batch, "context": args.context,
+                         "steps_timed": len(seconds),
                          "step_ms": median * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[1] * 1e3,
                          "floor_ms": floor * 1e3, "x_floor": median / floor, "tokens_per_s": batch / median,
                          "rank_weight_gb": weight_bytes / 1e9})
-            print(f"{args.preset} TP={tp} B={batch} ctx={args.context}: step {median * 1e3:.2f} ms "
+            print(f"{args.preset} TP={tp} {all_reduce} (one-shot up to {one_shot_bytes} B) B={batch} ctx={args.context}: step {median * 1e3:.2f} ms "
                   f"(p10 {q[0] * 1e3:.2f}, p90 {q[1] * 1e3:.2f}, {len(seconds)} steps); floor {floor * 1e3:.2f} ms "
                   f"(rank weights {weight_bytes / 1e9:.1f} GB) -> {median / floor:.2f}x; {batch / median:.0f} tok/s",
                   flush=True)
@@ -79,7 +89,7 @@ def run_degree(args, tp: int, bandwidth: float) -> list[dict]:
 def plot(rows: list[dict], title: str):
     def draw(fig):
         ax = fig.add_subplot(111)
-        labels = [f"TP={r['tp']}\nB={r['batch']}" for r in rows]
+        labels = [f"TP={r['tp']}\n{r['all_reduce']}\nB={r['batch']}" for r in rows]
         x = np.arange(len(rows))
         ax.bar(x - 0.2, [r["step_ms"] for r in rows], 0.4, label="step (median; p10-p90)",
                yerr=[[r["step_ms"] - r["p10_ms"] for r in rows], [r["p90_ms"] - r["step_ms"] for r in rows]])
@@ -102,6 +112,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="tokens each sequence decodes (the first 4 steps untimed)")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--all-reduce", nargs="+", default=["auto", "nccl"], choices=["auto", "nccl"],
+                    help="auto: one-shot for the messages where it measured faster at start-up; nccl: NCCL only")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     limits = measure_limits("cuda:0", torch.bfloat16)
@@ -109,8 +121,9 @@ def main() -> None:
     print(f"{limits.device}: copy {bandwidth / 1e12:.2f} TB/s, {torch.cuda.device_count()} GPUs", flush=True)
     rows = []
     title = f"{args.preset} decode step, context {args.context}, {limits.device}"
-    for tp in args.tp:  # (written after each degree: a run cut short keeps what it measured)
-        rows += run_degree(args, tp, bandwidth)
+    runs = [(tp, kind) for tp in args.tp for kind in (args.all_reduce if tp > 1 else args.all_reduce[:1])]
+    for tp, kind in runs:  # (written after each run: a run cut short keeps what it measured)
+        rows += run_degree(args, tp, bandwidth, kind)
         path = write_results(f"tp-step-{args.preset}", "cuda:0",
                              {"preset": args.preset, "context": args.context, "steps": args.steps,
                               "device_limits": limits.as_dict(), "gpus": torch.cuda.device_count(), "rows": rows},

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from batchmaker.exec.tensor_group import PLAN, START_TIMEOUT_S, FollowerSpec, communicator, end_group, process_group
+from batchmaker.exec.tensor_group import PLAN, START_TIMEOUT_S, FollowerSpec, connect, disconnect
 
 IN_FLIGHT = 3  # iterations a rank queues ahead of its device (rank 0 runs at most two ahead of its own)
 
@@ -34,8 +34,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
     cell = DecoderCell(lm, spec.kv, spec.parallel[0], spec.source, spec.parallel[1])
     cell_type = CellType(spec.name, cell, 0, spec.batch_sizes)
     runner = IterationRunner(cell_type, cell, device, Graphs(device, enabled=spec.graphs), spec.num_blocks)
-    comm = communicator(lm)
-    comm.group = process_group(store, spec.rank, spec.size, device)
+    connect(lm, store, spec.rank, spec.size, device)
     stopped = False
     try:
         with torch.inference_mode():
@@ -48,7 +47,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
         stopped = True
     finally:
         runner.graphs.drop()  # (their captured collectives hold the communicator)
-        end_group(comm.group, device, broken=not stopped)
+        disconnect(lm, device, broken=not stopped)
 
 
 def _follow_on_gpu(runner, cell_type, pipe) -> None:

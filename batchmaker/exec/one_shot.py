@@ -1,0 +1,121 @@
+"""The small-message all-reduce of a tensor-parallel group on one host (issue 31): one-shot over
+NVLink peer memory (kernels/triton_allreduce.py, exec/peer_memory.py) where it measures faster
+than NCCL, NCCL for the rest.
+
+Which messages go which way is measured when the group starts, on the machine at hand: for each
+candidate size, 16 all-reduces of each kind captured in one CUDA graph and replayed, each after a
+kernel that writes its input (as in a decoder layer, where the projection before it does); the ranks
+take the slowest rank's times (one NCCL all-reduce of the table), so every rank makes the same
+choice for every message, as the pairing of their collectives requires. `max_bytes` is the
+largest size at which the one-shot kernel won, and every size below it goes one-shot.
+"""
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from batchmaker.exec.peer_memory import PeerMemory, one_host
+
+log = logging.getLogger("batchmaker")
+
+HALF_BYTES = 1 << 20  # the largest one-shot message (a batch of 64 rows of 8192 bf16 is 1 MiB)
+FLAG_BYTES = 256  # one int32 flag per rank (at most 64 ranks), then the two halves
+SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)  # the sizes measured at start-up
+CALLS = 16  # all-reduces per measured graph
+
+
+class OneShot:
+    """A group's one-shot all-reduce: `fits(x)` says whether it takes `x`, calling it reduces `x`
+    in place over the ranks."""
+
+    def __init__(self, store, rank: int, size: int, device: torch.device):
+        from batchmaker.kernels.triton_allreduce import one_shot_all_reduce
+        self._reduce, self.rank, self.size, self.device = one_shot_all_reduce, rank, size, device
+        self.memory = PeerMemory(store, rank, size, device, FLAG_BYTES + 2 * HALF_BYTES)
+        pointers = torch.tensor(self.memory.pointers, dtype=torch.int64)
+        self._flags = pointers.to(device)
+        self._buffers = (pointers + FLAG_BYTES).to(device)
+        self._epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.max_bytes = HALF_BYTES
+        self.table: dict = {}  # bytes -> (one-shot µs, NCCL µs), as measured by `choose`
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.numel() * x.element_size() <= self.max_bytes and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() * x.element_size() > HALF_BYTES:
+            raise ValueError(f"{x.numel() * x.element_size()} bytes: the one-shot all-reduce takes {HALF_BYTES} at most")
+        return self._reduce(x, self._buffers, self._flags, self._epoch, HALF_BYTES // x.element_size(),
+                            self.rank, self.size)
+
+    def choose(self, group, dtype: torch.dtype) -> dict:
+        """Measure both kinds at each of SIZES; keep one-shot up to the largest size it won."""
+        times = torch.tensor([[_graphed(kind, group, self, n, dtype, self.device) for n in SIZES]
+                              for kind in ("one-shot", "nccl")], device=self.device)
+        _max_over(group, times)
+        wins = [n for n, a, b in zip(SIZES, times[0].tolist(), times[1].tolist()) if a < b]
+        self.max_bytes = max(wins, default=0)
+        self.table = table = {n: (a, b) for n, a, b in zip(SIZES, times[0].tolist(), times[1].tolist())}
+        log.info("all-reduce per message (µs, one-shot vs NCCL): %s; one-shot up to %d bytes",
+                 {n: (round(a, 1), round(b, 1)) for n, (a, b) in table.items()}, self.max_bytes)
+        return table
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+def _max_over(group, times: torch.Tensor) -> None:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([times], options).wait()
+    torch.cuda.synchronize(times.device)
+
+
+def _graphed(kind: str, group, one_shot: OneShot, nbytes: int, dtype, device) -> float:
+    """µs per all-reduce of `nbytes`, CALLS of them in one replayed CUDA graph."""
+    x = torch.zeros(nbytes // dtype.itemsize, dtype=dtype, device=device)
+    reduce = one_shot if kind == "one-shot" else (lambda t: group.allreduce([t]).wait())
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        reduce(x)  # (a kernel's first launch compiles it; NCCL's first registers the stream)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(CALLS):
+                x.mul_(0.5)
+                reduce(x)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(5):
+            graph.replay()
+        end.record(stream)
+        end.synchronize()
+    return start.elapsed_time(end) * 1000 / (5 * CALLS)
+
+
+def join(store, rank: int, size: int, device: torch.device, group, dtype: torch.dtype):
+    """This rank's OneShot for `group`, or None where it cannot run (a CPU group, ranks on several
+    hosts, BATCHMAKER_ONE_SHOT=0) or never wins; every rank of the group gets the same answer."""
+    if device.type != "cuda" or size < 2 or os.environ.get("BATCHMAKER_ONE_SHOT", "1") == "0":
+        return None
+    store = dist.PrefixStore("batchmaker-one-shot", store)
+    if not one_host(store, rank, size):
+        return None
+    try:
+        one_shot, failure = OneShot(store, rank, size, device), ""
+    except RuntimeError as e:  # (say, a container that does not allow CUDA IPC)
+        one_shot, failure = None, f"{type(e).__name__}: {e}"
+    store.set(f"peer-failure-{rank}", failure)
+    failures = [store.get(f"peer-failure-{r}").decode() for r in range(size)]
+    if any(failures):
+        log.warning("the one-shot all-reduce is off, NCCL takes every message: %s", "; ".join(f for f in failures if f))
+        if one_shot is not None:
+            one_shot.close()
+        return None
+    one_shot.choose(group, dtype)
+    if one_shot.max_bytes == 0:
+        one_shot.close()
+        return None
+    return one_shot
