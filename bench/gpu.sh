@@ -97,7 +97,7 @@ for suite in "$@"; do
         tp-step)  # the anchor in the same command, then the engine's step (issue 31)
             step tp-probe timeout 200 python3 -m torch.distributed.run --nproc-per-node "$TP" .probes/tp_probe.py \
                 --preset "${TP_PROBE_PRESET:-13b}" --batches 1,64 --ctx 512
-            step tp-step timeout 400 python3 bench/tp_step.py --preset "${TP_PRESET:-llama-2-13b}" --tp ${TP_DEGREES:-1 $TP} \
+            step tp-step timeout 590 python3 bench/tp_step.py --preset "${TP_PRESET:-llama-2-13b}" --tp ${TP_DEGREES:-1 $TP} \
                 --batch 1 64 --context 512 --steps 32 ;;
         tp-chat) for tp in ${TP_DEGREES:-1 $TP}; do
                 step "tp-chat-$tp" timeout 300 python3 bench/chat.py --preset "${TP_PRESET:-llama-2-13b}" \
