@@ -112,9 +112,17 @@ def test_fused_rope_kernels_in_the_interpreter(head_dim):
     test_gemv.check_rope(4, 2, head_dim, 96, torch.float32, "cpu")
 
 
+@interpreter
+@pytest.mark.parametrize("head_dim", (24, 256))
+def test_every_variant_runs_in_the_interpreter(head_dim):
+    """Every launch attention_variants compiles at start (tiles capped at 256), over scratch."""
+    k = torch.randn(3, 4, 2, head_dim)
+    assert compile_variants(k, torch.randn_like(k), num_q_heads=4, max_blocks=64, max_positions=512) > 0
+
+
 def test_the_interpreter_in_a_subprocess():
     """Runs the tests above under TRITON_INTERPRET=1, on machines with triton but no GPU."""
-    assert "12 passed" in run_interpreted(__file__, "in_the_interpreter", timeout=600)
+    assert "14 passed" in run_interpreted(__file__, "in_the_interpreter", timeout=600)
 
 
 # GPU --------------------------------------------------------------------------------------------
