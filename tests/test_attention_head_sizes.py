@@ -129,12 +129,12 @@ def test_the_interpreter_in_a_subprocess():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", HEAD_SIZES)
+@pytest.mark.parametrize("head_dim,dtype", [(d, torch.bfloat16) for d in HEAD_SIZES] +
+                         [(d, torch.float16) for d in (80, 256)], ids=lambda x: str(x).removeprefix("torch."))
 def test_kernel_matches_the_twin_at_every_head_size(head_dim, dtype):
     """Random batches (GQA 1-8, blocks of 8-32, decodes beside chunks), long contexts split (merged
     inside and by the combine launch), mixed batches from work lists, the cache write."""
-    for seed in range(3):
+    for seed in range(2):
         check_head(random_case(seed, dtype, "cuda", head_dims=(head_dim,)))
     case = make_case([1, 1, 0, 40], [3000, 1, 7, 2500], 2, 4, head_dim, 16, dtype, "cuda", seed=head_dim)
     for num_splits in (None, 3, 32):
@@ -148,7 +148,7 @@ def test_kernel_matches_the_twin_at_every_head_size(head_dim, dtype):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", (80, 256))
+@pytest.mark.parametrize("head_dim", (256,))  # (heads up to 128 take the tiles measured before)
 def test_every_variant_fits_the_device(head_dim, dtype, no_tf32):
     """Every tile, split and launch form a model can reach compiles (shared memory, registers) and
     runs; then a prompt over long contexts in fp32's widest tiles equals the twin."""
