@@ -49,11 +49,11 @@ RAGGED_MAX_SPLITS = 8
 # Head sizes: tiles span the head padded to a power of two (`head_pad`), its columns past the head masked.
 MIN_HEAD_PAD = 16  # tl.dot reduces over at least 16 columns: smaller heads pad to 16
 # Positions a step reads at most, per (padded head size, element bytes); heads absent step as measured above.
-# From Triton 3.5's sm_90a compile of the kernel (shared memory; ptxas registers and spills) on a CPU, not yet
-# timed on a GPU. At 256 the fp32 accumulator [rows, 256] fills the registers: steps of 64 or 128 positions
-# spilled 2.9-23 KB a thread (16-bit; head 128's tiles: 0.2-1.2 KB), steps of 32 spill 0-1.3 KB. fp32 K/V
-# tiles (and Q's) also overflow the 227 KB of shared memory an H100/H200 block may have: 128-row prompt tiles
-# need 256 KB at 32 positions, 192 KB at 16.
+# From Triton 3.5's sm_90a compile of every launch the planner reaches, on a CPU (bench/attention_fit.py:
+# shared memory, ptxas spills; not yet timed on a GPU). At 256 the fp32 accumulator [rows, 256] takes the
+# registers: 16-bit steps of 64-128 positions spilled 0.7-23 KB a thread, steps of 32 spill 0-2.3 KB (head
+# 128's tiles: 0-15 KB). fp32 tiles also overflow the 227 KB of shared memory an H100/H200 block may have:
+# 128-row prompt tiles need 384 KB at 64 positions, 256 at 32, 192 at 16.
 HEAD_STEPS = {(256, 2): 32, (256, 4): 16}
 MAX_HEAD_DIM = 256  # the largest head the kernels take (HEAD_STEPS' largest); larger ones are refused
 
