@@ -68,13 +68,13 @@ class AttentionConfig:
 
 def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, bound: int, num_sms: int,
                 may_combine: bool, config: AttentionConfig | None = None, num_splits: int | None = None,
-                num_items: int | None = None, wide: bool = False, head: tuple[int, int] = (128, 2)
+                num_items: int | None = None, wide: bool = False, head: tuple[int, int] | None = None
                 ) -> tuple[AttentionConfig, int, bool]:
     """`pick_launch`, then how its slices merge: in the kernel (`combine`: up to
     COMBINE_MAX_SPLITS slices, where the tile counters exist and cover the launch; `may_combine`)
     or by the combine launch. A work list's launch merges in the kernel or does not split (a
     combine launch would rewrite every row). `head`: (padded head size, element bytes), whose
-    step `fit_head` caps."""
+    step `fit_head` caps (None: the tiles as picked)."""
     cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config, num_splits,
                                   num_items, wide)
     if num_items is not None and num_splits > 1:
@@ -82,7 +82,8 @@ def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
         if num_splits > limit:
             cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config,
                                           limit, num_items, wide)
-    return fit_head(cfg, *head), num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
+    cfg = cfg if head is None else fit_head(cfg, *head)
+    return cfg, num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
 
 
 def head_pad(head_dim: int) -> int:
@@ -169,7 +170,7 @@ def _pow2(x: int) -> int:
 @functools.cache
 def wide_prompt(device: torch.device, row_bytes: int) -> bool:
     """Whether prompt tiles on this device may step 128 positions (pick_config's `wide`): K/V rows
-    (head_dim x element size) of up to WIDE_PROMPT_ROW_BYTES, on a GPU of WIDE_PROMPT_CAPABILITY
+    (padded head x element size) of up to WIDE_PROMPT_ROW_BYTES, on a GPU of WIDE_PROMPT_CAPABILITY
     or later (where they were measured faster)."""
     if device.type != "cuda":
         return False  # (the interpreter: the narrower tiles, as before)
