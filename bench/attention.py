@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchmaker.kernels.attention_launch import fit_head, head_pad
 from batchmaker.kernels.paged_attention import AttentionConfig, paged_attention, pick_launch, wide_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -148,9 +149,10 @@ def measure(ctxs: Contexts, args, device, ceilings: dict, **kw) -> dict:
 def auto_choice(ctxs: Contexts, args, device) -> dict:
     """The tile shape and split count paged_attention picks for these contexts (what the record shows)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    wide = wide_prompt(device, args.head_dim * args.dtype.itemsize)  # (as paged_attention picks)
+    wide = wide_prompt(device, head_pad(args.head_dim) * args.dtype.itemsize)  # (as paged_attention picks)
     cfg, num_splits = pick_launch(ctxs.batch, args.kv_heads, args.heads // args.kv_heads, ctxs.n, ctxs.ctx, sms,
                                   wide=wide)
+    cfg = fit_head(cfg, head_pad(args.head_dim), args.dtype.itemsize)
     return {"config": [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], "num_splits": num_splits}
 
 

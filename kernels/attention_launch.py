@@ -46,6 +46,16 @@ RAGGED_MAX_SPLITS = 8
 # Split launches step 64 positions 2 stages deep: batch 1 at 360 positions 8.6 us against 10.9 (64 on 3
 # stages), at 2,048 17.8 against 18.9 (128 on 3); batch 4 at 512 16.1 against 21.6; batch 8 at 16,384 489
 # against 524 (`--short-sweep`, `--mid-sweep`)
+# Head sizes: tiles span the head padded to a power of two (`head_pad`), its columns past the head masked.
+MIN_HEAD_PAD = 16  # tl.dot reduces over at least 16 columns: smaller heads pad to 16
+# Positions a step reads at most, per (padded head size, element bytes); heads absent step as measured above.
+# From Triton 3.5's sm_90a compile of every launch the planner reaches, on a CPU (bench/attention_fit.py:
+# shared memory, ptxas spills; not yet timed on a GPU). At 256 the fp32 accumulator [rows, 256] takes the
+# registers: 16-bit steps of 64-128 positions spilled 0.7-23 KB a thread, steps of 32 spill 0-2.3 KB (head
+# 128's tiles: 0-15 KB). fp32 tiles also overflow the 227 KB of shared memory an H100/H200 block may have:
+# 128-row prompt tiles need 384 KB at 64 positions, 256 at 32, 192 at 16.
+HEAD_STEPS = {(256, 2): 32, (256, 4): 16}
+MAX_HEAD_DIM = 256  # the largest head the kernels take (HEAD_STEPS' largest); larger ones are refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +68,13 @@ class AttentionConfig:
 
 def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, bound: int, num_sms: int,
                 may_combine: bool, config: AttentionConfig | None = None, num_splits: int | None = None,
-                num_items: int | None = None, wide: bool = False) -> tuple[AttentionConfig, int, bool]:
+                num_items: int | None = None, wide: bool = False, head: tuple[int, int] | None = None
+                ) -> tuple[AttentionConfig, int, bool]:
     """`pick_launch`, then how its slices merge: in the kernel (`combine`: up to
     COMBINE_MAX_SPLITS slices, where the tile counters exist and cover the launch; `may_combine`)
     or by the combine launch. A work list's launch merges in the kernel or does not split (a
-    combine launch would rewrite every row)."""
+    combine launch would rewrite every row). `head`: (padded head size, element bytes), whose
+    step `fit_head` caps (None: the tiles as picked)."""
     cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config, num_splits,
                                   num_items, wide)
     if num_items is not None and num_splits > 1:
@@ -70,7 +82,21 @@ def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
         if num_splits > limit:
             cfg, num_splits = pick_launch(num_seqs, num_kv_heads, group, max_query_len, bound, num_sms, config,
                                           limit, num_items, wide)
+    cfg = cfg if head is None else fit_head(cfg, *head)
     return cfg, num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
+
+
+def head_pad(head_dim: int) -> int:
+    """The columns a tile spans for this head size: the next power of two, at least MIN_HEAD_PAD."""
+    return max(MIN_HEAD_PAD, _pow2(head_dim))
+
+
+def fit_head(cfg: AttentionConfig, padded_head: int, element_size: int) -> AttentionConfig:
+    """cfg stepping at most HEAD_STEPS' positions for this padded head and element size (the rows
+    stay: work lists are cut by them)."""
+    step = HEAD_STEPS.get((padded_head, element_size))
+    return cfg if step is None or cfg.block_n <= step else AttentionConfig(cfg.block_m, step, cfg.num_warps,
+                                                                            cfg.num_stages)
 
 
 def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int, max_context_len: int,
@@ -144,7 +170,7 @@ def _pow2(x: int) -> int:
 @functools.cache
 def wide_prompt(device: torch.device, row_bytes: int) -> bool:
     """Whether prompt tiles on this device may step 128 positions (pick_config's `wide`): K/V rows
-    (head_dim x element size) of up to WIDE_PROMPT_ROW_BYTES, on a GPU of WIDE_PROMPT_CAPABILITY
+    (padded head x element size) of up to WIDE_PROMPT_ROW_BYTES, on a GPU of WIDE_PROMPT_CAPABILITY
     or later (where they were measured faster)."""
     if device.type != "cuda":
         return False  # (the interpreter: the narrower tiles, as before)

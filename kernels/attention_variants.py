@@ -17,7 +17,7 @@ import torch
 
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
-                                                AttentionConfig, _pow2, decode_whole_config, pick_config,
+                                                AttentionConfig, _pow2, decode_whole_config, head_pad, pick_config,
                                                 wide_prompt)
 from batchmaker.kernels.paged_attention import _launch
 
@@ -60,7 +60,7 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
     device, group = k_cache.device, num_q_heads // num_kv_heads
     tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     items = torch.zeros(1, dtype=torch.int32, device=device)  # sequence 0, tile 0
-    variants = launch_variants(group, max_positions, wide_prompt(device, head_dim * k_cache.element_size()))
+    variants = launch_variants(group, max_positions, wide_prompt(device, head_pad(head_dim) * k_cache.element_size()))
     for cfg, splits, work in variants:  # (a work list's launch picks its own tiles: from its query length)
         short = work and splits > 1 and cfg.block_n == 64 and cfg.block_m * _pow2(group) <= 16
         context = min(SCRATCH_CONTEXT // 4 if short else SCRATCH_CONTEXT, max_blocks * block_size)

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
-                                                MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
-                                                SHORT_MAX_SPLITS, AttentionConfig, _pow2, plan_launch, pick_config,
-                                                pick_launch, pick_num_splits, wide_prompt)
+                                                MAX_HEAD_DIM, MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN,
+                                                SHORT_CONTEXT_LEN, SHORT_MAX_SPLITS, AttentionConfig, _pow2,
+                                                head_pad, plan_launch, pick_config, pick_launch, pick_num_splits,
+                                                wide_prompt)
 from batchmaker.kernels.cell_launch import (KernelUnavailableError, dot_precision, is_interpreting, load_kernels,
                                              pdl_options)
 
@@ -156,8 +157,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     Split-KV then merges in the kernel (at most COMBINE_MAX_SPLITS slices) or does not split.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
-    if q.shape[2] not in HEAD_DIMS:  # (256 would spill and overflow shared memory with these tiles; the twin takes any)
-        raise ValueError(f"head dim {q.shape[2]}: one of {HEAD_DIMS} expected")
+    if q.shape[2] > MAX_HEAD_DIM:  # (the twin takes any)
+        raise ValueError(f"head dim {q.shape[2]}: the kernels take head sizes up to {MAX_HEAD_DIM}")
     if not (q.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"paged_attention runs on CUDA tensors, got {q.device}; "
                                      "use reference_paged_attention")
@@ -197,7 +198,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
                                            available is not None, config, num_splits,
                                            None if items is None else len(items),
-                                           wide_prompt(q.device, head_dim * q.element_size()))
+                                           wide_prompt(q.device, head_pad(head_dim) * q.element_size()),
+                                           (head_pad(head_dim), q.element_size()))
     counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
@@ -210,14 +212,14 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
         scale * LOG2_E, num_seqs, num_tokens, num_q_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
-        G=group, G_PAD=_pow2(group), D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype), WORK=items is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q, PDL))
+        G=group, G_PAD=_pow2(group), D=head_dim, D_PAD=head_pad(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size, IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype),
+        WORK=items is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q, PDL))
     if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
-            out.stride(0), out.stride(1), D=head_dim, SPLITS_PAD=_pow2(num_splits), num_warps=1,
-            **pdl_options(q, PDL))
+            out.stride(0), out.stride(1), D=head_dim, D_PAD=head_pad(head_dim), SPLITS_PAD=_pow2(num_splits),
+            num_warps=1, **pdl_options(q, PDL))
 
 
 @dataclass(slots=True)
@@ -281,9 +283,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-HEAD_DIMS = (16, 32, 64, 128)  # what the Triton kernels take (the PyTorch twin takes any)
-
-
 def _load_kernels():
     return load_kernels("triton_attention", "paged_attention", "reference_paged_attention")
 
@@ -306,7 +305,8 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
                          f"[{num_seqs}], got {tuple(query_start.shape)}, {tuple(context_lens.shape)}")
 
 
-__all__ = ["AttentionConfig", "COMBINE_MAX_SPLITS", "FEW_PROGRAMS_SPLIT_LEN", "LONG_SPLIT_CONTEXT", "MAX_SPLITS",
-           "MIN_PREFILL_SPLIT_LEN", "MIN_SPLIT_LEN", "PagedAttend", "SHORT_CONTEXT_LEN", "SHORT_MAX_SPLITS", "paged_attention",
-           "pick_config", "pick_launch", "pick_num_splits", "plan_launch", "reference_paged_attention",
-           "reference_write_kv", "small_tokens", "triton_write_kv", "wide_prompt", "write_kv"]
+__all__ = ["AttentionConfig", "COMBINE_MAX_SPLITS", "FEW_PROGRAMS_SPLIT_LEN", "LONG_SPLIT_CONTEXT", "MAX_HEAD_DIM",
+           "MAX_SPLITS", "MIN_PREFILL_SPLIT_LEN", "MIN_SPLIT_LEN", "PagedAttend", "SHORT_CONTEXT_LEN",
+           "SHORT_MAX_SPLITS", "paged_attention", "pick_config", "pick_launch", "pick_num_splits", "plan_launch",
+           "reference_paged_attention", "reference_write_kv", "small_tokens", "triton_write_kv", "wide_prompt",
+           "write_kv"]

@@ -13,6 +13,9 @@ Steps wholly below the tile's first query position (all of decode but its last s
 masks; the rest mask by position. With WORK the programs take their (sequence, tile) from a list
 the host cut (attention_work.py), -1 for none, instead of the grid's every (sequence, tile).
 Scores are in log2 units (scale * log2(e) folded into the scale) so the softmax uses exp2.
+Any head size D: tiles span D_PAD columns (the next power of two, what tl.arange and the dots
+take) and the columns past D are masked, read as 0 (adding 0 to every score and output) and never
+stored; where D is a power of two (D_PAD == D) no column mask is built: the same code as before.
 
 `write_kv_kernel` puts the new tokens' K and V into their cache slots (one launch for both).
 
@@ -34,6 +37,32 @@ NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so k
 
 
 @triton.jit
+def _load_rows(ptrs, rows_ok, offs_d, D: tl.constexpr, D_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
+    # ptrs [R, D_PAD] of rows of a head; rows_ok [R] (read with ROW_MASK only). Columns from D on
+    # (a head size that is not a power of two) read 0; D == D_PAD builds no column mask.
+    if D == D_PAD:
+        if ROW_MASK:
+            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        if ROW_MASK:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows_ok, offs_d, D: tl.constexpr, D_PAD: tl.constexpr):
+    # x [R, D_PAD] to ptrs where rows_ok [R], its columns below D only
+    if D == D_PAD:
+        tl.store(ptrs, x, mask=rows_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=rows_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
 def _tile_rows(tile, kv_head, n, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     # rows of a tile: the token (within its sequence), the query head, and whether the row is real
     rows = tl.arange(0, BLOCK_M * G_PAD)
@@ -45,12 +74,12 @@ def _tile_rows(tile, kv_head, n, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: 
 @triton.jit
 def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-            D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-            PRECISION: tl.constexpr):
-    # online softmax of q_tile [M, D] (queries at context positions pos [M]) over positions [lo, hi),
-    # carrying the running output acc [M, D], max m_i [M] and sum l_i [M]. Unless MASKED, every
-    # position of the range is below hi and visible to every row (no masks).
-    offs_d = tl.arange(0, D)
+            D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    # online softmax of q_tile [M, D_PAD] (queries at context positions pos [M]) over positions [lo, hi),
+    # carrying the running output acc [M, D_PAD], max m_i [M] and sum l_i [M]. Unless MASKED, every
+    # position of the range is below hi and visible to every row (no position masks).
+    offs_d = tl.arange(0, D_PAD)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < hi
@@ -61,10 +90,7 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
         offset = offs_n % BLOCK_SIZE
         k_rows = block.to(tl.int64) * stride_kb + offset * stride_ko + kv_head * stride_kh
         v_rows = block.to(tl.int64) * stride_vb + offset * stride_vo + kv_head * stride_vh
-        if MASKED:
-            k = tl.load(k_cache + k_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)  # [BN, D]
-        else:
-            k = tl.load(k_cache + k_rows[:, None] + offs_d[None, :])
+        k = _load_rows(k_cache + k_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
         scores = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, BN]
         if MASKED:
             causal = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
@@ -73,10 +99,7 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_cache + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)  # [BN, D]
-        else:
-            v = tl.load(v_cache + v_rows[:, None] + offs_d[None, :])
+        v = _load_rows(v_cache + v_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -97,9 +120,9 @@ def paged_attention_kernel(
     scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr, PRECISION: tl.constexpr,
-    WORK: tl.constexpr, PDL: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr,
+    PRECISION: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
     # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile)
@@ -113,7 +136,7 @@ def paged_attention_kernel(
     else:  # tiles from the last (causal: the longest programs start first, short ones fill the last wave)
         seq, tile = tl.program_id(1), tl.num_programs(2) - 1 - tl.program_id(2)
     M: tl.constexpr = BLOCK_M * G_PAD
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     # the sequence's metadata, loaded at once (a dependent load each would add a round trip to every program)
     is_seq = seq < num_seqs
     q_start = tl.load(query_start + seq)
@@ -121,15 +144,15 @@ def paged_attention_kernel(
     ctx = tl.load(context_lens + seq, mask=is_seq, other=0)
     if seq == num_seqs:
         if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
-            _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, BLOCK_M)
+            _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, D_PAD, BLOCK_M)
         return
     n = q_end - q_start
     if tile * BLOCK_M >= n:
         return
     tok, head, is_row = _tile_rows(tile, kv_head, n, G, G_PAD, BLOCK_M)
     pos = ctx - n + tok  # [M] context position of each row's query
-    q_tile = tl.load(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                     mask=is_row[:, None], other=0.0)
+    q_tile = _load_rows(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        is_row, offs_d, D, D_PAD, True)
     kv_end = ctx - n + tl.minimum(tile * BLOCK_M + BLOCK_M, n)  # one past the tile's last query position
     lo, hi = 0, kv_end
     if IS_SPLIT:
@@ -139,56 +162,56 @@ def paged_attention_kernel(
     # [lo, mid): whole steps below the tile's first query position, visible to every row: no masks
     # (all of decode but its last step)
     mid = lo + tl.maximum(tl.minimum(hi, ctx - n + tile * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
-    acc = tl.zeros([M, D], tl.float32)
+    acc = tl.zeros([M, D_PAD], tl.float32)
     m_i = tl.full([M], NO_SCORE, tl.float32)
     l_i = tl.zeros([M], tl.float32)
     table_row = block_tables + seq * stride_bt
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, mid,
                             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-                            D, BLOCK_N, BLOCK_SIZE, False, PRECISION)
+                            D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi,
                             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-                            D, BLOCK_N, BLOCK_SIZE, True, PRECISION)
+                            D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION)
     has_key = l_i > 0.0  # false for rows whose slice of the context ends before their position
     l_i = tl.where(has_key, l_i, 1.0)
     acc = acc / l_i[:, None]
     if IS_SPLIT:
         part_row = (split * num_tokens + q_start + tok) * num_q_heads + head  # [M]
-        tl.store(part_out + part_row[:, None] * D + offs_d[None, :], acc, mask=is_row[:, None])
+        _store_rows(part_out + part_row[:, None] * D + offs_d[None, :], acc, is_row, offs_d, D, D_PAD)
         tl.store(part_lse + part_row, tl.where(has_key, m_i + tl.log2(l_i), float("-inf")), mask=is_row)
         if COMBINE:
             counter = counters + kv_head * num_tokens + q_start + tile * BLOCK_M
             tl.debug_barrier()  # every thread's partials stored before the release below
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 _combine_tile(part_out, part_lse, out, tok + q_start, head, is_row, num_tokens, num_q_heads,
-                              num_splits, stride_ot, stride_oh, D)
+                              num_splits, stride_ot, stride_oh, D, D_PAD)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 acc.to(out.dtype.element_ty), mask=is_row[:, None])
+        _store_rows(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                    acc.to(out.dtype.element_ty), is_row, offs_d, D, D_PAD)
 
 
 @triton.jit
 def _zero_padding(out, first, num_tokens, tile, kv_head, stride_ot, stride_oh,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     # rows of tokens first .. num_tokens - 1 (those after the last sequence) of this kv head's heads
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     rows = tl.arange(0, BLOCK_M * G_PAD)
     head = kv_head * G + rows % G_PAD
-    zeros = tl.zeros([BLOCK_M * G_PAD, D], out.dtype.element_ty)
+    zeros = tl.zeros([BLOCK_M * G_PAD, D_PAD], out.dtype.element_ty)
     for t0 in range(first + tile * BLOCK_M, num_tokens, tl.num_programs(2) * BLOCK_M):
         tok = t0 + rows // G_PAD
         is_row = (tok < tl.minimum(t0 + BLOCK_M, num_tokens)) & (rows % G_PAD < G)
-        tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], zeros,
-                 mask=is_row[:, None])
+        _store_rows(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], zeros, is_row,
+                    offs_d, D, D_PAD)
 
 
 @triton.jit
 def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_heads, num_splits, stride_ot,
-                  stride_oh, D: tl.constexpr):
+                  stride_oh, D: tl.constexpr, D_PAD: tl.constexpr):
     # rows (tok [M], head [M]) of out = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max lse), from the
     # partials other programs wrote (.cg: from L2, never a stale L1 line)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     top = tl.full(tok.shape, float("-inf"), tl.float32)
     for j in range(num_splits):
         lse = tl.load(part_lse + (j * num_tokens + tok) * num_q_heads + head, mask=is_row, other=float("-inf"),
@@ -196,29 +219,32 @@ def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_
         top = tl.maximum(top, lse)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros(tok.shape, tl.float32)
-    acc = tl.zeros([tok.shape[0], D], tl.float32)
+    acc = tl.zeros([tok.shape[0], D_PAD], tl.float32)
     for j in range(num_splits):
         row = (j * num_tokens + tok) * num_q_heads + head
         w = tl.exp2(tl.load(part_lse + row, mask=is_row, other=float("-inf"), cache_modifier=".cg") - top)
-        o = tl.load(part_out + row[:, None] * D + offs_d[None, :], mask=is_row[:, None], other=0.0,
-                    cache_modifier=".cg")
+        if D == D_PAD:
+            o_ok = is_row[:, None]
+        else:
+            o_ok = is_row[:, None] & (offs_d[None, :] < D)
+        o = tl.load(part_out + row[:, None] * D + offs_d[None, :], mask=o_ok, other=0.0, cache_modifier=".cg")
         total += w
         acc += w[:, None] * o
     result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             result.to(out.dtype.element_ty), mask=is_row[:, None])
+    _store_rows(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                result.to(out.dtype.element_ty), is_row, offs_d, D, D_PAD)
 
 
 @triton.jit(do_not_specialize=SHAPE_ARGS)
 def combine_splits_kernel(
     part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
     num_seqs, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
-    D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse)
     wait_for_input(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     splits = tl.arange(0, SPLITS_PAD)
     num_parts = tl.where(t < tl.load(query_start + num_seqs), num_splits, 0)  # padding tokens: none
     is_split = splits < num_parts
@@ -226,10 +252,13 @@ def combine_splits_kernel(
     lse = tl.load(part_lse + part_row, mask=is_split, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS_PAD], 0 for empty slices
-    o = tl.load(part_out + part_row[:, None] * D + offs_d[None, :], mask=is_split[:, None], other=0.0)
+    o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
     total = tl.sum(w, 0)
     result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))
+    if D == D_PAD:
+        tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))
+    else:
+        tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit

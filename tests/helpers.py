@@ -31,6 +31,23 @@ interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTE
                                  reason="set TRITON_INTERPRET=1 (with triton installed) to run kernels on the CPU")
 
 
+def _index_one_element_tensors() -> None:
+    """Triton's interpreter (3.5 too) turns a scalar into a Python int with int() of its 1-element
+    array, which NumPy 2 refuses: loops bounded by loaded values (paged attention's) fail. Tests
+    only: take the element instead."""
+    from triton.runtime import interpreter as interp
+    patch = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+    interp._patch_lang_tensor = patch_lang_tensor
+
+
+if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+    _index_one_element_tensors()
+
+
 def run_interpreted(test_file: str, name: str, timeout: float) -> str:
     """Run test `name` of `test_file` in a subprocess under TRITON_INTERPRET=1 (it must be set
     before triton is imported), on machines with triton but no GPU; returns pytest's output."""

@@ -59,7 +59,7 @@ def test_logits_equal_transformers(family, tmp_path):
 
 
 @pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2), ("mistral", 2), ("phi3", 2),
-                                        ("qwen3-head-24", 1)])  # (a head size the GPU kernels lack: the CPU's twin)
+                                        ("qwen3-head-24", 1)])  # (a head size not a power of two)
 def test_served_tokens_equal_transformers(family, tp, tmp_path):
     hf = save(family, tmp_path)
     rng = random.Random(3)

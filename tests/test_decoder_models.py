@@ -226,16 +226,19 @@ def test_load_tokenizer(tmp_path):
 
 
 def test_a_head_size_the_gpu_kernels_lack_is_refused_when_built(tmp_path):
-    """OPT-2.7B's head size 80 (and 24 here) would fail in the engine's warm-up on a GPU: refused
-    when the model is built, naming the field; the CPU path runs any head size."""
+    """A head size past the GPU kernels' largest (256) would fail in the engine's warm-up on a GPU:
+    refused when the model is built, naming the field; the CPU path runs any head size."""
     from batchmaker.cells.decoder_config import to_hf
     from batchmaker.registry import build_model
-    config = replace(TINY_LLAMA, hidden_size=144, num_heads=6, num_kv_heads=6, head_dim=24)
+    config = replace(TINY_LLAMA, hidden_size=2 * 272, num_heads=2, num_kv_heads=2, head_dim=272)
     (tmp_path / "config.json").write_text(json.dumps(to_hf(config)))
-    with pytest.raises(ValueError, match="head_dim 24 .*head sizes 16, 32, 64, 128"):
+    with pytest.raises(ValueError, match="head_dim 272 .*head sizes up to 256"):
         build_model("llama", checkpoint=str(tmp_path), device="cuda:0")
-    model = build_model("llama", preset="tiny-llama", device="cpu")  # (a supported size: no refusal)
-    assert model.cells["decoder"].config.head_dim == 16
+    config = replace(config, hidden_size=2 * 80, head_dim=80)  # OPT-2.7B's: taken (it fails later here: no
+    (tmp_path / "config.json").write_text(json.dumps(to_hf(config)))  # GPU, or no weights)
+    with pytest.raises(ValueError) as later:
+        build_model("llama", checkpoint=str(tmp_path), device="cuda:0")
+    assert "head_dim" not in str(later.value)
 
 
 def test_a_decoder_off_the_cpu_is_refused_by_a_cpu_worker():

@@ -12,6 +12,7 @@ every token is identical to HF (tests/test_generation.py).
 """
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,12 +29,13 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 NEAR_TIE = 0.05  # of the logits' standard deviation
 CONFIG = DecoderConfig(family="llama", vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=4,
                        num_heads=8, num_kv_heads=4, head_dim=64, max_positions=1024)
+HEAD_80 = replace(CONFIG, hidden_size=640, head_dim=80)  # OPT-2.7B's and Phi-2's head size: padded to 128 columns
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+@pytest.fixture(scope="module", params=[CONFIG, HEAD_80], ids=["head64", "head80"])
+def checkpoint(tmp_path_factory, request):
     torch.manual_seed(11)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf(CONFIG)))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf(request.param)))
     with torch.no_grad():
         hf.lm_head.weight.mul_(30)  # logits spread over several units: ties become rare
     path = tmp_path_factory.mktemp("llama")

@@ -13,7 +13,7 @@ from batchmaker.cells.pipeline import check_stages
 from batchmaker.cells.tensor_parallel import check_rank_devices, check_shardable
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.forms import Generate
-from batchmaker.kernels.paged_attention import HEAD_DIMS
+from batchmaker.kernels.paged_attention import MAX_HEAD_DIM
 from batchmaker.model import Model
 from batchmaker.registry import register_model
 from batchmaker.unfolders.common import as_dtype, power_of_two_sizes
@@ -73,9 +73,9 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     if config.family != family:
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
-    if torch.device(device).type == "cuda" and config.head_dim not in HEAD_DIMS:
+    if torch.device(device).type == "cuda" and config.head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
-                         f"head sizes {', '.join(map(str, HEAD_DIMS))} only so far (on a CPU any head size runs)")
+                         f"head sizes up to {MAX_HEAD_DIM} (on a CPU any head size runs)")
     check_shardable(config, tensor_parallel)
     check_stages(config, pipeline_parallel)
     if pipeline_parallel > 1 and torch.device(device).type != "cpu":

@@ -1,0 +1,107 @@
+"""Paged attention's tiles per head size without a GPU: compile `paged_attention_kernel` for
+sm_90a (H100/H200) with Triton on the CPU and read the shared memory each launch needs and the
+registers and spills ptxas reports, for every tile the planner reaches (attention_variants'
+list, after attention_launch.fit_head). Where attention_launch.HEAD_STEPS comes from.
+
+    python bench/attention_fit.py --out bench/results/attention-fit-sm90.json
+    git show REV:kernels/triton_attention.py > /tmp/old_attention.py
+    python bench/attention_fit.py --against /tmp/old_attention.py --heads 64 128 --out /tmp/same.json
+
+--against compiles REV's kernel too, at power-of-two heads, and says whether the PTX is the same
+(ignoring debug labels): what the padded kernel promises for them. Needs triton (with its ptxas),
+no GPU; compile times are not launch times.
+"""
+import argparse
+import importlib.util
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from batchmaker.kernels import triton_attention
+from batchmaker.kernels.attention_launch import COMBINE_MAX_SPLITS, fit_head, head_pad
+from batchmaker.kernels.attention_variants import launch_variants
+
+SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on an H100/H200 (227 KB)
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {"part_out": "*fp32", "part_lse": "*fp32", "counters": "*i32", "block_tables": "*i32",
+            "query_start": "*i32", "context_lens": "*i32", "work": "*i32"}
+
+
+def compile_kernel(kernel, head_dim: int, dtype: str, cfg, split: bool, combine: bool, padded: bool = True):
+    """(PTX without debug labels, shared bytes) of one variant (group 1, blocks of 16)."""
+    consts = {"G": 1, "G_PAD": 1, "D": head_dim, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_SIZE": 16,
+              "IS_SPLIT": split, "COMBINE": combine, "PRECISION": "tf32", "WORK": False, "PDL": False}
+    if padded:
+        consts["D_PAD"] = head_pad(head_dim)
+    names = kernel.arg_names
+    types = {n: "constexpr" if n in consts else POINTERS.get(n, f"*{dtype}" if n in ("q", "k_cache", "v_cache", "out")
+                                                                     else "fp32" if n == "scale_log2" else "i32")
+             for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types[n].startswith("*")}
+    compiled = triton.compile(ASTSource(kernel, types, consts, aligned), target=TARGET,
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx = re.sub(r"\.section\s+\.debug.*", "", compiled.asm["ptx"], flags=re.DOTALL)
+    ptx = re.sub(r"^\s*(\.loc|\.file|//|\$L__tmp\d+:).*\n", "", ptx, flags=re.MULTILINE)
+    return ptx, compiled.metadata.shared
+
+
+def registers(ptx: str) -> tuple[int, int]:
+    """(registers a thread, spill store bytes) from ptxas -v."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        done = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
+                              capture_output=True, text=True, check=True)
+    return (int(re.search(r"Used (\d+) registers", done.stderr).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1)))
+
+
+def variants(head_dim: int, element_size: int) -> list[tuple]:
+    """The distinct (tile, split, combine) launches of a model with this head (group 1, 32K positions)."""
+    wide = head_pad(head_dim) * element_size <= 256  # (attention_launch.wide_prompt on Hopper)
+    seen = {(fit_head(cfg, head_pad(head_dim), element_size), splits > 1, 1 < splits <= COMBINE_MAX_SPLITS)
+            for cfg, splits, _ in launch_variants(1, 32768, wide)}
+    return sorted(seen, key=lambda v: (v[0].block_m, v[0].block_n, v[0].num_warps, v[0].num_stages, v[1], v[2]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, nargs="+", default=[64, 80, 96, 128, 256])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
+    parser.add_argument("--against", help="an older kernels/triton_attention.py: compare PTX at power-of-two heads")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    old = None
+    if args.against:
+        spec = importlib.util.spec_from_file_location("old_attention", args.against)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    rows = []
+    for head_dim in args.heads:
+        for dtype in args.dtypes:
+            for cfg, split, combine in variants(head_dim, 4 if dtype == "fp32" else 2):
+                ptx, shared = compile_kernel(triton_attention.paged_attention_kernel, head_dim, dtype, cfg, split,
+                                             combine)
+                regs, spills = registers(ptx)
+                row = {"head_dim": head_dim, "dtype": dtype, "block_m": cfg.block_m, "block_n": cfg.block_n,
+                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "split": split, "combine": combine,
+                       "shared_bytes": shared, "fits": shared <= SHARED_LIMIT, "registers": regs,
+                       "spill_bytes": spills}
+                if old is not None and head_pad(head_dim) == head_dim:
+                    row["same_ptx_as_against"] = compile_kernel(old.paged_attention_kernel, head_dim, dtype, cfg,
+                                                                split, combine, padded=False)[0] == ptx
+                rows.append(row)
+                print(row, flush=True)
+    Path(args.out).write_text(json.dumps({"command": "python bench/attention_fit.py " + " ".join(
+        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
+        "triton": triton.__version__, "target": "sm_90a (compiled on the CPU)", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
