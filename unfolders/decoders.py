@@ -73,6 +73,8 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     if config.family != family:
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
+    if torch.device(device).type == "cuda":
+        check_gpu_attention(config, checkpoint or preset)
     if torch.device(device).type == "cuda" and config.head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
                          f"head sizes {', '.join(map(str, HEAD_DIMS))} only so far (on a CPU any head size runs)")
@@ -82,6 +84,18 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
         raise ValueError(f"pipeline_parallel={pipeline_parallel}: stages run on CPU workers only so far (issue 31)")
     check_rank_devices(device, tensor_parallel * pipeline_parallel)
     return config, tokenizer
+
+
+def check_gpu_attention(config, source: str) -> None:
+    """A typed refusal, when the model is built for a GPU, of what the attention kernels lack so far
+    (a sliding window that binds, soft-capped scores); the CPU's twin runs both."""
+    if config.attention_windows:
+        window = max(config.attention_windows)
+        raise ValueError(f"sliding_window {window} < max_position_embeddings {config.max_positions} ({source}): "
+                         f"the GPU attention kernels have no sliding windows yet (on a CPU it runs)")
+    if config.attn_softcap is not None:
+        raise ValueError(f"attn_logit_softcapping {config.attn_softcap} ({source}): the GPU attention kernels "
+                         f"have no soft-capping yet (on a CPU it runs)")
 
 
 @register_model("llama")
