@@ -236,7 +236,8 @@ def layer_windows(c: dict) -> tuple[int, ...]:
     `layer_types` calls "sliding_attention", or by default the layers from `max_window_layers` on
     (Qwen), alternate layers from the first (Gemma 2), all but every `sliding_window_pattern`-th
     (Gemma 3, 6). () when none has one."""
-    model_type, n, window = c["model_type"], c["num_hidden_layers"], c.get("sliding_window")
+    model_type, n = c["model_type"], c["num_hidden_layers"]
+    window = c.get("sliding_window", 4096 if model_type in ("gemma2", "gemma3_text") else None)  # (their default)
     if model_type in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
         window = None
     if not window or model_type in ("llama", "gemma"):
@@ -262,7 +263,8 @@ def _default_layer_type(c: dict, i: int) -> str:
 
 def _gemma_from_hf(c: dict) -> DecoderConfig:
     """Gemma, Gemma 2, Gemma 3 (text): RoPE bases by layer type (Gemma 3's sliding layers: their own,
-    unscaled), GeGLU, soft caps, the attention's scalar; refused: what transformers would run otherwise."""
+    unscaled), GeGLU, soft caps, the attention's scalar (a key left out: transformers' default);
+    refused: what transformers would run otherwise."""
     model_type, num_heads = c["model_type"], c["num_attention_heads"]
     if c.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention: only causal attention is served")
@@ -287,9 +289,9 @@ def _gemma_from_hf(c: dict) -> DecoderConfig:
         tie_word_embeddings=c.get("tie_word_embeddings", True), bos_token_id=c.get("bos_token_id"),
         eos_token_ids=_eos_tuple(c.get("eos_token_id")), attention_bias=c.get("attention_bias", False),
         qk_norm=model_type == "gemma3_text", post_norms=model_type != "gemma",
-        query_pre_attn_scalar=c.get("query_pre_attn_scalar") if model_type != "gemma" else None,
-        attn_softcap=c.get("attn_logit_softcapping") if model_type == "gemma2" else None,
-        final_softcap=c.get("final_logit_softcapping") if model_type != "gemma" else None,
+        query_pre_attn_scalar=c.get("query_pre_attn_scalar", 256) if model_type != "gemma" else None,
+        attn_softcap=c.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+        final_softcap=c.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None),
         layer_windows=layer_windows(c),
         local_rope_theta=float(local_rope["rope_theta"]) if model_type == "gemma3_text" else None)
 

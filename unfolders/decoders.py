@@ -89,13 +89,15 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
 def check_gpu_attention(config, source: str) -> None:
     """A typed refusal, when the model is built for a GPU, of what the attention kernels lack so far
     (a sliding window that binds, soft-capped scores); the CPU's twin runs both."""
+    lacking = []
     if config.attention_windows:
-        window = max(config.attention_windows)
-        raise ValueError(f"sliding_window {window} < max_position_embeddings {config.max_positions} ({source}): "
-                         f"the GPU attention kernels have no sliding windows yet (on a CPU it runs)")
+        lacking.append(f"sliding_window {max(config.attention_windows)} < max_position_embeddings "
+                       f"{config.max_positions} (sliding windows)")
     if config.attn_softcap is not None:
-        raise ValueError(f"attn_logit_softcapping {config.attn_softcap} ({source}): the GPU attention kernels "
-                         f"have no soft-capping yet (on a CPU it runs)")
+        lacking.append(f"attn_logit_softcapping {config.attn_softcap} (soft-capped scores)")
+    if lacking:
+        raise ValueError(f"{'; '.join(lacking)} ({source}): the GPU attention kernels have neither yet "
+                         f"(on a CPU the model runs)")
 
 
 @register_model("llama")
