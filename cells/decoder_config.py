@@ -189,7 +189,7 @@ PRESETS: dict[str, DecoderConfig] = {
 
 
 def from_hf(config: dict) -> DecoderConfig:
-    """The DecoderConfig of a HF `config.json` dict (model_type llama, mistral, qwen2, qwen3 or opt)."""
+    """The DecoderConfig of a HF `config.json` dict (model_type one of LLAMA_LIKE, or opt)."""
     model_type = config.get("model_type")
     if model_type in LLAMA_LIKE:
         return _llama_from_hf(config)

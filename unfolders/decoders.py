@@ -1,6 +1,8 @@
 """The decoder-Transformer models: "llama" (Llama-style: RMSNorm, RoPE, SwiGLU, grouped-query
-attention) and "opt" (OPT-style: LayerNorm, learned positions). Each is one DecoderCell served by a
-Generate form (batchmaker/generation.py says what a request holds and what comes back).
+attention; and the checkpoints built like it: Mistral, Qwen2/3, Phi-3, Gemma 1-3) and "opt"
+(OPT-style: LayerNorm, learned positions). Each is one DecoderCell served by a Generate form
+(batchmaker/generation.py says what a request holds and what comes back). What a GPU cannot run
+yet (head sizes, sliding windows, soft caps) is refused when the model is built.
 
 Weights: seeded random ones of a named preset (cells/decoder_config.py: the papers' Llama-2-7B,
 Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style checkpoint directory
