@@ -257,7 +257,7 @@ def _default_layer_type(c: dict, i: int) -> str:
     elif c["model_type"] == "gemma3_text":
         sliding = (i + 1) % c.get("sliding_window_pattern", 6) != 0
     else:  # (Qwen)
-        sliding = i >= c.get("max_window_layers", c["num_hidden_layers"])
+        sliding = i >= c.get("max_window_layers", 28)  # (transformers' default)
     return "sliding_attention" if sliding else "full_attention"
 
 

@@ -30,7 +30,9 @@ FAMILIES = {
 }
 HEAD_24 = {"qwen3-head-24": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24))}
 WINDOW = {"mistral-window-16": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                                {"sliding_window": 16, "head_dim": 32})}
+                                {"sliding_window": 16, "head_dim": 32}),
+          "qwen2-window-16": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,  # (the second layer's only)
+                              {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1})}
 
 
 def save(family: str, path) -> torch.nn.Module:
@@ -62,7 +64,8 @@ def test_logits_equal_transformers(family, tmp_path):
 
 
 @pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2), ("mistral", 2), ("phi3", 2),
-                                        ("qwen3-head-24", 1)])  # (a head size the GPU kernels lack: the CPU's twin)
+                                        ("qwen3-head-24", 1),  # (a head size the GPU kernels lack: the CPU's twin)
+                                        ("qwen2-window-16", 1)])
 def test_served_tokens_equal_transformers(family, tp, tmp_path):
     hf = save(family, tmp_path)
     rng = random.Random(3)
