@@ -2,16 +2,18 @@
 served by the one `llama` model: tiny random configs with every weight perturbed, sliding windows
 shorter than the prompts, soft caps that bind, a query_pre_attn_scalar that is not the head size,
 Gemma 3's local RoPE base beside a scaled global RoPE. Logits and greedy tokens equal transformers'
-own (fp32, CPU), also split over two ranks and two stages; refused for a GPU when built (its
+own (fp32, CPU), requests arriving apart or all at once, also split over two ranks and two
+stages; refused for a GPU when built (its
 attention kernels have no windows or caps yet)."""
 import dataclasses
 import random
 
 import pytest
 import torch
-from test_generation import hf_greedy
+from test_generation import hf_greedy, run_until
 from test_tensor_parallel_engine import serve
 
+from batchmaker import Engine
 from batchmaker.cells.checkpoint import load_checkpoint
 from batchmaker.cells.decoder import empty_decoder, materialize
 from batchmaker.cells.decoder_config import from_hf, layer_windows, num_parameters
@@ -96,6 +98,23 @@ def test_served_tokens_equal_transformers(family, tp, pp, tmp_path):
     got = serve(model, requests, seed=1)
     for tokens, (_, inputs) in zip(got, requests):
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_requests_sent_at_once(family, tmp_path):
+    """Mixed prompt lengths submitted together: iterations of several prompt chunks and decodes."""
+    hf = save(family, tmp_path)
+    rng = random.Random(5)
+    requests = [{"tokens": [rng.randrange(4, 512) for _ in range(length)], "max_new_tokens": 6, "ignore_eos": True}
+                for length in (3, 70, 17, 40, 1, 33)]
+    engine = Engine([build_model("llama", checkpoint=str(tmp_path), max_tokens=48)]).start(thread=False)
+    try:
+        futures = [engine.submit("llama", inputs) for inputs in requests]
+        run_until(engine, lambda: all(f.done() for f in futures))
+        for future, inputs in zip(futures, requests):
+            assert future.result(0).outputs["tokens"] == hf_greedy(hf, inputs["tokens"], 6)
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize("family, message", [("gemma2", "attn_logit_softcapping 0.5"),
