@@ -3,8 +3,7 @@ served by the one `llama` model: tiny random configs with every weight perturbed
 shorter than the prompts, soft caps that bind, a query_pre_attn_scalar that is not the head size,
 Gemma 3's local RoPE base beside a scaled global RoPE. Logits and greedy tokens equal transformers'
 own (fp32, CPU), requests arriving apart or all at once, also split over two ranks and two
-stages; refused for a GPU when built (its
-attention kernels have no windows or caps yet)."""
+stages; refused for a GPU when built (its attention kernels have no windows or caps yet)."""
 import dataclasses
 import random
 
