@@ -230,7 +230,8 @@ def materialize(model: DecoderLM, state: dict[str, Tensor], device) -> DecoderLM
 
 
 def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu", cut=None) -> DecoderLM:
-    """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0.
+    """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0 (Gemma's,
+    which scale by 1 + w: at 0).
 
     The same seed gives the same weights on the same kind of device (one generator on `device`,
     parameters drawn in registration order). With a `cut` (cells/tensor_parallel.TensorCut,
@@ -246,7 +247,7 @@ def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, dev
         t = torch.empty(p.shape, dtype=dtype, device=device)
         module_name, kind = name.rsplit(".", 1)
         if module_name.endswith("norm"):
-            t.fill_(1.0 if kind == "weight" else 0.0)
+            t.fill_(1.0 if kind == "weight" and not config.is_gemma else 0.0)
         else:
             t.normal_(0.0, INIT_STD, generator=generator)  # (drawn even where not kept: the stream stays the same)
         local = name if cut is None else cut.take(name)

@@ -195,6 +195,9 @@ def from_hf(config: dict) -> DecoderConfig:
         return _llama_from_hf(config)
     if model_type == "opt":
         return _opt_from_hf(config)
+    if model_type == "gemma3":
+        raise ValueError("model_type 'gemma3' (Gemma 3 with its vision tower, Gemma3ForConditionalGeneration): only "
+                         "the text model is supported (gemma3_text, Gemma3ForCausalLM)")
     raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(LLAMA_LIKE + ('opt',))}")
 
 

@@ -14,7 +14,7 @@ from test_tensor_parallel_engine import serve
 
 from batchmaker import Engine
 from batchmaker.cells.checkpoint import load_checkpoint
-from batchmaker.cells.decoder import empty_decoder, materialize
+from batchmaker.cells.decoder import build_decoder, empty_decoder, materialize
 from batchmaker.cells.decoder_config import from_hf, layer_windows, num_parameters
 from batchmaker.registry import build_model
 
@@ -38,9 +38,9 @@ FAMILIES = {
 
 def save(family: str, path) -> torch.nn.Module:
     """A tiny model of `family` with every weight perturbed (norms too), saved as users have it."""
-    config_class, model_class, extra = FAMILIES[family]
+    config_class, model_class, extra = {**FAMILIES, **HEAD_256}[family]
     torch.manual_seed(0)
-    hf = model_class(config_class(**TINY, **extra))
+    hf = model_class(config_class(**{**TINY, **extra}))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in hf.parameters():
@@ -55,6 +55,11 @@ def prompts(seed: int, count: int) -> list[torch.Tensor]:
     return [torch.randint(0, 512, (length,), generator=generator) for length in (1, 7, 40, 70)[:count]]
 
 
+GEMMA3 = dict(TINY, model_type="gemma3_text", num_hidden_layers=7, sliding_window=8)  # (a config.json dict)
+HEAD_256 = {"gemma2-head-256": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,  # (the real models' size)
+                                {**FAMILIES["gemma2"][2], "head_dim": 256, "query_pre_attn_scalar": 256})}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(family, tmp_path):
     hf = save(family, tmp_path)
@@ -67,6 +72,15 @@ def test_logits_equal_transformers(family, tmp_path):
         with torch.no_grad():
             expected = hf(tokens[None]).logits[0]
         torch.testing.assert_close(model.dense_logits(tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_gemma_norms_scale_by_one():
+    config = from_hf(dict(GEMMA3, num_hidden_layers=2))
+    model = build_decoder(config, seed=3)
+    norms = [p for name, p in model.named_parameters() if name.rsplit(".", 1)[0].endswith("norm")]
+    assert len(norms) == 2 * 6 + 1 and not any(p.any() for p in norms)  # (4 + q, k norms a layer, the final)
+    tokens = torch.arange(20)
+    assert torch.equal(model.dense_logits(tokens), build_decoder(config, seed=3).dense_logits(tokens))
 
 
 @pytest.mark.parametrize("family, off", [("gemma2", {"layer_windows": ()}), ("gemma2", {"attn_softcap": None}),
@@ -87,7 +101,7 @@ def test_each_feature_binds_at_these_lengths(family, off, tmp_path):
 
 
 @pytest.mark.parametrize("family, tp, pp", [("gemma", 1, 1), ("gemma2", 1, 1), ("gemma3_text", 1, 1),
-                                            ("gemma2", 2, 1), ("gemma3_text", 1, 2)])
+                                            ("gemma2", 2, 1), ("gemma3_text", 1, 2), ("gemma2-head-256", 1, 1)])
 def test_served_tokens_equal_transformers(family, tp, pp, tmp_path):
     hf = save(family, tmp_path)
     rng = random.Random(3)
@@ -124,9 +138,6 @@ def test_refused_for_a_gpu_when_built(family, message, tmp_path):
         build_model("llama", checkpoint=str(tmp_path), device="cuda")  # (before any device is touched)
 
 
-GEMMA3 = dict(TINY, model_type="gemma3_text", num_hidden_layers=7, sliding_window=8)
-
-
 @pytest.mark.parametrize("config, windows", [
     (dict(GEMMA3), (8, 8, 8, 8, 8, 0, 8)),  # (five local layers to one global by default)
     (dict(GEMMA3, sliding_window_pattern=3), (8, 8, 0, 8, 8, 0, 8)),
@@ -154,6 +165,8 @@ def test_gemma3_legacy_rope_keys_and_refusals():
                             ({"layer_types": ["sliding_attention"] * 6 + ["chunked_attention"]}, "layer_types")]:
         with pytest.raises(ValueError, match=message):
             from_hf(dict(legacy, **change))
+    with pytest.raises(ValueError, match="only the text model is supported"):
+        from_hf(dict(legacy, model_type="gemma3"))
 
 
 def test_gemma2_keys_left_out_take_transformers_defaults():
