@@ -38,6 +38,9 @@ HF_LAYER_NAMES = {
 }
 HF_LAYER_NAMES["phi3"] = dict(HF_LAYER_NAMES["llama"], **{"attn.qkv_proj": ["self_attn.qkv_proj"],  # (stored fused)
                                                             "mlp.gate_up_proj": ["mlp.gate_up_proj"]})
+HF_LAYER_NAMES["gemma2"] = HF_LAYER_NAMES["gemma3_text"] = dict(  # (four norms: the MLP's is "pre_feedforward")
+    HF_LAYER_NAMES["llama"], mlp_norm=["pre_feedforward_layernorm"], post_attn_norm=["post_attention_layernorm"],
+    post_mlp_norm=["post_feedforward_layernorm"])
 HF_LAYER_PREFIX = {"llama": "model.layers.{}.", "opt": "model.decoder.layers.{}."}
 HF_MODEL_NAMES = {
     "llama": {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"},

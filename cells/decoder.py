@@ -12,7 +12,7 @@ An `attend` over a KV cache may also let the model write the new K/V itself: wit
 v into the cache inside its RoPE kernel and asks for attention over the cache.
 
 Everything on the token path is free of host syncs and data-dependent shapes, so one iteration
-can be captured in a CUDA graph for a fixed `T`. Llama and OPT share this base, the attention
+can be captured in a CUDA graph for a fixed `T`. Llama, Gemma and OPT share this base, the attention
 block and the pre-norm layer; their files add norms, MLPs and position handling. Layers hand the
 residual stream on unsummed (the MLP's output and the sum before it), so that the next layer's
 norm adds them (one kernel for Llama's add + RMSNorm).
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.kernels.paged_attention import causal_attention
 from batchmaker.kernels.skinny import project
 
 # attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]; q/k/v may be
@@ -45,10 +46,22 @@ def causal_attend(layer_index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)  # [L, Hq, D]
 
 
+def dense_attend(config: DecoderConfig) -> Attend:
+    """`causal_attend` as `config` attends: its scale, each layer's sliding window, soft-capped scores."""
+    windows, softcap, scale = config.attention_windows, config.attn_softcap, config.attention_scale
+    if not windows and softcap is None and config.query_pre_attn_scalar is None:
+        return causal_attend
+
+    def attend(layer_index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        window = windows[layer_index] if windows else 0
+        return causal_attention(q, k, v, scale, window or None, softcap).to(q.dtype)
+    return attend
+
+
 class Attention(nn.Module):
     """Fused q/k/v projection, optional rotary embedding, the caller's attention, output projection."""
 
-    def __init__(self, config: DecoderConfig, layer_index: int):
+    def __init__(self, config: DecoderConfig, layer_index: int, head_norm: type[nn.Module] | None = None):
         super().__init__()
         self.layer_index = layer_index
         c = config
@@ -56,8 +69,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=c.has_qkv_bias)
         self.o_proj = nn.Linear(self.sizes[0], c.hidden_size, bias=c.has_attention_bias)
-        if c.qk_norm:  # (Qwen3: each head of q and k normed before RoPE)
-            self.q_norm, self.k_norm = HeadNorm(c.head_dim, c.norm_eps), HeadNorm(c.head_dim, c.norm_eps)
+        if c.qk_norm:  # (Qwen3, Gemma 3: each head of q and k normed before RoPE; `head_norm`: how, if not HeadNorm)
+            norm = head_norm or HeadNorm
+            self.q_norm, self.k_norm = norm(c.head_dim, c.norm_eps), norm(c.head_dim, c.norm_eps)
         self.reduce: Callable[[Tensor], Tensor] | None = None  # tensor parallel: o_proj's partial sums (cells/tensor_parallel.py)
 
     def forward(self, x: Tensor, rotate: Callable | None, attend: Attend) -> Tensor:
@@ -185,19 +199,20 @@ class DecoderLM(nn.Module):
     def dense_logits(self, tokens: Tensor) -> Tensor:
         """Logits [L, vocab] of one sequence `tokens` [L] at positions 0..L-1 (the reference path)."""
         positions = torch.arange(tokens.shape[0], device=tokens.device)
-        return self.head(self(tokens, positions, causal_attend))
+        return self.head(self(tokens, positions, dense_attend(self.config)))
 
 
-def decoder_class(family: str) -> type[DecoderLM]:
-    from batchmaker.cells.llama import LlamaLM  # imported here: both modules import this one
+def decoder_class(config: DecoderConfig) -> type[DecoderLM]:
+    from batchmaker.cells.gemma import GemmaLM  # imported here: these modules import this one
+    from batchmaker.cells.llama import LlamaLM
     from batchmaker.cells.opt import OPTLM
-    return {"llama": LlamaLM, "opt": OPTLM}[family]
+    return GemmaLM if config.is_gemma else {"llama": LlamaLM, "opt": OPTLM}[config.family]
 
 
 def empty_decoder(config: DecoderConfig) -> DecoderLM:
     """The model with its parameters on the meta device (no memory), to be filled by `materialize`."""
     with torch.device("meta"):
-        return decoder_class(config.family)(config)
+        return decoder_class(config)(config)
 
 
 def materialize(model: DecoderLM, state: dict[str, Tensor], device) -> DecoderLM:
@@ -215,7 +230,8 @@ def materialize(model: DecoderLM, state: dict[str, Tensor], device) -> DecoderLM
 
 
 def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, device="cpu", cut=None) -> DecoderLM:
-    """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0.
+    """A model with seeded random weights: normal(0, 0.02), norms at weight 1 and bias 0 (Gemma's,
+    which scale by 1 + w: at 0).
 
     The same seed gives the same weights on the same kind of device (one generator on `device`,
     parameters drawn in registration order). With a `cut` (cells/tensor_parallel.TensorCut,
@@ -231,7 +247,7 @@ def build_decoder(config: DecoderConfig, seed: int = 0, dtype=torch.float32, dev
         t = torch.empty(p.shape, dtype=dtype, device=device)
         module_name, kind = name.rsplit(".", 1)
         if module_name.endswith("norm"):
-            t.fill_(1.0 if kind == "weight" else 0.0)
+            t.fill_(1.0 if kind == "weight" and not config.is_gemma else 0.0)
         else:
             t.normal_(0.0, INIT_STD, generator=generator)  # (drawn even where not kept: the stream stays the same)
         local = name if cut is None else cut.take(name)

@@ -3,14 +3,18 @@
 One frozen, hashable dataclass describes both families; the fields that only one family reads
 say so. The Llama family takes the models built like it (`model_type` llama, mistral, qwen2,
 qwen3, phi3: their deltas are biases on q, k, v only, per-head norms of q and k, an explicit head
-size, q | k | v and gate | up stored fused). `from_hf` / `to_hf` translate to and from a HF `config.json` dict, so that a checkpoint
+size, q | k | v and gate | up stored fused, sliding windows; and gemma, gemma2, gemma3_text, run
+by cells/gemma.py: norms of (1 + w), scaled embeddings, GeGLU, norms after attention and MLP too,
+`query_pre_attn_scalar`, soft-capped scores and logits, sliding windows on some layers with their
+own RoPE base). `from_hf` / `to_hf` translate to and from a HF `config.json` dict, so that a checkpoint
 directory can be loaded and the tests can build the matching `transformers` model.
 """
 from dataclasses import dataclass, replace
 
 FAMILIES = ("llama", "opt")
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # model_types the Llama family runs
-ACTIVATIONS = {"llama": ("silu",), "opt": ("relu", "gelu")}
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # (cells/gemma.py)
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)  # model_types the Llama family runs
+ACTIVATIONS = {"llama": ("silu", "gelu_pytorch_tanh"), "opt": ("relu", "gelu")}  # (Llama: gelu for Gemma's GeGLU)
 ROPE_TYPES = ("linear", "llama3")  # besides none
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding legacy)
 
@@ -29,7 +33,7 @@ class DecoderConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # Llama only
     rope_scaling: tuple | None = None  # Llama only: sorted (key, value) pairs, so the config hashes
-    activation: str = "silu"  # "silu" (Llama, gated); "relu" or "gelu" (OPT)
+    activation: str = "silu"  # "silu" (Llama, gated), "gelu_pytorch_tanh" (Gemma, gated); "relu" or "gelu" (OPT)
     tie_word_embeddings: bool = False  # the LM head reuses the token embedding
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
@@ -41,6 +45,13 @@ class DecoderConfig:
     model_type: str = ""  # the checkpoint's (HF config.json); "" for presets: the family's own
     do_layer_norm_before: bool = True  # OPT: pre-norm (every OPT but 350m)
     word_embed_proj_dim: int | None = None  # OPT: None means hidden_size (no projection)
+    # Llama family: Gemma's deltas (cells/gemma.py), and sliding windows (Mistral, Qwen2, Phi-3, Gemma)
+    post_norms: bool = False  # Gemma 2, 3: the attention's and the MLP's outputs normed too (four norms a layer)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its ** -0.5; None: head_dim's
+    attn_softcap: float | None = None  # attention scores soft-capped, cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits soft-capped the same way (Gemma 2, 3)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); (): no layer has one
+    local_rope_theta: float | None = None  # Gemma 3: the RoPE base of the layers with a window (unscaled)
     shards: int = 1  # a rank's share of a model split over this many (cells/tensor_parallel.py): heads, kv
     # heads, intermediate_size and vocab_size are the rank's
 
@@ -56,6 +67,15 @@ class DecoderConfig:
         if self.family == "opt":
             self._check_opt()
         rope_type(self.rope_scaling_dict)  # raises on unsupported scaling
+        if (self.model_type in GEMMA) != (self.activation == "gelu_pytorch_tanh") and self.family == "llama":
+            raise ValueError(f"{self.model_type or 'llama'} with activation {self.activation!r}: Gemma's MLP is "
+                             f"gelu_pytorch_tanh-gated, the others' silu-gated")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows {self.layer_windows}: one window >= 0 per layer ({self.num_layers}) expected")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} {value!r}: a positive number or None expected")
 
     def _check_opt(self):
         if not self.do_layer_norm_before:
@@ -67,8 +87,9 @@ class DecoderConfig:
             raise ValueError("OPT needs num_kv_heads == num_heads and num_heads * head_dim == hidden_size")
         if self.rope_scaling is not None:
             raise ValueError("OPT has learned positions: rope_scaling must be None")
-        if self.qkv_bias or self.qk_norm:
-            raise ValueError("qkv_bias and qk_norm are Llama-family fields")
+        if self.qkv_bias or self.qk_norm or self.post_norms or self.layer_windows or self.local_rope_theta \
+                or self.query_pre_attn_scalar or self.attn_softcap or self.final_softcap:
+            raise ValueError("qkv_bias, qk_norm, Gemma's fields and sliding windows are Llama-family fields")
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -86,6 +107,21 @@ class DecoderConfig:
     @property
     def has_mlp_bias(self) -> bool:
         return self.enable_bias if self.family == "opt" else self.mlp_bias
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA
+
+    @property
+    def attention_scale(self) -> float:
+        """What q k^T is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window where it binds (shorter than max_positions), else 0; () when none binds."""
+        windows = tuple(w if w < self.max_positions else 0 for w in self.layer_windows)
+        return windows if any(windows) else ()
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -116,11 +152,12 @@ def num_parameters(config: DecoderConfig) -> int:
     attention += 2 * c.head_dim * c.qk_norm
     if c.family == "llama":
         mlp = 3 * h * c.intermediate_size + (2 * c.intermediate_size + h) * c.has_mlp_bias
-        norms, positions = 2 * h, 0  # two RMSNorm weights per layer
+        final_norm, positions = h, 0
+        norms = (4 if c.post_norms else 2) * h  # two RMSNorm weights per layer (Gemma 2, 3: four)
     else:
         mlp = 2 * h * c.intermediate_size + (c.intermediate_size + h) * c.has_mlp_bias
-        norms, positions = 4 * h, (c.max_positions + OPT_POSITION_OFFSET) * h  # LayerNorms have biases
-    final_norm = norms // 2
+        final_norm, positions = 2 * h, (c.max_positions + OPT_POSITION_OFFSET) * h  # LayerNorms have biases
+        norms = 2 * final_norm
     head = 0 if c.tie_word_embeddings else c.vocab_size * h
     return c.vocab_size * h + positions + c.num_layers * (attention + mlp + norms) + final_norm + head
 
@@ -152,12 +189,15 @@ PRESETS: dict[str, DecoderConfig] = {
 
 
 def from_hf(config: dict) -> DecoderConfig:
-    """The DecoderConfig of a HF `config.json` dict (model_type llama, mistral, qwen2, qwen3 or opt)."""
+    """The DecoderConfig of a HF `config.json` dict (model_type one of LLAMA_LIKE, or opt)."""
     model_type = config.get("model_type")
     if model_type in LLAMA_LIKE:
         return _llama_from_hf(config)
     if model_type == "opt":
         return _opt_from_hf(config)
+    if model_type == "gemma3":
+        raise ValueError("model_type 'gemma3' (Gemma 3 with its vision tower, Gemma3ForConditionalGeneration): only "
+                         "the text model is supported (gemma3_text, Gemma3ForCausalLM)")
     raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(LLAMA_LIKE + ('opt',))}")
 
 
@@ -172,7 +212,8 @@ def _llama_from_hf(c: dict) -> DecoderConfig:
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     num_heads = c["num_attention_heads"]
     model_type = c["model_type"]
-    _check_window(c)
+    if model_type in GEMMA:
+        return _gemma_from_hf(c)
     partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial}: rotary embeddings over part of each head are not "
@@ -189,17 +230,93 @@ def _llama_from_hf(c: dict) -> DecoderConfig:
         rope_scaling=scaling_tuple(rope), activation=c.get("hidden_act", "silu"),
         tie_word_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
         eos_token_ids=_eos_tuple(c.get("eos_token_id")), attention_bias=c.get("attention_bias", False),
-        mlp_bias=c.get("mlp_bias", False))
+        mlp_bias=c.get("mlp_bias", False), layer_windows=layer_windows(c))
 
 
-def _check_window(c: dict) -> None:
-    """Sliding-window attention is refused where it would bind (a window shorter than the
-    positions): the attention kernels and their twin attend to every earlier position so far."""
-    window = c.get("sliding_window")
-    used = c.get("use_sliding_window", c["model_type"] in ("mistral", "phi3"))  # (Qwen's need the flag)
-    if used and window is not None and window < c["max_position_embeddings"]:
-        raise ValueError(f"sliding_window {window} < max_position_embeddings {c['max_position_embeddings']}: "
-                         f"sliding-window attention is not supported yet")
+def layer_windows(c: dict) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none) as transformers runs the HF config `c`: every layer's
+    for Mistral and Phi-3; for Qwen2/3 (with `use_sliding_window`) and Gemma 2/3, those that
+    `layer_types` calls "sliding_attention", or by default the layers from `max_window_layers` on
+    (Qwen), alternate layers from the first (Gemma 2), all but every `sliding_window_pattern`-th
+    (Gemma 3, 6). () when none has one."""
+    model_type, n = c["model_type"], c["num_hidden_layers"]
+    window = c.get("sliding_window", 4096 if model_type in ("gemma2", "gemma3_text") else None)  # (their default)
+    if model_type in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+        window = None
+    if not window or model_type in ("llama", "gemma"):
+        return ()
+    if model_type in ("mistral", "phi3"):
+        return (window,) * n
+    types = c.get("layer_types") or [_default_layer_type(c, i) for i in range(n)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != n:
+        raise ValueError(f"layer_types {types}: {n} of 'sliding_attention' or 'full_attention' expected")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+def _default_layer_type(c: dict, i: int) -> str:
+    if c["model_type"] == "gemma2":
+        sliding = i % 2 == 0
+    elif c["model_type"] == "gemma3_text":
+        sliding = (i + 1) % c.get("sliding_window_pattern", 6) != 0
+    else:  # (Qwen)
+        sliding = i >= c.get("max_window_layers", 28)  # (transformers' default)
+    return "sliding_attention" if sliding else "full_attention"
+
+
+def _gemma_from_hf(c: dict) -> DecoderConfig:
+    """Gemma, Gemma 2, Gemma 3 (text): RoPE bases by layer type (Gemma 3's sliding layers: their own,
+    unscaled), GeGLU, soft caps, the attention's scalar (a key left out: transformers' default);
+    refused: what transformers would run otherwise."""
+    model_type, num_heads = c["model_type"], c["num_attention_heads"]
+    if c.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: only causal attention is served")
+    if model_type == "gemma3_text" and c.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping {c['attn_logit_softcapping']} on gemma3_text: transformers' "
+                         f"Gemma 3 ignores it, so its meaning is unclear; None expected")
+    activation = c.get("hidden_activation") or c.get("hidden_act", "gelu_pytorch_tanh")
+    if model_type == "gemma" and activation == "gelu":  # (the first releases' legacy name, as transformers reads it)
+        activation = "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {activation!r}: Gemma's gelu_pytorch_tanh expected")
+    global_rope, local_rope = _gemma_ropes(c)
+    if rope_type(local_rope) != "default":
+        raise ValueError(f"rope_parameters of sliding_attention {local_rope}: scaled local RoPE is not supported")
+    return DecoderConfig(
+        family="llama", model_type=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=c.get("num_key_value_heads") or num_heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // num_heads, max_positions=c["max_position_embeddings"],
+        norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(global_rope["rope_theta"]),
+        rope_scaling=scaling_tuple(global_rope), activation=activation,
+        tie_word_embeddings=c.get("tie_word_embeddings", True), bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(c.get("eos_token_id")), attention_bias=c.get("attention_bias", False),
+        qk_norm=model_type == "gemma3_text", post_norms=model_type != "gemma",
+        query_pre_attn_scalar=c.get("query_pre_attn_scalar", 256) if model_type != "gemma" else None,
+        attn_softcap=c.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+        final_softcap=c.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None),
+        layer_windows=layer_windows(c),
+        local_rope_theta=float(local_rope["rope_theta"]) if model_type == "gemma3_text" else None)
+
+
+def _gemma_ropes(c: dict) -> tuple[dict, dict]:
+    """(the global layers' RoPE dict, the sliding layers'), each with its rope_theta: transformers 5
+    writes rope_parameters (per layer type for Gemma 3); 4.x rope_theta, rope_scaling and Gemma 3's
+    rope_local_base_freq (defaults: 10^6 global, 10^4 local for Gemma 3; 10^4 before)."""
+    params = c.get("rope_parameters") or {}
+    if c["model_type"] != "gemma3_text":
+        rope = dict(params or c.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+        return rope, rope
+    if "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(c.get("rope_scaling") or {}), {}
+        full.setdefault("rope_theta", c.get("rope_theta", 1e6))
+        local["rope_theta"] = c.get("rope_local_base_freq", 1e4)
+    full.setdefault("rope_theta", 1e6)
+    local.setdefault("rope_theta", 1e4)
+    return full, local
 
 
 def _opt_from_hf(c: dict) -> DecoderConfig:
@@ -242,7 +359,11 @@ def to_hf(config: DecoderConfig) -> dict:
 
 def _llama_like_to_hf(c: DecoderConfig, common: dict) -> dict:
     """Mistral, Qwen2, Qwen3: their config.json (no sliding window: the engine attends to every position)."""
-    name = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[c.model_type]
+    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+    if c.model_type not in names or c.layer_windows:
+        raise ValueError(f"to_hf writes no {c.model_type} config, nor sliding windows (tests save those from "
+                         f"transformers' own config classes)")
+    name = names[c.model_type]
     out = dict(model_type=c.model_type, architectures=[f"{name}ForCausalLM"], **common,
                intermediate_size=c.intermediate_size, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling_dict,

@@ -66,7 +66,8 @@ class StageCut:
         return self.stage == self.stages - 1
 
     def config(self, whole: DecoderConfig) -> DecoderConfig:
-        return replace(whole, num_layers=self.end - self.first)
+        return replace(whole, num_layers=self.end - self.first,
+                       layer_windows=whole.layer_windows[self.first:self.end])  # (() stays ())
 
     def take(self, name: str) -> str | None:
         """This stage's name for the whole model's parameter `name`, or None when it does not hold it."""

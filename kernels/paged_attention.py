@@ -4,7 +4,8 @@ live in fixed-size blocks of a shared cache (grouped-query attention: query head
 h // G). One Triton launch per call (split-KV into a few slices included: the last program of a
 tile merges them; more slices take a second launch), two for a mixed batch given work lists
 (kernels/attention_work.py: decodes, then prompt tiles); `reference_paged_attention` is the
-pure-PyTorch twin with the same arguments, and what the engine runs on the CPU.
+pure-PyTorch twin with the same arguments, and what the engine runs on the CPU; it also takes a
+sliding window and a soft cap of the scores, which the kernel does not yet.
 
     write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first (one launch on CUDA)
     out = paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens,
@@ -85,10 +86,13 @@ def triton_write_kv(k, v, k_cache, v_cache, slots) -> None:
 def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
                               scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
                               num_splits: int | None = None, config: AttentionConfig | None = None,
-                              work=None) -> torch.Tensor:
+                              work=None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The twin of `paged_attention`: per sequence, gather its context through the block table and
-    run softmax(q k^T * scale + causal mask) v in fp32. Padding rows are zero. The trailing
-    keywords only steer the kernel; they are accepted so that callers can swap the two."""
+    run softmax(mask(cap(q k^T * scale))) v in fp32. Padding rows are zero. The mask is causal, and
+    with a `window` a query at position p sees positions p - window + 1 .. p only (Mistral's, Gemma's
+    sliding window); `softcap` caps the scores as cap * tanh(s / cap) (Gemma 2). The kernel takes
+    neither yet. The keywords between only steer the kernel; they are accepted so that callers can
+    swap the two."""
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
     out = torch.zeros_like(q) if out is None else out.zero_()
     block_size = k_cache.shape[1]
@@ -100,42 +104,60 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, co
         blocks = block_tables[seqs, :width].long()
         k, v = k_cache[blocks].flatten(1, 2), v_cache[blocks].flatten(1, 2)  # [n, width * block_size, Hkv, D]
         rows = query_start[seqs].long()
-        out[rows] = _decode_attention(q[rows], k, v, context_lens[seqs], scale).to(q.dtype)
+        out[rows] = _decode_attention(q[rows], k, v, context_lens[seqs], scale, window, softcap).to(q.dtype)
     for s, (first, end, ctx) in enumerate(zip(starts, starts[1:], lens)):
         if end - first <= 1:
             continue
         blocks = block_tables[s, :-(-ctx // block_size)].long()
         k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
         v = v_cache[blocks].flatten(0, 1)[:ctx]
-        out[first:end] = _causal_attention(q[first:end], k, v, scale).to(q.dtype)
+        out[first:end] = causal_attention(q[first:end], k, v, scale, window, softcap).to(q.dtype)
     return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float,
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     # q [n, Hq, D], each the last position of its context; k, v [n, L, Hkv, D], valid below lens [n]
     n, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     qh = q.float().view(n, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
     kh, vh = k.float().transpose(1, 2), v.float().transpose(1, 2)  # [n, Hkv, L, D]
-    scores = qh @ kh.transpose(-1, -2) * scale  # [n, Hkv, G, L]
-    beyond = torch.arange(k.shape[1], device=q.device) >= lens.unsqueeze(1)  # [n, L]
-    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    scores = capped(qh @ kh.transpose(-1, -2) * scale, softcap)  # [n, Hkv, G, L]
+    key = torch.arange(k.shape[1], device=q.device)
+    beyond = key >= lens.unsqueeze(1)  # [n, L]
+    hidden = beyond | outside_window(key, lens.unsqueeze(1) - 1, window)
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     vh = vh.masked_fill(beyond[:, None, :, None], 0.0)  # (what lies beyond may be anything, NaN too)
     return (scores.softmax(-1) @ vh).flatten(1, 2)  # [n, Hq, D]
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    # q [n, Hq, D] at positions ctx - n .. ctx - 1; k, v [ctx, Hkv, D] -> [n, Hq, D] fp32
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """One sequence's n new queries over its context (the twin's; and a model's dense path,
+    cells/decoder.py): q [n, Hq, D] at positions ctx - n .. ctx - 1; k, v [ctx, Hkv, D] -> [n, Hq, D] fp32."""
     n, num_q_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     qh = q.float().unflatten(1, (num_kv_heads, num_q_heads // num_kv_heads)).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
     kh = k.float().transpose(0, 1).unsqueeze(1)  # [Hkv, 1, ctx, D]
     vh = v.float().transpose(0, 1).unsqueeze(1)
-    scores = qh @ kh.transpose(-1, -2) * scale  # [Hkv, G, n, ctx]
-    positions = torch.arange(ctx - n, ctx, device=q.device)
-    scores.masked_fill_(torch.arange(ctx, device=q.device) > positions[:, None], float("-inf"))
+    scores = capped(qh @ kh.transpose(-1, -2) * scale, softcap)  # [Hkv, G, n, ctx]
+    positions = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # [n, 1]
+    key = torch.arange(ctx, device=q.device)
+    scores.masked_fill_((key > positions) | outside_window(key, positions, window), float("-inf"))
     return (scores.softmax(-1) @ vh).permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Soft-capped attention scores, cap * tanh(scores / cap) (Gemma 2), or `scores` without a cap."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def outside_window(key: torch.Tensor, query: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Key positions a query at position `query` does not see under a sliding `window` (it sees
+    query - window + 1 .. query, as HF's masks: `window` positions, itself included); broadcast."""
+    if window is None:
+        return torch.zeros((), dtype=torch.bool, device=key.device)
+    return key <= query - window
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
@@ -231,7 +253,8 @@ class PagedAttend:
     first, then attend_cached(layer, q). `before_layer(layer)` runs before the layer's K/V are
     written (e.g. waiting for blocks copied in). `max_context_len` bounds every context (a host
     int, or None: what a block table row holds): it picks the launch, so it must be known when the
-    launch is planned (captured)."""
+    launch is planned (captured). A layer's sliding window and the soft cap are passed on only
+    where set (the twin takes them; the kernel not yet: such models are refused on CUDA when built)."""
     k_cache: torch.Tensor  # [layers, num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor
     slots: torch.Tensor  # int64 [T]: block * block_size + offset of each new token
@@ -244,6 +267,8 @@ class PagedAttend:
     before_layer: Callable[[int], None] | None = None
     attention: Callable | None = None  # None: the kernel on CUDA, else the twin
     work: tuple[torch.Tensor, torch.Tensor] | None = None  # item lists (kernels/attention_work.py)
+    windows: tuple[int, ...] = ()  # per layer: a sliding window (0: none); (): none anywhere
+    softcap: float | None = None  # the scores' soft cap (Gemma 2)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write_kv(k, v, *self.kv_cache(layer))
@@ -257,10 +282,14 @@ class PagedAttend:
     def attend_cached(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] over the layer's cache, which holds the new tokens' K/V already."""
         attention = self.attention or (paged_attention if q.is_cuda else reference_paged_attention)
-        work = {} if self.work is None else {"work": self.work}  # (other attention callables need not take it)
+        extra = {} if self.work is None else {"work": self.work}  # (other attention callables need not take them)
+        if self.windows and self.windows[layer]:
+            extra["window"] = self.windows[layer]
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
         return attention(q, self.k_cache[layer], self.v_cache[layer], self.block_tables, self.query_start,
                          self.context_lens, self.max_query_len, self.scale, max_context_len=self.max_context_len,
-                         **work)
+                         **extra)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -307,6 +336,6 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) ->
 
 __all__ = ["AttentionConfig", "COMBINE_MAX_SPLITS", "FEW_PROGRAMS_SPLIT_LEN", "LONG_SPLIT_CONTEXT", "MAX_HEAD_DIM",
            "MAX_SPLITS", "MIN_PREFILL_SPLIT_LEN", "MIN_SPLIT_LEN", "PagedAttend", "SHORT_CONTEXT_LEN",
-           "SHORT_MAX_SPLITS", "paged_attention", "pick_config", "pick_launch", "pick_num_splits", "plan_launch",
-           "reference_paged_attention", "reference_write_kv", "small_tokens", "triton_write_kv", "wide_prompt",
-           "write_kv"]
+           "SHORT_MAX_SPLITS", "causal_attention", "paged_attention", "pick_config", "pick_launch", "pick_num_splits",
+           "plan_launch", "reference_paged_attention", "reference_write_kv", "small_tokens", "triton_write_kv",
+           "wide_prompt", "write_kv"]

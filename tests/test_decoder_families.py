@@ -3,7 +3,8 @@ only), Qwen3 (each head of q and k RMS-normed before RoPE, an explicit head size
 and gate | up stored fused; read whole and cut per rank), and Llama 3's
 EOS lists, loaded from the checkpoints transformers saves and served by the one `llama` model:
 logits and greedy tokens equal to transformers' own (fp32, CPU), also split over two ranks.
-Sliding windows that would bind are refused when the model is built."""
+A sliding window that binds is served on the CPU (the attention twin's) and refused for a GPU
+when the model is built."""
 import json
 import random
 
@@ -28,11 +29,15 @@ FAMILIES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(pad_token_id=0)),  # (q | k | v stored fused)
 }
 HEAD_24 = {"qwen3-head-24": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24))}
+WINDOW = {"mistral-window-16": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                                {"sliding_window": 16, "head_dim": 32}),
+          "qwen2-window-16": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,  # (the second layer's only)
+                              {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1})}
 
 
 def save(family: str, path) -> torch.nn.Module:
     """A tiny model of `family` with every weight perturbed (biases and norms too), saved as users have it."""
-    config_class, model_class, extra = {**FAMILIES, **HEAD_24}[family]
+    config_class, model_class, extra = {**FAMILIES, **HEAD_24, **WINDOW}[family]
     torch.manual_seed(0)
     hf = model_class(config_class(**TINY, **extra))
     generator = torch.Generator().manual_seed(1)
@@ -59,7 +64,8 @@ def test_logits_equal_transformers(family, tmp_path):
 
 
 @pytest.mark.parametrize("family, tp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2), ("mistral", 2), ("phi3", 2),
-                                        ("qwen3-head-24", 1)])  # (a head size not a power of two)
+                                        ("qwen3-head-24", 1),  # (a head size not a power of two)
+                                        ("qwen2-window-16", 1)])
 def test_served_tokens_equal_transformers(family, tp, tmp_path):
     hf = save(family, tmp_path)
     rng = random.Random(3)
@@ -70,14 +76,19 @@ def test_served_tokens_equal_transformers(family, tp, tmp_path):
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
 
 
-def test_a_sliding_window_that_binds_is_refused_when_built(tmp_path):
-    save("mistral", tmp_path)
+def test_a_sliding_window_that_binds_is_served_on_the_cpu_and_refused_for_the_gpu(tmp_path):
+    hf = save("mistral-window-16", tmp_path)  # (shorter than most prompts: every layer attends to 16 positions)
+    rng = random.Random(4)
+    requests = [("llama", {"tokens": [rng.randrange(4, 512) for _ in range(rng.randint(1, 70))],
+                           "max_new_tokens": rng.randint(1, 10), "ignore_eos": True}) for _ in range(6)]
+    got = serve(build_model("llama", checkpoint=str(tmp_path), max_tokens=48), requests, seed=1)
+    for tokens, (_, inputs) in zip(got, requests):
+        assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+    with pytest.raises(ValueError, match="sliding_window 16 < max_position_embeddings 256"):
+        build_model("llama", checkpoint=str(tmp_path), device="cuda")  # (refused before any device is touched)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=64)))
-    with pytest.raises(ValueError, match="sliding_window 64 < max_position_embeddings 256"):
-        build_model("llama", checkpoint=str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=4096)))  # (never binds)
-    assert build_model("llama", checkpoint=str(tmp_path)).cells["decoder"].config.model_type == "mistral"
+    assert build_model("llama", checkpoint=str(tmp_path)).cells["decoder"].config.attention_windows == ()
 
 
 def test_partial_rotary_and_longrope_are_refused_when_built(tmp_path):

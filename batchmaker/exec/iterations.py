@@ -72,7 +72,7 @@ class IterationRunner:
         self.max_blocks = -(-self.config.max_positions // module.block_size)
         self.scratch_slot = module.max_seqs  # padded sequences' last token lives here
         self.last_token = torch.zeros(module.max_seqs + 1, dtype=torch.int64, device=device)
-        self.scale = self.config.head_dim ** -0.5
+        self.scale = self.config.attention_scale
         self.group = self.config.num_heads // self.config.num_kv_heads
         cuda = device.type == "cuda"
         self.kernels = kernels
@@ -156,7 +156,8 @@ class IterationRunner:
         attend = self.kernels.PagedAttend(
             self.cache.k, self.cache.v, t["kv_slots"], t["block_tables"], t["query_start"], t["context_lens"],
             max_query_len, self.scale, max_context_len=max_context_len,
-            before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention, work=work)
+            before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention, work=work,
+            windows=self.config.attention_windows, softcap=self.config.attn_softcap)
         if self.stage is None:
             hidden = self.lm(tokens, t["positions"], attend)
         else:  # a pipeline stage: stage 0 waits for its tokens later, a middle stage has none

@@ -1,0 +1,121 @@
+"""Gemma, Gemma 2 and Gemma 3 (text): Llama's attention and RoPE, with Gemma's deltas.
+
+- RMSNorm multiplies by (1 + w), in float32 before the cast back (HF casts after the weight,
+  Llama before); Gemma 3 norms each head of q and k the same way before RoPE.
+- Token embeddings are scaled by sqrt(hidden), the scale rounded to the weights' dtype first.
+- The MLP is GeGLU: down(gelu_tanh(gate(x)) * up(x)).
+- Gemma 2 and 3 norm the attention's and the MLP's outputs too before adding them to the residual
+  stream: four norms a layer.
+- Scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma 2, 3) and soft-capped (Gemma 2); the
+  logits are soft-capped (Gemma 2, 3): cap * tanh(x / cap). Layers with a sliding window
+  (`DecoderConfig.layer_windows`) attend to its positions only; in Gemma 3 they rotate with their
+  own RoPE base (`local_rope_theta`, unscaled), the others with rope_theta and rope_scaling. The
+  windows and the score cap are the caller's `attend`'s (kernels/paged_attention.py `PagedAttend`,
+  or the dense path's); everything here is PyTorch (the fused CUDA kernels are Llama's).
+"""
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
+from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.cells.llama import GatedMLP, Rotary, rope_inv_freq
+from batchmaker.kernels.skinny import project
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), in float32, cast back at the end (over the last dimension: a head's too)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeGLU(GatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x)), with gate and up fused into one projection."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)  # [T, I] each
+        out = project(self.down_proj, F.gelu(gate, approximate="tanh") * up)
+        return out if self.reduce is None else self.reduce(out)
+
+
+class GemmaLayer(DecoderLayer):
+    """x + post_attn_norm(attn(attn_norm(x))), then + post_mlp_norm(mlp(mlp_norm(.))); Gemma 1 has
+    no post norms (Llama's block with Gemma's norms and MLP)."""
+
+    def __init__(self, config: DecoderConfig, layer_index: int):
+        c = config
+        super().__init__(GemmaRMSNorm(c.hidden_size, c.norm_eps), Attention(c, layer_index, head_norm=GemmaRMSNorm),
+                         GemmaRMSNorm(c.hidden_size, c.norm_eps), GeGLU(c))
+        if c.post_norms:
+            self.post_attn_norm = GemmaRMSNorm(c.hidden_size, c.norm_eps)
+            self.post_mlp_norm = GemmaRMSNorm(c.hidden_size, c.norm_eps)
+
+    def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
+        residual = x if residual is None else x + residual
+        mixed = self.attn(self.attn_norm(residual), rotate, attend)
+        if hasattr(self, "post_attn_norm"):
+            mixed = self.post_attn_norm(mixed)
+        residual = residual + mixed
+        out = self.mlp(self.mlp_norm(residual))
+        if hasattr(self, "post_mlp_norm"):
+            out = self.post_mlp_norm(out)
+        return out, residual
+
+
+class GemmaLM(DecoderLM):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        assert config.is_gemma
+        self.config = c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(GemmaLayer(c, i) for i in range(c.num_layers))
+        self.norm = GemmaRMSNorm(c.hidden_size, c.norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # float32 [D/2]
+        # Gemma 3: the layers with a window rotate with their own base, unscaled
+        self.is_local = [bool(c.local_rope_theta and c.layer_windows and c.layer_windows[i])
+                         for i in range(c.num_layers)]
+        if any(self.is_local):
+            local = replace(c, rope_theta=c.local_rope_theta, rope_scaling=None)
+            self.register_buffer("local_inv_freq", rope_inv_freq(local), persistent=False)
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        # sqrt(hidden) rounded to the weights' dtype first, as HF does (bf16: sqrt(3072) = 55.5)
+        scale = float(torch.tensor(self.config.hidden_size ** 0.5, dtype=self.embed_tokens.weight.dtype))
+        return self.tokens(tokens) * scale
+
+    def run_layers(self, hidden: Tensor, residual: Tensor | None, positions: Tensor,
+                   attend) -> tuple[Tensor, Tensor | None]:
+        rotations = {False: self._rotary(self.inv_freq, positions)}  # computed once, shared by the layers
+        if any(self.is_local):
+            rotations[True] = self._rotary(self.local_inv_freq, positions)
+        for layer, is_local in zip(self.layers, self.is_local):
+            hidden, residual = layer(hidden, residual, rotations[is_local], attend)
+        return hidden, residual
+
+    def rotary(self, positions: Tensor) -> Rotary:
+        """The global layers' rotation (the local layers' is `run_layers`')."""
+        return self._rotary(self.inv_freq, positions)
+
+    def _rotary(self, inv_freq: Tensor, positions: Tensor) -> Rotary:
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2], float32
+        dtype = self.embed_tokens.weight.dtype
+        return Rotary(freqs.cos().to(dtype), freqs.sin().to(dtype))
+
+    def head(self, hidden: Tensor) -> Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.norm(hidden), weight)
+        cap = self.config.final_softcap
+        if cap is not None:  # (in the weights' dtype, as HF)
+            logits = torch.tanh(logits / cap) * cap
+        return self.gathered(logits.float())
