@@ -65,7 +65,7 @@ class ConversationCache:
         self.num_held = 0  # GPU blocks held by idle conversations
         self.min_reclaim = max(1, min(MIN_RECLAIM, (blocks.num_blocks - 1) // 50))
         self.stats = {"gpu_hit_tokens": 0, "host_hit_tokens": 0, "recomputed_tokens": 0, "recomputed_seconds": 0.0,
-                      "chunks_out": 0, "chunks_in": 0, "chunks_dropped": 0}
+                      "chunks_out": 0, "chunks_in": 0, "chunks_dropped": 0, "prefix_hit_tokens": 0}
         self._grow_rows(64)
 
     def _grow_rows(self, n: int) -> None:
@@ -105,9 +105,16 @@ class ConversationCache:
         self.waiting[rows] = waiting
 
     def available(self) -> int:
-        """Blocks a sequence could get: free ones and those idle conversations hold (but not those
-        of conversations with copies out in flight, past their last copied chunk)."""
-        return self.blocks.num_free + self.num_held - self.num_locked
+        """Blocks a sequence could get: free ones and those idle conversations hold (see `reclaimable`)."""
+        return self.blocks.num_free + self.reclaimable
+
+    @property
+    def reclaimable(self) -> int:
+        """Blocks that reclaiming idle conversations' caches would free, at least: those they
+        hold, but not those of conversations with copies out in flight past their last copied
+        chunk, nor (with prefix caching) a block's references beyond its first (it is free only
+        when its last holder lets go; exact when no sequence holds any)."""
+        return max(self.num_held - self.num_locked - self.blocks.num_extra, 0)
 
     def held(self, r: int) -> int:
         return int((self.gpu[r] != 0).sum()) if r >= 0 and self.idle[r] else 0
@@ -267,10 +274,9 @@ class ConversationCache:
     def _free_gpu(self, r: int, k: int) -> int:
         span = slice(k * self.per_chunk, (k + 1) * self.per_chunk)
         held = self.gpu[r, span][self.gpu[r, span] != 0]
-        self.blocks.give_back(held)
         self.num_held -= len(held)
         self.gpu[r, span] = 0
-        return len(held)
+        return self.blocks.give_back(held)  # (a block others hold too is not freed)
 
     def _drop_through(self, r: int, k: int) -> int:
         """Drop chunks [dropped, k] of row r (host copies and GPU blocks)."""

@@ -28,6 +28,8 @@ from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
 from batchmaker.errors import CellError
 
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)
+
 
 class SequenceQueue:
     """The scheduler's queue of one decoder cell type: the waiting requests and, per worker, its
@@ -189,9 +191,11 @@ class SequenceQueue:
         chunk = line.take(1)
         columns = {k: v[0] for k, v in chunk.columns.items()}
         conversation, history = columns["conversation"], int(columns["history"])
-        own = self.turns.held(worker_id, conversation)
+        tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
+        prefix = self._prefix(q, worker_id, conversation, tokens)
+        own = self.turns.held(worker_id, conversation) + len(prefix)
         available = q.blocks.num_free + self.turns.reclaimable(worker_id) - own
-        need = q.blocks.blocks_for(history + int(chunk.lengths[0]) + 1) - own
+        need = q.blocks.blocks_for(len(tokens) + 1) - own
         fits = self.turns.copies_fit(worker_id, conversation, incoming, shared)
         if (q.num_active and available - need < self._reserve[worker_id]) or need > available or not fits:
             line.push_front(int(columns["priority"]), chunk)
@@ -199,8 +203,11 @@ class SequenceQueue:
             return None
         self.counters["joins_pinned" if line is self.pinned[worker_id] else "joins_waiting"] += 1
         self._joined += 1
-        tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
         s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
+        if len(prefix):  # (read only: its own positions start in a block of its own)
+            q.blocks.share(s, prefix)
+            q.skip_to[s] = len(prefix) * q.blocks.block_size
+            self.turns.prefix_hit(worker_id, conversation, int(q.skip_to[s]))
         if conversation is not None:
             cached = self.turns.join(worker_id, conversation, history, q.blocks.table[s], incoming, shared)
             if cached is not None:
@@ -208,6 +215,14 @@ class SequenceQueue:
                 q.skip_from[s] = recompute
                 q.blocks.count[s] = q.blocks.blocks_for(int(q.skip_to[s]))
         return s
+
+    def _prefix(self, q: Sequences, worker_id: int, conversation, tokens: np.ndarray) -> np.ndarray:
+        """With prefix caching, the computed blocks holding the longest run of `tokens`' leading
+        whole blocks, leaving at least its last token to compute (none for a turn whose own
+        cache is on this worker: it restores that)."""
+        if q.blocks.index is None or self.turns.cached_here(worker_id, conversation):
+            return _NO_BLOCKS
+        return q.blocks.index.match(tokens, (len(tokens) - 1) // q.blocks.block_size)
 
     def _line(self, worker_id: int) -> Waiting:
         """The line whose first request goes first: higher priority, then earlier arrival (turns
@@ -294,11 +309,14 @@ class SequenceQueue:
         logprobs = None if task.logprobs is None else tuple(a[current] for a in task.logprobs)
         q.tokens[slots, index] = tokens
         q.length[slots] = index + 1
+        for s in slots[index == q.target[slots]].tolist():  # a prompt's first sample: its blocks are computed
+            q.blocks.remember(s, q.tokens[s], int(q.target[s]))
         stopped = (q.stops[slots] == tokens[:, None]).any(1)
         done = stopped | (index + 1 >= q.limit[slots])
         for s in slots[done].tolist():
             conversation = q.conversation[s]
             if conversation is not None:  # its cache stays with the conversation
+                q.blocks.remember(s, q.tokens[s], int(q.length[s]) - 1)
                 self.turns.finish(task.worker_id, conversation, q.tokens[s, :int(q.length[s])], q.blocks.detach(s))
         self.finisher.tokens(q, slots, tokens, done, stopped, logprobs)
         for s in slots[done].tolist():
