@@ -11,7 +11,7 @@ collide. A block is filed once every position of it is computed (core/sequence_q
 sequence's prompt when its first token is sampled and its context when it finishes) and leaves
 the index when it goes back to the free stack (core/blocks.py): a block with a reference is never
 freed, so a filed block's K/V stay what they were. Blocks filed under a node that left are found
-no more (their prefix's node is gone) until they are freed themselves.
+no more (their prefix's node is gone), until a sequence with that prefix files them again.
 """
 import numpy as np
 
@@ -52,14 +52,15 @@ class BlockIndex:
             key = self._key(node, tokens, k)
             found = self._nodes.get(key)
             if found is None:
-                if self.node_of[block] != ROOT:  # (filed under its prefix's older node, which left)
-                    found = int(self.node_of[block])
+                found = int(self.node_of[block])
+                if found != ROOT:  # filed under an older node of its prefix, which left: found again
+                    del self._nodes[self._blocks[found][1]]
                 else:
                     found = self._next
                     self._next += 1
-                    self._nodes[key] = found
-                    self._blocks[found] = (block, key)
                     self.node_of[block] = found
+                self._nodes[key] = found
+                self._blocks[found] = (block, key)
             node = found
 
     def forget(self, ids: np.ndarray) -> None:
