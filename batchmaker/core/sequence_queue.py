@@ -15,7 +15,10 @@ Turns of conversations go through the conversations layer (core/conversations.py
 turn to the worker holding its cache, and when the turn joins, its cached blocks become the
 sequence's: positions [skip_from, skip_to) are already there (on the GPU, or copied in from the
 host), [0, skip_from) were dropped and are recomputed first, as a sub-request of their own that
-shares the sequence's blocks (Pensieve Fig. 3.8), then the prompt.
+shares the sequence's blocks (Pensieve Fig. 3.8), then the prompt. With prefix caching, a
+sequence without a cache of its own starts with the longest run of whole blocks its tokens start
+with that any sequence computed (core/block_index.py; filed at a prompt's first sample and when a
+conversation's turn finishes), shared read-only: [0, skip_to) is theirs.
 """
 import numpy as np
 
