@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from sequence_harness import VOCAB
 from test_conversations import ConversationHarness, TieredDevice, drive, scripts_of
 
+from batchmaker.core.conversations import Conversation
+
 MOD = 1_000_000_007
 
 
@@ -82,6 +84,15 @@ def colliding_prompt(rng: random.Random, pieces: list[list[int]]) -> list[int]:
     return prompt + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6))]
 
 
+def scripts_sharing(rng: random.Random, pieces: list[list[int]], n: int) -> list:
+    """Conversations (tests/test_conversations.py's scripts) whose first prompts start with shared blocks."""
+    scripts = scripts_of(rng, n)
+    for script in scripts:
+        prompt, max_new, delay = script[0]
+        script[0] = (colliding_prompt(rng, pieces)[:-1] + prompt, max_new, delay)
+    return scripts
+
+
 def waves(h: SharingHarness, rng: random.Random, num_requests: int, pieces: list[list[int]]) -> list:
     """Stateless requests a few at a time, a few steps apart, until all are answered."""
     futures = []
@@ -106,7 +117,7 @@ def test_shared_blocks_are_read_for_their_prefix_only_and_never_freed_in_use(see
                        num_slots=4, max_len=64, depth=depth, eager=eager)
     pieces = [[rng.randrange(VOCAB) for _ in range(4)] for _ in range(num_pieces)]
     waves(h, rng, 12, pieces)
-    drive(h, scripts_of(rng, rng.randrange(0, 3)), rng)  # (explicit conversations keep working beside)
+    drive(h, scripts_sharing(rng, pieces, rng.randrange(0, 4)), rng)  # (explicit conversations keep working beside)
     waves(h, rng, 6, pieces)
     h.run()
     h.check_results()
@@ -145,4 +156,26 @@ def test_a_prompt_diverging_inside_a_cached_context_reads_its_whole_common_block
         h.run()
         h.check_results()
         assert conversation.shared == cut // 4 * 4
+    h.forget_all()
+
+
+def test_a_turn_whose_dropped_leading_chunks_others_hold_reads_them_instead_of_recomputing():
+    rng = random.Random(8)
+    h = SharingHarness(host_chunks=0, num_blocks=64, block_size=4, max_batch=16, num_slots=4, max_len=64)
+    system = [rng.randrange(VOCAB) for _ in range(13)]
+    a = Conversation("a")
+    h.turn(a, system + [1, 2], 3)
+    h.run()
+    _, b = h.stateless(system + [3], 30)  # (reads a's 3 system blocks, and holds them while it runs)
+    for _ in range(3):
+        h.step()
+    assert b.shared == 12
+    cache = h.caches[0]
+    cache.demote(a.row, drop=True)  # (a's whole cache dropped: its blocks are b's only now)
+    assert cache.held(a.row) == 0
+    f = h.turn(a, [4, 5], 3)
+    h.run()
+    h.check_results()
+    assert f.result == h.expected[f] and a.shared == 12
+    assert a.restored == (0, 0, 15 + 3 - 1 - 12)  # (its context recomputed, but for the blocks read)
     h.forget_all()

@@ -59,12 +59,16 @@ class BlockTables:
         return True
 
     def share(self, slot: int, ids: np.ndarray) -> None:
-        """Blocks `ids` (computed, whole: read only) become the leading blocks of empty `slot`'s table."""
-        assert self.count[slot] == 0 and (self.refs[ids] > 0).all()
-        self.table[slot, :len(ids)] = ids
-        self.count[slot] = len(ids)
+        """Blocks `ids` (computed, whole: read only) become the leading blocks of `slot`'s table;
+        those it had there (taken, not computed yet) go back."""
+        n, have = len(ids), int(self.count[slot])
+        assert (self.refs[ids] > 0).all()
+        replaced = self.table[slot, :min(n, have)].copy()
         self.refs[ids] += 1
-        self.num_extra += len(ids)
+        self.num_extra += n
+        self.table[slot, :n] = ids
+        self.count[slot] = max(n, have)
+        self.give_back(replaced)
 
     def remember(self, slot: int, tokens: np.ndarray, num_computed: int) -> None:
         """File `slot`'s whole blocks among its first `num_computed` positions (computed for

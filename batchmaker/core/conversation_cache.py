@@ -188,6 +188,11 @@ class ConversationCache:
         self.stats["gpu_hit_tokens"] -= instead_of_gpu
         self.stats["host_hit_tokens"] -= instead_of_host
 
+    def reread(self, tokens: int) -> None:
+        """Positions [0, tokens) counted as recomputed are read from blocks others hold instead."""
+        self.stats["recomputed_tokens"] -= tokens
+        self.stats["recomputed_seconds"] -= float(self._cost_upto[min(tokens // self.chunk_tokens, len(self._cost_upto) - 1)])
+
     def forget(self, r: int) -> None:
         """Row r's conversation ended or expired: its blocks and host chunks are free."""
         if r < 0 or not self.idle[r]:

@@ -231,11 +231,18 @@ class Conversations:
         return self._row(worker, conversation) >= 0
 
     def prefix_hit(self, worker: int, conversation: Conversation | None, tokens: int) -> None:
-        """A joining sequence's first `tokens` positions are blocks other requests computed."""
-        if worker in self.caches:
-            self.caches[worker].stats["prefix_hit_tokens"] += tokens
-        if conversation is not None:
-            conversation.shared = tokens
+        """A joining sequence's first `tokens` positions are blocks other requests computed: its
+        turn recomputes fewer of its previous turns' positions, if it was to."""
+        cache = self.caches.get(worker)
+        if cache is not None:
+            cache.stats["prefix_hit_tokens"] += tokens
+        if conversation is None:
+            return
+        conversation.shared = tokens
+        gpu, swapped, recomputed = conversation.restored
+        if recomputed and cache is not None:
+            cache.reread(min(tokens, recomputed))
+        conversation.restored = (gpu, swapped, max(recomputed - tokens, 0))
 
     def reclaim(self, worker: int, short: int) -> int:
         """Blocks freed from idle conversations' caches on `worker` (at least `short` if they can)."""

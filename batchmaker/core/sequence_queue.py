@@ -18,7 +18,8 @@ host), [0, skip_from) were dropped and are recomputed first, as a sub-request of
 shares the sequence's blocks (Pensieve Fig. 3.8), then the prompt. With prefix caching, a
 sequence without a cache of its own starts with the longest run of whole blocks its tokens start
 with that any sequence computed (core/block_index.py; filed at a prompt's first sample and when a
-conversation's turn finishes), shared read-only: [0, skip_to) is theirs.
+conversation's turn finishes), shared read only: it computes from the position after them (a
+restored turn too, where its dropped leading chunks are such blocks).
 """
 import numpy as np
 
@@ -195,7 +196,8 @@ class SequenceQueue:
         columns = {k: v[0] for k, v in chunk.columns.items()}
         conversation, history = columns["conversation"], int(columns["history"])
         tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
-        prefix = self._prefix(q, worker_id, conversation, tokens)
+        cached_here = self.turns.cached_here(worker_id, conversation)
+        prefix = self._prefix(q, tokens, 0 if cached_here else len(tokens) - 1)
         own = self.turns.held(worker_id, conversation) + len(prefix)
         available = q.blocks.num_free + self.turns.reclaimable(worker_id) - own
         need = q.blocks.blocks_for(len(tokens) + 1) - own
@@ -207,25 +209,26 @@ class SequenceQueue:
         self.counters["joins_pinned" if line is self.pinned[worker_id] else "joins_waiting"] += 1
         self._joined += 1
         s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
-        if len(prefix):  # (read only: its own positions start in a block of its own)
-            q.blocks.share(s, prefix)
-            q.skip_to[s] = len(prefix) * q.blocks.block_size
-            self.turns.prefix_hit(worker_id, conversation, int(q.skip_to[s]))
         if conversation is not None:
             cached = self.turns.join(worker_id, conversation, history, q.blocks.table[s], incoming, shared)
             if cached is not None:
                 recompute, q.skip_to[s], q.restoring[s] = cached
                 q.skip_from[s] = recompute
                 q.blocks.count[s] = q.blocks.blocks_for(int(q.skip_to[s]))
+                prefix = self._prefix(q, tokens, recompute)  # (its dropped leading blocks, where others hold them)
+        if len(prefix):  # read only: its own positions start in a block of its own
+            q.blocks.share(s, prefix)
+            q.computed[s] = len(prefix) * q.blocks.block_size
+            self.turns.prefix_hit(worker_id, conversation, int(q.computed[s]))
         return s
 
-    def _prefix(self, q: Sequences, worker_id: int, conversation, tokens: np.ndarray) -> np.ndarray:
+    def _prefix(self, q: Sequences, tokens: np.ndarray, positions: int) -> np.ndarray:
         """With prefix caching, the computed blocks holding the longest run of `tokens`' leading
-        whole blocks, leaving at least its last token to compute (none for a turn whose own
-        cache is on this worker: it restores that)."""
-        if q.blocks.index is None or self.turns.cached_here(worker_id, conversation):
+        whole blocks within its first `positions` (a new sequence leaves its last token to
+        compute; a turn restoring its own cache looks within what it would recompute)."""
+        if q.blocks.index is None or positions < q.blocks.block_size:
             return _NO_BLOCKS
-        return q.blocks.index.match(tokens, (len(tokens) - 1) // q.blocks.block_size)
+        return q.blocks.index.match(tokens, positions // q.blocks.block_size)
 
     def _line(self, worker_id: int) -> Waiting:
         """The line whose first request goes first: higher priority, then earlier arrival (turns
