@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system", type=int, default=96, help="tokens of a system prompt every client starts with")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", help="the results' file name (default: prefix-cpu, prefix-cpu-system)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     runs = {"off": [], "on": []}
@@ -111,7 +112,7 @@ def main() -> None:
                [statistics.median(r["later_turn_median_ms"]) for r in rows])
         ax.set_ylabel("median latency of turns 2+ (ms)" if args.workload == "chat" else "median request latency (ms)")
         ax.set_title(f"{args.workload}: {args.clients} stateless clients x {args.turns} requests, {args.preset}, CPU")
-    name = "prefix-cpu" if args.workload == "chat" else "prefix-cpu-system"
+    name = args.name or ("prefix-cpu" if args.workload == "chat" else "prefix-cpu-system")
     print(write_results(name, "cpu", {"args": vars(args), "tokens_equal": same, "wall_off_over_on": speedup,
                                               "rows": rows}, plot))
 
