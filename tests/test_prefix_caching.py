@@ -149,6 +149,8 @@ def test_the_prefix_hits_show_on_metrics(engines):
     samples = {s.name: s.value for family in EngineCollector(engine).collect() for s in family.samples
                if s.labels.get("model") == "llama"}
     assert samples["batchmaker_prefix_cache_hit_tokens_total"] == hit_tokens(engine) >= 32 * 3
+    # at idle every used block is an idle context's, each counted once however many hold it
+    assert samples["batchmaker_kv_blocks_cached"] == samples["batchmaker_kv_blocks_used"] > 0
 
 
 def test_tight_caches_evict_and_suspend_around_shared_blocks_and_tokens_stay_the_same():

@@ -104,17 +104,19 @@ class ConversationCache:
     def wait(self, rows, waiting: bool = True) -> None:  # a turn of these idle rows' conversations is in line
         self.waiting[rows] = waiting
 
-    def available(self) -> int:
-        """Blocks a sequence could get: free ones and those idle conversations hold (see `reclaimable`)."""
+    def available(self) -> int:  # blocks a sequence could get
         return self.blocks.num_free + self.reclaimable
 
     @property
     def reclaimable(self) -> int:
-        """Blocks that reclaiming idle conversations' caches would free, at least: those they
-        hold, but not those of conversations with copies out in flight past their last copied
-        chunk, nor (with prefix caching) a block's references beyond its first (it is free only
-        when its last holder lets go; exact when no sequence holds any)."""
+        """Blocks reclaiming idle caches would free, at least: those held, not those copies out in
+        flight lock, nor a shared block's references past its first (exact if no sequence holds any)."""
         return max(self.num_held - self.num_locked - self.blocks.num_extra, 0)
+
+    @property
+    def num_blocks_held(self) -> int:  # (distinct: `num_held` counts a shared block per holder)
+        held = self.gpu[self.idle]
+        return len(np.unique(held[held != 0])) if self.blocks.num_extra else self.num_held
 
     def held(self, r: int) -> int:
         return int((self.gpu[r] != 0).sum()) if r >= 0 and self.idle[r] else 0

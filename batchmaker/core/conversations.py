@@ -144,7 +144,7 @@ class Conversations:
             stats["bytes_out"] += cache.stats["chunks_out"] * self.chunk_bytes[worker]  # K/V copied to the host
             stats["bytes_in"] += cache.stats["chunks_in"] * self.chunk_bytes[worker]  # and back
             stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.host_chunks.num - cache.host_chunks.num_free
-            stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
+            stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_blocks_held
         context = sum(stats.get(f"{tier}_tokens", 0) for tier in ("gpu_hit", "host_hit", "recomputed"))
         for tier in ("gpu_hit", "host_hit", "recomputed"):  # shares of the previous turns' positions
             stats[f"{tier}_rate"] = stats.get(f"{tier}_tokens", 0) / context if context else 0.0
