@@ -71,7 +71,7 @@ class SharingHarness(ConversationHarness):
         """Every conversation ends: each block is free, none is filed."""
         for conversation in list(self.queue.turns.by_id.values()):
             self.queue.turns.end(conversation)
-        for q in self.seqs.values():
+        for q in self.seqs.values():  # (an index per worker: its own blocks)
             q.blocks.check()
             assert q.blocks.num_free == q.blocks.num_blocks - 1 and not q.blocks.refs.any()
             assert q.blocks.num_extra == 0 and len(q.blocks.index) == 0
@@ -109,12 +109,12 @@ def waves(h: SharingHarness, rng: random.Random, num_requests: int, pieces: list
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), num_blocks=st.integers(16, 48), host_chunks=st.integers(0, 8),
        depth=st.integers(1, 2), eager=st.booleans(), budget=st.sampled_from([4, 9, 16]),
-       num_pieces=st.integers(1, 3))
+       num_pieces=st.integers(1, 3), num_workers=st.integers(1, 2))
 def test_shared_blocks_are_read_for_their_prefix_only_and_never_freed_in_use(seed, num_blocks, host_chunks, depth,
-                                                                             eager, budget, num_pieces):
+                                                                             eager, budget, num_pieces, num_workers):
     rng = random.Random(seed)
     h = SharingHarness(host_chunks=host_chunks, num_blocks=num_blocks, block_size=4, max_batch=budget,
-                       num_slots=4, max_len=64, depth=depth, eager=eager)
+                       num_slots=4, max_len=64, depth=depth, eager=eager, num_workers=num_workers)
     pieces = [[rng.randrange(VOCAB) for _ in range(4)] for _ in range(num_pieces)]
     waves(h, rng, 12, pieces)
     drive(h, scripts_sharing(rng, pieces, rng.randrange(0, 4)), rng)  # (explicit conversations keep working beside)
