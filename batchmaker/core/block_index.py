@@ -29,16 +29,21 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _key(self, node: int, tokens: np.ndarray, k: int) -> tuple[int, bytes]:
-        bs = self.block_size
-        return node, np.ascontiguousarray(tokens[k * bs:(k + 1) * bs], dtype=np.int64).tobytes()
+    def _blocks_of(self, tokens: np.ndarray, n: int) -> list[bytes]:
+        """The first n whole blocks of `tokens`, each as bytes (one conversion, then slices)."""
+        size = 8 * self.block_size
+        data = np.ascontiguousarray(tokens[:n * self.block_size], dtype=np.int64).tobytes()
+        return [data[k * size:(k + 1) * size] for k in range(n)]
 
     def match(self, tokens: np.ndarray, max_blocks: int) -> np.ndarray:
         """The filed blocks holding the longest run of `tokens`' leading whole blocks (at most
         `max_blocks`), in order."""
         node, ids = ROOT, []
-        for k in range(min(max_blocks, len(tokens) // self.block_size)):
-            node = self._nodes.get(self._key(node, tokens, k))
+        n = min(max_blocks, len(tokens) // self.block_size)
+        if n <= 0 or not self._nodes:
+            return np.array(ids, dtype=np.int32)
+        for block in self._blocks_of(tokens, n):
+            node = self._nodes.get((node, block))
             if node is None:
                 break
             ids.append(self._blocks[node][0])
@@ -48,8 +53,8 @@ class BlockIndex:
         """File blocks `ids`, computed for `tokens`' leading whole blocks (one each, in order). A
         block whose prefix and tokens are filed already (another copy) is not filed again."""
         node = ROOT
-        for k, block in enumerate(ids.tolist()):
-            key = self._key(node, tokens, k)
+        for block, data in zip(ids.tolist(), self._blocks_of(tokens, len(ids))):
+            key = (node, data)
             found = self._nodes.get(key)
             if found is None:
                 found = int(self.node_of[block])
