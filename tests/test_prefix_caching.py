@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from test_generation import checkpoint, engine_for, hf_greedy, run_until  # noqa: F401 (a fixture)
 
 from batchmaker import Engine
 from batchmaker.core.prefix_index import PrefixIndex
@@ -183,3 +184,25 @@ def test_tight_caches_evict_and_suspend_around_shared_blocks_and_tokens_stay_the
         finally:
             engine.stop()
     assert run(True) == run(False)
+
+
+def test_requests_reading_shared_blocks_equal_hf_alone(checkpoint):  # noqa: F811 (the fixture)
+    """Llama and OPT from HF checkpoints: waves of requests sharing a system prompt, and prompts
+    diverging inside it, each equal to HF transformers run on that request alone."""
+    family, path, hf = checkpoint
+    engine, _ = engine_for(path, family, max_tokens=32, num_blocks=64, prefix_caching=True)
+    rng = random.Random(17)
+    system = [rng.randrange(1, 500) for _ in range(37)]
+    try:
+        for wave in range(3):
+            cut = rng.randrange(len(system)) if wave else len(system)  # (later waves diverge inside it too)
+            prompts = [system + [rng.randrange(1, 500) for _ in range(rng.randint(1, 9))] for _ in range(3)]
+            prompts += [system[:cut] + [rng.randrange(1, 500)] + system[cut + 1:]]
+            requests = [{"tokens": p, "max_new_tokens": 5, "ignore_eos": True} for p in prompts]
+            outputs = [engine.submit(family, r) for r in requests]
+            run_until(engine, lambda futures=outputs: all(f.done() for f in futures))
+            for prompt, f in zip(prompts, outputs):
+                assert f.result(0).outputs["tokens"] == hf_greedy(hf, prompt, 5)
+        assert engine.stats()["conversations"][family]["prefix_hit_tokens"] >= 32 * 6
+    finally:
+        engine.stop()
