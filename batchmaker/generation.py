@@ -85,7 +85,8 @@ class GenerativeModel(Finisher):
         facts = {worker: f for worker, f in facts.items() if f is not None}
         sequences = {}
         for worker, f in facts.items():
-            blocks = BlockTables(f.num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len)
+            blocks = BlockTables(f.num_blocks, self.cell.block_size, self.cell.max_seqs, self.max_len,
+                                 self.cell.kv.prefix_caching)
             sequences[worker] = Sequences(self.cell.max_seqs, self.max_len, blocks)
         self.num_blocks = min(q.blocks.num_blocks for q in sequences.values())
         kv = self.cell.kv
@@ -292,6 +293,8 @@ class GenerativeModel(Finisher):
             if not conversation.anonymous:
                 outputs["conversation"] = conversation.id
             outputs["context"] = {"cached": gpu, "swapped_in": swapped, "recomputed": recomputed}
+            if conversation.shared:  # (prefix caching: leading positions other requests computed)
+                outputs["context"]["shared"] = conversation.shared
         if self._texts.pop(owner, None) is not None:
             outputs["text"] = self.tokenizer.decode(generated)
         scored = self._logprobs.pop(owner, None)

@@ -99,11 +99,12 @@ class FakeDevice:
 
 class Harness:
     def __init__(self, num_blocks=64, block_size=4, max_batch=16, num_slots=8, max_len=64, reserve=0.1,
-                 num_workers=1, depth=1, eager=True):
+                 num_workers=1, depth=1, eager=True, prefix_caching=False):
         self.max_len, self.depth = max_len, depth
         self.eager = eager  # the device runs a task when formed, else just before it completes
         self.cell_type = FakeCellType(max_batch)
-        self.seqs = {w: Sequences(num_slots, max_len, BlockTables(num_blocks, block_size, num_slots, max_len))
+        self.seqs = {w: Sequences(num_slots, max_len, BlockTables(num_blocks, block_size, num_slots, max_len,
+                                                                  prefix_caching))
                      for w in range(num_workers)}
         self.finisher = FakeFinisher()
         self.caches = self.make_caches()
@@ -188,7 +189,7 @@ class Harness:
 
     def check_idle(self) -> None:
         for w, q in self.seqs.items():
-            held = self.caches[w].num_held if self.caches else 0
+            held = (self.caches[w].num_held if self.caches else 0) - q.blocks.num_extra  # (distinct blocks)
             assert q.num_active == 0 and not q.active.any() and q.blocks.num_used == held
             assert q.blocks.num_free + held == q.blocks.num_blocks - 1 and not q.blocks.count.any()
             assert all(o is None for o in q.owner)
@@ -236,14 +237,16 @@ class Harness:
 
 
 def check_blocks(q: Sequences, cache=None) -> None:
-    """Every block is free or held by exactly one active slot or idle conversation; block 0 never."""
+    """Every block is free or has as many references as it has holders among the active slots and
+    idle conversations (one, without prefix caching); block 0 never."""
     held = np.concatenate([q.blocks.table[s, :q.blocks.count[s]] for s in range(len(q.owner))])
     if cache is not None:
         cache.check()
         idle = cache.gpu[cache.idle]
         held = np.concatenate([held, idle[idle != 0], *[ids for _, ids in q.quarantine]])
     assert (q.blocks.count[~q.active] == 0).all()
-    assert len(set(held.tolist())) == len(held) and (held > 0).all()
-    assert len(held) + q.blocks.num_free == q.blocks.num_blocks - 1
+    assert (held > 0).all() and (q.blocks.index is not None or len(set(held.tolist())) == len(held))
+    assert np.array_equal(np.bincount(held.astype(np.int64), minlength=q.blocks.num_blocks), q.blocks.refs)
+    assert int((q.blocks.refs > 0).sum()) + q.blocks.num_free == q.blocks.num_blocks - 1
     assert q.num_active == int(q.active.sum())
     assert (q.blocks.count[q.active] >= q.blocks.blocks_for(q.computed[q.active])).all()

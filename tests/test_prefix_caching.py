@@ -1,12 +1,15 @@
-"""Automatic prefix caching, first slice (core/prefix_index.py, `prefix_caching=True`): a stateless
-request's context is kept like a conversation's, and a later request whose prompt continues it
-exactly takes its cache. Tokens are those without it (greedy, fp32, every token); a prompt that
-diverges anywhere inside a cached context never uses it; requests running at once with the same
-prefix are each served right."""
+"""Automatic prefix caching (`prefix_caching=True`): a stateless request's context is kept like a
+conversation's, and a later request whose prompt continues it exactly takes its cache
+(core/prefix_index.py); a prompt that starts with whole blocks computed before, by any request,
+reads them (core/block_index.py). Tokens are those without it (greedy, fp32, every token): a
+prompt diverging inside a cached context reads its whole blocks before the divergence only;
+requests sharing a system prompt, at once and in waves, read its blocks; the hits show on
+/metrics."""
 import random
 
 import numpy as np
 import pytest
+from test_generation import checkpoint, engine_for, hf_greedy, run_until  # noqa: F401 (a fixture)
 
 from batchmaker import Engine
 from batchmaker.core.prefix_index import PrefixIndex
@@ -95,7 +98,9 @@ def test_a_prompt_diverging_inside_a_cached_context_is_computed_afresh(engines):
         for eng, out in ((engine, got), (reference, want)):
             out += answers(eng, [{"tokens": prompt, "max_new_tokens": 5, "ignore_eos": True}])
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
-    assert all(g["context"]["cached"] + g["context"]["swapped_in"] == 0 for g in got[1:])
+    assert all(g["context"]["cached"] + g["context"]["swapped_in"] == 0 for g in got[1:])  # (no context continued)
+    # the whole 16-token blocks before the divergence are read from the cache (the first's 2 filed)
+    assert [g["context"].get("shared", 0) for g in got[1:]] == [0, 0, 16, 16, 32, 32]
 
 
 def test_requests_at_once_with_one_prefix_are_each_served_right(engines):
@@ -108,4 +113,96 @@ def test_requests_at_once_with_one_prefix_are_each_served_right(engines):
     results = [answers(eng, batch) for eng in (engine, reference)]
     assert [r["tokens"] for r in results[0]] == [r["tokens"] for r in results[1]]
     hits = [r["context"]["cached"] + r["context"]["swapped_in"] > 0 for r in results[0]]
-    assert hits.count(True) == 1  # (one takes the cached context; the others compute theirs)
+    assert hits.count(True) == 1  # (one takes the cached context, its 36 positions ...)
+    assert sorted(r["context"].get("shared", 0) for r in results[0]) == [0, 32, 32, 32]  # (... the others its 2 blocks)
+
+
+def system_prompt_requests(rng: random.Random, system: list, n: int) -> list:
+    return [{"tokens": system + [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))],
+             "max_new_tokens": rng.randint(1, 8), "ignore_eos": True} for _ in range(n)]
+
+
+def hit_tokens(engine) -> int:
+    return engine.stats()["conversations"]["llama"]["prefix_hit_tokens"]
+
+
+def test_requests_sharing_a_system_prompt_read_its_blocks_at_once_and_in_waves(engines):
+    engine, reference = engines
+    rng = random.Random(11)
+    system = [rng.randrange(3, 500) for _ in range(70)]  # (4 whole blocks and a bit)
+    at_once = system_prompt_requests(rng, system, 12)
+    waves = [system_prompt_requests(rng, system, rng.randint(2, 6)) for _ in range(4)]
+    for batch in [at_once, *waves]:
+        assert [r["tokens"] for r in answers(engine, batch)] == [r["tokens"] for r in answers(reference, batch)]
+    hits = hit_tokens(engine)
+    assert hits >= 64 * (len(at_once) - 2 + sum(len(w) for w in waves))  # (all but the first joiners of the first)
+    assert hit_tokens(reference) == 0
+
+
+def test_the_prefix_hits_show_on_metrics(engines):
+    pytest.importorskip("prometheus_client")
+    from batchmaker.serving.metrics import EngineCollector
+    engine, _ = engines
+    rng = random.Random(12)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    for batch in [system_prompt_requests(rng, system, 3) for _ in range(2)]:
+        answers(engine, batch)
+    samples = {s.name: s.value for family in EngineCollector(engine).collect() for s in family.samples
+               if s.labels.get("model") == "llama"}
+    assert samples["batchmaker_prefix_cache_hit_tokens_total"] == hit_tokens(engine) >= 32 * 3
+    # at idle every used block is an idle context's, each counted once however many hold it
+    assert samples["batchmaker_kv_blocks_cached"] == samples["batchmaker_kv_blocks_used"] > 0
+
+
+def test_tight_caches_evict_and_suspend_around_shared_blocks_and_tokens_stay_the_same():
+    """24 blocks of 16 positions and a small host tier for stateless chats that share a system
+    prompt: shared blocks are held by running sequences while idle contexts' chunks are copied out,
+    dropped and sequences suspended; the tokens are those of an engine without prefix caching,
+    and at idle every block's references are its holders."""
+    def run(prefix_caching: bool) -> list:
+        model = build_model("llama", seed=3, max_tokens=48, max_seqs=4, num_blocks=25, prefix_caching=prefix_caching,
+                            host_bytes=6 * 2 * 2 * 32 * 2 * 16 * 4)
+        engine = Engine([model]).start(thread=False)
+        try:
+            rng = random.Random(21)
+            system = [rng.randrange(3, 500) for _ in range(40)]
+            replies, earlier = [], []
+            for _ in range(4):
+                batch = system_prompt_requests(rng, system, 6)
+                outputs = answers(engine, batch)
+                follow = [{"tokens": r["tokens"] + o["tokens"] + [5, 6, 7], "max_new_tokens": 50, "ignore_eos": True}
+                          for r, o in earlier]  # (continue the contexts of the wave before, long enough to suspend)
+                replies += [r["tokens"] for r in outputs + answers(engine, follow)]
+                earlier = list(zip(batch[:4], outputs))
+            if prefix_caching:
+                stats = engine.stats()["conversations"]["llama"]
+                assert stats["prefix_hit_tokens"] > 0 and stats["chunks_dropped"] > 0 and stats["host_hit_tokens"] > 0
+                assert engine.structured["llama"].queue.num_suspended > 0
+                for cache in engine.structured["llama"].caches.values():
+                    cache.check()
+            return replies
+        finally:
+            engine.stop()
+    assert run(True) == run(False)
+
+
+def test_requests_reading_shared_blocks_equal_hf_alone(checkpoint):  # noqa: F811 (the fixture)
+    """Llama and OPT from HF checkpoints: waves of requests sharing a system prompt, and prompts
+    diverging inside it, each equal to HF transformers run on that request alone."""
+    family, path, hf = checkpoint
+    engine, _ = engine_for(path, family, max_tokens=32, num_blocks=64, prefix_caching=True)
+    rng = random.Random(17)
+    system = [rng.randrange(1, 500) for _ in range(37)]
+    try:
+        for wave in range(3):
+            cut = rng.randrange(len(system)) if wave else len(system)  # (later waves diverge inside it too)
+            prompts = [system + [rng.randrange(1, 500) for _ in range(rng.randint(1, 9))] for _ in range(3)]
+            prompts += [system[:cut] + [rng.randrange(1, 500)] + system[cut + 1:]]
+            requests = [{"tokens": p, "max_new_tokens": 5, "ignore_eos": True} for p in prompts]
+            outputs = [engine.submit(family, r) for r in requests]
+            run_until(engine, lambda futures=outputs: all(f.done() for f in futures))
+            for prompt, f in zip(prompts, outputs):
+                assert f.result(0).outputs["tokens"] == hf_greedy(hf, prompt, 5)
+        assert engine.stats()["conversations"][family]["prefix_hit_tokens"] >= 32 * 6
+    finally:
+        engine.stop()

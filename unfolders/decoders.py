@@ -123,7 +123,8 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     stages the layers are split into, a process each (ORCA's pipeline; CPU only so far; not with
     tensor_parallel yet). prefix_caching: a request without a conversation keeps its context like
     one, and a later request whose prompt continues it exactly (a client resending its history)
-    takes it."""
+    takes it; a prompt's leading whole blocks that any request computed before are read, not
+    computed (a shared system prompt's)."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,

@@ -5,12 +5,19 @@ A sequence's context position p lives in block `table[slot, p // block_size]` at
 `p % block_size`. Block 0 is never handed out: padded tokens write their K/V there and padded
 sequences read it. The free blocks are a numpy stack, so a sequence's blocks come and go with one
 slice copy. The tensors behind the blocks live with the worker (batchmaker/exec/iterations.py).
+
+With prefix caching a block may be in several tables (and idle conversations' caches): `refs`
+counts its holders, and a block goes back to the free stack when its last holder gives it back.
+Only whole blocks whose every position is computed are shared (core/block_index.py files them),
+and a sequence writes only past the blocks it shares, so a shared block is read only.
 """
 import numpy as np
 
+from batchmaker.core.block_index import BlockIndex
+
 
 class BlockTables:
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int, max_len: int):
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, max_len: int, prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"a KV cache needs at least 2 blocks (block 0 is scratch), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -20,6 +27,9 @@ class BlockTables:
         self.count = np.zeros(num_slots, dtype=np.int64)  # blocks held per slot
         self._free = np.arange(num_blocks - 1, 0, -1, dtype=np.int32)  # the top is the end
         self._top = num_blocks - 1
+        self.refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each block (tables, conversations' caches)
+        self.num_extra = 0  # references beyond a block's first: sum of max(refs - 1, 0)
+        self.index = BlockIndex(num_blocks, block_size) if prefix_caching else None  # whole computed blocks
 
     @property
     def num_free(self) -> int:
@@ -44,8 +54,28 @@ class BlockTables:
         have = int(self.count[slot])
         self._top -= need
         self.table[slot, have:have + need] = self._free[self._top:self._top + need]
+        self.refs[self._free[self._top:self._top + need]] = 1
         self.count[slot] = have + need
         return True
+
+    def share(self, slot: int, ids: np.ndarray) -> None:
+        """Blocks `ids` (computed, whole: read only) become the leading blocks of `slot`'s table;
+        those it had there (taken, not computed yet) go back."""
+        n, have = len(ids), int(self.count[slot])
+        assert (self.refs[ids] > 0).all()
+        replaced = self.table[slot, :min(n, have)].copy()
+        self.refs[ids] += 1
+        self.num_extra += n
+        self.table[slot, :n] = ids
+        self.count[slot] = max(n, have)
+        self.give_back(replaced)
+
+    def remember(self, slot: int, tokens: np.ndarray, num_computed: int) -> None:
+        """File `slot`'s whole blocks among its first `num_computed` positions (computed for
+        `tokens`) in the index, for later prompts with the same prefix."""
+        n = num_computed // self.block_size
+        if self.index is not None and n:
+            self.index.add(tokens[:n * self.block_size], self.table[slot, :n])
 
     def release(self, slot: int) -> None:
         """All of a slot's blocks back to the free stack."""
@@ -64,19 +94,35 @@ class BlockTables:
         if n > self._top:
             raise RuntimeError(f"{n} KV blocks wanted, {self._top} free")
         self._top -= n
-        return self._free[self._top:self._top + n].copy()
+        ids = self._free[self._top:self._top + n].copy()
+        self.refs[ids] = 1
+        return ids
 
-    def give_back(self, ids: np.ndarray) -> None:
-        n = len(ids)
-        self._free[self._top:self._top + n] = ids
+    def give_back(self, ids: np.ndarray) -> int:
+        """A holder lets go of blocks `ids` (distinct); those it held last are free. Returns how many."""
+        self.refs[ids] -= 1
+        freed = ids[self.refs[ids] == 0]
+        self.num_extra -= len(ids) - len(freed)
+        n = len(freed)
+        self._free[self._top:self._top + n] = freed
         self._top += n
+        if self.index is not None and n:
+            self.index.forget(freed)
+        return n
 
     def check(self, *held: np.ndarray) -> None:
-        """Accounting (tests, at idle): every block but the scratch block 0 is free, in one slot's
-        table, or in one of `held` (e.g. conversations' caches), exactly once."""
+        """Accounting (tests, at idle): every block but the scratch block 0 is free exactly once,
+        or has as many references as it has holders among the slots' tables and `held` (e.g.
+        conversations' caches)."""
         in_tables = self.table[np.arange(self.max_blocks)[None, :] < self.count[:, None]]
-        ids = np.sort(np.concatenate([self._free[:self._top], in_tables, *held]).astype(np.int64))
-        assert np.array_equal(ids, np.arange(1, self.num_blocks)), "a KV block is lost or counted twice"
+        holders = np.bincount(np.concatenate([in_tables, *held]).astype(np.int64), minlength=self.num_blocks)
+        free = np.bincount(self._free[:self._top], minlength=self.num_blocks)
+        assert holders[0] == 0 and free[0] == 0, "the scratch block is held or free"
+        assert np.array_equal(holders, self.refs), "a KV block is lost or counted twice (its references are not its holders)"
+        assert np.array_equal(free[1:], (self.refs[1:] == 0).astype(np.int64)), "a KV block is lost or freed twice"
+        assert self.num_extra == int(np.maximum(self.refs - 1, 0).sum())
+        if self.index is not None:
+            self.index.check(self.refs)
 
     def kv_slots(self, slot: int, start: int, stop: int) -> np.ndarray:
         """Cache slots (block * block_size + offset) of positions start..stop-1 of `slot`."""

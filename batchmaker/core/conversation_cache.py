@@ -65,7 +65,7 @@ class ConversationCache:
         self.num_held = 0  # GPU blocks held by idle conversations
         self.min_reclaim = max(1, min(MIN_RECLAIM, (blocks.num_blocks - 1) // 50))
         self.stats = {"gpu_hit_tokens": 0, "host_hit_tokens": 0, "recomputed_tokens": 0, "recomputed_seconds": 0.0,
-                      "chunks_out": 0, "chunks_in": 0, "chunks_dropped": 0}
+                      "chunks_out": 0, "chunks_in": 0, "chunks_dropped": 0, "prefix_hit_tokens": 0}
         self._grow_rows(64)
 
     def _grow_rows(self, n: int) -> None:
@@ -104,10 +104,19 @@ class ConversationCache:
     def wait(self, rows, waiting: bool = True) -> None:  # a turn of these idle rows' conversations is in line
         self.waiting[rows] = waiting
 
-    def available(self) -> int:
-        """Blocks a sequence could get: free ones and those idle conversations hold (but not those
-        of conversations with copies out in flight, past their last copied chunk)."""
-        return self.blocks.num_free + self.num_held - self.num_locked
+    def available(self) -> int:  # blocks a sequence could get
+        return self.blocks.num_free + self.reclaimable
+
+    @property
+    def reclaimable(self) -> int:
+        """Blocks reclaiming idle caches would free, at least: those held, not those copies out in
+        flight lock, nor a shared block's references past its first (exact if no sequence holds any)."""
+        return max(self.num_held - self.num_locked - self.blocks.num_extra, 0)
+
+    @property
+    def num_blocks_held(self) -> int:  # (distinct: `num_held` counts a shared block per holder)
+        held = self.gpu[self.idle]
+        return len(np.unique(held[held != 0])) if self.blocks.num_extra else self.num_held
 
     def held(self, r: int) -> int:
         return int((self.gpu[r] != 0).sum()) if r >= 0 and self.idle[r] else 0
@@ -180,6 +189,11 @@ class ConversationCache:
         self.stats["recomputed_tokens"] += tokens
         self.stats["gpu_hit_tokens"] -= instead_of_gpu
         self.stats["host_hit_tokens"] -= instead_of_host
+
+    def reread(self, tokens: int) -> None:
+        """Positions [0, tokens) counted as recomputed are read from blocks others hold instead."""
+        self.stats["recomputed_tokens"] -= tokens
+        self.stats["recomputed_seconds"] -= float(self._cost_upto[min(tokens // self.chunk_tokens, len(self._cost_upto) - 1)])
 
     def forget(self, r: int) -> None:
         """Row r's conversation ended or expired: its blocks and host chunks are free."""
@@ -267,10 +281,9 @@ class ConversationCache:
     def _free_gpu(self, r: int, k: int) -> int:
         span = slice(k * self.per_chunk, (k + 1) * self.per_chunk)
         held = self.gpu[r, span][self.gpu[r, span] != 0]
-        self.blocks.give_back(held)
         self.num_held -= len(held)
         self.gpu[r, span] = 0
-        return len(held)
+        return self.blocks.give_back(held)  # (a block others hold too is not freed)
 
     def _drop_through(self, r: int, k: int) -> int:
         """Drop chunks [dropped, k] of row r (host copies and GPU blocks)."""

@@ -8,8 +8,10 @@ Its callers and calls:
       `add_prompt` (a turn that generates nothing), `end`, `sweep` (expiry), `stats`
   the planner (core/sequence_queue.py)  `route` waiting turns to the worker holding their cache,
       `poll`, `held` / `reclaimable` / `copies_fit` before a turn joins, `join` (its cached blocks
-      become the sequence's), `reclaim` blocks for a sequence, `suspend`, `finish` (the blocks
-      stay with the conversation), `fail` and `withdraw` (a failed, cancelled or expired turn),
+      become the sequence's), `cached_here` and `prefix_hit` (a sequence reading blocks others
+      computed: prefix caching, core/block_index.py), `reclaim` blocks for a sequence, `suspend`,
+      `finish` (the blocks stay with the conversation), `fail` and `withdraw` (a failed,
+      cancelled or expired turn),
       `copies` (the iteration's copies to and from the host tier), `timed` (iteration times)
 The cached blocks themselves, per worker, are rows of a ConversationCache (core/conversation_cache.py).
 """
@@ -42,6 +44,7 @@ class Conversation:
     # its prompt, which the next turn computes)
     restored: tuple = (0, 0, 0)  # the running turn's context: positions on the GPU, swapped in, recomputed
     anonymous: bool = False  # made for a stateless request (automatic prefix caching): found by its tokens, not its id
+    shared: int = 0  # the running turn's leading positions read from blocks other requests computed (prefix caching)
 
     @property
     def busy(self) -> bool:
@@ -100,6 +103,7 @@ class Conversations:
         self.prefixes.remove(conversation)  # (busy: not to be matched until the turn ends)
         self.by_id[conversation.id] = conversation
         conversation.restored = (0, 0, 0)
+        conversation.shared = 0
         conversation.turn = owner
 
     def add_prompt(self, conversation: Conversation, prompt: np.ndarray) -> None:
@@ -140,7 +144,7 @@ class Conversations:
             stats["bytes_out"] += cache.stats["chunks_out"] * self.chunk_bytes[worker]  # K/V copied to the host
             stats["bytes_in"] += cache.stats["chunks_in"] * self.chunk_bytes[worker]  # and back
             stats["host_chunks_used"] = stats.get("host_chunks_used", 0) + cache.host_chunks.num - cache.host_chunks.num_free
-            stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_held
+            stats["gpu_blocks_cached"] = stats.get("gpu_blocks_cached", 0) + cache.num_blocks_held
         context = sum(stats.get(f"{tier}_tokens", 0) for tier in ("gpu_hit", "host_hit", "recomputed"))
         for tier in ("gpu_hit", "host_hit", "recomputed"):  # shares of the previous turns' positions
             stats[f"{tier}_rate"] = stats.get(f"{tier}_tokens", 0) / context if context else 0.0
@@ -174,7 +178,7 @@ class Conversations:
         """Blocks idle conversations hold on `worker` that a sequence could get (not those copies
         out in flight still read)."""
         cache = self.caches.get(worker)
-        return cache.num_held - cache.num_locked if cache is not None else 0
+        return cache.reclaimable if cache is not None else 0
 
     def idle_blocks(self, worker: int) -> tuple[int, int]:
         """(blocks idle conversations hold, of them locked by copies out in flight) on `worker`."""
@@ -212,6 +216,8 @@ class Conversations:
             return None
         recompute, swapped, cached, copies = cache.restore(row, table_row)
         conversation.restored = (cached - recompute - swapped, swapped, recompute)
+        if conversation.anonymous:  # (a stateless request continuing a context: a prefix cache hit)
+            cache.stats["prefix_hit_tokens"] += cached - recompute
         waits = None
         if copies is not None:
             if incoming.deferred is None:  # on the side, unless the copies hide under the iteration
@@ -219,6 +225,24 @@ class Conversations:
             incoming.add_swap_in(copies.swap_in_host, copies.swap_in_blocks)
             waits = incoming if incoming.deferred else None
         return recompute, cached, waits
+
+    def cached_here(self, worker: int, conversation: Conversation | None) -> bool:
+        """Whether the conversation's cache is on `worker` (a turn joining there restores it)."""
+        return self._row(worker, conversation) >= 0
+
+    def prefix_hit(self, worker: int, conversation: Conversation | None, tokens: int) -> None:
+        """A joining sequence's first `tokens` positions are blocks other requests computed: its
+        turn recomputes fewer of its previous turns' positions, if it was to."""
+        cache = self.caches.get(worker)
+        if cache is not None:
+            cache.stats["prefix_hit_tokens"] += tokens
+        if conversation is None:
+            return
+        conversation.shared = tokens
+        gpu, swapped, recomputed = conversation.restored
+        if recomputed and cache is not None:
+            cache.reread(min(tokens, recomputed))
+        conversation.restored = (gpu, swapped, max(recomputed - tokens, 0))
 
     def reclaim(self, worker: int, short: int) -> int:
         """Blocks freed from idle conversations' caches on `worker` (at least `short` if they can)."""
@@ -233,6 +257,7 @@ class Conversations:
         gpu, swapped, recomputed = conversation.restored
         self.caches[worker].recomputed(gpu + swapped, gpu, swapped, start=recomputed)
         conversation.restored = (0, 0, gpu + swapped + recomputed)
+        conversation.shared = 0
         conversation.worker = None
 
     def finish(self, worker: int, conversation: Conversation, tokens: np.ndarray, blocks: np.ndarray) -> None:

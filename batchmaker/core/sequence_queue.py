@@ -15,7 +15,11 @@ Turns of conversations go through the conversations layer (core/conversations.py
 turn to the worker holding its cache, and when the turn joins, its cached blocks become the
 sequence's: positions [skip_from, skip_to) are already there (on the GPU, or copied in from the
 host), [0, skip_from) were dropped and are recomputed first, as a sub-request of their own that
-shares the sequence's blocks (Pensieve Fig. 3.8), then the prompt.
+shares the sequence's blocks (Pensieve Fig. 3.8), then the prompt. With prefix caching, a
+sequence without a cache of its own starts with the longest run of whole blocks its tokens start
+with that any sequence computed (core/block_index.py; filed at a prompt's first sample and when a
+conversation's turn finishes), shared read only: it computes from the position after them (a
+restored turn too, where its dropped leading chunks are such blocks).
 """
 import numpy as np
 
@@ -27,6 +31,8 @@ from batchmaker.core.sequences import Sequences
 from batchmaker.core.task import IterationTask
 from batchmaker.core.waiting import Chunk, Waiting
 from batchmaker.errors import CellError
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)
 
 
 class SequenceQueue:
@@ -189,9 +195,12 @@ class SequenceQueue:
         chunk = line.take(1)
         columns = {k: v[0] for k, v in chunk.columns.items()}
         conversation, history = columns["conversation"], int(columns["history"])
-        own = self.turns.held(worker_id, conversation)
+        tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
+        cached_here = self.turns.cached_here(worker_id, conversation)
+        prefix = self._prefix(q, tokens, 0 if cached_here else len(tokens) - 1)
+        own = self.turns.held(worker_id, conversation) + len(prefix)
         available = q.blocks.num_free + self.turns.reclaimable(worker_id) - own
-        need = q.blocks.blocks_for(history + int(chunk.lengths[0]) + 1) - own
+        need = q.blocks.blocks_for(len(tokens) + 1) - own
         fits = self.turns.copies_fit(worker_id, conversation, incoming, shared)
         if (q.num_active and available - need < self._reserve[worker_id]) or need > available or not fits:
             line.push_front(int(columns["priority"]), chunk)
@@ -199,7 +208,6 @@ class SequenceQueue:
             return None
         self.counters["joins_pinned" if line is self.pinned[worker_id] else "joins_waiting"] += 1
         self._joined += 1
-        tokens = chunk.values if not history else np.concatenate([conversation.tokens[:history], chunk.values])
         s = q.join(chunk.owners[0], tokens, columns, self._joined, history)
         if conversation is not None:
             cached = self.turns.join(worker_id, conversation, history, q.blocks.table[s], incoming, shared)
@@ -207,7 +215,20 @@ class SequenceQueue:
                 recompute, q.skip_to[s], q.restoring[s] = cached
                 q.skip_from[s] = recompute
                 q.blocks.count[s] = q.blocks.blocks_for(int(q.skip_to[s]))
+                prefix = self._prefix(q, tokens, recompute)  # (its dropped leading blocks, where others hold them)
+        if len(prefix):  # read only: its own positions start in a block of its own
+            q.blocks.share(s, prefix)
+            q.computed[s] = len(prefix) * q.blocks.block_size
+            self.turns.prefix_hit(worker_id, conversation, int(q.computed[s]))
         return s
+
+    def _prefix(self, q: Sequences, tokens: np.ndarray, positions: int) -> np.ndarray:
+        """With prefix caching, the computed blocks holding the longest run of `tokens`' leading
+        whole blocks within its first `positions` (a new sequence leaves its last token to
+        compute; a turn restoring its own cache looks within what it would recompute)."""
+        if q.blocks.index is None or positions < q.blocks.block_size:
+            return _NO_BLOCKS
+        return q.blocks.index.match(tokens, positions // q.blocks.block_size)
 
     def _line(self, worker_id: int) -> Waiting:
         """The line whose first request goes first: higher priority, then earlier arrival (turns
@@ -294,11 +315,14 @@ class SequenceQueue:
         logprobs = None if task.logprobs is None else tuple(a[current] for a in task.logprobs)
         q.tokens[slots, index] = tokens
         q.length[slots] = index + 1
+        for s in slots[index == q.target[slots]].tolist():  # a prompt's first sample: its blocks are computed
+            q.blocks.remember(s, q.tokens[s], int(q.target[s]))
         stopped = (q.stops[slots] == tokens[:, None]).any(1)
         done = stopped | (index + 1 >= q.limit[slots])
         for s in slots[done].tolist():
             conversation = q.conversation[s]
             if conversation is not None:  # its cache stays with the conversation
+                q.blocks.remember(s, q.tokens[s], int(q.length[s]) - 1)
                 self.turns.finish(task.worker_id, conversation, q.tokens[s, :int(q.length[s])], q.blocks.detach(s))
         self.finisher.tokens(q, slots, tokens, done, stopped, logprobs)
         for s in slots[done].tolist():

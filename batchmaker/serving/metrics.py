@@ -6,11 +6,16 @@ The front counts: HTTP requests by route, model and outcome; finished choices (e
 by finish reason; prompt and generated tokens; time to first token and inter-token latency of
 the choices whose tokens stream (a streamed request, or one with stop strings; a non-streamed
 request gets its tokens at once). The engine's state: requests live and queued, decoders'
-running and waiting sequences, KV blocks used, free and held by idle conversations, tokens per
-decoder iteration, rows per task and the ready work of every cell type (the RNN models' queues).
+running and waiting sequences, KV blocks used, free and held by idle conversations, prompt
+positions served by prefix caching, tokens per decoder iteration, rows per task and the ready
+work of every cell type (the RNN models' queues).
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -82,6 +87,11 @@ class EngineCollector:
         yield _by_worker("batchmaker_kv_blocks_free", "KV-cache blocks free", stats.get("kv_blocks_free", {}))
         yield _by_model("batchmaker_kv_blocks_cached", "KV-cache blocks held by idle conversations",
                         {m: c.get("gpu_blocks_cached", 0) for m, c in stats.get("conversations", {}).items()})
+        hits = CounterMetricFamily("batchmaker_prefix_cache_hit_tokens", "Prompt positions read from the cache of "
+                                   "other requests instead of computed (automatic prefix caching)", labels=["model"])
+        for model, c in stats.get("conversations", {}).items():
+            hits.add_metric([model], c.get("prefix_hit_tokens", 0))
+        yield hits
         yield from _cell_queues(stats["cell_queues"])
         yield from _batch_histograms(stats["batch_sizes"], set(sequences))
 
