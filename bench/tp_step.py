@@ -45,6 +45,7 @@ def step_times(engine, runner, batch: int, context: int, steps: int, vocab: int,
 
 def run_degree(args, tp: int, bandwidth: float, all_reduce: str) -> list[dict]:
     from batchmaker import Engine, EngineConfig
+    from batchmaker.exec.one_shot import SIZES
     from batchmaker.registry import build_model
     os.environ["BATCHMAKER_ONE_SHOT"] = "0" if all_reduce == "nccl" else "1"  # (the ranks' processes inherit it)
     start = time.perf_counter()
@@ -57,7 +58,7 @@ def run_degree(args, tp: int, bandwidth: float, all_reduce: str) -> list[dict]:
         runner = next(iter(engine.workers[0].iterations.values()))
         config = runner.lm.config  # (rank 0's shard)
         one_shot = getattr(runner.lm.tp, "one_shot", None) if runner.lm.tp is not None else None
-        one_shot_bytes = one_shot.max_bytes if one_shot is not None else 0
+        one_shot_sizes = [n for n, win in zip(SIZES, one_shot.wins) if win] if one_shot else []
         one_shot_table = {str(k): v for k, v in one_shot.table.items()} if one_shot is not None else {}
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.lm.parameters())
         kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
@@ -68,13 +69,13 @@ def run_degree(args, tp: int, bandwidth: float, all_reduce: str) -> list[dict]:
             floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
             median = statistics.median(seconds)
             q = np.quantile(seconds, [0.1, 0.9])
-            rows.append({"tp": tp, "all_reduce": all_reduce, "one_shot_max_bytes": one_shot_bytes,
+            rows.append({"tp": tp, "all_reduce": all_reduce, "one_shot_sizes": one_shot_sizes,
                          "all_reduce_us_one_shot_vs_nccl": one_shot_table, "batch": batch, "context": args.context,
                          "steps_timed": len(seconds),
                          "step_ms": median * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[1] * 1e3,
                          "floor_ms": floor * 1e3, "x_floor": median / floor, "tokens_per_s": batch / median,
                          "rank_weight_gb": weight_bytes / 1e9})
-            print(f"{args.preset} TP={tp} {all_reduce} (one-shot up to {one_shot_bytes} B) B={batch} ctx={args.context}: step {median * 1e3:.2f} ms "
+            print(f"{args.preset} TP={tp} {all_reduce} (one-shot at {one_shot_sizes} B) B={batch} ctx={args.context}: step {median * 1e3:.2f} ms "
                   f"(p10 {q[0] * 1e3:.2f}, p90 {q[1] * 1e3:.2f}, {len(seconds)} steps); floor {floor * 1e3:.2f} ms "
                   f"(rank weights {weight_bytes / 1e9:.1f} GB) -> {median / floor:.2f}x; {batch / median:.0f} tok/s",
                   flush=True)

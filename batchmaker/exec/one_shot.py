@@ -6,9 +6,11 @@ Which messages go which way is measured when the group starts, on the machine at
 candidate size, 16 all-reduces of each kind captured in one CUDA graph and replayed, each after a
 kernel that writes its input (as in a decoder layer, where the projection before it does); the ranks
 take the slowest rank's times (one NCCL all-reduce of the table), so every rank makes the same
-choice for every message, as the pairing of their collectives requires. `max_bytes` is the
-largest size at which the one-shot kernel won, and every size below it goes one-shot.
+choice for every message, as the pairing of their collectives requires. A message takes the way
+that won at the smallest measured size at or above its own (on four H100s NCCL won at 4 and 16 KB,
+one-shot at 64 and 256 KB).
 """
+import bisect
 import logging
 import os
 
@@ -37,11 +39,17 @@ class OneShot:
         self._flags = pointers.to(device)
         self._buffers = (pointers + FLAG_BYTES).to(device)
         self._epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        self.max_bytes = HALF_BYTES
+        self.wins = (True,) * len(SIZES)  # at each of SIZES: whether one-shot takes it (`choose` measures)
         self.table: dict = {}  # bytes -> (one-shot µs, NCCL µs), as measured by `choose`
 
+    @property
+    def max_bytes(self) -> int:
+        """The largest measured size one-shot takes (0: none)."""
+        return max((n for n, win in zip(SIZES, self.wins) if win), default=0)
+
     def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.max_bytes and x.is_contiguous()
+        at = bisect.bisect_left(SIZES, x.numel() * x.element_size())
+        return at < len(SIZES) and self.wins[at] and x.is_contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() * x.element_size() > HALF_BYTES:
@@ -50,15 +58,15 @@ class OneShot:
                             self.rank, self.size)
 
     def choose(self, group, dtype: torch.dtype) -> dict:
-        """Measure both kinds at each of SIZES; keep one-shot up to the largest size it won."""
+        """Measure both kinds at each of SIZES; one-shot takes the sizes it won."""
         times = torch.tensor([[_graphed(kind, group, self, n, dtype, self.device) for n in SIZES]
                               for kind in ("one-shot", "nccl")], device=self.device)
         _max_over(group, times)
-        wins = [n for n, a, b in zip(SIZES, times[0].tolist(), times[1].tolist()) if a < b]
-        self.max_bytes = max(wins, default=0)
+        self.wins = tuple(a < b for a, b in zip(times[0].tolist(), times[1].tolist()))
         self.table = table = {n: (a, b) for n, a, b in zip(SIZES, times[0].tolist(), times[1].tolist())}
-        log.info("all-reduce per message (µs, one-shot vs NCCL): %s; one-shot up to %d bytes",
-                 {n: (round(a, 1), round(b, 1)) for n, (a, b) in table.items()}, self.max_bytes)
+        log.info("all-reduce per message (µs, one-shot vs NCCL): %s; one-shot at %s bytes",
+                 {n: (round(a, 1), round(b, 1)) for n, (a, b) in table.items()},
+                 [n for n, win in zip(SIZES, self.wins) if win])
         return table
 
     def close(self) -> None:
@@ -95,6 +103,24 @@ def _graphed(kind: str, group, one_shot: OneShot, nbytes: int, dtype, device) ->
     return start.elapsed_time(end) * 1000 / (5 * CALLS)
 
 
+def agree(store, rank: int, size: int, build):
+    """`build()` on every rank; its result where it succeeded on every rank, else None everywhere
+    (and what was built is closed): a rank whose IPC fails must not leave the others waiting in a
+    kernel it never runs."""
+    try:
+        built, failure = build(), ""
+    except RuntimeError as e:  # (say, a container that does not allow CUDA IPC)
+        built, failure = None, f"rank {rank}: {type(e).__name__}: {e}"
+    store.set(f"peer-failure-{rank}", failure)
+    failures = [store.get(f"peer-failure-{r}").decode() for r in range(size)]
+    if any(failures):
+        log.warning("the one-shot all-reduce is off, NCCL takes every message: %s", "; ".join(f for f in failures if f))
+        if built is not None:
+            built.close()
+        return None
+    return built
+
+
 def join(store, rank: int, size: int, device: torch.device, group, dtype: torch.dtype):
     """This rank's OneShot for `group`, or None where it cannot run (a CPU group, ranks on several
     hosts, BATCHMAKER_ONE_SHOT=0) or never wins; every rank of the group gets the same answer."""
@@ -103,16 +129,8 @@ def join(store, rank: int, size: int, device: torch.device, group, dtype: torch.
     store = dist.PrefixStore("batchmaker-one-shot", store)
     if not one_host(store, rank, size):
         return None
-    try:
-        one_shot, failure = OneShot(store, rank, size, device), ""
-    except RuntimeError as e:  # (say, a container that does not allow CUDA IPC)
-        one_shot, failure = None, f"{type(e).__name__}: {e}"
-    store.set(f"peer-failure-{rank}", failure)
-    failures = [store.get(f"peer-failure-{r}").decode() for r in range(size)]
-    if any(failures):
-        log.warning("the one-shot all-reduce is off, NCCL takes every message: %s", "; ".join(f for f in failures if f))
-        if one_shot is not None:
-            one_shot.close()
+    one_shot = agree(store, rank, size, lambda: OneShot(store, rank, size, device))
+    if one_shot is None:
         return None
     one_shot.choose(group, dtype)
     if one_shot.max_bytes == 0:
