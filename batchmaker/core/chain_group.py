@@ -259,8 +259,9 @@ class ChainGroup:
                                                      for key, o in stage.collect.items()})
         done = current & (stopped | (ends >= self.length[lanes.slots]))
         if done.any():
-            slots, ends = lanes.slots[done], ends[done].tolist()
-            outputs = {key: [self.collected[o][s, :e].tolist() for s, e in zip(slots.tolist(), ends)]
+            slots, ends = lanes.slots[done], ends[done]
+            width, ends = int(ends.max()), ends.tolist()
+            outputs = {key: [row[:e] for row, e in zip(self.collected[o][slots, :width].tolist(), ends)]
                        for key, o in stage.collect.items()}
             stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
             self._drop(slots)

@@ -52,6 +52,24 @@ class Result:
         return f"Result(outputs={self.outputs!r}, timing={self.timing!r})"
 
 
+class ResultRows:
+    """The results of many requests resolved at once (batchmaker/future.resolve_rows): row i's
+    Result is built when its future is first read, so the manager builds nothing per request.
+    outputs: key -> a tensor [n, ...] or a list of n values; arrivals and first_cells: [n]."""
+
+    __slots__ = ("arrivals", "finish", "first_cells", "outputs")
+
+    def __init__(self, outputs: dict[str, Any], arrivals: list, first_cells, finish: float):
+        self.outputs = outputs
+        self.arrivals = arrivals
+        self.first_cells = first_cells
+        self.finish = finish
+
+    def result(self, i: int) -> Result:
+        outputs = {key: column[i] for key, column in self.outputs.items()}
+        return Result(outputs, None, (self.arrivals[i], float(self.first_cells[i]), self.finish))
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A general-path request: unfolded node by node (batchmaker/core/processor.py)."""
