@@ -178,17 +178,21 @@ class ChainGroup:
                 self.collected[out] = grown
 
     def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
-        """The joining chains' step values after those of the `others` (the live chains), which
-        are repacked first once the buffer is full of stale ones; `_next_base`: where each new one starts."""
+        """The joining chains' step values after those of the `others` (the live chains). Once the
+        buffer is full, the others' values still to run are moved to its front (into a buffer four
+        times what is kept, so that a move comes once per several joins); `_next_base`: where each
+        new one starts."""
         values = chunk.values.reshape(len(chunk.values), -1)
         if self.num_values + len(values) > len(self.values):
-            lengths = self.length[others]
-            used = int(lengths.sum())
-            starts = np.cumsum(lengths) - lengths
-            kept = self.values[np.repeat(self.base[others] - starts, lengths) + np.arange(used)]
-            self.values = np.zeros((max(len(self.values), 2 * (used + len(values))), values.shape[1]), dtype=np.int64)
+            left = np.maximum(self.length[others] - self.pos[others], 0)
+            used = int(left.sum())
+            starts = np.cumsum(left) - left
+            kept = self.values[np.repeat(self.base[others] + self.pos[others] - starts, left) + np.arange(used)]
+            size = max(len(self.values), 4 * (used + len(values)))
+            if size > len(self.values):
+                self.values = np.empty((size, values.shape[1]), dtype=np.int64)
             self.values[:used] = kept
-            self.base[others] = starts
+            self.base[others] = starts - self.pos[others]  # (base + pos: the next step's value)
             self.num_values = used
         self._next_base = self.num_values + chunk.bounds[:-1] - chunk.bounds[0]
         self.values[self.num_values:self.num_values + len(values)] = values
