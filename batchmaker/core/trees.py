@@ -90,9 +90,11 @@ class Forest:
         group = self.groups[worker_id]
         cell_type = self.spec.leaf if kind == LEAF else self.spec.internal
         tasks = []
+        if kind == LEAF and len(self.waiting):  # the leaves of every task formed now, in one join
+            wanted = max_tasks * cell_type.max_batch - group.num_ready[LEAF]
+            if wanted > 0:
+                self._start_trees(group, wanted)
         while len(tasks) < max_tasks:
-            if kind == LEAF and group.num_ready[LEAF] < cell_type.max_batch and len(self.waiting):
-                self._start_trees(group, cell_type.max_batch - group.num_ready[LEAF])
             if not group.num_ready[kind] or (tasks and group.num_ready[kind] < cell_type.min_batch):
                 break
             tasks.append(group.form(kind))
