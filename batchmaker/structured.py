@@ -193,8 +193,7 @@ class StructuredModel(Finisher):
                 bad = self._decode_limits(good, stage_lengths[:, -1])
         if bad:
             return bad, None
-        owners = np.empty(n, dtype=object)
-        owners[:] = good
+        owners = np.fromiter(good, dtype=object, count=n)  # (several times faster than assigning the list)
         columns = {"lengths": stage_lengths}
         chunk = Chunk.of(owners, columns, np.stack(steps, axis=1), lengths) if steps else Chunk.of(owners, columns)
         return {}, (chunk, good)
@@ -235,8 +234,7 @@ class StructuredModel(Finisher):
         nodes[leaf_at, 0] = arrays.tokens
         inner_at = np.repeat(offsets + n, n - 1) + _within(n - 1)
         nodes[inner_at, 1:] = arrays.children
-        owners = np.empty(len(good), dtype=object)
-        owners[:] = good
+        owners = np.fromiter(good, dtype=object, count=len(good))
         return Chunk.of(owners, {"leaves": n}, nodes, sizes), good
 
     # the Finisher side (manager thread) --------------------------------------------------------
