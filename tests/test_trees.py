@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from batchmaker import Engine
 from batchmaker.core.tree_input import _tree_to_arrays
+from batchmaker.core.trees import TreeGroup
 from batchmaker.data import read_trees
 from batchmaker.errors import BadRequestError
 from batchmaker.registry import build_model
@@ -263,3 +264,32 @@ def test_tree_graph_shape_in_the_real_graph_builder():
     assert cells.count("leaf") == 5 and cells.count("internal") == 4
     assert all(graph.in_degree(n) == (2 if graph.nodes[n]["cell"] == "internal" else 0) for n in graph)
     assert out["h"].node is g.new_nodes[-1]  # post-order: the root comes last
+
+
+def test_trees_still_running_when_finished_ones_are_compacted_away_match_reference(monkeypatch):
+    """The node table compacted many times while other trees run (some at another priority):
+    the live trees' nodes, links, rows and ready queues are renumbered, not changed."""
+    monkeypatch.setattr(TreeGroup, "min_dead_to_compact", 256)
+    model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5)
+    lines = load_sst_sample()
+    want = {line: treelstm_reference(model, {"tree": line})["h"] for line in lines}
+    engine = Engine([model]).start(thread=False)
+    try:
+        futures = []
+        for wave in range(12):
+            for i, line in enumerate(lines[wave % 4 * 50:(wave % 4 + 1) * 50]):
+                futures.append((line, engine.submit("treelstm", {"tree": line}, priority=int(i % 7 == 0))))
+            steps = 0
+            while sum(f.done() for _, f in futures) < len(futures) - 30:  # (the next wave joins running trees)
+                engine.step()
+                steps += 1
+                assert steps < 10000, "trees never finish"
+        for _ in range(10000):
+            if all(f.done() for _, f in futures):
+                break
+            engine.step()
+        assert engine.structured["treelstm"].forest.groups[0].num_compactions >= 5
+        for line, f in futures:
+            torch.testing.assert_close(f.result().outputs["h"], want[line], atol=1e-5, rtol=0)
+    finally:
+        engine.stop()
