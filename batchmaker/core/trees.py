@@ -167,6 +167,7 @@ class TreeGroup:
         self.parent[left] = self.parent[right] = inner
         self.pending[at] = 0
         self.pending[inner] = 2
+        self.ready[at] = False  # (past a compaction's end: a dropped node's flag)
         self.tree[at] = np.repeat(trees, sizes)
         for out in self.spec.kept:
             self.rows[out][at] = 0
@@ -192,14 +193,15 @@ class TreeGroup:
         if need <= len(self.token):
             return
         cap = max(need, 2 * len(self.token))
+        used = self.num_nodes  # (what lies past it is set by the join that uses it)
         for name in ("token", "left", "right", "parent", "pending", "tree", "ready"):
             old = getattr(self, name)
-            grown = np.zeros(cap, dtype=old.dtype)
-            grown[:len(old)] = old
+            grown = np.empty(cap, dtype=old.dtype)
+            grown[:used] = old[:used]
             setattr(self, name, grown)
         for out, old in self.rows.items():
-            grown = np.zeros(cap, dtype=np.int64)
-            grown[:len(old)] = old
+            grown = np.empty(cap, dtype=np.int64)
+            grown[:used] = old[:used]
             self.rows[out] = grown
 
     def _compact(self) -> None:
