@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from batchmaker.core.request import RaggedRows
 from batchmaker.core.rows import RowAllocator
 from batchmaker.core.task import RoundTask
 from batchmaker.core.waiting import Chunk, Waiting
@@ -73,6 +74,10 @@ class ChainGroup:
         for o, out in enumerate(kept):
             by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
         self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
+        by_pool = {}  # carried inputs' rows (I) by the pool of the output they read
+        for c, out in enumerate(stage.carry.values()):
+            by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(c)
+        self._init_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
 
     @property
     def num_live(self) -> int:
@@ -267,9 +272,8 @@ class ChainGroup:
         done = current & (stopped | (ends >= self.length[lanes.slots]))
         if done.any():
             slots, ends = lanes.slots[done], ends[done]
-            width, ends = int(ends.max()), ends.tolist()
-            outputs = {key: [row[:e] for row, e in zip(self.collected[o][slots, :width].tolist(), ends)]
-                       for key, o in stage.collect.items()}
+            width = int(ends.max())
+            outputs = {key: RaggedRows(self.collected[o][slots, :width], ends) for key, o in stage.collect.items()}
             stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
             self._drop(slots)
 
@@ -298,10 +302,12 @@ class ChainGroup:
         self._release(slots)
 
     def _free_init(self, slots: np.ndarray) -> None:
-        for c, out in enumerate(self.stage.carry.values()):
-            rows = self.I[c, slots]
-            self.pools[out].free_many(rows[rows != 0])
-            self.I[c, slots] = 0
+        if not len(slots):
+            return
+        for pool, ix in self._init_groups:
+            rows = self.I[ix[:, None], slots[None, :]].ravel()
+            pool.free_many(rows[rows != 0])
+        self.I[:, slots] = 0
 
     def _release(self, slots: np.ndarray) -> None:
         self.serial[slots] = 0

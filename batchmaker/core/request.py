@@ -52,6 +52,24 @@ class Result:
         return f"Result(outputs={self.outputs!r}, timing={self.timing!r})"
 
 
+class RaggedRows:
+    """A column of n lists of ints kept as one padded block until read: row i is
+    block[i, :ends[i]] as a list (decoded tokens: built by whoever reads the result, not by the
+    manager)."""
+
+    __slots__ = ("block", "ends")
+
+    def __init__(self, block, ends):
+        self.block = block  # int64 [n, width]
+        self.ends = ends  # int64 [n]
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: int) -> list:
+        return self.block[i, :self.ends[i]].tolist()
+
+
 class ResultRows:
     """The results of many requests resolved at once (batchmaker/future.resolve_rows): row i's
     Result is built when its future is first read, so the manager builds nothing per request.
