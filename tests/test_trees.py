@@ -300,3 +300,25 @@ def test_trees_still_running_when_finished_ones_are_compacted_away_match_referen
         assert sum(isinstance(f.exception(), CancelledError) for _, f in futures) >= 6
     finally:
         engine.stop()
+
+
+def test_a_tree_task_never_writes_a_row_it_reads(monkeypatch):
+    """A fused cell reads and writes rows in one kernel: the rows a task's nodes write are never
+    the rows it reads (its children's, freed only once the task's own rows are taken)."""
+    from batchmaker.exec.steps import StepRunner
+    execute, seen = StepRunner.execute, []
+
+    def checked(self, task):
+        layout = task.cell_type.layout
+        reads = task.index[list(layout.reads.values())].ravel() if layout.reads else np.zeros(0, dtype=np.int64)
+        writes = task.index[list(layout.writes.values())].ravel()
+        seen.append(len(np.intersect1d(reads[reads != 0], writes)))
+        return execute(self, task)
+
+    monkeypatch.setattr(StepRunner, "execute", checked)
+    model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5, max_batch=16)
+    with Engine([model]) as engine:
+        futures = [engine.submit("treelstm", {"tree": line}) for line in load_sst_sample()[:60]]
+        for f in futures:
+            f.result(30)
+    assert len(seen) > 20 and not any(seen)
