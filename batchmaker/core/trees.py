@@ -240,11 +240,12 @@ class TreeGroup:
         ids = self._take(kind, cell_type.max_batch)
         n, layout = len(ids), cell_type.layout
         index = np.zeros((layout.num_slices, n), dtype=np.int64)
-        held = ()
         if kind == LEAF:
             index[layout.values[spec.token]] = self.token[ids]
         else:
-            held = self._read_children(np.concatenate([self.left[ids], self.right[ids]]), index, layout)
+            for side, children in ((spec.left, self.left[ids]), (spec.right, self.right[ids])):
+                for name, out in side.items():
+                    index[layout.reads[name]] = self.rows[out][children]
         for out, slot in layout.writes.items():
             if out in self.rows:
                 self.rows[out][ids] = rows = self.pools[out].alloc_many(n)
@@ -253,8 +254,8 @@ class TreeGroup:
                 index[slot] = self.pools[out].scratch_row  # an output no one reads
         trees = self.tree[ids]
         task = StepTask(self, cell_type, self.worker_id, n, index=index, owners=self.owner[trees])
-        for pool, rows in held:  # (after this task's own rows were taken: its writes never alias its reads)
-            pool.free_many(rows[rows != 0])
+        if kind == INTERNAL:
+            self._free_rows(np.concatenate([self.left[ids], self.right[ids]]))
         parents = self.parent[ids]
         is_root = parents < 0
         parents = parents[~is_root]
@@ -273,21 +274,6 @@ class TreeGroup:
             self._free_rows(ids[lanes])
             self._finish_trees(finished)
         return task
-
-    def _read_children(self, children: np.ndarray, index: np.ndarray, layout) -> list:
-        """The rows an internal task's nodes read of their children ([left ids, right ids]) into
-        its index; the children let go of them -> (pool, rows) to free once the task's own rows
-        are taken (later tasks run after this one)."""
-        n, spec, held = len(children) // 2, self.spec, []
-        for out, rows in self.rows.items():
-            rows_of = rows[children]
-            for side, part in ((spec.left, rows_of[:n]), (spec.right, rows_of[n:])):
-                for name, read in side.items():
-                    if read == out:
-                        index[layout.reads[name]] = part
-            held.append((self.pools[out], rows_of))
-            rows[children] = 0
-        return held
 
     def _take(self, kind: int, limit: int) -> np.ndarray:
         """Up to `limit` ready node ids of `kind`, highest priority first, FIFO within."""
