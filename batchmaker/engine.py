@@ -62,7 +62,8 @@ class Engine:
         self.bound = AdmissionBound(config.max_requests)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, request id); manager only
         self._ids = itertools.count()
-        self._inbox: deque = deque()  # futures and ("cancel", id), from any thread; drained by step()
+        self._inbox: deque = deque()  # futures, from any thread; drained by step()
+        self._cancels: deque = deque()  # request ids, from any thread; applied before the inbox is admitted
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -168,7 +169,7 @@ class Engine:
         return self.submit(model, inputs, **options).result(timeout).outputs
 
     def cancel(self, request_id: int) -> None:
-        self._inbox.append(("cancel", request_id))
+        self._cancels.append(request_id)
         self._wake.set()
 
     def step(self) -> bool:
@@ -223,21 +224,22 @@ class Engine:
                     self._wake.wait(self._idle_wait())
 
     def _admit(self) -> bool:
-        inbox = self._inbox
-        if not inbox:
+        inbox, cancels = self._inbox, self._cancels
+        if not inbox and not cancels:
             return False
-        arrivals: dict[str, list] = {}
-        while inbox:
-            item = inbox.popleft()
-            if type(item) is tuple:
-                self._cancel(item[1], CancelledError(f"request {item[1]} cancelled"))
-            elif self._stopping:
-                self._resolve_failed(item, EngineStoppedError("the engine stopped"))
-            else:
-                if item.deadline is not None:
-                    heapq.heappush(self._deadlines, (item.deadline, item.request_id))
-                arrivals.setdefault(item.model, []).append(item)
-        for name, futures in arrivals.items():
+        popleft = inbox.popleft
+        arrived = [popleft() for _ in range(len(inbox))]  # (others may append meanwhile: they wait a turn)
+        while cancels:  # (a cancel follows its request's submit: it is in `arrived` or admitted already)
+            request_id = cancels.popleft()
+            self._cancel(request_id, CancelledError(f"request {request_id} cancelled"))
+        if self._stopping:
+            for future in arrived:
+                if not future._done:
+                    self._resolve_failed(future, EngineStoppedError("the engine stopped"))
+            return True
+        for f in [f for f in arrived if f.deadline is not None]:
+            heapq.heappush(self._deadlines, (f.deadline, f.request_id))
+        for name, futures in self._by_model(arrived).items():
             futures = [f for f in futures if not f._done]  # (cancelled before they were admitted)
             structured = self.structured.get(name)
             if structured is not None:
@@ -246,6 +248,14 @@ class Engine:
                 for f in futures:
                     self.processor.admit(Request.of(f), self.models[name], self.cell_types[name])
         return True
+
+    def _by_model(self, futures: list) -> dict[str, list]:
+        if len(self.models) == 1:  # (the common case: no pass per request)
+            return {next(iter(self.models)): futures} if futures else {}
+        arrivals: dict[str, list] = {}
+        for f in futures:
+            arrivals.setdefault(f.model, []).append(f)
+        return arrivals
 
     def _complete(self) -> bool:
         progressed = False

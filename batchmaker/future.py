@@ -20,7 +20,7 @@ _lock = threading.Lock()  # guards the done flag against callbacks and waiters b
 
 class RequestFuture:
     __slots__ = ("request_id", "model", "inputs", "priority", "deadline", "on_partial", "arrival",
-                 "_done", "_value", "_error", "_callbacks", "_waiters", "__weakref__")
+                 "_done", "_value", "_error", "_callbacks", "_waiters", "_rows", "_row", "__weakref__")
 
     def __init__(self, request_id: int, model: str = "", inputs=None, priority: int = 0,
                  deadline: float | None = None, on_partial=None):
@@ -36,6 +36,8 @@ class RequestFuture:
         self._error: BaseException | None = None
         self._callbacks: list | None = None
         self._waiters: list | None = None
+        self._rows = None  # resolved in bulk: the batch (core/request.ResultRows) whose row `_row` is the result
+        self._row = 0
 
     # the reading side (any thread) ----------------------------------------------------------
     def done(self) -> bool:
@@ -56,6 +58,8 @@ class RequestFuture:
             self._wait(timeout)
         if self._error is not None:
             raise self._error
+        if self._rows is not None:
+            self._take_row()
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -101,6 +105,13 @@ class RequestFuture:
             for fn in self._callbacks:
                 _call(fn, self)
 
+    def _take_row(self) -> None:
+        """The Result of a request resolved in bulk, built on its first read (once, whatever the thread)."""
+        with _lock:
+            if self._rows is not None:
+                self._value = self._rows.result(self._row)
+                self._rows = None
+
     def _wait(self, timeout: float | None) -> None:
         with _lock:
             if self._done:
@@ -132,6 +143,24 @@ def resolve_many(futures: list, values: list) -> None:
         f.inputs = f.on_partial = None
         if f._waiters is not None or f._callbacks is not None:
             f._wake()
+
+
+def resolve_rows(futures: list, rows) -> None:
+    """Resolve many futures with the rows of one batch of results (core/request.ResultRows): one
+    lock for all, and nothing built per request until its result is read."""
+    waking = []
+    with _lock:
+        for i, f in enumerate(futures):
+            if f._done:
+                raise RuntimeError(f"request {f.request_id} resolved twice")
+            f._rows = rows
+            f._row = i
+            f._done = True
+            f.inputs = f.on_partial = None
+            if f._waiters is not None or f._callbacks is not None:
+                waking.append(f)
+    for f in waking:
+        f._wake()
 
 
 def _call(fn, future: RequestFuture) -> None:

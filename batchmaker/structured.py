@@ -21,8 +21,8 @@ from batchmaker.core.trees import Forest, TreeSpec
 from batchmaker.core.waiting import Chunk
 from batchmaker.errors import BadRequestError
 from batchmaker.forms import Chain, DecodeLoop, Tree
-from batchmaker.future import resolve_many
-from batchmaker.core.request import Result
+from batchmaker.future import resolve_rows
+from batchmaker.core.request import ResultRows
 
 
 class Accounting:
@@ -80,7 +80,8 @@ class StructuredModel(Finisher):
             self.required = list(first.steps.values()) if isinstance(first, Chain) else []
             last = self.forms[-1]
             self.optional = [last.max_len_input] if isinstance(last, DecodeLoop) and last.max_len_input else []
-        self._required = frozenset(self.required)
+        # the key sets a request's inputs may have: the required keys and any of the optional ones
+        self._keysets = [frozenset(self.required) | frozenset(extra) for extra in _subsets(self.optional)]
         self.queues: list = []
         self.forest: Forest | None = None
         self.first: ChainQueue | None = None
@@ -135,14 +136,14 @@ class StructuredModel(Finisher):
     def admit(self, futures: list) -> None:
         """Check a batch of arrivals at once; queue the good ones as one chunk, fail the others."""
         errors: dict[int, BaseException] = {}
-        for i, f in enumerate(futures):
-            inputs = f.inputs
-            if not (type(inputs) is dict and inputs.keys() == self._required):  # (a set compare in C)
-                try:
-                    check_keys(inputs, self.required, self.optional)
-                except BadRequestError as e:
-                    errors[i] = e
-        good = [f for i, f in enumerate(futures) if i not in errors]
+        keysets = self._keysets
+        odd = [i for i, f in enumerate(futures) if type(f.inputs) is not dict or f.inputs.keys() not in keysets]
+        for i in odd:  # (the rare case: each gets its own error)
+            try:
+                check_keys(futures[i].inputs, self.required, self.optional)
+            except BadRequestError as e:
+                errors[i] = e
+        good = [f for i, f in enumerate(futures) if i not in errors] if errors else futures
         if isinstance(self.forms[0], Tree):
             chunk, good = self._trees(good, errors, futures)
         else:
@@ -150,10 +151,10 @@ class StructuredModel(Finisher):
         for i, error in errors.items():
             self.fail([futures[i]], error)
         if good:
-            priorities = np.fromiter((f.priority for f in good), dtype=np.int64, count=len(good))
+            priorities = np.fromiter([f.priority for f in good], dtype=np.int64, count=len(good))
             chunk.columns["priority"] = priorities
             chunk.columns["first_cell"] = np.full(len(good), np.nan)
-            chunk.columns["streams"] = np.fromiter((f.on_partial is not None for f in good), dtype=bool, count=len(good))
+            chunk.columns["streams"] = np.fromiter([f.on_partial is not None for f in good], dtype=bool, count=len(good))
             (self.forest or self.first).add(priorities, chunk)
 
     def _chains(self, good: list, errors: dict, futures: list) -> tuple[Chunk | None, list]:
@@ -188,20 +189,32 @@ class StructuredModel(Finisher):
         stage_lengths[:, 0] = lengths if len(lengths) else 0
         if isinstance(last, DecodeLoop):
             stage_lengths[:, -1] = last.max_len
-            key = last.max_len_input
-            for j, f in enumerate(good):
-                if key and f.inputs.get(key) is not None:
-                    try:
-                        stage_lengths[j, -1] = check_limit(f.inputs[key], last.max_len, key)
-                    except BadRequestError as e:
-                        bad[j] = e
+            if last.max_len_input:
+                bad = self._decode_limits(good, stage_lengths[:, -1])
         if bad:
             return bad, None
-        owners = np.empty(n, dtype=object)
-        owners[:] = good
+        owners = np.fromiter(good, dtype=object, count=n)  # (several times faster than assigning the list)
         columns = {"lengths": stage_lengths}
         chunk = Chunk.of(owners, columns, np.stack(steps, axis=1), lengths) if steps else Chunk.of(owners, columns)
         return {}, (chunk, good)
+
+    def _decode_limits(self, good: list, limits: np.ndarray) -> dict:
+        """Each request's optional decode limit into `limits` (left as is where absent) -> the bad ones."""
+        key, most = self.forms[-1].max_len_input, self.forms[-1].max_len
+        given = [f.inputs.get(key) for f in good]
+        if all(type(v) is int and 1 <= v <= most for v in given):  # (the common case: no call per request)
+            limits[:] = given
+            return {}
+        if all(v is None for v in given):
+            return {}
+        bad = {}
+        for j, value in enumerate(given):
+            if value is not None:
+                try:
+                    limits[j] = check_limit(value, most, key)
+                except BadRequestError as e:
+                    bad[j] = e
+        return bad
 
     def _trees(self, good: list, errors: dict, futures: list) -> tuple[Chunk | None, list]:
         form = self.forms[0]
@@ -221,27 +234,20 @@ class StructuredModel(Finisher):
         nodes[leaf_at, 0] = arrays.tokens
         inner_at = np.repeat(offsets + n, n - 1) + _within(n - 1)
         nodes[inner_at, 1:] = arrays.children
-        owners = np.empty(len(good), dtype=object)
-        owners[:] = good
+        owners = np.fromiter(good, dtype=object, count=len(good))
         return Chunk.of(owners, {"leaves": n}, nodes, sizes), good
 
     # the Finisher side (manager thread) --------------------------------------------------------
     def resolve(self, owners, outputs: dict, first_cell: np.ndarray) -> None:
+        """The requests of `owners` finished with `outputs` (key -> a tensor [n, ...] or n values)."""
         now = time.perf_counter()
         owners = owners.tolist() if isinstance(owners, np.ndarray) else list(owners)
-        firsts = first_cell.tolist()
         if any(o._done for o in owners):  # cancelled or expired meanwhile
             live = [i for i, o in enumerate(owners) if not o._done]
-            owners, firsts = [owners[i] for i in live], [firsts[i] for i in live]
+            owners, first_cell = [owners[i] for i in live], first_cell[live]
             outputs = {key: v[live] if isinstance(v, torch.Tensor) else [v[i] for i in live] for key, v in outputs.items()}
         if not owners:
             return
-        columns = [v.unbind(0) if isinstance(v, torch.Tensor) else v for v in outputs.values()]
-        if len(outputs) == 1:  # (the common case: one output, no dict comprehension per request)
-            (key,) = outputs
-            rows = [{key: value} for value in columns[0]]
-        else:
-            rows = [dict(zip(outputs, values)) for values in zip(*columns)]
         arrivals = [o.arrival for o in owners]
         accounting = self.accounting
         accounting.num_finished += len(owners)  # counted before the futures resolve (a waiter may read stats at once)
@@ -249,7 +255,14 @@ class StructuredModel(Finisher):
         for o in owners:
             live.pop(o.request_id, None)
         accounting.latencies[self.name].extend([now - a for a in arrivals])
-        resolve_many(owners, [Result(r, None, (a, f, now)) for r, a, f in zip(rows, arrivals, firsts)])
+        resolve_rows(owners, ResultRows(outputs, arrivals, first_cell, now))
+
+
+def _subsets(items: list) -> list[tuple]:
+    subsets = [()]
+    for item in items:
+        subsets += [(*s, item) for s in subsets]
+    return subsets
 
 
 def _within(counts: np.ndarray) -> np.ndarray:

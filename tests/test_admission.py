@@ -17,7 +17,8 @@ from batchmaker import BadRequestError, CancelledError, Engine, EngineConfig, En
 from batchmaker.core.admission import check_token_lists, check_tokens, in_range
 from batchmaker.core.tree_input import MAX_DEPTH, _tree_to_arrays, parse_tree, parse_trees
 from batchmaker.errors import DeadlineExceededError, OverloadedError
-from batchmaker.future import RequestFuture
+from batchmaker.core.request import ResultRows
+from batchmaker.future import RequestFuture, resolve_rows
 from helpers import wait_idle
 from reference import lstm_reference
 from chain_toys import chain_model
@@ -317,3 +318,47 @@ def test_the_request_future_reads_like_a_concurrent_future():
     assert isinstance(g.exception(), BadRequestError)
     with pytest.raises(RuntimeError, match="twice"):
         g.set_result(1)
+
+
+def test_futures_resolved_in_bulk_build_each_result_once_on_first_read():
+    futures = [RequestFuture(i, "m", {}) for i in range(3)]
+    woken, seen = [], []
+    waiter = threading.Thread(target=lambda: woken.append(futures[1].result(timeout=10)))
+    waiter.start()
+    time.sleep(0.02)
+    futures[2].add_done_callback(lambda f: seen.append(f.result()))
+    h = torch.arange(6.0).view(3, 2)
+    resolve_rows(futures, ResultRows({"h": h, "tokens": [[1], [2, 3], [4]]}, [1.0, 2.0, 3.0], np.array([4.0, 5.0, 6.0]), 9.0))
+    waiter.join(5)
+    for i, f in enumerate(futures):
+        result = f.result()
+        assert result is f.result()  # built once
+        assert torch.equal(result.outputs["h"], h[i]) and result.outputs["tokens"] == [[1], [2, 3], [4]][i]
+        t = result.timing
+        assert (t.arrival, t.first_cell, t.finish) == (1.0 + i, 4.0 + i, 9.0) and type(t.first_cell) is float
+    assert woken == [futures[1].result()] and seen == [futures[2].result()]
+    with pytest.raises(RuntimeError, match="twice"):
+        resolve_rows(futures[:1], ResultRows({"h": h}, [0.0], np.zeros(1), 0.0))
+
+
+@pytest.mark.parametrize("max_len", [None, 1, 3, 0, 4, -1, True, 2.0, 2**70, "2"])
+def test_decode_limits_checked_in_bulk_fail_only_their_own_request(max_len):
+    """A batch mixes requests with and without max_len; a bad one fails alone with its own error."""
+    model = build_model("seq2seq", **SMALL, max_len=3)
+    engine = Engine([model], EngineConfig(devices=("cpu",))).start(thread=False)
+    try:
+        odd = {"tokens": [5, 6]} if max_len is None else {"tokens": [5, 6], "max_len": max_len}
+        futures = [engine.submit("seq2seq", x) for x in ({"tokens": [5]}, {"tokens": [7], "max_len": 2}, odd,
+                                                         {"tokens": [5, 6], "extra": 1})]
+        while not all(f.done() for f in futures):
+            engine.step()
+        assert len(futures[0].result().outputs["tokens"]) <= 3 and len(futures[1].result().outputs["tokens"]) <= 2
+        with pytest.raises(BadRequestError, match="unexpected"):
+            futures[3].result()
+        if max_len is None or (type(max_len) is int and 1 <= max_len <= 3):
+            assert len(futures[2].result().outputs["tokens"]) <= (max_len or 3)
+        else:
+            with pytest.raises(BadRequestError, match="max_len"):
+                futures[2].result()
+    finally:
+        engine.stop()

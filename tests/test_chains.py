@@ -285,3 +285,26 @@ def test_forms_that_do_not_fit_their_cells_are_refused():
               (Chain("mix", steps={"token": "tokens"}, carry={"h": "h"}, outputs={"h": "h"}),
                DecodeLoop("speak", carry={"token": "token", "h": "h"}, start={"token": 1}, stop=("token", EOS),
                           max_len=3, init={"h": "h"}, collect={"w": "token"})))
+
+
+def test_step_values_moved_to_the_buffers_front_while_chains_run_match_the_reference():
+    """Long chains joining in waves fill the group's step-value buffer many times over: each move
+    to its front keeps exactly the values still to run (the caller drives the engine)."""
+    rng = random.Random(7)
+    model = chain_model(max_batch=16)
+    inputs = [{"tokens": [rng.randrange(VOCAB - 1) for _ in range(rng.randint(30, 120))]} for _ in range(200)]
+    inputs = [{"tokens": [t for t in x["tokens"] if t != FAIL] or [1]} for x in inputs]
+    engine = engine_for(model, steps=7).start(thread=False)
+    try:
+        futures = []
+        for a in range(0, len(inputs), 10):
+            futures += [engine.submit("chain", x) for x in inputs[a:a + 10]]
+            engine.step()
+        while not all(f.done() for f in futures):
+            engine.step()
+        group = engine.scheduler.queues[0].groups[0]
+        assert sum(len(x["tokens"]) for x in inputs) > 3 * len(group.values)  # (it moved values at least twice)
+        for x, f in zip(inputs, futures):
+            assert (f.result().outputs["h"] - reference(model, x)).abs().max() <= 1e-6
+    finally:
+        engine.stop()

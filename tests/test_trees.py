@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from batchmaker import Engine
 from batchmaker.core.tree_input import _tree_to_arrays
+from batchmaker.core.trees import TreeGroup
 from batchmaker.data import read_trees
-from batchmaker.errors import BadRequestError
+from batchmaker.errors import BadRequestError, CancelledError
 from batchmaker.registry import build_model
 from batchmaker.unfolders.trees import MAX_DEPTH, load_sst_sample, num_leaves, parse_tree, parse_trees, word_id
 from reference import EagerGraph, run_eagerly, treelstm_reference
@@ -263,3 +264,61 @@ def test_tree_graph_shape_in_the_real_graph_builder():
     assert cells.count("leaf") == 5 and cells.count("internal") == 4
     assert all(graph.in_degree(n) == (2 if graph.nodes[n]["cell"] == "internal" else 0) for n in graph)
     assert out["h"].node is g.new_nodes[-1]  # post-order: the root comes last
+
+
+def test_trees_still_running_when_finished_ones_are_compacted_away_match_reference(monkeypatch):
+    """The node table compacted many times while other trees run (some at another priority):
+    the live trees' nodes, links, rows and ready queues are renumbered, not changed."""
+    monkeypatch.setattr(TreeGroup, "min_dead_to_compact", 256)
+    model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5)
+    lines = load_sst_sample()
+    want = {line: treelstm_reference(model, {"tree": line})["h"] for line in lines}
+    engine = Engine([model]).start(thread=False)
+    try:
+        futures = []
+        for wave in range(12):
+            for i, line in enumerate(lines[wave % 4 * 50:(wave % 4 + 1) * 50]):
+                futures.append((line, engine.submit("treelstm", {"tree": line}, priority=int(i % 7 == 0))))
+            engine.step()
+            engine.cancel(futures[-3][1].request_id)  # (a started tree dropped: its nodes' counts and rows)
+            steps = 0
+            while sum(f.done() for _, f in futures) < len(futures) - 30:  # (the next wave joins running trees)
+                engine.step()
+                steps += 1
+                assert steps < 10000, "trees never finish"
+        for _ in range(10000):
+            if all(f.done() for _, f in futures):
+                break
+            engine.step()
+        assert engine.structured["treelstm"].forest.groups[0].num_compactions >= 5
+        for line, f in futures:
+            if f.exception() is None:
+                torch.testing.assert_close(f.result().outputs["h"], want[line], atol=1e-5, rtol=0)
+        engine.step()  # (the inline worker reports its last task one turn late)
+        stats = engine.stats()
+        assert stats["num_ready_nodes"] == 0 and stats["num_rows_used"] == [0] and stats["num_live_requests"] == 0
+        assert sum(isinstance(f.exception(), CancelledError) for _, f in futures) >= 6
+    finally:
+        engine.stop()
+
+
+def test_a_tree_task_never_writes_a_row_it_reads(monkeypatch):
+    """A fused cell reads and writes rows in one kernel: the rows a task's nodes write are never
+    the rows it reads (its children's, freed only once the task's own rows are taken)."""
+    from batchmaker.exec.steps import StepRunner
+    execute, seen = StepRunner.execute, []
+
+    def checked(self, task):
+        layout = task.cell_type.layout
+        reads = task.index[list(layout.reads.values())].ravel() if layout.reads else np.zeros(0, dtype=np.int64)
+        writes = task.index[list(layout.writes.values())].ravel()
+        seen.append(len(np.intersect1d(reads[reads != 0], writes)))
+        return execute(self, task)
+
+    monkeypatch.setattr(StepRunner, "execute", checked)
+    model = build_model("treelstm", vocab=30000, embed=12, hidden=16, seed=5, max_batch=16)
+    with Engine([model]) as engine:
+        futures = [engine.submit("treelstm", {"tree": line}) for line in load_sst_sample()[:60]]
+        for f in futures:
+            f.result(30)
+    assert len(seen) > 20 and not any(seen)

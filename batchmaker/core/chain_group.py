@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from batchmaker.core.request import RaggedRows
 from batchmaker.core.rows import RowAllocator
 from batchmaker.core.task import RoundTask
 from batchmaker.core.waiting import Chunk, Waiting
@@ -51,7 +52,7 @@ class ChainGroup:
         self.R = np.zeros((2, len(kept), cap), dtype=np.int64)
         self.I = np.zeros((len(stage.carry), cap), dtype=np.int64)
         self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
-        self.values = np.zeros((4096, len(stage.step_inputs)), dtype=np.int64)  # [:num_values] in use
+        self.values = np.zeros((len(stage.step_inputs), 4096), dtype=np.int64)  # [input, :num_values] in use
         self.num_values = 0
         self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
         self.num_stepping = 0  # requests with steps left (kept in step: the scheduler reads it often)
@@ -62,7 +63,7 @@ class ChainGroup:
         self._write_slots = _positions([layout.writes[o] for o in kept])
         self._read_slots = _positions([layout.reads[x] for x in stage.carry])
         self._carried = _positions([kept.index(o) for o in stage.carry.values()])
-        self._value_slots = _positions([layout.values[x] for x in stage.step_inputs])
+        self._value_slots = [layout.values[x] for x in stage.step_inputs]
         self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
                                         + [layout.values[n] for n in stage.start])
         self._kept_ix = np.arange(len(kept))[None, :, None]
@@ -73,6 +74,10 @@ class ChainGroup:
         for o, out in enumerate(kept):
             by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
         self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
+        by_pool = {}  # carried inputs' rows (I) by the pool of the output they read
+        for c, out in enumerate(stage.carry.values()):
+            by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(c)
+        self._init_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
 
     @property
     def num_live(self) -> int:
@@ -91,10 +96,11 @@ class ChainGroup:
         stepping = np.flatnonzero(self.pos < self.length)  # (free slots have length 0)
         left = self.length[stepping] - self.pos[stepping]
         k = int(min(max_steps, left.max()))
-        order = np.argsort(-left, kind="stable")  # lanes stepping at step j are a prefix
-        lanes, steps = stepping[order], np.minimum(left[order], k)
+        short = (k - np.minimum(left, k)).astype(np.int8 if k < 128 else np.int64)  # steps short of k (int8: a radix sort)
+        order = np.argsort(short, kind="stable")  # lanes stepping at step j are a prefix
+        lanes, steps = stepping[order], k - short[order].astype(np.int64)
         pos0 = self.pos[lanes]
-        num_active = np.searchsorted(-steps, -np.arange(k), side="left")  # lanes stepping at step j
+        num_active = len(lanes) - np.cumsum(np.bincount(steps, minlength=k)[:k])  # lanes stepping at step j
         task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
                          num_active=num_active, last=steps - 1,
                          carry=stage.carry, saved=stage.kept, record=tuple(stage.collect.values()),
@@ -134,8 +140,9 @@ class ChainGroup:
             index[1::2, self._read_slots] = at_even[carried]
             index[2::2, self._read_slots] = at_odd[carried]
         if stage.step_inputs:  # host values per step (tokens)
-            at = np.minimum(self.base[lanes] + pos0 + np.arange(k)[:, None], self.num_values - 1)
-            index[:, self._value_slots] = self.values.take(at, axis=0).transpose(0, 2, 1)
+            at = self.base[lanes] + pos0 + np.arange(k)[:, None]  # [k, B]; past a chain's end: clipped, padded below
+            for values, slot in zip(self.values[:, :self.num_values], self._value_slots):
+                values.take(at, mode="clip", out=index[:, slot])
         for name, value in stage.start.items():  # decode: the first step's token
             index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
         for j in np.flatnonzero(num_active < b).tolist():  # lanes past their last step: a suffix at step j
@@ -178,21 +185,26 @@ class ChainGroup:
                 self.collected[out] = grown
 
     def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
-        """The joining chains' step values after those of the `others` (the live chains), which
-        are repacked first once the buffer is full of stale ones; `_next_base`: where each new one starts."""
-        values = chunk.values.reshape(len(chunk.values), -1)
-        if self.num_values + len(values) > len(self.values):
-            lengths = self.length[others]
-            used = int(lengths.sum())
-            starts = np.cumsum(lengths) - lengths
-            kept = self.values[np.repeat(self.base[others] - starts, lengths) + np.arange(used)]
-            self.values = np.zeros((max(len(self.values), 2 * (used + len(values))), values.shape[1]), dtype=np.int64)
-            self.values[:used] = kept
-            self.base[others] = starts
+        """The joining chains' step values after those of the `others` (the live chains). Once the
+        buffer is full, the others' values still to run are moved to its front (into a buffer four
+        times what is kept, so that a move comes once per several joins); `_next_base`: where each
+        new one starts."""
+        values = chunk.values.reshape(len(chunk.values), -1).T  # [inputs, n]
+        n = values.shape[1]
+        if self.num_values + n > self.values.shape[1]:
+            left = np.maximum(self.length[others] - self.pos[others], 0)
+            used = int(left.sum())
+            starts = np.cumsum(left) - left
+            kept = self.values[:, np.repeat(self.base[others] + self.pos[others] - starts, left) + np.arange(used)]
+            size = max(self.values.shape[1], 4 * (used + n))
+            if size > self.values.shape[1]:
+                self.values = np.empty((len(values), size), dtype=np.int64)
+            self.values[:, :used] = kept
+            self.base[others] = starts - self.pos[others]  # (base + pos: the next step's value)
             self.num_values = used
         self._next_base = self.num_values + chunk.bounds[:-1] - chunk.bounds[0]
-        self.values[self.num_values:self.num_values + len(values)] = values
-        self.num_values += len(values)
+        self.values[:, self.num_values:self.num_values + n] = values
+        self.num_values += n
 
     def _end_chains(self, task: RoundTask, slots: np.ndarray, rows: np.ndarray, final_parity: np.ndarray) -> None:
         """Chains whose last step is in this round: their final rows go to the next stage or to
@@ -259,9 +271,9 @@ class ChainGroup:
                                                      for key, o in stage.collect.items()})
         done = current & (stopped | (ends >= self.length[lanes.slots]))
         if done.any():
-            slots, ends = lanes.slots[done], ends[done].tolist()
-            outputs = {key: [self.collected[o][s, :e].tolist() for s, e in zip(slots.tolist(), ends)]
-                       for key, o in stage.collect.items()}
+            slots, ends = lanes.slots[done], ends[done]
+            width = int(ends.max())
+            outputs = {key: RaggedRows(self.collected[o][slots, :width], ends) for key, o in stage.collect.items()}
             stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
             self._drop(slots)
 
@@ -290,10 +302,12 @@ class ChainGroup:
         self._release(slots)
 
     def _free_init(self, slots: np.ndarray) -> None:
-        for c, out in enumerate(self.stage.carry.values()):
-            rows = self.I[c, slots]
-            self.pools[out].free_many(rows[rows != 0])
-            self.I[c, slots] = 0
+        if not len(slots):
+            return
+        for pool, ix in self._init_groups:
+            rows = self.I[ix[:, None], slots[None, :]].ravel()
+            pool.free_many(rows[rows != 0])
+        self.I[:, slots] = 0
 
     def _release(self, slots: np.ndarray) -> None:
         self.serial[slots] = 0

@@ -52,6 +52,49 @@ class Result:
         return f"Result(outputs={self.outputs!r}, timing={self.timing!r})"
 
 
+class RaggedRows:
+    """A column of n lists of ints kept as one padded block until read: row i is
+    block[i, :ends[i]] as a list (decoded tokens: built by whoever reads the result, not by the
+    manager)."""
+
+    __slots__ = ("block", "ends")
+
+    def __init__(self, block, ends):
+        self.block = block  # int64 [n, width]
+        self.ends = ends  # int64 [n]
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: int) -> list:
+        return self.block[i, :self.ends[i]].tolist()
+
+
+class ResultRows:
+    """The results of many requests resolved at once (batchmaker/future.resolve_rows): row i's
+    Result is built when its future is first read, so the manager builds nothing per request.
+    outputs: key -> a tensor [n, ...] or a list of n values; arrivals and first_cells: [n].
+    A tensor is split into its rows once, at the first read of any row (read under the futures'
+    lock: future._take_row)."""
+
+    __slots__ = ("_rows", "arrivals", "finish", "first_cells", "outputs")
+
+    def __init__(self, outputs: dict[str, Any], arrivals: list, first_cells, finish: float):
+        self.outputs = outputs
+        self.arrivals = arrivals
+        self.first_cells = first_cells
+        self.finish = finish
+        self._rows: dict | None = None
+
+    def result(self, i: int) -> Result:
+        rows = self._rows
+        if rows is None:  # (a tensor's unbind costs a fraction of indexing it row by row)
+            rows = self._rows = {key: column.unbind(0) if hasattr(column, "unbind") else column
+                                 for key, column in self.outputs.items()}
+        outputs = {key: column[i] for key, column in rows.items()}
+        return Result(outputs, None, (self.arrivals[i], float(self.first_cells[i]), self.finish))
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A general-path request: unfolded node by node (batchmaker/core/processor.py)."""

@@ -90,9 +90,11 @@ class Forest:
         group = self.groups[worker_id]
         cell_type = self.spec.leaf if kind == LEAF else self.spec.internal
         tasks = []
+        if kind == LEAF and len(self.waiting):  # the leaves of every task formed now, in one join
+            wanted = max_tasks * cell_type.max_batch - group.num_ready[LEAF]
+            if wanted > 0:
+                self._start_trees(group, wanted)
         while len(tasks) < max_tasks:
-            if kind == LEAF and group.num_ready[LEAF] < cell_type.max_batch and len(self.waiting):
-                self._start_trees(group, cell_type.max_batch - group.num_ready[LEAF])
             if not group.num_ready[kind] or (tasks and group.num_ready[kind] < cell_type.min_batch):
                 break
             tasks.append(group.form(kind))
@@ -108,7 +110,9 @@ class Forest:
 
 class TreeGroup:
     """The nodes of the trees one worker runs. Node arrays grow by doubling and are compacted
-    when more than half are dead; a task's plan never keeps node ids past its formation."""
+    when more than two thirds are dead; a task's plan never keeps node ids past its formation."""
+
+    min_dead_to_compact = 16384  # (a compaction costs a pass over every node array)
 
     def __init__(self, spec: TreeSpec, worker_id: int, pools: dict[str, RowAllocator]):
         self.spec = spec
@@ -132,6 +136,7 @@ class TreeGroup:
         self.num_prioritized = 0  # live trees of a priority other than 0
         self._free_trees = list(range(63, -1, -1))
         self.num_dead = 0  # nodes of finished or dropped trees
+        self.num_compactions = 0
         self.fifos = ({}, {})  # kind -> priority -> deque of node-id arrays
         self.num_ready = [0, 0]
 
@@ -162,6 +167,7 @@ class TreeGroup:
         self.parent[left] = self.parent[right] = inner
         self.pending[at] = 0
         self.pending[inner] = 2
+        self.ready[at] = False  # (past a compaction's end: a dropped node's flag)
         self.tree[at] = np.repeat(trees, sizes)
         for out in self.spec.kept:
             self.rows[out][at] = 0
@@ -181,43 +187,51 @@ class TreeGroup:
         return np.asarray(slots, dtype=np.int64)
 
     def _reserve_nodes(self, more: int) -> None:
-        if self.num_dead > max(16384, 2 * (self.num_nodes - self.num_dead)):
+        if self.num_dead > max(self.min_dead_to_compact, 2 * (self.num_nodes - self.num_dead)):
             self._compact()
         need = self.num_nodes + more
         if need <= len(self.token):
             return
         cap = max(need, 2 * len(self.token))
+        used = self.num_nodes  # (what lies past it is set by the join that uses it)
         for name in ("token", "left", "right", "parent", "pending", "tree", "ready"):
             old = getattr(self, name)
-            grown = np.zeros(cap, dtype=old.dtype)
-            grown[:len(old)] = old
+            grown = np.empty(cap, dtype=old.dtype)
+            grown[:used] = old[:used]
             setattr(self, name, grown)
         for out, old in self.rows.items():
-            grown = np.zeros(cap, dtype=np.int64)
-            grown[:len(old)] = old
+            grown = np.empty(cap, dtype=np.int64)
+            grown[:used] = old[:used]
             self.rows[out] = grown
 
     def _compact(self) -> None:
-        """Drop the nodes of finished trees: renumber the live ones and what refers to them."""
+        """Drop the nodes of finished trees: renumber the live ones and what refers to them (a
+        live tree's nodes refer to its own nodes only). One pass finds the kept ids; every array
+        is then gathered by them (a boolean mask per array would find them again each time)."""
         n = self.num_nodes
-        keep = self.live[self.tree[:n]]
-        new_id = np.cumsum(keep) - 1
-        remap = lambda a: np.where(a >= 0, new_id[np.maximum(a, 0)], -1)  # noqa: E731
+        kept = np.flatnonzero(self.live[self.tree[:n]])
+        m = len(kept)
+        new_id = np.empty(n, dtype=np.int64)
+        new_id[kept] = np.arange(m)
         for name in ("token", "pending", "tree", "ready"):
             arr = getattr(self, name)
-            arr[:int(keep.sum())] = arr[:n][keep]
+            arr[:m] = arr.take(kept)
         for name in ("left", "right", "parent"):
             arr = getattr(self, name)
-            arr[:int(keep.sum())] = remap(arr[:n][keep])
+            refs = arr.take(kept)
+            arr[:m] = np.where(refs >= 0, new_id.take(np.maximum(refs, 0)), -1)
         for arr in self.rows.values():
-            arr[:int(keep.sum())] = arr[:n][keep]
+            arr[:m] = arr.take(kept)
+        is_kept = np.zeros(n, dtype=bool)
+        is_kept[kept] = True
         for fifos in self.fifos:
             for level, queue in fifos.items():
                 ids = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
-                ids = ids[keep[ids]]
+                ids = ids[is_kept[ids]]
                 fifos[level] = deque([new_id[ids]] if len(ids) else [])
-        self.num_nodes = int(keep.sum())
+        self.num_nodes = m
         self.num_dead = 0
+        self.num_compactions += 1
 
     # forming a task -------------------------------------------------------------------------
     def form(self, kind: int) -> StepTask:
