@@ -107,9 +107,13 @@ class HeadNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * rms_normalized(x, self.eps).to(x.dtype)
+
+
+def rms_normalized(x: Tensor, eps: float) -> Tensor:
+    """x / rms(x) over the last dimension, in float32 (the norms then weight it and cast back)."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class DecoderLayer(nn.Module):

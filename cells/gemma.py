@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM
+from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, rms_normalized
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.cells.llama import GatedMLP, Rotary, rope_inv_freq
 from batchmaker.kernels.skinny import project
@@ -34,9 +34,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GeGLU(GatedMLP):

@@ -124,3 +124,17 @@ def ipc_address() -> str:
     folder = tempfile.mkdtemp(prefix="bm-")
     atexit.register(shutil.rmtree, folder, True)
     return f"ipc://{folder}/s"
+
+
+def save_perturbed(config_class, model_class, config: dict, path) -> torch.nn.Module:
+    """A tiny HF model with every weight perturbed (biases and norms too), in fp32, saved with
+    `save_pretrained` as users have it; returns it (eval mode)."""
+    torch.manual_seed(0)
+    hf = model_class(config_class(**config))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    hf = hf.float().eval()
+    hf.save_pretrained(path)
+    return hf

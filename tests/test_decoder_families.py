@@ -14,6 +14,7 @@ import torch
 from batchmaker.cells.checkpoint import load_checkpoint
 from batchmaker.cells.decoder_config import num_parameters
 from batchmaker.registry import build_model
+from helpers import save_perturbed
 from test_generation import hf_greedy
 from test_tensor_parallel_engine import serve
 
@@ -38,15 +39,7 @@ WINDOW = {"mistral-window-16": (transformers.MistralConfig, transformers.Mistral
 def save(family: str, path) -> torch.nn.Module:
     """A tiny model of `family` with every weight perturbed (biases and norms too), saved as users have it."""
     config_class, model_class, extra = {**FAMILIES, **HEAD_24, **WINDOW}[family]
-    torch.manual_seed(0)
-    hf = model_class(config_class(**TINY, **extra))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    hf = hf.float().eval()
-    hf.save_pretrained(path)
-    return hf
+    return save_perturbed(config_class, model_class, {**TINY, **extra}, path)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import save_perturbed
 from test_generation import hf_greedy, run_until
 from test_tensor_parallel_engine import serve
 
@@ -39,15 +40,7 @@ FAMILIES = {
 def save(family: str, path) -> torch.nn.Module:
     """A tiny model of `family` with every weight perturbed (norms too), saved as users have it."""
     config_class, model_class, extra = {**FAMILIES, **HEAD_256}[family]
-    torch.manual_seed(0)
-    hf = model_class(config_class(**{**TINY, **extra}))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    hf = hf.float().eval()
-    hf.save_pretrained(path)
-    return hf
+    return save_perturbed(config_class, model_class, {**TINY, **extra}, path)
 
 
 def prompts(seed: int, count: int) -> list[torch.Tensor]:
