@@ -1,7 +1,8 @@
 """One-shot all-reduce over NVLink peer memory (issue 31): for the small messages of a decode step
 (a few rows of the hidden size), where NCCL's protocol costs more than the bytes.
 
-Each rank owns one buffer of two halves and one flag per rank, mapped into every other rank's
+Each rank owns one buffer of two halves and one flag per rank (int64: a call number that never
+wraps around), mapped into every other rank's
 address space (exec/peer_memory.py). A call is two launches on the rank's stream:
 - `stage`: copy the input into this rank's half `e % 2`, where `e` is this call's number (one
   more than the last number this rank posted to itself); program 0 writes `e` to `epoch`;
@@ -23,7 +24,7 @@ MAX_POLLS = 1 << 23  # a rank that never posts (dead, hung): give up after secon
 
 @triton.jit
 def stage_kernel(x_ptr, buffers, flag_tables, epoch, n, half, RANK: tl.constexpr, BLOCK: tl.constexpr):
-    own_flags = tl.load(flag_tables + RANK).to(tl.pointer_type(tl.int32))
+    own_flags = tl.load(flag_tables + RANK).to(tl.pointer_type(tl.int64))
     e = tl.load(own_flags + RANK, volatile=True) + 1  # only `reduce` writes it: stable here
     own = tl.load(buffers + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
     own += (e % 2) * half
@@ -40,9 +41,9 @@ def reduce_kernel(out_ptr, buffers, flag_tables, epoch, n, half,
     e = tl.load(epoch)  # only `stage` writes it: stable here
     if tl.program_id(0) == 0:
         for r in tl.static_range(RANKS):  # post e in rank r's slot for this rank
-            slots = tl.load(flag_tables + r).to(tl.pointer_type(tl.int32))
+            slots = tl.load(flag_tables + r).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(slots + RANK, e, sem="release", scope="sys")
-    own_flags = tl.load(flag_tables + RANK).to(tl.pointer_type(tl.int32))
+    own_flags = tl.load(flag_tables + RANK).to(tl.pointer_type(tl.int64))
     for r in tl.static_range(RANKS):  # every rank's stage of call e is visible
         seen = tl.atomic_add(own_flags + r, 0, sem="acquire", scope="sys")
         polls = 0

@@ -33,6 +33,7 @@ def _rank(rank: int, size: int, port: int, results, scenario: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=60))
     group = process_group(store, rank, size, device)
     reducer = one_shot.OneShot(dist.PrefixStore("t", store), rank, size, device)
+    reducer.check(torch.bfloat16)  # (the start-up self-test passes)
     failures = []
     if scenario == "hung" and rank == 1:
         time.sleep(40)  # (never calls: rank 0's kernel must give up before)

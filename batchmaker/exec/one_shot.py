@@ -22,7 +22,7 @@ from batchmaker.exec.peer_memory import PeerMemory, one_host
 log = logging.getLogger("batchmaker")
 
 HALF_BYTES = 1 << 20  # the largest one-shot message (a batch of 64 rows of 8192 bf16 is 1 MiB)
-FLAG_BYTES = 256  # one int32 flag per rank (at most 64 ranks), then the two halves
+FLAG_BYTES = 256  # one int64 flag per rank (at most 32 ranks), then the two halves
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)  # the sizes measured at start-up
 CALLS = 16  # all-reduces per measured graph
 
@@ -38,7 +38,7 @@ class OneShot:
         pointers = torch.tensor(self.memory.pointers, dtype=torch.int64)
         self._flags = pointers.to(device)
         self._buffers = (pointers + FLAG_BYTES).to(device)
-        self._epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.wins = (True,) * len(SIZES)  # at each of SIZES: whether one-shot takes it (`choose` measures)
         self.table: dict = {}  # bytes -> (one-shot µs, NCCL µs), as measured by `choose`
 
@@ -56,6 +56,15 @@ class OneShot:
             raise ValueError(f"{x.numel() * x.element_size()} bytes: the one-shot all-reduce takes {HALF_BYTES} at most")
         return self._reduce(x, self._buffers, self._flags, self._epoch, HALF_BYTES // x.element_size(),
                             self.rank, self.size)
+
+    def check(self, dtype: torch.dtype) -> None:
+        """Start-up self-test (compiles the kernels): rank r's r + 1 must sum to the same total on
+        every rank. Raises RuntimeError otherwise (the group then uses NCCL: `agree`)."""
+        x = torch.full((3 * 1024 + 5,), float(self.rank + 1), dtype=dtype, device=self.device)
+        total = self.size * (self.size + 1) // 2
+        got = self(x).float()
+        if not bool((got == total).all()):
+            raise RuntimeError(f"the one-shot all-reduce's self-test summed to {got.unique().tolist()}, not {total}")
 
     def choose(self, group, dtype: torch.dtype) -> dict:
         """Measure both kinds at each of SIZES; one-shot takes the sizes it won."""
@@ -109,7 +118,7 @@ def agree(store, rank: int, size: int, build):
     kernel it never runs."""
     try:
         built, failure = build(), ""
-    except RuntimeError as e:  # (say, a container that does not allow CUDA IPC)
+    except Exception as e:  # noqa: BLE001 (any failure, CUDA IPC refused or a kernel that does not compile: NCCL)
         built, failure = None, f"rank {rank}: {type(e).__name__}: {e}"
     store.set(f"peer-failure-{rank}", failure)
     failures = [store.get(f"peer-failure-{r}").decode() for r in range(size)]
@@ -123,13 +132,24 @@ def agree(store, rank: int, size: int, build):
 
 def join(store, rank: int, size: int, device: torch.device, group, dtype: torch.dtype):
     """This rank's OneShot for `group`, or None where it cannot run (a CPU group, ranks on several
-    hosts, BATCHMAKER_ONE_SHOT=0) or never wins; every rank of the group gets the same answer."""
-    if device.type != "cuda" or size < 2 or os.environ.get("BATCHMAKER_ONE_SHOT", "1") == "0":
+    hosts, more than 32 ranks, BATCHMAKER_ONE_SHOT=0), fails its self-test on any rank, or never
+    wins; every rank of the group gets the same answer."""
+    if (device.type != "cuda" or not 2 <= size <= FLAG_BYTES // 8
+            or os.environ.get("BATCHMAKER_ONE_SHOT", "1") == "0"):
         return None
     store = dist.PrefixStore("batchmaker-one-shot", store)
     if not one_host(store, rank, size):
         return None
-    one_shot = agree(store, rank, size, lambda: OneShot(store, rank, size, device))
+
+    def build():
+        built = OneShot(store, rank, size, device)
+        try:
+            built.check(dtype)
+        except BaseException:
+            built.close()
+            raise
+        return built
+    one_shot = agree(store, rank, size, build)
     if one_shot is None:
         return None
     one_shot.choose(group, dtype)
