@@ -82,12 +82,18 @@ def run_degree(args, tp: int, bandwidth: float, all_reduce: str) -> list[dict]:
     finally:
         engine.stop()
         del engine, model
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(0)  # (what the next engine finds: a leak shows here)
-        print(f"TP={tp} stopped: cuda:0 {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
-              f"{torch.cuda.memory_allocated(0) / 2**30:.2f} GiB still allocated by torch", flush=True)
+        report_freed(tp)
     return rows
+
+
+def report_freed(tp: int) -> None:
+    """Collect what the stopped engine left and print what the next engine will find on cuda:0
+    (a leak between engines of one process shows here)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(0)
+    print(f"TP={tp} stopped: cuda:0 {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+          f"{torch.cuda.memory_allocated(0) / 2**30:.2f} GiB still allocated by torch", flush=True)
 
 
 def plot(rows: list[dict], title: str):
