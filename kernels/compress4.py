@@ -7,13 +7,17 @@ less traffic, not faster arithmetic: values are expanded back to their dtype bef
 Weights group along their output channels (dim 0 of a [out, in] weight), the KV cache along the
 head dimension (FlexGen's choices). A dimension that is not a multiple of the group is padded
 with copies of its last value (they widen no range) and the padding is dropped on the way back.
-This is the PyTorch reference; a Triton kernel that fuses the expansion into its consumer is to
-be checked against it.
+`compress`/`decompress` are the PyTorch reference; `expand` runs the Triton kernel
+(kernels/triton_compress4.py) on a GPU for the two layouts it serves, a weight grouped along dim 0
+and a cache grouped along its last dimension, writing into a given buffer (FlexGen expands a
+layer's weights into a reused one). Not yet: the expansion fused into the projection.
 """
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from batchmaker.kernels.cell_launch import is_interpreting, load_kernels
 
 LEVELS = 15  # 4 bits
 
@@ -46,8 +50,8 @@ def compress(x: Tensor, group: int = 64, dim: int = 0) -> Compressed:
     low = groups.amin(-1, keepdim=True)
     scale = (groups.amax(-1, keepdim=True) - low) / LEVELS
     codes = torch.round((groups - low) / torch.where(scale > 0, scale, 1.0)).clamp_(0, LEVELS).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return Compressed(packed, scale.to(x.dtype), low.to(x.dtype), tuple(x.shape), dim, group)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()  # (in the grouped layout's order)
+    return Compressed(packed, scale.to(x.dtype).contiguous(), low.to(x.dtype).contiguous(), tuple(x.shape), dim, group)
 
 
 def decompress(c: Compressed) -> Tensor:
@@ -58,3 +62,29 @@ def decompress(c: Compressed) -> Tensor:
     moved_shape.append(moved_shape.pop(c.dim))
     values = values.reshape(*moved_shape[:-1], -1)[..., :moved_shape[-1]]
     return values.to(c.scale.dtype).movedim(-1, c.dim).contiguous()
+
+
+EXPAND_ROWS = 32  # rows of the grouped layout per program
+
+
+def expand(c: Compressed, out: Tensor | None = None, reference: bool = False) -> Tensor:
+    """`decompress(c)`, into `out` (contiguous, c's shape and dtype) where given: the Triton kernel
+    on a GPU (or Triton's interpreter) for a 2-D tensor grouped along dim 0 or any tensor grouped
+    along its last dimension, in groups of a power of two; the reference otherwise."""
+    if out is None:
+        out = torch.empty(c.shape, dtype=c.scale.dtype, device=c.codes.device)
+    if out.shape != torch.Size(c.shape) or out.dtype != c.scale.dtype or not out.is_contiguous():
+        raise ValueError(f"out: a contiguous {c.scale.dtype} tensor of shape {c.shape} expected, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    last = c.dim == len(c.shape) - 1
+    served = (last or (c.dim == 0 and len(c.shape) == 2)) and c.group & (c.group - 1) == 0  # (tiles of 2^k)
+    if reference or not (c.codes.is_cuda or is_interpreting()) or not served:
+        return out.copy_(decompress(c))
+    size = c.shape[c.dim]
+    rows = out.numel() // size
+    row_stride, col_stride = (size, 1) if last else (1, c.shape[1])
+    kernels = load_kernels("triton_compress4", "the 4-bit expansion kernel", "compress4.decompress")
+    grid = (-(-rows // EXPAND_ROWS), c.codes.shape[-2])
+    kernels.expand_kernel[grid](c.codes.contiguous(), c.scale.contiguous(), c.low.contiguous(), out, rows, size, row_stride, col_stride,
+                                GROUP=c.group, BLOCK_R=EXPAND_ROWS)
+    return out

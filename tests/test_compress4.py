@@ -1,10 +1,12 @@
 """4-bit group-wise compression (kernels/compress4.py; FlexGen §5): every value comes back within
 half a step of its group's grid, (max - min) / 30; values on the grid and constant groups come
-back exactly; 64 fp16 values take 36 bytes; any dimension, any size (padded groups)."""
+back exactly; 64 fp16 values take 36 bytes; any dimension, any size (padded groups). The Triton
+expansion (`expand`) equals the reference bit for bit, in Triton's interpreter and on a GPU."""
 import pytest
 import torch
+from helpers import interpreter, needs_gpu, run_interpreted
 
-from batchmaker.kernels.compress4 import compress, decompress
+from batchmaker.kernels.compress4 import compress, decompress, expand
 
 
 def group_ranges(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -52,3 +54,43 @@ def test_64_fp16_values_take_36_bytes_and_fp16_keeps_its_bound():
 def test_an_odd_group_is_refused():
     with pytest.raises(ValueError, match="even"):
         compress(torch.zeros(8, 8), group=7)
+
+
+EXPAND_CASES = [((128, 64), 0, 64), ((100, 70), 0, 64), ((3, 5, 130), 2, 64), ((7, 33), 0, 16),
+                ((2, 4, 8, 24), 3, 8), ((96, 40), 1, 64), ((9, 10), 0, 6)]  # (the last two: the reference's)
+
+
+def _expand_equals_the_reference(device: str, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        for shape, dim, group in EXPAND_CASES:
+            x = (torch.randn(shape, generator=generator) * 3).to(dtype).to(device)
+            c = compress(x, group, dim)
+            want = decompress(c)
+            out = torch.full(shape, float("nan"), dtype=dtype, device=device)  # (every value must be written)
+            assert expand(c, out) is out
+            assert torch.equal(out, want), (dtype, shape, dim, group)
+
+
+@interpreter
+def test_expand_kernel_equals_the_reference_interpreted():
+    # (not bf16: Triton 3.5's interpreter truncates fp32 to bf16 where the GPU rounds to nearest,
+    # 1 ulp off on ~16% of values; bf16 is compared on the GPU)
+    _expand_equals_the_reference("cpu", (torch.float16, torch.float32))
+
+
+def test_expand_kernel_in_the_interpreter():
+    run_interpreted(__file__, "test_expand_kernel_equals_the_reference_interpreted", timeout=600)
+
+
+@needs_gpu
+def test_expand_kernel_equals_the_reference_on_the_gpu():
+    _expand_equals_the_reference("cuda")
+
+
+def test_expand_refuses_a_buffer_of_another_shape_or_dtype():
+    c = compress(torch.randn(64, 8), 64, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        expand(c, torch.empty(8, 64))
+    with pytest.raises(ValueError, match="contiguous"):
+        expand(c, torch.empty(64, 8, dtype=torch.float16))
