@@ -88,3 +88,28 @@ def expand(c: Compressed, out: Tensor | None = None, reference: bool = False) ->
     kernels.expand_kernel[grid](c.codes.contiguous(), c.scale.contiguous(), c.low.contiguous(), out, rows, size, row_stride, col_stride,
                                 GROUP=c.group, BLOCK_R=EXPAND_ROWS)
     return out
+
+
+LINEAR_TILES = (16, 64, 64)  # rows, outputs, inputs per step of `linear4` (not tuned: no GPU timing yet)
+
+
+def linear4(x: Tensor, c: Compressed, reference: bool = False) -> Tensor:
+    """x [..., K] @ W^T for a weight W [N, K] compressed along dim 0 (its output channels), with no
+    dense copy of W: the Triton kernel on a GPU (or Triton's interpreter), else the twin
+    `F.linear(x, decompress(c))`."""
+    if c.dim != 0 or len(c.shape) != 2 or x.shape[-1] != c.shape[1] or x.dtype != c.scale.dtype:
+        raise ValueError(f"linear4: a [N, K] weight compressed along dim 0 and x [..., K] of its dtype expected, "
+                         f"got weight {c.shape} (dim {c.dim}, {c.scale.dtype}) and x {tuple(x.shape)} {x.dtype}")
+    if reference or not (x.is_cuda or is_interpreting()) or c.group & (c.group - 1):
+        return torch.nn.functional.linear(x, decompress(c))
+    n, k = c.shape
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = LINEAR_TILES
+    kernels = load_kernels("triton_compress4", "the 4-bit projection kernel", "compress4.decompress")
+    grid = (-(-flat.shape[0] // block_m), -(-n // block_n))
+    kernels.linear4_kernel[grid](flat, c.codes.contiguous(), c.scale.contiguous(), c.low.contiguous(), out,
+                                 flat.shape[0], n, k, c.codes.shape[-2], GROUP=c.group, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, BLOCK_K=block_k,
+                                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out.reshape(*x.shape[:-1], n)

@@ -1,8 +1,14 @@
-"""The 4-bit group-wise codes of kernels/compress4.py expanded back on the device (issue 34):
+"""The 4-bit group-wise codes of kernels/compress4.py expanded back on the device (issue 34).
+
+`expand_kernel`:
 one program takes BLOCK_R rows of the grouped layout (every dimension but the grouped one, as
 rows) and one group of each, unpacks two codes a byte, applies the group's (scale, min) in fp32,
 and stores the values at their place in the destination through its strides, dropping the
 padding past the grouped dimension's size. The reference twin is `compress4.decompress`.
+
+`linear4_kernel`: a projection whose weight stays 4-bit in memory, each tile expanded in registers
+just before its product (FlexGen's compressed weights without a dense copy). Its twin is
+`F.linear(x, decompress(c))`.
 """
 import triton
 import triton.language as tl
@@ -26,3 +32,28 @@ def expand_kernel(codes, scale, low, out, rows, size, row_stride, col_stride,
     c = g * GROUP + tl.arange(0, GROUP)
     keep = row_ok[:, None] & (c < size)[None, :]
     tl.store(out + r[:, None] * row_stride + c[None, :] * col_stride, values.to(out.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def linear4_kernel(x, codes, scale, low, out, m, n, k, groups, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[m, n] = x[m, k] @ W[n, k]^T with W 4-bit, grouped along n (its grouped layout's rows are
+    W's columns): each K-tile of W^T is expanded in registers, in x's dtype, then multiplied."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        a = tl.load(x + rows[:, None] * k + ks[None, :], mask=(rows < m)[:, None] & k_ok[None, :], other=0.0)
+        packed = tl.load(codes + ks[:, None] * (groups * GROUP // 2) + half[None, :],
+                         mask=k_ok[:, None] & (half < groups * GROUP // 2)[None, :], other=0)
+        w = tl.interleave((packed & 0x0F).to(tl.float32), (packed >> 4).to(tl.float32))  # [BLOCK_K, BLOCK_N]
+        where = ks[:, None] * groups + cols[None, :] // GROUP
+        in_range = k_ok[:, None] & (cols < n)[None, :]
+        w = tl.load(low + where, mask=in_range, other=0.0).to(tl.float32) + \
+            w * tl.load(scale + where, mask=in_range, other=0.0).to(tl.float32)
+        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+    tl.store(out + rows[:, None] * n + cols[None, :], acc.to(out.dtype.element_ty),
+             mask=(rows < m)[:, None] & (cols < n)[None, :])

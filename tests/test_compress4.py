@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import interpreter, needs_gpu, run_interpreted
 
-from batchmaker.kernels.compress4 import compress, decompress, expand
+from batchmaker.kernels.compress4 import compress, decompress, expand, linear4
 
 
 def group_ranges(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -94,3 +94,44 @@ def test_expand_refuses_a_buffer_of_another_shape_or_dtype():
         expand(c, torch.empty(8, 64))
     with pytest.raises(ValueError, match="contiguous"):
         expand(c, torch.empty(64, 8, dtype=torch.float16))
+
+
+LINEAR_CASES = [(1, 64, 64, 64), (3, 130, 96, 64), (17, 200, 70, 64), (5, 48, 40, 16)]  # (rows, N, K, group)
+
+
+def _linear4_equals_the_twin(device: str, dtypes) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for dtype in dtypes:
+        for rows, n, k, group in LINEAR_CASES:
+            weight = torch.randn(n, k, generator=generator).to(dtype).to(device)
+            x = torch.randn(rows, k, generator=generator).to(dtype).to(device)
+            c = compress(weight, group, 0)
+            want = torch.nn.functional.linear(x.double(), decompress(c).double())
+            got = linear4(x, c)
+            assert got.shape == (rows, n) and got.dtype == dtype
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # (the products' sum in another order, rounded)
+            assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * k ** 0.5), (dtype, rows, n, k)
+
+
+@interpreter
+def test_linear4_kernel_equals_the_twin_interpreted():
+    _linear4_equals_the_twin("cpu", (torch.float16, torch.float32))
+
+
+def test_linear4_kernel_in_the_interpreter():
+    run_interpreted(__file__, "test_linear4_kernel_equals_the_twin_interpreted", timeout=600)
+
+
+@needs_gpu
+def test_linear4_kernel_equals_the_twin_on_the_gpu():
+    _linear4_equals_the_twin("cuda", (torch.float16, torch.bfloat16, torch.float32))
+
+
+def test_linear4_twin_is_the_dense_projection_and_refuses_other_layouts():
+    weight, x = torch.randn(96, 40), torch.randn(2, 3, 40)
+    c = compress(weight, 64, 0)
+    assert torch.allclose(linear4(x, c), x @ decompress(c).T, atol=1e-5)
+    with pytest.raises(ValueError, match="compressed along dim 0"):
+        linear4(x, compress(weight, 64, 1))
+    with pytest.raises(ValueError, match="compressed along dim 0"):
+        linear4(torch.randn(2, 41), c)
