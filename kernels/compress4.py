@@ -113,3 +113,21 @@ def linear4(x: Tensor, c: Compressed, reference: bool = False) -> Tensor:
                                  BLOCK_N=block_n, BLOCK_K=block_k,
                                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out.reshape(*x.shape[:-1], n)
+
+
+def compress_rows(x: Tensor, group: int = 64, reference: bool = False) -> Compressed:
+    """`compress(x, group, dim=-1)` (a KV cache's layout: groups along the head): the Triton kernel
+    on a GPU (or Triton's interpreter) for a group of a power of two, the reference otherwise; the
+    same codes, scales and mins."""
+    if reference or not (x.is_cuda or is_interpreting()) or group < 2 or group & (group - 1):
+        return compress(x, group, x.dim() - 1)
+    size = x.shape[-1]
+    rows, groups = x.numel() // size, -(-size // group)
+    lead = tuple(x.shape[:-1])
+    codes = torch.empty(*lead, groups, group // 2, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(*lead, groups, 1, dtype=x.dtype, device=x.device)
+    low = torch.empty_like(scale)
+    kernels = load_kernels("triton_compress4", "the 4-bit compression kernel", "compress4.compress")
+    kernels.compress_kernel[(-(-rows // EXPAND_ROWS), groups)](x.contiguous(), codes, scale, low, rows, size,
+                                                               GROUP=group, BLOCK_R=EXPAND_ROWS)
+    return Compressed(codes, scale, low, tuple(x.shape), x.dim() - 1, group)

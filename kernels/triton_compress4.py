@@ -57,3 +57,34 @@ def linear4_kernel(x, codes, scale, low, out, m, n, k, groups, GROUP: tl.constex
         acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
     tl.store(out + rows[:, None] * n + cols[None, :], acc.to(out.dtype.element_ty),
              mask=(rows < m)[:, None] & (cols < n)[None, :])
+
+
+@triton.jit
+def _round_half_even(v):
+    """torch.round's rounding (ties to even), written out: the interpreter has no libdevice rint."""
+    f = tl.math.floor(v)
+    odd = f - 2.0 * tl.math.floor(f * 0.5)
+    return tl.where(v - f > 0.5, f + 1.0, tl.where(v - f < 0.5, f, f + odd))
+
+
+@triton.jit
+def compress_kernel(x, codes, scale, low, rows, size, GROUP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`compress4.compress` of a tensor grouped along its last dimension (a KV cache's rows of a
+    head): BLOCK_R rows, one group each; past `size` a row repeats its last value (it widens no range)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    groups = tl.num_programs(1)
+    row_ok = r < rows
+    c = tl.minimum(g * GROUP + tl.arange(0, GROUP), size - 1)  # (the padding: copies of the last value)
+    values = tl.load(x + r[:, None] * size + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    group_low = tl.min(values, axis=1)
+    group_scale = tl.math.div_rn(tl.max(values, axis=1) - group_low, 15.0)
+    step = tl.where(group_scale > 0, group_scale, 1.0)
+    code = tl.math.div_rn(values - group_low[:, None], step[:, None])
+    code = tl.minimum(tl.maximum(_round_half_even(code), 0.0), 15.0).to(tl.uint8)
+    low_nibble, high_nibble = tl.split(tl.reshape(code, [BLOCK_R, GROUP // 2, 2]))
+    packed = low_nibble | (high_nibble << 4)
+    half = tl.arange(0, GROUP // 2)
+    tl.store(codes + ((r * groups + g) * (GROUP // 2))[:, None] + half[None, :], packed, mask=row_ok[:, None])
+    tl.store(scale + r * groups + g, group_scale.to(scale.dtype.element_ty), mask=row_ok)
+    tl.store(low + r * groups + g, group_low.to(low.dtype.element_ty), mask=row_ok)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import interpreter, needs_gpu, run_interpreted
 
-from batchmaker.kernels.compress4 import compress, decompress, expand, linear4
+from batchmaker.kernels.compress4 import compress, compress_rows, decompress, expand, linear4
 
 
 def group_ranges(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -135,3 +135,32 @@ def test_linear4_twin_is_the_dense_projection_and_refuses_other_layouts():
         linear4(x, compress(weight, 64, 1))
     with pytest.raises(ValueError, match="compressed along dim 0"):
         linear4(torch.randn(2, 41), c)
+
+
+def _compress_rows_equals_the_reference(device: str, dtypes) -> None:
+    generator = torch.Generator().manual_seed(2)
+    grid = torch.arange(64, dtype=torch.float32).remainder(16) * 0.25 - 1.0  # (values on a group's grid: ties)
+    for dtype in dtypes:
+        inputs = [torch.randn(5, 64, generator=generator) * 3, torch.randn(3, 7, 130, generator=generator),
+                  torch.randn(4, 24, generator=generator), grid.repeat(3, 1), torch.full((2, 64), 1.5)]
+        for x in inputs:
+            x = x.to(dtype).to(device)
+            for group in (8, 64):
+                got, want = compress_rows(x, group), compress(x, group, -1)
+                assert got.dim == want.dim and got.shape == want.shape
+                for name in ("codes", "scale", "low"):
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (dtype, tuple(x.shape), group, name)
+
+
+@interpreter
+def test_compress_kernel_equals_the_reference_interpreted():
+    _compress_rows_equals_the_reference("cpu", (torch.float16, torch.float32))
+
+
+def test_compress_kernel_in_the_interpreter():
+    run_interpreted(__file__, "test_compress_kernel_equals_the_reference_interpreted", timeout=600)
+
+
+@needs_gpu
+def test_compress_kernel_equals_the_reference_on_the_gpu():
+    _compress_rows_equals_the_reference("cuda", (torch.float16, torch.bfloat16, torch.float32))
