@@ -59,6 +59,7 @@ class Front:
     def __init__(self, replicas: list[ReplicaHandle], models, mailbox: Mailbox, reports: zmq.Socket, config):
         self.replicas, self.mailbox, self.reports, self.config = replicas, mailbox, reports, config
         self.num_finished = 0  # requests resolved (submitting threads read it for the admission bound)
+        self.num_alive = len(replicas)  # replicas not failed (submitting threads read it)
         self.latencies = {name: deque(maxlen=config.engine.num_latencies_kept) for name in models}
         self.load = {name: [0] * len(replicas) for name in models}  # model -> requests outstanding per replica
         self.queries: dict[int, tuple[RequestFuture, dict, set]] = {}  # id -> (future, answers, waiting)
@@ -81,7 +82,8 @@ class Front:
                     self._route(self.mailbox.drain())
                 self._send_turns()
                 now = time.perf_counter()
-                self._check_exits(events, now)
+                if len(events) > (self.reports in events) + (self.mailbox.fileno() in events):  # (a sentinel)
+                    self._check_exits(events, now)
                 if now >= next_check:
                     self._check_hangs(now)
                     next_check = now + self.config.heartbeat
@@ -256,6 +258,7 @@ class Front:
     def _fail(self, h: ReplicaHandle, reason: str, now: float) -> None:
         """The replica is gone for good: kill it, fail its requests, route around it."""
         h.is_alive, h.failure = False, reason
+        self.num_alive -= 1
         log.error("replica %d (%s) %s; failing its %d requests", h.index, h.device, reason, h.num_in_flight)
         self.poller.unregister(h.process.sentinel)
         if h.process.is_alive():

@@ -251,7 +251,7 @@ class Replicas:
             return EngineStoppedError("the replicas are not running")
         if model not in self.models:
             return UnknownModelError(model, self.models)
-        if not self.num_alive:
+        if not self.front.num_alive:  # (a count the front keeps: a sum over the replicas costs ~0.5 µs a submit)
             return ReplicaFailedError("every replica failed")
         return check_options(priority, deadline)
 
