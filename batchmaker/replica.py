@@ -22,7 +22,8 @@ from batchmaker.engine_config import EngineConfig
 from batchmaker.errors import BatchMakerError
 from batchmaker.forms import Generate
 from batchmaker.registry import load_model
-from batchmaker.replica_wire import FAILED, READY, STOPPED, ModelInfo, Report, Turn, columns, decode, encode
+from batchmaker.replica_wire import (FAILED, READY, STOPPED, Encoder, ModelInfo, Report, Turn, columns, encode,
+                                     receive_all)
 
 log = logging.getLogger("batchmaker.replica")
 # The rule for every process the server starts (as exec/tensor_group.py's ranks): NVLink
@@ -91,6 +92,7 @@ class ReplicaLoop:
         self.report = Report(spec.index)
         self.finished: dict = {}  # (model, output names) -> (front ids, first cells, outputs): the report's results
         self.last_sent = 0.0
+        self.encode = Encoder()
         self.is_stopping = False
         self.is_orphaned = False  # the front's process is gone: nobody reads our reports
 
@@ -122,14 +124,8 @@ class ReplicaLoop:
         return int(self.spec.heartbeat * 1000)
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self.turns.poll(timeout_ms):
-            return
-        while True:
-            try:
-                turn = decode(self.turns.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self._apply(turn)
+        if self.turns.poll(timeout_ms):
+            receive_all(self.turns, self._apply)
 
     def _apply(self, turn: Turn) -> None:
         for model, ids, inputs, options in turn.batches:
@@ -192,7 +188,7 @@ class ReplicaLoop:
         self.report = Report(self.spec.index)
 
     def _send(self, report: Report) -> None:
-        self.reports.send(encode(report))
+        self.reports.send(self.encode(report))
         self.last_sent = time.perf_counter()
 
     def _check_parent(self) -> None:

@@ -26,7 +26,7 @@ from batchmaker.core.request import ResultRows
 from batchmaker.errors import EngineStoppedError, ReplicaFailedError, error_from_code
 from batchmaker.future import RequestFuture, resolve_rows
 from batchmaker.replica_routing import DEAD, spread
-from batchmaker.replica_wire import STOPPED, Report, Turn, decode, encode
+from batchmaker.replica_wire import STOPPED, Encoder, Report, Turn, receive_all
 from batchmaker.serving.mailbox import Mailbox
 
 log = logging.getLogger("batchmaker.replicas")
@@ -65,6 +65,8 @@ class Front:
         self.queries: dict[int, tuple[RequestFuture, dict, set]] = {}  # id -> (future, answers, waiting)
         self.num_queries = 0
         self.stop_deadline: float | None = None
+        self.has_turns = False  # a replica's turn has something to send
+        self.encode = Encoder()
         self.is_done = False  # the thread ended (stopped, or a bug: submit must not hand it more)
         self.poller = zmq.Poller()
         for fd in [reports, mailbox.fileno()] + [h.process.sentinel for h in replicas]:
@@ -76,21 +78,29 @@ class Front:
         try:
             while not self._is_finished():
                 events = dict(self.poller.poll(self.config.heartbeat * 1000))
-                if self.reports in events:
-                    self._receive()
-                if self.mailbox.fileno() in events:
-                    self._route(self.mailbox.drain())
-                self._send_turns()
-                now = time.perf_counter()
-                if len(events) > (self.reports in events) + (self.mailbox.fileno() in events):  # (a sentinel)
-                    self._check_exits(events, now)
-                if now >= next_check:
-                    self._check_hangs(now)
-                    next_check = now + self.config.heartbeat
+                woke = time.perf_counter()
+                self._turn(events, woke)
+                if woke >= next_check:
+                    self._check_hangs(woke)
+                    next_check = woke + self.config.heartbeat
+                if events and self.config.min_turn:  # (what arrives meanwhile waits for the next turn)
+                    rest = woke + self.config.min_turn - time.perf_counter()
+                    if rest > 0:
+                        time.sleep(rest)
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("the replicas' front failed; failing live requests")
         self.is_done = True
         self.finish()
+
+    def _turn(self, events: dict, now: float) -> None:
+        """The reports that came, the requests and controls handed over, one Turn per replica."""
+        if self.reports in events:
+            self._receive()
+        if self.mailbox.fileno() in events:
+            self._route(self.mailbox.drain())
+        self._send_turns()
+        if len(events) > (self.reports in events) + (self.mailbox.fileno() in events):  # (a sentinel)
+            self._check_exits(events, now)
 
     # routing and turns ----------------------------------------------------------------------
     def _route(self, items: list) -> None:
@@ -134,9 +144,11 @@ class Front:
             options = [(k, f.priority, f.deadline, f.on_partial is not None) for k, f in enumerate(part)
                        if f.priority or f.deadline is not None or f.on_partial is not None]
             h.turn.batches.append((model, ids, [f.inputs for f in part], options))
+        self.has_turns = True
 
     def _control(self, item: tuple, now: float) -> None:
         kind = item[0]
+        self.has_turns = True
         if kind == "cancel":
             h = next((h for h in self.replicas if item[1] in h.in_flight), None)
             if h is not None:
@@ -156,24 +168,22 @@ class Front:
                 h.turn.stop = True
 
     def _send_turns(self) -> None:
+        if not self.has_turns:
+            return
+        self.has_turns = False
         for h in self.replicas:
             if h.turn.is_empty():
                 continue
             if h.is_alive:
                 try:
-                    h.socket.send(encode(h.turn), zmq.NOBLOCK)
+                    h.socket.send(self.encode(h.turn), zmq.NOBLOCK)
                 except zmq.Again:  # (no peer: it is exiting; its sentinel says so)
                     pass
             h.turn = Turn()
 
     # reports --------------------------------------------------------------------------------
     def _receive(self) -> None:
-        while True:
-            try:
-                data = self.reports.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._apply(decode(data))
+        receive_all(self.reports, self._apply)
 
     def _apply(self, report: Report) -> None:
         h, now = self.replicas[report.replica], time.perf_counter()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 READY, RUNNING, STOPPED, FAILED = "ready", "running", "stopped", "failed"  # Report.state
 
@@ -102,6 +103,30 @@ def encode(message: Turn | Report) -> bytes:
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=5).dump(message)
     return buffer.getvalue()
+
+
+class Encoder:
+    """encode for the messages of one thread (the front's turns, a replica's reports): one
+    pickler and buffer kept (a new pair costs ~1.5 µs a message, a third of a small turn's)."""
+
+    def __init__(self):
+        self._buffer = io.BytesIO()
+        self._pickler = _Pickler(self._buffer, protocol=5)
+
+    def __call__(self, message: Turn | Report) -> bytes:
+        buffer = self._buffer
+        buffer.seek(0)
+        buffer.truncate()
+        self._pickler.clear_memo()
+        self._pickler.dump(message)
+        return buffer.getvalue()
+
+
+def receive_all(sock, apply) -> None:
+    """apply(message) for each message waiting on a PULL socket, without waiting (the socket's
+    EVENTS, not a recv that raises zmq.Again: raising it costs ~5 µs)."""
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        apply(decode(sock.recv(zmq.NOBLOCK)))
 
 
 def decode(data: bytes) -> Turn | Report:

@@ -3,7 +3,7 @@ replicas (submit, front thread and front process CPU µs per request, at saturat
 arrivals) alternately with two source trees, each with its own PYTHONPATH, `--repeats` times.
 
     git worktree add --detach /tmp/base <commit>
-    python bench/front_ab.py --base /tmp/base --repeats 3
+    python bench/front_ab.py --base /tmp/base --repeats 3 --new-min-turns 0
 
 Writes every run and the medians per tree to bench/results/front_ab-cpu-*.json.
 """
@@ -22,13 +22,13 @@ from common import write_results  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def run_once(tree: Path, args) -> dict:
+def run_once(tree: Path, args, extra: list[str]) -> dict:
     """One bench/front_cost.py run (this tree's bench) with `tree`'s batchmaker."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         command = [sys.executable, str(HERE / "front_cost.py"), "--only-replicas", "--json", str(out),
                    "--replicas", *map(str, args.replicas), "--requests", str(args.requests),
-                   "--rates", *map(str, args.rates), "--duration", str(args.duration)]
+                   "--rates", *map(str, args.rates), "--duration", str(args.duration), *extra]
         subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(tree)), stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["runs"]
 
@@ -60,12 +60,16 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=60000)
     parser.add_argument("--rates", type=float, nargs="+", default=[5000, 20000])
     parser.add_argument("--duration", type=float, default=2.0)
+    parser.add_argument("--new-min-turns", type=float, nargs="*", default=[],
+                        help="also run the new tree with these ReplicasConfig.min_turn values")
     args = parser.parse_args(argv)
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
-    runs: dict[str, list] = {name: [] for name in trees}
+    variants = {"base": (trees["base"], []), "new": (trees["new"], [])}
+    variants.update({f"new, min_turn={m:g}": (trees["new"], ["--min-turn", str(m)]) for m in args.new_min_turns})
+    runs: dict[str, list] = {name: [] for name in variants}
     for repeat in range(args.repeats):
-        for name, tree in trees.items():  # alternately
-            runs[name].append(run_once(tree, args))
+        for name, (tree, extra) in variants.items():  # alternately
+            runs[name].append(run_once(tree, args, extra))
             print(f"repeat {repeat} {name}: {json.dumps(medians(runs[name][-1:]))}", flush=True)
     record = {"commits": {name: commit(tree) for name, tree in trees.items()},
               "medians": {name: medians(r) for name, r in runs.items()}, "runs": runs}

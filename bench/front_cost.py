@@ -23,6 +23,7 @@ import platform
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256, help="requests per turn in the encoding comparison")
     parser.add_argument("--only-replicas", action="store_true",
                         help="no encoding comparison, no engine in process (bench/front_ab.py's runs)")
+    parser.add_argument("--min-turn", type=float, help="ReplicasConfig.min_turn (default: its default)")
     parser.add_argument("--json", type=Path, help="write the record here (else bench/results/)")
     args = parser.parse_args(argv)
     requests = [{"tokens": s} for s in wmt_sentences(20000, 1000, seed=0)]
@@ -174,6 +176,8 @@ def main(argv=None) -> int:
         for num in args.replicas:
             print(f"{num} replicas (thread: the front's)")
             config = ReplicasConfig(devices=("cpu",) * num, engine=EngineConfig(max_requests=1 << 22))
+            if args.min_turn is not None:
+                config = replace(config, min_turn=args.min_turn)
             with Replicas(["front_cost:null_lstm"], config) as replicas:
                 record["runs"][f"{num} replicas"] = measure(replicas, "batchmaker-replicas", requests, args, gen)
         if not args.only_replicas:

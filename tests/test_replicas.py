@@ -250,6 +250,22 @@ def test_a_hung_replica_is_killed_and_its_requests_fail():
     assert_no_process_left(replicas)
 
 
+def test_a_front_turn_lasts_min_turn_and_carries_what_arrived_meanwhile():
+    """With min_turn = 0.3 s, a lone request's reply waits for the front's next turn; requests
+    submitted during a turn's rest go out together in the next one (all answered at once)."""
+    with Replicas([("lstm", SMALL)], ReplicasConfig(devices=("cpu",), min_turn=0.3)) as replicas:
+        replicas.submit("lstm", {"tokens": [1]}).result(30)  # (the replica is warm)
+        time.sleep(0.4)  # (the front is idle: the next request goes out at once)
+        lone = replicas.submit("lstm", {"tokens": [1, 2]}).result(30)
+        assert 0.25 < lone.timing.latency < 5
+        time.sleep(0.4)
+        first = replicas.submit("lstm", {"tokens": [3]})
+        time.sleep(0.05)  # (the front rests after the turn that sent `first`)
+        rest = [replicas.submit("lstm", {"tokens": [3, 4]}) for _ in range(5)]
+        finishes = {f.result(30).timing.finish for f in rest}  # (one instant: resolved in one turn)
+        assert len(finishes) == 1 and first.result(30).timing.finish <= min(finishes)
+
+
 def test_stop_fails_unfinished_requests_and_leaves_no_process():
     replicas = Replicas([("lstm", SMALL)], ReplicasConfig(devices=("cpu", "cpu"))).start()
     futures = [replicas.submit("lstm", {"tokens": [4] * 3000}) for _ in range(8)]
