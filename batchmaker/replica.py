@@ -146,13 +146,17 @@ class ReplicaLoop:
             if k in options:
                 priority, deadline, is_streamed = options[k]
                 remaining = None if deadline is None else max(1e-9, deadline - now)  # (shared clock: CLOCK_MONOTONIC)
-                on_partial = (lambda value, i=front_id: self.report.partials.append((i, value))) if is_streamed else None
+                on_partial = self._partials_of(front_id) if is_streamed else None
                 future = submit(model, inputs[k], priority=priority, deadline=remaining, on_partial=on_partial)
             else:
                 future = submit(model, inputs[k])
             self.front_ids[future.request_id] = front_id
             self.live[front_id] = future
             future.add_done_callback(self._on_done)
+
+    def _partials_of(self, front_id: int):
+        """on_partial of a streamed request: its partials go in the next report."""
+        return lambda value: self.report.partials.append((front_id, value))
 
     def _on_done(self, future) -> None:
         """On this thread, inside step() (or submit, for a request refused at once)."""

@@ -126,6 +126,8 @@ class Front:
         """One model's requests: a contiguous slice of them to each replica, as many as sending
         them one by one to the least outstanding would give it."""
         loads = self.load[model]
+        if not futures:
+            return
         if min(loads) >= DEAD:
             for f in futures:
                 self._forget(f, None, ReplicaFailedError("every replica failed"))
