@@ -216,6 +216,8 @@ class Front:
         futures = [pop(request_id, None) for request_id in ids]
         if None in futures:  # (failed meanwhile: their rows are dropped)
             keep = [k for k, f in enumerate(futures) if f is not None]
+            if not keep:
+                return
             futures, first_cells = [futures[k] for k in keep], [first_cells[k] for k in keep]
             columns = {name: column[keep] if hasattr(column, "unbind") else [column[k] for k in keep]
                        for name, column in columns.items()}
