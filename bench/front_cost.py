@@ -14,6 +14,7 @@ this process (the manager thread in place of the front thread; no replica proces
 
     python bench/front_cost.py                          # 1 and 2 CPU replicas, and one engine
     python bench/front_cost.py --replicas 2 --requests 100000 --rates 5000 10000 20000
+    python bench/front_cost.py --only-encodings          # the wire's encodings alone
 """
 import argparse
 import json
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256, help="requests per turn in the encoding comparison")
     parser.add_argument("--only-replicas", action="store_true",
                         help="no encoding comparison, no engine in process (bench/front_ab.py's runs)")
+    parser.add_argument("--only-encodings", action="store_true", help="the encoding comparison alone")
     parser.add_argument("--min-turn", type=float, help="ReplicasConfig.min_turn (default: its default)")
     parser.add_argument("--json", type=Path, help="write the record here (else bench/results/)")
     args = parser.parse_args(argv)
@@ -172,6 +174,9 @@ def main(argv=None) -> int:
     if not args.only_replicas:
         record["encodings_us_per_request"] = encodings(requests, 1024, args.batch)
         print("encode + decode, µs per request:", {k: round(v, 3) for k, v in record["encodings_us_per_request"].items()})
+    if args.only_encodings:
+        print(f"wrote {write_results('front_encodings', 'cpu', record)}")
+        return 0
     with LoadGenerator("inproc") as gen:
         for num in args.replicas:
             print(f"{num} replicas (thread: the front's)")
