@@ -54,10 +54,6 @@ class Turn:
     def is_empty(self) -> bool:
         return not (self.batches or self.cancels or self.queries or self.stop)
 
-    @property
-    def num_requests(self) -> int:
-        return sum(len(batch[1]) for batch in self.batches)
-
     def __reduce__(self):  # (the dataclass's own pickling costs ~3 µs a message)
         return Turn, (self.batches, self.cancels, self.queries, self.stop)
 
