@@ -22,7 +22,8 @@ from batchmaker.engine_config import EngineConfig
 from batchmaker.errors import BatchMakerError
 from batchmaker.forms import Generate
 from batchmaker.registry import load_model
-from batchmaker.replica_wire import FAILED, READY, STOPPED, ModelInfo, Report, Turn, decode, encode, stack_outputs
+from batchmaker.replica_wire import (FAILED, READY, STOPPED, Encoder, ModelInfo, Report, Turn, columns, encode,
+                                     receive_all)
 
 log = logging.getLogger("batchmaker.replica")
 # The issue's rule for every process the server starts (as exec/tensor_group.py's ranks): NVLink
@@ -89,7 +90,9 @@ class ReplicaLoop:
         self.live: dict = {}  # front id -> the engine's future (for cancels)
         self.front_ids: dict = {}  # the engine's request id -> front id
         self.report = Report(spec.index)
+        self.finished: dict = {}  # (model, output names) -> (front ids, first cells, outputs): the report's results
         self.last_sent = 0.0
+        self.encode = Encoder()
         self.is_stopping = False
         self.is_orphaned = False  # the front's process is gone: nobody reads our reports
 
@@ -121,24 +124,12 @@ class ReplicaLoop:
         return int(self.spec.heartbeat * 1000)
 
     def _receive(self, timeout_ms: int) -> None:
-        if not self.turns.poll(timeout_ms):
-            return
-        while True:
-            try:
-                turn = decode(self.turns.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self._apply(turn)
+        if self.turns.poll(timeout_ms):
+            receive_all(self.turns, self._apply)
 
     def _apply(self, turn: Turn) -> None:
-        submit, now = self.engine.submit, time.perf_counter()
-        for front_id, model, inputs, priority, deadline, is_streamed in turn.requests:
-            on_partial = (lambda value, i=front_id: self.report.partials.append((i, value))) if is_streamed else None
-            remaining = None if deadline is None else max(1e-9, deadline - now)  # (shared clock: CLOCK_MONOTONIC)
-            future = submit(model, inputs, priority=priority, deadline=remaining, on_partial=on_partial)
-            self.front_ids[future.request_id] = front_id
-            self.live[front_id] = future
-            future.add_done_callback(self._on_done)
+        for model, ids, inputs, options in turn.batches:
+            self._submit(model, ids, inputs, {k: rest for k, *rest in options})
         for front_id in turn.cancels:
             future = self.live.get(front_id)
             if future is not None:
@@ -148,6 +139,25 @@ class ReplicaLoop:
             self.report.answers += [(query_id, stats) for query_id in turn.queries]
         self.is_stopping |= turn.stop
 
+    def _submit(self, model: str, ids: list, inputs: list, options: dict) -> None:
+        """One batch of a turn: each request to the engine, with its options if it has any."""
+        submit, now = self.engine.submit, time.perf_counter()
+        for k, front_id in enumerate(ids):
+            if k in options:
+                priority, deadline, is_streamed = options[k]
+                remaining = None if deadline is None else max(1e-9, deadline - now)  # (shared clock: CLOCK_MONOTONIC)
+                on_partial = self._partials_of(front_id) if is_streamed else None
+                future = submit(model, inputs[k], priority=priority, deadline=remaining, on_partial=on_partial)
+            else:
+                future = submit(model, inputs[k])
+            self.front_ids[future.request_id] = front_id
+            self.live[front_id] = future
+            future.add_done_callback(self._on_done)
+
+    def _partials_of(self, front_id: int):
+        """on_partial of a streamed request: its partials go in the next report."""
+        return lambda value: self.report.partials.append((front_id, value))
+
     def _on_done(self, future) -> None:
         """On this thread, inside step() (or submit, for a request refused at once)."""
         front_id = self.front_ids.pop(future.request_id)
@@ -155,7 +165,13 @@ class ReplicaLoop:
         error = future.exception()
         if error is None:
             result = future.result()
-            self.report.results.append((front_id, result.outputs, result.timing.first_cell))
+            key = (future.model, tuple(result.outputs))
+            group = self.finished.get(key)
+            if group is None:
+                group = self.finished[key] = ([], [], [])
+            group[0].append(front_id)
+            group[1].append(result.timing.first_cell)
+            group[2].append(result.outputs)
         else:
             code = error.code if isinstance(error, BatchMakerError) else "internal"
             self.report.failures.append((front_id, type(error).__name__, code, str(error)))
@@ -164,17 +180,19 @@ class ReplicaLoop:
         """Send the report when something finished, an answer is due, or the heartbeat is."""
         report = self.report
         now = time.perf_counter()
-        if not (report.results or report.failures or report.partials or report.answers or report.state == STOPPED):
+        if not (self.finished or report.failures or report.partials or report.answers or report.state == STOPPED):
             if now - self.last_sent < self.spec.heartbeat:
                 return
             self._check_parent()
         report.progress = self.engine.num_tasks + self.engine.accounting.num_finished
-        stack_outputs(report)
+        report.results = [(model, ids, first_cells, columns(outputs))
+                          for (model, _), (ids, first_cells, outputs) in self.finished.items()]
+        self.finished = {}
         self._send(report)
         self.report = Report(self.spec.index)
 
     def _send(self, report: Report) -> None:
-        self.reports.send(encode(report))
+        self.reports.send(self.encode(report))
         self.last_sent = time.perf_counter()
 
     def _check_parent(self) -> None:

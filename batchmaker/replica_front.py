@@ -1,10 +1,12 @@
 """The front thread of `Replicas` (batchmaker/replicas.py): routing, turns, reports, failures.
 
 Each turn: what submit and cancel handed over (the mailbox) is routed, every replica with
-something to do gets one `Turn`, and the `Report`s that came back are applied (results resolve in
-bulk, a report's partials first). Routing sends a request to the live replica with the fewest
-requests of its model outstanding; a request stays on that replica to its end (its stream, its
-cancel). Only this thread touches the routing state; submitting threads read `num_finished`.
+something to do gets one `Turn`, and the `Report`s that came back are applied (a report's
+partials first, then its results: a column of them resolved at once, each Result built when it
+is first read: future.resolve_rows). Routing sends a request to the live replica with the fewest
+requests of its model outstanding, for a turn's requests at once (replica_routing.spread); a
+request stays on that replica to its end (its stream, its cancel). Only this thread touches the
+routing state; submitting threads read `num_finished`.
 
 A replica process that exits is seen at once: its sentinel is polled beside the sockets. One
 that sends nothing (a report comes at least every heartbeat) or whose engine makes no progress
@@ -20,14 +22,14 @@ from typing import Any
 
 import zmq
 
-from batchmaker.core.request import Result
+from batchmaker.core.request import ResultRows
 from batchmaker.errors import EngineStoppedError, ReplicaFailedError, error_from_code
-from batchmaker.future import RequestFuture, resolve_many
-from batchmaker.replica_wire import STOPPED, Report, Turn, decode, encode, unstack_outputs
+from batchmaker.future import RequestFuture, resolve_rows
+from batchmaker.replica_routing import DEAD, spread
+from batchmaker.replica_wire import STOPPED, Encoder, Report, Turn, receive_all
 from batchmaker.serving.mailbox import Mailbox
 
 log = logging.getLogger("batchmaker.replicas")
-DEAD = 1 << 62  # the load of a failed replica: never the least
 
 
 @dataclass(slots=True, eq=False)
@@ -43,22 +45,28 @@ class ReplicaHandle:
     is_alive: bool = True  # False once failed (exited, hung) or killed at stop
     is_stopped: bool = False  # it reported its stop
     failure: str | None = None
-    num_in_flight: int = 0
+    in_flight: dict = field(default_factory=dict)  # request id -> RequestFuture, of those routed here
     last_heard: float = 0.0  # perf_counter of its last report
     progress: int = 0  # its engine's progress counter, and when it last moved
     progress_at: float = 0.0
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
 
 
 class Front:
     def __init__(self, replicas: list[ReplicaHandle], models, mailbox: Mailbox, reports: zmq.Socket, config):
         self.replicas, self.mailbox, self.reports, self.config = replicas, mailbox, reports, config
         self.num_finished = 0  # requests resolved (submitting threads read it for the admission bound)
+        self.num_alive = len(replicas)  # replicas not failed (submitting threads read it)
         self.latencies = {name: deque(maxlen=config.engine.num_latencies_kept) for name in models}
         self.load = {name: [0] * len(replicas) for name in models}  # model -> requests outstanding per replica
-        self.in_flight: dict[int, tuple[RequestFuture, ReplicaHandle]] = {}
         self.queries: dict[int, tuple[RequestFuture, dict, set]] = {}  # id -> (future, answers, waiting)
         self.num_queries = 0
         self.stop_deadline: float | None = None
+        self.has_turns = False  # a replica's turn has something to send
+        self.encode = Encoder()
         self.is_done = False  # the thread ended (stopped, or a bug: submit must not hand it more)
         self.poller = zmq.Poller()
         for fd in [reports, mailbox.fileno()] + [h.process.sentinel for h in replicas]:
@@ -70,48 +78,83 @@ class Front:
         try:
             while not self._is_finished():
                 events = dict(self.poller.poll(self.config.heartbeat * 1000))
-                if self.reports in events:
-                    self._receive()
-                if self.mailbox.fileno() in events:
-                    self._route(self.mailbox.drain())
-                self._send_turns()
-                now = time.perf_counter()
-                self._check_exits(events, now)
-                if now >= next_check:
-                    self._check_hangs(now)
-                    next_check = now + self.config.heartbeat
+                woke = time.perf_counter()
+                self._turn(events, woke)
+                if woke >= next_check:
+                    self._check_hangs(woke)
+                    next_check = woke + self.config.heartbeat
+                if events and self.config.min_turn:  # (what arrives meanwhile waits for the next turn)
+                    rest = woke + self.config.min_turn - time.perf_counter()
+                    if rest > 0:
+                        time.sleep(rest)
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("the replicas' front failed; failing live requests")
         self.is_done = True
         self.finish()
 
+    def _turn(self, events: dict, now: float) -> None:
+        """The reports that came, the requests and controls handed over, one Turn per replica."""
+        if self.reports in events:
+            self._receive()
+        if self.mailbox.fileno() in events:
+            self._route(self.mailbox.drain())
+        self._send_turns()
+        if len(events) > (self.reports in events) + (self.mailbox.fileno() in events):  # (a sentinel)
+            self._check_exits(events, now)
+
     # routing and turns ----------------------------------------------------------------------
     def _route(self, items: list) -> None:
-        now, load, in_flight = time.perf_counter(), self.load, self.in_flight
-        for item in items:
-            if type(item) is tuple:
-                self._control(item, now)
+        """A turn's arrivals: its requests routed model by model, then its controls, in order."""
+        now = time.perf_counter()
+        futures = [item for item in items if type(item) is not tuple]
+        if len(futures) < len(items):  # (a control among them)
+            self._route(futures)
+            for item in items:
+                if type(item) is tuple:
+                    self._control(item, now)
+            return
+        if len(self.load) == 1:  # (the common case: no pass per request)
+            self._route_model(next(iter(self.load)), futures, now)
+            return
+        by_model: dict[str, list] = {}
+        for f in futures:
+            by_model.setdefault(f.model, []).append(f)
+        for model, group in by_model.items():
+            self._route_model(model, group, now)
+
+    def _route_model(self, model: str, futures: list, now: float) -> None:
+        """One model's requests: a contiguous slice of them to each replica, as many as sending
+        them one by one to the least outstanding would give it."""
+        loads = self.load[model]
+        if not futures:
+            return
+        if min(loads) >= DEAD:
+            for f in futures:
+                self._forget(f, None, ReplicaFailedError("every replica failed"))
+            return
+        start = 0
+        for h, count in zip(self.replicas, spread(loads, len(futures))):
+            if not count:
                 continue
-            loads = load[item.model]
-            least = min(loads)
-            if least >= DEAD:
-                self._forget(item, None, ReplicaFailedError("every replica failed"))
-                continue
-            h = self.replicas[loads.index(least)]
-            loads[h.index] = least + 1
-            if not h.num_in_flight:
+            part = futures[start:start + count]
+            start += count
+            loads[h.index] += count
+            if not h.in_flight:
                 h.progress_at = now  # (an idle replica's progress clock starts with its work)
-            h.num_in_flight += 1
-            in_flight[item.request_id] = (item, h)
-            h.turn.requests.append((item.request_id, item.model, item.inputs, item.priority, item.deadline,
-                                    item.on_partial is not None))
+            ids = [f.request_id for f in part]
+            h.in_flight.update(zip(ids, part))
+            options = [(k, f.priority, f.deadline, f.on_partial is not None) for k, f in enumerate(part)
+                       if f.priority or f.deadline is not None or f.on_partial is not None]
+            h.turn.batches.append((model, ids, [f.inputs for f in part], options))
+        self.has_turns = True
 
     def _control(self, item: tuple, now: float) -> None:
         kind = item[0]
+        self.has_turns = True
         if kind == "cancel":
-            entry = self.in_flight.get(item[1])
-            if entry is not None:
-                entry[1].turn.cancels.append(item[1])
+            h = next((h for h in self.replicas if item[1] in h.in_flight), None)
+            if h is not None:
+                h.turn.cancels.append(item[1])
         elif kind == "stats":
             live = {h.index for h in self.replicas if h.is_alive and not h.is_stopped}
             if not live:
@@ -127,24 +170,22 @@ class Front:
                 h.turn.stop = True
 
     def _send_turns(self) -> None:
+        if not self.has_turns:
+            return
+        self.has_turns = False
         for h in self.replicas:
             if h.turn.is_empty():
                 continue
             if h.is_alive:
                 try:
-                    h.socket.send(encode(h.turn), zmq.NOBLOCK)
+                    h.socket.send(self.encode(h.turn), zmq.NOBLOCK)
                 except zmq.Again:  # (no peer: it is exiting; its sentinel says so)
                     pass
             h.turn = Turn()
 
     # reports --------------------------------------------------------------------------------
     def _receive(self) -> None:
-        while True:
-            try:
-                data = self.reports.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._apply(decode(data))
+        receive_all(self.reports, self._apply)
 
     def _apply(self, report: Report) -> None:
         h, now = self.replicas[report.replica], time.perf_counter()
@@ -152,46 +193,46 @@ class Front:
         if report.progress != h.progress:
             h.progress, h.progress_at = report.progress, now
         for request_id, value in report.partials:
-            entry = self.in_flight.get(request_id)
-            if entry is not None and entry[0].on_partial is not None:
-                _call_partial(entry[0], value)
-        if report.results:
-            unstack_outputs(report)
-            self._resolve(report.results, h, now)
+            f = h.in_flight.get(request_id)
+            if f is not None and f.on_partial is not None:
+                _call_partial(f, value)
+        for model, ids, first_cells, columns in report.results:
+            self._resolve(h, model, ids, first_cells, columns, now)
         for request_id, name, code, message in report.failures:
-            entry = self.in_flight.pop(request_id, None)
-            if entry is not None:
-                self._forget(entry[0], h, error_from_code(code, message, name), now)
+            f = h.in_flight.pop(request_id, None)
+            if f is not None:
+                self._forget(f, h, error_from_code(code, message, name), now)
         for query_id, stats in report.answers:
             self._answer(query_id, h.index, stats)
         if report.state == STOPPED and h.is_alive:
             h.is_stopped = True
             self.poller.unregister(h.process.sentinel)
 
-    def _resolve(self, results: list, h: ReplicaHandle, now: float) -> None:
-        """One report's results, resolved under one lock (future.resolve_many)."""
-        in_flight, load, latencies, index = self.in_flight, self.load, self.latencies, h.index
-        futures, values = [], []
-        for request_id, outputs, first_cell in results:
-            entry = in_flight.pop(request_id, None)
-            if entry is None:  # (failed meanwhile)
-                continue
-            f = entry[0]
-            load[f.model][index] -= 1
-            latencies[f.model].append(now - f.arrival)
-            futures.append(f)
-            values.append(Result(outputs, None, (f.arrival, first_cell, now)))  # finish: the reply is here
-        h.num_in_flight -= len(futures)
+    def _resolve(self, h: ReplicaHandle, model: str, ids: list, first_cells: list, columns: dict,
+                 now: float) -> None:
+        """A column of one model's results, resolved at once (future.resolve_rows): nothing is
+        built per request here; each Result is built when its future is first read."""
+        pop = h.in_flight.pop
+        futures = [pop(request_id, None) for request_id in ids]
+        if None in futures:  # (failed meanwhile: their rows are dropped)
+            keep = [k for k, f in enumerate(futures) if f is not None]
+            if not keep:
+                return
+            futures, first_cells = [futures[k] for k in keep], [first_cells[k] for k in keep]
+            columns = {name: column[keep] if hasattr(column, "unbind") else [column[k] for k in keep]
+                       for name, column in columns.items()}
+        arrivals = [f.arrival for f in futures]
+        if self.load[model][h.index] < DEAD:
+            self.load[model][h.index] -= len(futures)
+        self.latencies[model].extend([now - arrival for arrival in arrivals])
         self.num_finished += len(futures)
-        resolve_many(futures, values)
+        resolve_rows(futures, ResultRows(columns, arrivals, first_cells, now))  # finish: the reply is here
 
     def _forget(self, future: RequestFuture, h: ReplicaHandle | None, error: BaseException,
                 now: float | None = None) -> None:
-        """Fail one request routed to `h` (None: never routed)."""
-        if h is not None:
-            h.num_in_flight -= 1
-            if self.load[future.model][h.index] < DEAD:
-                self.load[future.model][h.index] -= 1
+        """Fail one request routed to `h` (None: never routed), no longer in its in_flight."""
+        if h is not None and self.load[future.model][h.index] < DEAD:
+            self.load[future.model][h.index] -= 1
         self.latencies[future.model].append((now or time.perf_counter()) - future.arrival)
         self.num_finished += 1
         future.set_exception(error)
@@ -231,14 +272,15 @@ class Front:
     def _fail(self, h: ReplicaHandle, reason: str, now: float) -> None:
         """The replica is gone for good: kill it, fail its requests, route around it."""
         h.is_alive, h.failure = False, reason
+        self.num_alive -= 1
         log.error("replica %d (%s) %s; failing its %d requests", h.index, h.device, reason, h.num_in_flight)
         self.poller.unregister(h.process.sentinel)
         if h.process.is_alive():
             h.process.kill()
         for loads in self.load.values():
             loads[h.index] = DEAD
-        for request_id in [k for k, (_, owner) in self.in_flight.items() if owner is h]:
-            future = self.in_flight.pop(request_id)[0]
+        failed, h.in_flight = h.in_flight, {}
+        for request_id, future in failed.items():
             self._forget(future, h, ReplicaFailedError(f"request {request_id}: replica {h.index} ({h.device}) {reason}"),
                          now)
         for query_id in list(self.queries):
@@ -261,9 +303,10 @@ class Front:
                 self._forget(item, None, stopped)
             elif item[0] == "stats":
                 item[1].set_result({})
-        for future, h in list(self.in_flight.values()):
-            self._forget(future, h, stopped)
-        self.in_flight.clear()
+        for h in self.replicas:
+            unfinished, h.in_flight = h.in_flight, {}
+            for future in unfinished.values():
+                self._forget(future, h, stopped)
         for future, answers, _ in self.queries.values():
             future.set_result(answers)
         self.queries.clear()

@@ -1,12 +1,14 @@
 """What the front (batchmaker/replicas.py) and a replica process (batchmaker/replica.py) send each
 other: one message per turn each way, over ZeroMQ PUSH/PULL sockets on ipc:// paths in a private
-directory, pickled (protocol 5; msgpack measured: bench/replica_front.py).
+directory, pickled (protocol 5; msgpack measured: bench/front_cost.py).
 
-A front turn sends a replica one `Turn`: every request routed to it since the last turn, the
-cancels, and a stats query or the stop when asked. A replica's turn sends one `Report`: the
-results, failures and streamed partials of what finished since its last report, and a progress
-counter that tells a working replica from a hung one. Tensors cross as numpy arrays: pickled as
-themselves they go through torch.save (~50 µs each, and a view's whole storage with it).
+A front turn sends a replica one `Turn`: every request routed to it since the last turn, as a
+column of ids and one of inputs per model, the cancels, and a stats query or the stop when asked.
+A replica's turn sends one `Report`: the results of what finished since its last report as
+columns (the front resolves them in bulk: core/request.ResultRows), its failures and streamed
+partials, and a progress counter that tells a working replica from a hung one. Tensors cross as
+numpy arrays: pickled as themselves they go through torch.save (~50 µs each, and a view's whole
+storage with it).
 """
 import io
 import pickle
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 READY, RUNNING, STOPPED, FAILED = "ready", "running", "stopped", "failed"  # Report.state
 
@@ -37,18 +40,22 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class Turn:
-    """Front -> replica: what one front turn routed to this replica, in order."""
+    """Front -> replica: what one front turn routed to this replica, as columns."""
 
-    requests: list = field(default_factory=list)  # (id, model, inputs, priority, deadline instant | None, is_streamed)
-    cancels: list = field(default_factory=list)  # request ids (sent after this turn's requests)
+    # (model, ids, inputs, options) per model: ids and inputs are lists in routing order; options
+    # lists only the requests with other than the defaults, as (position, priority, deadline
+    # instant | None, is_streamed): most requests carry none, so nothing per request but its id
+    # and its inputs crosses.
+    batches: list = field(default_factory=list)
+    cancels: list = field(default_factory=list)  # request ids (applied after this turn's batches)
     queries: list = field(default_factory=list)  # stats queries' ids: the replica answers with its engine's stats
     stop: bool = False  # fail what is unfinished (EngineStoppedError), report, exit
 
     def is_empty(self) -> bool:
-        return not (self.requests or self.cancels or self.queries or self.stop)
+        return not (self.batches or self.cancels or self.queries or self.stop)
 
     def __reduce__(self):  # (the dataclass's own pickling costs ~3 µs a message)
-        return Turn, (self.requests, self.cancels, self.queries, self.stop)
+        return Turn, (self.batches, self.cancels, self.queries, self.stop)
 
 
 @dataclass(slots=True)
@@ -58,8 +65,10 @@ class Report:
 
     replica: int
     state: str = RUNNING
-    results: list = field(default_factory=list)  # (id, outputs, first_cell instant | None)
-    stacked: dict = field(default_factory=dict)  # output name -> [len(results), ...]: see stack_outputs
+    # (model, ids, first_cells, columns) per model and set of output names: columns maps an output
+    # name to its values in ids' order, one tensor [len(ids), ...] when every value is a tensor of
+    # one shape and dtype (see columns), else a list
+    results: list = field(default_factory=list)
     failures: list = field(default_factory=list)  # (id, error class name, wire code, message)
     partials: list = field(default_factory=list)  # (id, streamed value)
     progress: int = 0  # tasks run + requests finished: grows while the replica's engine works
@@ -67,38 +76,53 @@ class Report:
     detail: Any = None  # READY: [ModelInfo, ...], pid; FAILED: why
 
     def __reduce__(self):
-        return Report, (self.replica, self.state, self.results, self.stacked, self.failures, self.partials,
-                        self.progress, self.answers, self.detail)
+        return Report, (self.replica, self.state, self.results, self.failures, self.partials, self.progress,
+                        self.answers, self.detail)
 
 
-def stack_outputs(report: Report) -> None:
-    """The replica's side: an output that is a tensor of one shape and dtype in every result
-    leaves the results' dicts and travels as one tensor, its rows in result order (a tensor pickled
-    alone costs ~10 µs on both sides; a row of a stacked one, ~1 µs)."""
-    outputs = [result[1] for result in report.results]
-    if not outputs:
-        return
+def columns(outputs: list[dict]) -> dict[str, Any]:
+    """Many results' outputs (dicts with the same names) as one column per name: a tensor output
+    of one shape and dtype in every result travels as one tensor, its rows in result order (a
+    tensor pickled alone costs ~10 µs on both sides; a row of a stacked one, ~1 µs)."""
+    stacked = {}
     for name, first in outputs[0].items():
+        values = [o[name] for o in outputs]
         if isinstance(first, torch.Tensor) and all(
-                type(o.get(name)) is torch.Tensor and o[name].shape == first.shape and o[name].dtype == first.dtype
-                for o in outputs):
-            report.stacked[name] = torch.stack([o[name] for o in outputs])
-    for o in outputs:
-        for name in report.stacked:
-            del o[name]
-
-
-def unstack_outputs(report: Report) -> None:
-    """The front's side: each result's outputs get their rows back (views of one tensor)."""
-    for name, stacked in report.stacked.items():
-        for result, row in zip(report.results, stacked.unbind(0)):
-            result[1][name] = row
+                type(v) is torch.Tensor and v.shape == first.shape and v.dtype == first.dtype for v in values):
+            stacked[name] = torch.stack(values)
+        else:
+            stacked[name] = values
+    return stacked
 
 
 def encode(message: Turn | Report) -> bytes:
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=5).dump(message)
     return buffer.getvalue()
+
+
+class Encoder:
+    """encode for the messages of one thread (the front's turns, a replica's reports): one
+    pickler and buffer kept (a new pair costs ~1.5 µs a message, a third of a small turn's)."""
+
+    def __init__(self):
+        self._buffer = io.BytesIO()
+        self._pickler = _Pickler(self._buffer, protocol=5)
+
+    def __call__(self, message: Turn | Report) -> bytes:
+        buffer = self._buffer
+        buffer.seek(0)
+        buffer.truncate()
+        self._pickler.clear_memo()
+        self._pickler.dump(message)
+        return buffer.getvalue()
+
+
+def receive_all(sock, apply) -> None:
+    """apply(message) for each message waiting on a PULL socket, without waiting (the socket's
+    EVENTS, not a recv that raises zmq.Again: raising it costs ~5 µs)."""
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        apply(decode(sock.recv(zmq.NOBLOCK)))
 
 
 def decode(data: bytes) -> Turn | Report:

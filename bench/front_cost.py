@@ -14,14 +14,17 @@ this process (the manager thread in place of the front thread; no replica proces
 
     python bench/front_cost.py                          # 1 and 2 CPU replicas, and one engine
     python bench/front_cost.py --replicas 2 --requests 100000 --rates 5000 10000 20000
+    python bench/front_cost.py --only-encodings          # the wire's encodings alone
 """
 import argparse
+import json
 import os
 import pickle
 import platform
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -34,7 +37,6 @@ from loadgen import LoadGenerator  # noqa: E402
 
 from batchmaker import Engine, EngineConfig, build_model  # noqa: E402
 from batchmaker.data import wmt_sentences  # noqa: E402
-from batchmaker.replica_wire import Report, Turn, decode, encode, stack_outputs, unstack_outputs  # noqa: E402
 from batchmaker.replicas import Replicas, ReplicasConfig  # noqa: E402
 from batchmaker.serving import arrays  # noqa: E402
 
@@ -107,29 +109,33 @@ def measure(system, thread_name: str, requests: list, args, gen: LoadGenerator) 
 
 def encodings(requests: list, hidden: int, batch: int) -> dict:
     """µs per request to encode + decode a turn of `batch` LSTM requests and a report of their
-    results ({"h": fp16 tensor [hidden]}): ours (pickle 5; a report's tensors stacked into one,
-    sent as an array), pickle 5 with each tensor an array, msgpack (each tensor through the
-    protocol's array maps, batchmaker/serving/arrays.py), and torch's own pickling of tensors."""
-    turn = Turn(requests=[(k, "lstm", inputs, 0, None, False) for k, inputs in enumerate(requests[:batch])])
+    results ({"h": fp16 tensor [hidden]}): ours (pickle 5; a turn's requests and a report's
+    results as columns, the tensors stacked into one array, split into rows as a reader would),
+    pickle 5 with each tensor an array, msgpack (each tensor through the protocol's array maps,
+    batchmaker/serving/arrays.py), and torch's own pickling of tensors."""
+    from batchmaker.replica_wire import Report, Turn, columns, decode, encode
+
+    turn = Turn(batches=[("lstm", list(range(batch)), requests[:batch], [])])
     h = torch.randn(batch, hidden).to(torch.float16)
-    plain_turn = [list(r) for r in turn.requests]
+    plain_turn = [[k, "lstm", inputs, 0, None, False] for k, inputs in enumerate(requests[:batch])]
     plain_results = [[k, {"h": h[k]}, 1.0] for k in range(batch)]
 
-    def report() -> Report:
-        return Report(0, results=[(k, {"h": h[k]}, 1.0) for k in range(batch)])
-
     def ours():
-        sent = report()
-        stack_outputs(sent)
-        unstack_outputs(decode(encode(sent)))
+        outputs = [{"h": h[k]} for k in range(batch)]
+        sent = Report(0, results=[("lstm", list(range(batch)), [1.0] * batch, columns(outputs))])
+        decode(encode(sent)).results[0][3]["h"].unbind(0)
 
     def pack(value):
         return msgpack.packb(value, default=arrays.encode, use_bin_type=True)
 
     def unpack(data):
         return msgpack.unpackb(data, raw=False, object_hook=lambda m: arrays.decode(m) if "dtype" in m else m)
-    cases = {"turn, pickle5 (ours)": lambda: decode(encode(turn)), "turn, msgpack": lambda: unpack(pack(plain_turn)),
-             "report, pickle5 stacked (ours)": ours, "report, pickle5 an array per tensor": lambda: decode(encode(report())),
+    cases = {"turn, pickle5 columns (ours)": lambda: decode(encode(turn)),
+             "turn, pickle5 a tuple per request": lambda: pickle.loads(pickle.dumps(plain_turn, protocol=5)),
+             "turn, msgpack": lambda: unpack(pack(plain_turn)),
+             "report, pickle5 columns (ours)": ours,
+             "report, pickle5 an array per tensor":
+                 lambda: decode(encode(Report(0, results=[(k, {"h": h[k].numpy()}, 1.0) for k in range(batch)]))),
              "report, msgpack": lambda: unpack(pack(plain_results)),
              "report, torch's own tensor pickling": lambda: pickle.loads(pickle.dumps(plain_results, protocol=5))}
     return {name: _best_us(fn, 20) / batch for name, fn in cases.items()}
@@ -157,19 +163,35 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[5000, 10000, 20000])
     parser.add_argument("--duration", type=float, default=3.0, help="seconds of arrivals per rate")
     parser.add_argument("--batch", type=int, default=256, help="requests per turn in the encoding comparison")
+    parser.add_argument("--only-replicas", action="store_true",
+                        help="no encoding comparison, no engine in process (bench/front_ab.py's runs)")
+    parser.add_argument("--only-encodings", action="store_true", help="the encoding comparison alone")
+    parser.add_argument("--min-turn", type=float, help="ReplicasConfig.min_turn (default: its default)")
+    parser.add_argument("--json", type=Path, help="write the record here (else bench/results/)")
     args = parser.parse_args(argv)
     requests = [{"tokens": s} for s in wmt_sentences(20000, 1000, seed=0)]
-    record = {"machine": machine(), "encodings_us_per_request": encodings(requests, 1024, args.batch), "runs": {}}
-    print("encode + decode, µs per request:", {k: round(v, 3) for k, v in record["encodings_us_per_request"].items()})
+    record = {"machine": machine(), "runs": {}}
+    if not args.only_replicas:
+        record["encodings_us_per_request"] = encodings(requests, 1024, args.batch)
+        print("encode + decode, µs per request:", {k: round(v, 3) for k, v in record["encodings_us_per_request"].items()})
+    if args.only_encodings:
+        print(f"wrote {write_results('front_encodings', 'cpu', record)}")
+        return 0
     with LoadGenerator("inproc") as gen:
         for num in args.replicas:
             print(f"{num} replicas (thread: the front's)")
             config = ReplicasConfig(devices=("cpu",) * num, engine=EngineConfig(max_requests=1 << 22))
+            if args.min_turn is not None:
+                config = replace(config, min_turn=args.min_turn)
             with Replicas(["front_cost:null_lstm"], config) as replicas:
                 record["runs"][f"{num} replicas"] = measure(replicas, "batchmaker-replicas", requests, args, gen)
-        print("one engine in this process (thread: its manager)")
-        with Engine([null_lstm()], EngineConfig(max_requests=1 << 22)) as engine:
-            record["runs"]["one engine"] = measure(engine, "batchmaker-manager", requests, args, gen)
+        if not args.only_replicas:
+            print("one engine in this process (thread: its manager)")
+            with Engine([null_lstm()], EngineConfig(max_requests=1 << 22)) as engine:
+                record["runs"]["one engine"] = measure(engine, "batchmaker-manager", requests, args, gen)
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        return 0
     print(f"wrote {write_results('front_cost', 'cpu', record)}")
     return 0
 

@@ -20,7 +20,9 @@ from batchmaker import (BadRequestError, CancelledError, DeadlineExceededError, 
 from batchmaker.cells.weights import save_weights
 from batchmaker.errors import ReplicaFailedError
 from batchmaker.replica_stats import merge
-from batchmaker.replica_wire import Report, decode, encode
+from batchmaker.core.request import ResultRows
+from batchmaker.replica_routing import DEAD, spread
+from batchmaker.replica_wire import Report, columns, decode, encode
 from batchmaker.replicas import Replicas, ReplicasConfig
 from helpers import sharp_seq2seq, submit_concurrently, wait_idle, wait_until
 from reference import seq2seq_reference
@@ -248,6 +250,22 @@ def test_a_hung_replica_is_killed_and_its_requests_fail():
     assert_no_process_left(replicas)
 
 
+def test_a_front_turn_lasts_min_turn_and_carries_what_arrived_meanwhile():
+    """With min_turn = 0.3 s, a lone request's reply waits for the front's next turn; requests
+    submitted during a turn's rest go out together in the next one (all answered at once)."""
+    with Replicas([("lstm", SMALL)], ReplicasConfig(devices=("cpu",), min_turn=0.3)) as replicas:
+        replicas.submit("lstm", {"tokens": [1]}).result(30)  # (the replica is warm)
+        time.sleep(0.4)  # (the front is idle: the next request goes out at once)
+        lone = replicas.submit("lstm", {"tokens": [1, 2]}).result(30)
+        assert 0.25 < lone.timing.latency < 5
+        time.sleep(0.4)
+        first = replicas.submit("lstm", {"tokens": [3]})
+        time.sleep(0.05)  # (the front rests after the turn that sent `first`)
+        rest = [replicas.submit("lstm", {"tokens": [3, 4]}) for _ in range(5)]
+        finishes = {f.result(30).timing.finish for f in rest}  # (one instant: resolved in one turn)
+        assert len(finishes) == 1 and first.result(30).timing.finish <= min(finishes)
+
+
 def test_stop_fails_unfinished_requests_and_leaves_no_process():
     replicas = Replicas([("lstm", SMALL)], ReplicasConfig(devices=("cpu", "cpu"))).start()
     futures = [replicas.submit("lstm", {"tokens": [4] * 3000}) for _ in range(8)]
@@ -270,16 +288,37 @@ def test_a_replica_that_cannot_build_its_model_fails_the_start_clearly():
         Replicas([build_model("lstm", **SMALL)])
 
 
-def test_the_wire_carries_tensors_as_arrays():
+def test_the_wire_carries_tensors_as_arrays_and_results_as_columns():
     big = torch.arange(4000, dtype=torch.float32).reshape(1000, 4)
-    report = Report(1, results=[(5, {"h": big[1], "b": big[:3].to(torch.bfloat16)}, 0.5)],
+    outputs = [{"h": big[1], "b": big[:3].to(torch.bfloat16), "n": [1, 2]}, {"h": big[2], "b": big[:2], "n": [3]}]
+    report = Report(1, results=[("lstm", [5, 9], [0.5, None], columns(outputs))],
                     failures=[(6, "CellError", "internal", "x")])
     data = encode(report)
-    assert len(data) < 1000  # the view's 4 floats, not its storage's 4,000 (as torch's own pickling sends)
+    assert len(data) < 1000  # the views' 8 floats, not their storage's 4,000 (as torch's own pickling sends)
     back = decode(data)
-    outputs = back.results[0][1]
-    assert torch.equal(outputs["h"], big[1]) and outputs["b"].dtype == torch.bfloat16
-    assert torch.equal(outputs["b"], big[:3].to(torch.bfloat16)) and back.failures == report.failures
+    model, ids, first_cells, columns_back = back.results[0]
+    assert (model, ids, first_cells) == ("lstm", [5, 9], [0.5, None]) and back.failures == report.failures
+    assert torch.equal(columns_back["h"], big[1:3])  # one shape and dtype: stacked
+    assert [b.dtype for b in columns_back["b"]] == [torch.bfloat16, torch.float32]  # not: a list of tensors
+    assert torch.equal(columns_back["b"][0], big[:3].to(torch.bfloat16)) and columns_back["n"] == [[1, 2], [3]]
+    rows = ResultRows(columns_back, [0.25, 0.5], first_cells, 2.0)
+    assert torch.equal(rows.result(0).outputs["h"], big[1]) and rows.result(1).outputs["n"] == [3]
+    assert rows.result(1).timing.first_cell is None and rows.result(0).timing.latency == 1.75
+
+
+def test_spread_gives_what_sending_one_by_one_to_the_least_loaded_gives():
+    rng = random.Random(0)
+    for _ in range(3000):
+        loads = [rng.choice([DEAD, rng.randint(0, 9), rng.randint(0, 2)]) for _ in range(rng.randint(1, 5))]
+        if min(loads) >= DEAD:
+            continue
+        n = rng.randint(0, 30)
+        expected, current = [0] * len(loads), list(loads)
+        for _ in range(n):
+            least = current.index(min(current))
+            current[least] += 1
+            expected[least] += 1
+        assert spread(loads, n) == expected, (loads, n)
 
 
 def test_merge_adds_counts_joins_worker_lists_and_keeps_the_rest():

@@ -73,7 +73,8 @@ class RaggedRows:
 class ResultRows:
     """The results of many requests resolved at once (batchmaker/future.resolve_rows): row i's
     Result is built when its future is first read, so the manager builds nothing per request.
-    outputs: key -> a tensor [n, ...] or a list of n values; arrivals and first_cells: [n].
+    outputs: key -> a tensor [n, ...] or a list of n values; arrivals and first_cells: [n]
+    (a first cell may be None).
     A tensor is split into its rows once, at the first read of any row (read under the futures'
     lock: future._take_row)."""
 
@@ -92,7 +93,8 @@ class ResultRows:
             rows = self._rows = {key: column.unbind(0) if hasattr(column, "unbind") else column
                                  for key, column in self.outputs.items()}
         outputs = {key: column[i] for key, column in rows.items()}
-        return Result(outputs, None, (self.arrivals[i], float(self.first_cells[i]), self.finish))
+        first_cell = self.first_cells[i]
+        return Result(outputs, None, (self.arrivals[i], None if first_cell is None else float(first_cell), self.finish))
 
 
 @dataclass(slots=True, eq=False)

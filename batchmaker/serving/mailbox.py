@@ -32,10 +32,9 @@ class Mailbox:
     def drain(self) -> list:
         """Everything put so far (owner thread only)."""
         try:  # the wake bytes first, then the flag: cleared first, a put between the two would see
-            while self._reader.recv(4096):  # it clear, write a byte that we then swallow, and leave it
-                pass  # set with no byte pending: the next puts would never wake the owner
-        except (BlockingIOError, OSError):
-            pass
+            self._reader.recv(4096)  # it clear, write a byte that we then swallow, and leave it set
+        except (BlockingIOError, OSError):  # with no byte pending: the next puts would never wake the owner
+            pass  # (one read takes them all: a byte is written only while the flag is clear, a few at most)
         self._is_signalled = False
         items = []
         while True:
