@@ -89,13 +89,18 @@ def model_shape(config: DecoderConfig, prompt: int, generate: int) -> ModelShape
     return ModelShape(config.num_layers, config.hidden_size, width, prompt, generate)
 
 
+def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float) -> Hardware:
+    """The cost model's machine, in its 2-byte units: our bytes count 2 / itemsize of its values."""
+    units = 16 / torch.finfo(dtype).bits
+    return Hardware(ctog=rates.ctog * units, gtoc=rates.gtoc * units, dtoc=0.0, ctod=0.0, mm_flops=rates.mm_flops,
+                    bmm_flops=rates.mm_flops, cpu_flops=rates.cpu_flops, gpu_bytes=device_bytes * units,
+                    cpu_bytes=host * units, disk_bytes=0.0)
+
+
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
            prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64) -> Choice:
     """The fastest policy the executor runs within `device_bytes` and `host` bytes."""
-    units = 2 / torch.finfo(dtype).bits * 8  # the cost model's 2-byte values per byte of ours
-    hw = Hardware(ctog=rates.ctog * units, gtoc=rates.gtoc * units, dtoc=0.0, ctod=0.0, mm_flops=rates.mm_flops,
-                  bmm_flops=rates.mm_flops, cpu_flops=rates.cpu_flops, gpu_bytes=device_bytes * units,
-                  cpu_bytes=host * units, disk_bytes=0.0)
+    hw = hardware(rates, dtype, device_bytes, host)
     shape = model_shape(config, prompt, generate)
     rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches)
     if policy is None:

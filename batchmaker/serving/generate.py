@@ -9,6 +9,7 @@ measures the machine and picks the policy (exec/offload_auto.py, printed with it
 policy's block. These four keys are the command's own; the rest of --set goes to the model.
 """
 import logging
+import os
 import re
 import sys
 import time
@@ -108,11 +109,22 @@ def _inputs(record: PromptRecord) -> dict:
 # the offloading executor ----------------------------------------------------------------------
 def _run_offloaded(name: str, items: list[str], devices: str, own: dict, pending: list[PromptRecord],
                    out: OutputFile, progress: "Progress") -> None:
+    import torch
     from batchmaker.serving.cli_models import check_devices
     lm, tokenizer, device = _build(name, items)
     device = check_devices(device or devices, "--devices")[0]
     prompts = [r.tokens if r.tokens is not None else _encode(tokenizer, r) for r in pending]
-    executor = _executor(lm, device, own, len(prompts), max(map(len, prompts)), max(r.max_new_tokens for r in pending))
+    threads = torch.get_num_threads()
+    try:
+        executor = _executor(lm, device, own, len(prompts), max(map(len, prompts)),
+                             max(r.max_new_tokens for r in pending))
+        _run_blocks(executor, lm, tokenizer, pending, prompts, out, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_blocks(executor, lm, tokenizer, pending: list[PromptRecord], prompts: list[list[int]], out: OutputFile,
+                progress: "Progress") -> None:
     progress.begin()
     block, eos = executor.config.block, set(lm.config.eos_token_ids)
     for first in range(0, len(pending), block):
@@ -171,10 +183,15 @@ def _build(name: str, items: list[str]):
 
 
 def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generate: int):
+    import torch
     from batchmaker.core.zigzag import Placement
+    from batchmaker.engine_config import choose_cpu_threads
     from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
     from batchmaker.exec.offload_auto import CPU_DEVICE_BYTES, choose, host_bytes, measure
 
+    if torch.device(device).type == "cpu":  # (torch's threads as the engine picks them for one inline CPU worker)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(choose_cpu_threads(cores, 1, True, None))
     offload = own.get("offload", "none")
     gpu_batch, num_batches = own.get("gpu_batch", 4), own.get("num_batches", 2)
     if offload == "auto":
