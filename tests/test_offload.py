@@ -56,11 +56,12 @@ def test_tokens_equal_the_resident_model(family, gpu_batch, num_batches, placeme
     assert executor.generate(prompts, 6) == want
 
 
-def test_tokens_equal_transformers_for_a_saved_llama(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_tokens_equal_transformers_for_a_saved_checkpoint(tmp_path, preset):
     pytest.importorskip("transformers")
     from test_decoder_models import save_hf
     from test_generation import hf_greedy
-    hf = save_hf(PRESETS["tiny-llama"], tmp_path)
+    hf = save_hf(PRESETS[preset], tmp_path)
     prompts = random_prompts([6, 2, 11, 4, 1], 512, seed=2)
     executor = OffloadExecutor(load_checkpoint(tmp_path), "cpu", OffloadConfig(2, 3, check_buffers=True))
     assert executor.generate(prompts, 8) == [hf_greedy(hf, p, 8) for p in prompts]

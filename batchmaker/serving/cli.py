@@ -142,11 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     generate = sub.add_parser("generate", help="generate for a file of prompts, offline (resumable)",
-                              description="Greedy generation for every prompt of a JSON-lines file (one object a\n"
-                                          "line: id, tokens or prompt, max_new_tokens), one JSON line per finished\n"
-                                          "prompt appended to --output; a re-run skips the ids already there.\n"
-                                          "--set offload=auto (or weights+cache+hidden) runs FlexGen's offloading\n"
-                                          "executor; gpu_memory=12GiB, gpu_batch=N, num_batches=N shape it.",
+                              description="Greedy generation for a JSON-lines file of prompts (id, tokens or prompt,\n"
+                                          "max_new_tokens), a line per finished prompt appended to --output; a re-run\n"
+                                          "skips the ids already there. --set offload=auto: FlexGen's offloading.",
                               epilog_from=_model_options_epilog, **options)
     generate.add_argument("--models", default="llama", help="the registered decoder to run: llama or opt")
     generate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
