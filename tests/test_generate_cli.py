@@ -68,6 +68,13 @@ def test_auto_prints_its_policy(tmp_path, whole, capsys):
     assert results(tmp_path / "auto.jsonl") == whole
 
 
+def test_compressed_weights_run_and_cut_at_each_length(tmp_path, whole):
+    assert generate(tmp_path, "4bit.jsonl", *OFFLOAD, "--set", "compress=weights") == 0
+    compressed = results(tmp_path / "4bit.jsonl")
+    assert compressed.keys() == whole.keys()
+    assert all(len(compressed[i][0]) == len(whole[i][0]) or compressed[i][1] == "stop" for i in whole)
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"tokens": [1]}', "in.jsonl:2: id must be"),
     ('{"id": 7, "tokens": []}', "in.jsonl:2: tokens must be"),
@@ -84,6 +91,6 @@ def test_a_bad_line_is_one_error_naming_it(tmp_path, capsys, line, message):
 def test_bad_settings_are_usage_errors(tmp_path, capsys):
     write_prompts(tmp_path / "in.jsonl", 2)
     for setting, message in (("offload=disk", "expected auto, none"), ("gpu_memory=lots", "expected a size"),
-                             ("gpu_batch=0", "integer >= 1")):
+                             ("gpu_batch=0", "integer >= 1"), ("compress=kv", "expected weights")):
         assert generate(tmp_path, "out.jsonl", "--set", setting) == 2
         assert message in capsys.readouterr().err

@@ -18,6 +18,7 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.zigzag import Placement, zigzag
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
+from batchmaker.kernels.compress4 import compress, decompress
 
 PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)]
 
@@ -82,6 +83,25 @@ def test_it_carries_out_the_zigzag_operations(placement):
     assert moved.bytes["cache"] == (cache_out + cache_in if placement.cache else 0)
 
 
+@pytest.mark.parametrize("placement", [Placement(True, True, True), Placement(True, False, False)], ids=placement_id)
+def test_compressed_weights_give_the_tokens_of_the_round_tripped_model(placement):
+    """compress='weights': each matrix crosses as 4-bit codes; the reference is the resident model
+    with its layers' matrices replaced by their round trip through kernels/compress4.py."""
+    config = PRESETS["tiny-llama"]
+    reference = build_decoder(config, seed=3)
+    with torch.no_grad():
+        for p in reference.layers.parameters():
+            if p.dim() == 2:
+                p.copy_(decompress(compress(p, 64, dim=0)))
+    prompts = random_prompts([3, 7, 1, 5], config.vocab_size, seed=6)
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu",
+                               OffloadConfig(2, 2, placement, check_buffers=True, compress="weights"))
+    tokens, moved = executor.generate_block(prompts, 6)
+    assert tokens == [resident_greedy(reference, p, 6) for p in prompts]
+    plain = 6 * sum(p.numel() * 4 for p in reference.layers.parameters())  # (fp32, once a step)
+    assert 0.12 * plain < moved.bytes["weights"] < 0.16 * plain  # (36 bytes a group of 64 instead of 256, + norms)
+
+
 def test_a_schedule_missing_a_load_is_caught_by_the_nan_check(monkeypatch):
     """One layer, one batch a block: the buffer a load would fill still holds what it would bring
     (each step reuses it), so a missing load goes unseen unless the buffer is poisoned once stored."""
@@ -115,5 +135,9 @@ def test_bad_inputs_are_refused():
         executor.generate_block([[1]], 0)
     with pytest.raises(ValueError, match=">= 1"):
         OffloadConfig(0, 2)
+    with pytest.raises(ValueError, match="compress='kv'"):
+        OffloadConfig(compress="kv")
+    with pytest.raises(ValueError, match="keeps them on the device"):
+        OffloadConfig(placement=Placement(False, True, True), compress="weights")
     with pytest.raises(ValueError, match="Gemma"):
         OffloadExecutor(build_decoder(replace(config, layer_windows=(8, 8))), "cpu")

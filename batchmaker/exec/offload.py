@@ -3,7 +3,7 @@ generates greedily for a block of `num_batches` GPU batches of `gpu_batch` promp
 out core/zigzag.py's operations in order.
 
 What the placement offloads lives in host storage between uses and moves through device buffers:
-each layer's weights (the model's own CPU layers, pinned beside a GPU) into 2 weight buffers,
+each layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2 weight buffers,
 each (layer, batch)'s KV cache and each batch's hidden states into 3 batch buffers; a compute
 reads and writes device buffers only. What is not offloaded stays on the device (the embedding,
 the final norm and the head always do). On CUDA the loads and stores run on two side streams
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
+from batchmaker.exec.offload_weights import HostWeights, layer_tensors
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,15 @@ class OffloadConfig:
     num_batches: int = 2  # GPU batches per block (FlexGen's block size = gpu_batch x num_batches)
     placement: Placement = Placement()
     check_buffers: bool = False  # NaN into a buffer the schedule is done with (tests)
+    compress: str | None = None  # "weights": offloaded weights kept as 4-bit codes (exec/offload_weights.py)
 
     def __post_init__(self):
         if self.gpu_batch < 1 or self.num_batches < 1:
             raise ValueError(f"gpu_batch and num_batches must be >= 1, got {self.gpu_batch}, {self.num_batches}")
+        if self.compress not in (None, "weights"):
+            raise ValueError(f"compress={self.compress!r}: None or 'weights' (a compressed KV cache is not built yet)")
+        if self.compress and not self.placement.weights:
+            raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
 
     @property
     def block(self) -> int:
@@ -72,20 +78,12 @@ class OffloadExecutor:
         self.num_layers = len(layers)
         self.dtype = lm.embed_tokens.weight.dtype
         if config.placement.weights:
-            self.host_weights = [self._tensors(layer, pin=self.is_cuda) for layer in layers]
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
+            self.host_weights = HostWeights(layers, self.weight_buffers, self.is_cuda, config.compress == "weights")
         else:
             self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers)
         if self.is_cuda:
             self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
-
-    @staticmethod
-    def _tensors(module: nn.Module, pin: bool) -> list[Tensor]:
-        tensors = [*module.parameters(), *module.buffers()]
-        if pin:
-            for t in tensors:
-                t.data = t.data.pin_memory()
-        return tensors
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
@@ -162,12 +160,8 @@ class BlockRun:
         self.moved.ops.append(op)
 
     def load_weights(self, op: Op) -> None:
-        host = self.x.host_weights[op.layer]
-        buffer = self.x.weight_buffers[op.slot]
         with self._stream("in"):
-            for dst, src in zip(self.x._tensors(buffer, pin=False), host):
-                dst.copy_(src, non_blocking=True)
-        self.moved.bytes["weights"] += sum(t.numel() * t.element_size() for t in host)
+            self.moved.bytes["weights"] += self.x.host_weights.load(op.layer, op.slot)
 
     def load_cache(self, op: Op) -> None:
         end = self.batches[op.batch].start(op.step)  # every column written before this step
@@ -210,7 +204,7 @@ class BlockRun:
         if step + 1 < self.num_tokens:  # the next step's input: the token's embedding
             hidden[:1, 0].copy_(lm.embed(token, batch.positions(step + 1)).unsqueeze(0))
         if self.x.config.check_buffers and self.placement.weights and b == len(self.batches) - 1:
-            self._poison_after_sync(*x._tensors(module, pin=False))
+            self._poison_after_sync(*layer_tensors(module))
 
     def sync(self, op: Op) -> None:
         if self.x.is_cuda:  # (the compute of this slot, on the current stream)

@@ -6,7 +6,8 @@ runs them). With it, through FlexGen's offloading executor (exec/offload.py): `o
 measures the machine and picks the policy (exec/offload_auto.py, printed with its prediction);
 `offload=weights+cache+hidden` (any of the three, or `none`) names what lives on the host.
 `gpu_memory=12GiB` bounds the device pool for auto; `gpu_batch=` and `num_batches=` override the
-policy's block. These four keys are the command's own; the rest of --set goes to the model.
+policy's block; `compress=weights` keeps the offloaded weights as 4-bit codes (FlexGen's group-wise
+quantization). These keys are the command's own; the rest of --set goes to the model.
 """
 import logging
 import os
@@ -19,7 +20,7 @@ from batchmaker.serving.cli_models import UsageError
 from batchmaker.serving.prompt_file import OutputFile, PromptRecord, finished_ids, read_prompts
 
 log = logging.getLogger("batchmaker")
-GENERATE_KEYS = ("offload", "gpu_memory", "gpu_batch", "num_batches")
+GENERATE_KEYS = ("offload", "gpu_memory", "gpu_batch", "num_batches", "compress")
 MODEL_KEYS = ("preset", "checkpoint", "seed", "dtype")  # what the offloading path builds the model from
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
 
@@ -41,7 +42,7 @@ def run_generate(args) -> int:
     progress = Progress(len(pending))
     out = OutputFile(args.output)
     try:
-        if own.get("offload", "none") == "none" and "gpu_batch" not in own and "num_batches" not in own:
+        if own.get("offload", "none") == "none" and not {"gpu_batch", "num_batches", "compress"} & set(own):
             _run_engine(name, model_items, args.devices, pending, out, progress)
         else:
             _run_offloaded(name, model_items, args.devices, own, pending, out, progress)
@@ -69,6 +70,10 @@ def _convert(key: str, text: str):
         parts = set(text.split("+"))
         if text not in ("auto", "none") and not parts <= {"weights", "cache", "hidden"}:
             raise UsageError(f"--set offload={text}: expected auto, none, or weights, cache, hidden joined by +")
+        return text
+    if key == "compress":
+        if text != "weights":
+            raise UsageError(f"--set compress={text}: expected weights (4-bit offloaded weights; kv is not built yet)")
         return text
     if key == "gpu_memory":
         match = _SIZE.fullmatch(text)
@@ -209,7 +214,11 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
     else:
         parts = set(offload.split("+")) - {"none"}
         placement = Placement(*(kind in parts for kind in ("weights", "cache", "hidden")))
-    return OffloadExecutor(lm, device, OffloadConfig(gpu_batch, num_batches, placement))
+    try:
+        config = OffloadConfig(gpu_batch, num_batches, placement, compress=own.get("compress"))
+    except ValueError as e:
+        raise UsageError(f"--set compress: {e}") from None
+    return OffloadExecutor(lm, device, config)
 
 
 def _device_bytes(device: str) -> float | None:
