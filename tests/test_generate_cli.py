@@ -94,3 +94,24 @@ def test_bad_settings_are_usage_errors(tmp_path, capsys):
                              ("gpu_batch=0", "integer >= 1"), ("compress=kv", "expected weights")):
         assert generate(tmp_path, "out.jsonl", "--set", setting) == 2
         assert message in capsys.readouterr().err
+
+
+def test_eos_cuts_the_offloaded_output_as_the_engine_stops(tmp_path):
+    """A checkpoint whose EOS is a token the model generates mid-way: both paths stop there, EOS included."""
+    pytest.importorskip("transformers")
+    from test_decoder_models import save_hf
+    from batchmaker.cells.decoder_config import PRESETS
+    save_hf(PRESETS["tiny-llama"], tmp_path / "model")
+    write_prompts(tmp_path / "in.jsonl")
+    checkpoint = ["--set", f"checkpoint={tmp_path / 'model'}"]
+    assert generate(tmp_path, "first.jsonl", *checkpoint, "--set", "ignore=1") == 2  # (an unknown key: refused)
+    assert generate(tmp_path, "first.jsonl", *checkpoint) == 0
+    longest = max(results(tmp_path / "first.jsonl").values(), key=lambda r: len(r[0]))[0]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["eos_token_id"] = longest[2]
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    assert generate(tmp_path, "engine.jsonl", *checkpoint) == 0
+    assert generate(tmp_path, "offloaded.jsonl", *checkpoint, *OFFLOAD) == 0
+    engine = results(tmp_path / "engine.jsonl")
+    assert results(tmp_path / "offloaded.jsonl") == engine
+    assert any(reason == "stop" and tokens[-1] == longest[2] for tokens, reason in engine.values())

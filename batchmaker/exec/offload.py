@@ -114,12 +114,12 @@ class OffloadExecutor:
             raise ValueError(f"a block takes 1 to {self.config.block} prompts, got {len(prompts)}")
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        for p in prompts:
-            if not p or min(p) < 0 or max(p) >= c.vocab_size:
-                raise ValueError(f"a prompt needs 1 or more token ids in [0, {c.vocab_size})")
-            if max(map(len, prompts)) + num_tokens > c.max_positions:
-                raise ValueError(f"prompt of {max(map(len, prompts))} + {num_tokens} tokens exceeds the model's "
-                                 f"{c.max_positions} positions")
+        if any(not p or min(p) < 0 or max(p) >= c.vocab_size for p in prompts):
+            raise ValueError(f"a prompt needs 1 or more token ids in [0, {c.vocab_size})")
+        longest = max(map(len, prompts))
+        if longest + num_tokens - 1 > c.max_positions:  # (the last token sampled is not fed back)
+            raise ValueError(f"a prompt of {longest} + {num_tokens} tokens exceeds the model's {c.max_positions} "
+                             f"positions")
 
 
 class BlockRun:

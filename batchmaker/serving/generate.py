@@ -29,6 +29,8 @@ def run_generate(args) -> int:
     name = args.models.strip()
     if "," in name or ":" in name:
         raise UsageError(f"--models {name}: generate runs one registered decoder (llama or opt)")
+    if args.max_new_tokens < 1 or (args.max_prompts is not None and args.max_prompts < 1):
+        raise UsageError("--max-new-tokens and --max-prompts must be at least 1")
     own, model_items = split_settings(args.set, name)
     records = read_prompts(args.input, args.max_new_tokens)
     done = finished_ids(args.output)
