@@ -4,6 +4,7 @@ id exactly once, with the tokens of one uninterrupted run; the offloading execut
 give the same tokens; a bad input line is one error naming it."""
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,33 @@ def test_eos_cuts_the_offloaded_output_as_the_engine_stops(tmp_path):
     engine = results(tmp_path / "engine.jsonl")
     assert results(tmp_path / "offloaded.jsonl") == engine
     assert any(reason == "stop" and tokens[-1] == longest[2] for tokens, reason in engine.values())
+
+
+def test_a_killed_process_resumes_where_it_stopped(tmp_path):
+    """SIGKILL once the first lines are written (the prompts one at a time, 64 tokens each), then a re-run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    write_prompts(tmp_path / "in.jsonl", 30)
+    one_at_a_time = ["--set", "offload=weights+cache+hidden", "--set", "gpu_batch=1", "--set", "num_batches=1",
+                     "--max-new-tokens", "64"]
+    assert generate(tmp_path, "whole.jsonl", *OFFLOAD, "--max-new-tokens", "64") == 0
+    command = [sys.executable, "-c", "import sys; from batchmaker.serving.cli import main; sys.exit(main())",
+               "generate", "--models", "llama", "--input", str(tmp_path / "in.jsonl"), "--output",
+               str(tmp_path / "out.jsonl"), *one_at_a_time]
+    root = str(Path(__file__).resolve().parent.parent)  # (this checkout's package, in the child too)
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if (tmp_path / "out.jsonl").exists() and (tmp_path / "out.jsonl").read_text().count("\n") >= 2:
+            break
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = len(results(tmp_path / "out.jsonl"))
+    assert 2 <= written < 30, f"{written} lines before the kill: not an interruption"
+    assert generate(tmp_path, "out.jsonl", *one_at_a_time) == 0
+    assert results(tmp_path / "out.jsonl") == results(tmp_path / "whole.jsonl")
