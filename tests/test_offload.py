@@ -120,6 +120,17 @@ def test_a_schedule_missing_a_load_is_caught_by_the_nan_check(monkeypatch):
         assert (executor.generate(prompts, 4) == want) is same
 
 
+def test_each_prompt_gets_its_own_count_up_to_the_last_position():
+    """A block runs its largest count; a long prompt with a small count stops at the model's last
+    position (its extra tokens dropped), and the others' tokens are unchanged."""
+    config = replace(PRESETS["tiny-opt"], max_positions=24)  # (OPT: positions past the table would fail)
+    reference = build_decoder(config, seed=3)
+    prompts = [random_prompts([20], config.vocab_size, seed=7)[0], [5, 6]]
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu", OffloadConfig(2, 1))
+    tokens, _ = executor.generate_block(prompts, [4, 15])
+    assert tokens == [resident_greedy(reference, prompts[0], 4), resident_greedy(reference, prompts[1], 15)]
+
+
 def test_bad_inputs_are_refused():
     config = PRESETS["tiny-llama"]
     executor = OffloadExecutor(build_decoder(config), "cpu", OffloadConfig(2, 2))

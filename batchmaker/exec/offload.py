@@ -11,8 +11,9 @@ beside the compute on the current one, each slot closed by events the host waits
 schedule's `sync`); on a CPU device the moves run in order between separate tensors, so the
 schedule's loads and stores really move the data its computes read.
 
-Prompts of a batch are left-padded (exec/offload_block.py). A block runs `num_tokens` steps for
-all its prompts (FlexGen's fixed length); the caller cuts each at its own length or EOS.
+Prompts of a batch are left-padded (exec/offload_block.py). A block runs as many steps as its
+largest count for all its prompts (FlexGen's fixed length) and returns each prompt's own count;
+the caller cuts at EOS.
 `check_buffers` fills a buffer with NaN as soon as the schedule is done with it (after its store,
 or after a layer's last batch for weights), so that a compute reading stale data shows (tests).
 """
@@ -94,32 +95,35 @@ class OffloadExecutor:
         return out
 
     @torch.no_grad()
-    def generate_block(self, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], Moved]:
+    def generate_block(self, prompts: list[list[int]], num_tokens: int | list[int]) -> tuple[list[list[int]], Moved]:
         """One block (at most `config.block` prompts; a last batch short of `gpu_batch` is filled
-        with copies of its first prompt): the tokens of each prompt, and what moved."""
-        self._check(prompts, num_tokens)
-        gbs = self.config.gpu_batch
+        with copies of its first prompt): `num_tokens` tokens of each prompt (one count, or one
+        each: the block runs the largest, a row's positions stop at the model's last), and what moved."""
+        counts = [num_tokens] * len(prompts) if isinstance(num_tokens, int) else list(num_tokens)
+        self.check(prompts, counts)
+        gbs, steps = self.config.gpu_batch, max(counts)
         batches = [prompts[i:i + gbs] for i in range(0, len(prompts), gbs)]
         batches[-1] = batches[-1] + [batches[-1][0]] * (gbs - len(batches[-1]))
-        width = max(map(len, prompts))
-        run = BlockRun(self, [BatchPrompts.of(b, width, self.device) for b in batches], num_tokens)
-        for op in zigzag(self.num_layers, len(batches), num_tokens, self.config.placement):
+        width, last = max(map(len, prompts)), self.lm.config.max_positions - 1
+        run = BlockRun(self, [BatchPrompts.of(b, width, last, self.device) for b in batches], steps)
+        for op in zigzag(self.num_layers, len(batches), steps, self.config.placement):
             run.do(op)
-        tokens = run.tokens.cpu()  # [num_batches, B, num_tokens]: the block's one sync
-        return tokens.flatten(0, 1)[:len(prompts)].tolist(), run.moved
+        tokens = run.tokens.cpu()  # [num_batches, B, steps]: the block's one sync
+        return [row[:n] for row, n in zip(tokens.flatten(0, 1).tolist(), counts)], run.moved
 
-    def _check(self, prompts: list[list[int]], num_tokens: int) -> None:
+    def check(self, prompts: list[list[int]], counts: list[int]) -> None:
+        """A ValueError unless `prompts` make a block this executor generates `counts` tokens of."""
         c = self.lm.config
-        if not 1 <= len(prompts) <= self.config.block:
-            raise ValueError(f"a block takes 1 to {self.config.block} prompts, got {len(prompts)}")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if not 1 <= len(prompts) <= self.config.block or len(counts) != len(prompts):
+            raise ValueError(f"a block takes 1 to {self.config.block} prompts and a count each, got {len(prompts)} "
+                             f"and {len(counts)}")
+        if min(counts) < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {min(counts)}")
         if any(not p or min(p) < 0 or max(p) >= c.vocab_size for p in prompts):
             raise ValueError(f"a prompt needs 1 or more token ids in [0, {c.vocab_size})")
-        longest = max(map(len, prompts))
-        if longest + num_tokens - 1 > c.max_positions:  # (the last token sampled is not fed back)
-            raise ValueError(f"a prompt of {longest} + {num_tokens} tokens exceeds the model's {c.max_positions} "
-                             f"positions")
+        for p, n in zip(prompts, counts):
+            if len(p) + n - 1 > c.max_positions:  # (the last token sampled is not fed back)
+                raise ValueError(f"a prompt of {len(p)} + {n} tokens exceeds the model's {c.max_positions} positions")
 
 
 class BlockRun:

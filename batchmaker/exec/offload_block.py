@@ -20,15 +20,16 @@ from batchmaker.kernels.paged_attention import capped
 class BatchPrompts:
     tokens: Tensor  # [B, P] long, left-padded
     pads: Tensor  # [B] long: pad columns before each row's prompt
+    last: int  # the model's last position: a row run past its own count stays there (its tokens dropped)
 
     @classmethod
-    def of(cls, prompts: list[list[int]], width: int, device) -> "BatchPrompts":
+    def of(cls, prompts: list[list[int]], width: int, last: int, device) -> "BatchPrompts":
         """`prompts` left-padded to `width` (the block's longest: every batch of a block has one shape)."""
         tokens = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             tokens[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
-        return cls(tokens.to(device), pads.to(device))
+        return cls(tokens.to(device), pads.to(device), last)
 
     @property
     def width(self) -> int:
@@ -46,7 +47,7 @@ class BatchPrompts:
         """[L * B] the position of each token of the step (pads at 0), in the column-major order."""
         start = self.start(step)
         columns = torch.arange(start, start + self.columns(step), device=self.pads.device)
-        return (columns[:, None] - self.pads[None, :]).clamp(min=0).flatten()
+        return (columns[:, None] - self.pads[None, :]).clamp(0, self.last).flatten()
 
 
 class BatchAttend:

@@ -93,6 +93,7 @@ def _run_engine(name: str, items: list[str], devices: str, pending: list[PromptR
                 progress: "Progress") -> None:
     from batchmaker.engine import Engine
     from batchmaker.engine_config import EngineConfig
+    from batchmaker.errors import BatchMakerError
     from batchmaker.serving.cli_models import check_devices, load_models
 
     devices = check_devices(devices, "--devices")
@@ -103,7 +104,10 @@ def _run_engine(name: str, items: list[str], devices: str, pending: list[PromptR
         for first in range(0, len(pending), window):
             futures = [(r, engine.submit(name, _inputs(r))) for r in pending[first:first + window]]
             for record, future in futures:
-                result = future.result().outputs
+                try:
+                    result = future.result().outputs
+                except BatchMakerError as e:
+                    raise UsageError(f"prompt {record.id!r}: {e}") from None
                 out.write(record, result["tokens"], result["finish_reason"], result.get("text"))
                 progress.add(len(result["tokens"]))
 
@@ -132,17 +136,18 @@ def _run_offloaded(name: str, items: list[str], devices: str, own: dict, pending
 
 def _run_blocks(executor, lm, tokenizer, pending: list[PromptRecord], prompts: list[list[int]], out: OutputFile,
                 progress: "Progress") -> None:
+    for record, prompt in zip(pending, prompts):  # (every prompt checked before any runs)
+        try:
+            executor.check([prompt], [record.max_new_tokens])
+        except ValueError as e:
+            raise UsageError(f"prompt {record.id!r}: {e}") from None
     progress.begin()
     block, eos = executor.config.block, set(lm.config.eos_token_ids)
     for first in range(0, len(pending), block):
         records = pending[first:first + block]
-        try:
-            generated, _ = executor.generate_block(prompts[first:first + block],
-                                                   max(r.max_new_tokens for r in records))
-        except ValueError as e:
-            raise UsageError(f"prompts {records[0].id!r} to {records[-1].id!r}: {e}") from None
+        generated, _ = executor.generate_block(prompts[first:first + block], [r.max_new_tokens for r in records])
         for record, tokens in zip(records, generated):
-            tokens, reason = cut(tokens[:record.max_new_tokens], eos)
+            tokens, reason = cut(tokens, eos)
             out.write(record, tokens, reason, tokenizer.decode(tokens) if record.prompt is not None else None)
             progress.add(len(tokens))
 
