@@ -127,7 +127,8 @@ def gpu_batch_sizes(limit: int) -> list[int]:
 def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int = 64,
            max_batches: int = 64) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
-    placement fits and tokens/s grows, then look between the last two; the best policy found."""
+    placement fits and tokens/s grows, then look between the last two; the best policy found
+    (of policies as fast, the largest block: the model counts no per-batch overhead)."""
     grid = placements(step)
     best_rate, best = 0.0, None
     for gbs in gpu_batch_sizes(max_gpu_batch):
@@ -141,6 +142,7 @@ def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int =
         for between in range(max(1, nb // 4) + 1, min(nb, max_batches + 1)):  # (between the last doublings)
             rates.setdefault(between, best_placement(m, hw, gbs, between, grid))
         for nb, (rate, placement) in rates.items():
-            if placement is not None and rate > best_rate:
+            tie = best is not None and rate >= best_rate * (1 - 1e-12) and gbs * nb > best.block
+            if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block)
                 best_rate, best = rate, Policy(gbs, nb, *map(float, placement))
     return best_rate, best

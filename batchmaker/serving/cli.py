@@ -1,4 +1,4 @@
-"""Command line: `batchmaker demo | serve | client | keygen` (EXAMPLES below).
+"""Command line: `batchmaker demo | serve | generate | client | keygen` (EXAMPLES below).
 
 Mistakes (a port in use, an unknown model, a bad --set, a missing key file) print one line and
 exit non-zero; --debug (or --log-level debug) shows the traceback instead.
@@ -25,6 +25,9 @@ EXAMPLES = """examples:
   batchmaker serve --models llama --set checkpoint=/models/Llama-2-7b-hf --set dtype=bfloat16 --devices cuda:0
   batchmaker serve --models lstm,treelstm --devices cuda:0,cuda:1 --replicas   # a process per device
   batchmaker serve --models llama --set checkpoint=DIR --http 127.0.0.1:8000   # + the OpenAI HTTP API
+  batchmaker generate --models llama --set llama.checkpoint=DIR --input prompts.jsonl --output out.jsonl
+  batchmaker generate --models llama --set checkpoint=DIR --set offload=auto --devices cuda:0 \
+      --input prompts.jsonl --output out.jsonl    # FlexGen's offloading: a model larger than the GPU
   batchmaker client infer seq2seq '{"tokens": [5, 17, 42]}' [--stream]
   batchmaker client infer llama '{"tokens": [1, 450, 73], "max_new_tokens": 16}' --stream
   batchmaker client chat llama '{"max_new_tokens": 16}' < turns.txt   # one turn of token ids a line
@@ -138,6 +141,24 @@ def _parser() -> argparse.ArgumentParser:
                        help="--http: a Jinja chat template used instead of the checkpoints' own")
     serve.set_defaults(run=_serve)
 
+    generate = sub.add_parser("generate", help="generate for a file of prompts, offline (resumable)",
+                              description="Greedy generation for a JSON-lines file of prompts (id, tokens or prompt,\n"
+                                          "max_new_tokens), a line per finished prompt appended to --output; a re-run\n"
+                                          "skips the ids already there. --set offload=auto: FlexGen's offloading.",
+                              epilog_from=_model_options_epilog, **options)
+    generate.add_argument("--models", default="llama", help="the registered decoder to run: llama or opt")
+    generate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="a model option (as for serve), or offload=auto|none|weights+cache+hidden, "
+                               "gpu_memory=SIZE, gpu_batch=N, num_batches=N (repeatable)")
+    generate.add_argument("--input", type=Path, required=True, help="JSON-lines file of prompts")
+    generate.add_argument("--output", type=Path, required=True, help="JSON-lines file the results are appended to")
+    generate.add_argument("--devices", default="cpu", help="the device: cpu or cuda:N")
+    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                          help="tokens to generate for a prompt that does not say")
+    generate.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                          help="stop after this many prompts (the rest on a later run)")
+    generate.set_defaults(run=_generate)
+
     client = sub.add_parser("client", help="send one request to a server and print the JSON reply",
                             description="Send one request and print the reply as JSON (a failed request:\n"
                                         "JSON on stderr, exit status 1). `chat` holds a conversation with a\n"
@@ -246,6 +267,16 @@ def _serving_configs(args):
         raise UsageError("--http serves decoders, --replicas the RNN and tree models: not both in one server yet")
     return ServerConfig(args.address, max_message_bytes=args.max_message_bytes, drain_timeout=args.drain_timeout,
                         **keys), http
+
+
+def _generate(args) -> int:
+    from batchmaker.serving.generate import run_generate
+    from batchmaker.serving.prompt_file import PromptFileError
+
+    try:
+        return run_generate(args)
+    except PromptFileError as e:
+        raise UsageError(str(e)) from None
 
 
 def _client(args) -> int:

@@ -1,0 +1,254 @@
+"""FlexGen's offloading executor (Sheng et al., ICML 2023, Algorithm 1; issue 34): a decoder
+generates greedily for a block of `num_batches` GPU batches of `gpu_batch` prompts by carrying
+out core/zigzag.py's operations in order.
+
+What the placement offloads lives in host storage between uses and moves through device buffers:
+each layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2 weight buffers,
+each (layer, batch)'s KV cache and each batch's hidden states into 3 batch buffers; a compute
+reads and writes device buffers only. What is not offloaded stays on the device (the embedding,
+the final norm and the head always do). On CUDA the loads and stores run on two side streams
+beside the compute on the current one, each slot closed by events the host waits on (the
+schedule's `sync`); on a CPU device the moves run in order between separate tensors, so the
+schedule's loads and stores really move the data its computes read.
+
+Prompts of a batch are left-padded (exec/offload_block.py). A block runs as many steps as its
+largest count for all its prompts (FlexGen's fixed length) and returns each prompt's own count;
+the caller cuts at EOS.
+`check_buffers` fills a buffer with NaN as soon as the schedule is done with it (after its store,
+or after a layer's last batch for weights), so that a compute reading stale data shows (tests).
+"""
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from batchmaker.cells.decoder import DecoderLM
+from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
+from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
+from batchmaker.exec.offload_weights import HostWeights, layer_tensors
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    gpu_batch: int = 4  # prompts per GPU batch
+    num_batches: int = 2  # GPU batches per block (FlexGen's block size = gpu_batch x num_batches)
+    placement: Placement = Placement()
+    check_buffers: bool = False  # NaN into a buffer the schedule is done with (tests)
+    compress: str | None = None  # "weights": offloaded weights kept as 4-bit codes (exec/offload_weights.py)
+
+    def __post_init__(self):
+        if self.gpu_batch < 1 or self.num_batches < 1:
+            raise ValueError(f"gpu_batch and num_batches must be >= 1, got {self.gpu_batch}, {self.num_batches}")
+        if self.compress not in (None, "weights"):
+            raise ValueError(f"compress={self.compress!r}: None or 'weights' (a compressed KV cache is not built yet)")
+        if self.compress and not self.placement.weights:
+            raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
+
+    @property
+    def block(self) -> int:
+        return self.gpu_batch * self.num_batches
+
+
+@dataclass
+class Moved:
+    """Bytes each kind of move carried, and the operations carried out, in order."""
+    bytes: dict = field(default_factory=lambda: {"weights": 0, "cache": 0, "hidden": 0})
+    ops: list = field(default_factory=list)
+
+
+def check_offloadable(lm: DecoderLM) -> None:
+    c = lm.config
+    if c.is_gemma or c.attention_windows:
+        raise ValueError("offloading runs Llama-family and OPT decoders without sliding windows or Gemma's "
+                         "norms so far")
+
+
+class OffloadExecutor:
+    def __init__(self, lm: DecoderLM, device, config: OffloadConfig = OffloadConfig()):
+        """`lm`: the model built on the CPU; its layers become the host copy (pinned beside a GPU)
+        and the rest of it moves to `device`."""
+        check_offloadable(lm)
+        self.device, self.config, self.lm = torch.device(device), config, lm
+        self.is_cuda = self.device.type == "cuda"
+        layers, lm.layers = lm.layers, nn.ModuleList()
+        lm.to(self.device)  # embedding, final norm, head, rotary table
+        lm.layers = layers
+        self.num_layers = len(layers)
+        self.dtype = lm.embed_tokens.weight.dtype
+        if config.placement.weights:
+            self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
+            self.host_weights = HostWeights(layers, self.weight_buffers, self.is_cuda, config.compress == "weights")
+        else:
+            self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers)
+        if self.is_cuda:
+            self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """`num_tokens` greedy tokens for each prompt, blocks of `config.block` prompts at a time."""
+        out = []
+        for first in range(0, len(prompts), self.config.block):
+            out += self.generate_block(prompts[first:first + self.config.block], num_tokens)[0]
+        return out
+
+    @torch.no_grad()
+    def generate_block(self, prompts: list[list[int]], num_tokens: int | list[int]) -> tuple[list[list[int]], Moved]:
+        """One block (at most `config.block` prompts; a last batch short of `gpu_batch` is filled
+        with copies of its first prompt): `num_tokens` tokens of each prompt (one count, or one
+        each: the block runs the largest, a row's positions stop at the model's last), and what moved."""
+        counts = [num_tokens] * len(prompts) if isinstance(num_tokens, int) else list(num_tokens)
+        self.check(prompts, counts)
+        gbs, steps = self.config.gpu_batch, max(counts)
+        batches = [prompts[i:i + gbs] for i in range(0, len(prompts), gbs)]
+        batches[-1] = batches[-1] + [batches[-1][0]] * (gbs - len(batches[-1]))
+        width, last = max(map(len, prompts)), self.lm.config.max_positions - 1
+        run = BlockRun(self, [BatchPrompts.of(b, width, last, self.device) for b in batches], steps)
+        for op in zigzag(self.num_layers, len(batches), steps, self.config.placement):
+            run.do(op)
+        tokens = run.tokens.cpu()  # [num_batches, B, steps]: the block's one sync
+        return [row[:n] for row, n in zip(tokens.flatten(0, 1).tolist(), counts)], run.moved
+
+    def check(self, prompts: list[list[int]], counts: list[int]) -> None:
+        """A ValueError unless `prompts` make a block this executor generates `counts` tokens of."""
+        c = self.lm.config
+        if not 1 <= len(prompts) <= self.config.block or len(counts) != len(prompts):
+            raise ValueError(f"a block takes 1 to {self.config.block} prompts and a count each, got {len(prompts)} "
+                             f"and {len(counts)}")
+        if min(counts) < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {min(counts)}")
+        if any(not p or min(p) < 0 or max(p) >= c.vocab_size for p in prompts):
+            raise ValueError(f"a prompt needs 1 or more token ids in [0, {c.vocab_size})")
+        for p, n in zip(prompts, counts):
+            if len(p) + n - 1 > c.max_positions:  # (the last token sampled is not fed back)
+                raise ValueError(f"a prompt of {len(p)} + {n} tokens exceeds the model's {c.max_positions} positions")
+
+
+class BlockRun:
+    """One block's storage and the effect of each operation on it."""
+
+    def __init__(self, executor: OffloadExecutor, batches: list[BatchPrompts], num_tokens: int):
+        self.x, self.batches, self.num_tokens = executor, batches, num_tokens
+        self.placement, self.moved = executor.config.placement, Moved()
+        c, device = executor.lm.config, executor.device
+        rows, width = batches[0].tokens.shape
+        cache_shape = (width + num_tokens - 1, rows, c.num_kv_heads, c.head_dim)
+        hidden_shape = (width, 2, rows, c.hidden_size)
+        place = self.placement
+        # host storage of what is offloaded, device storage of what is not (per batch)
+        self.cache = [[self._kv(cache_shape, on_host=place.cache) for _ in batches] for _ in range(executor.num_layers)]
+        self.hidden = [self._empty(hidden_shape, on_host=place.hidden) for _ in batches]
+        self.cache_slots = [self._kv(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] if place.cache else None
+        self.hidden_slots = [self._empty(hidden_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
+            if place.hidden else None
+        self.tokens = torch.zeros(len(batches), rows, num_tokens, dtype=torch.long, device=device)
+        self.events: list = []  # what the next sync waits on (CUDA)
+        self.poison: list[Tensor] = []  # what the next sync fills with NaN (check_buffers)
+        for b, batch in enumerate(batches):  # the prompts' embeddings: "given" at (step 0, layer 0)
+            embedded = executor.lm.embed(batch.tokens.t().flatten(), batch.positions(0))
+            self.hidden[b][:, 0].copy_(embedded.view(width, rows, -1))
+
+    def _empty(self, shape, on_host: bool) -> Tensor:
+        x = self.x
+        device = "cpu" if on_host else x.device
+        return torch.empty(shape, dtype=x.dtype, device=device, pin_memory=on_host and x.is_cuda)
+
+    def _kv(self, shape, on_host: bool) -> tuple[Tensor, Tensor]:
+        return self._empty(shape, on_host), self._empty(shape, on_host)
+
+    # the operations ---------------------------------------------------------------------------
+    def do(self, op: Op) -> None:
+        getattr(self, op.kind)(op)
+        self.moved.ops.append(op)
+
+    def load_weights(self, op: Op) -> None:
+        with self._stream("in"):
+            self.moved.bytes["weights"] += self.x.host_weights.load(op.layer, op.slot)
+
+    def load_cache(self, op: Op) -> None:
+        end = self.batches[op.batch].start(op.step)  # every column written before this step
+        for dst, src in zip(self.cache_slots[op.slot], self.cache[op.layer][op.batch]):
+            self._copy(dst[:end], src[:end], "in", "cache")
+
+    def store_cache(self, op: Op) -> None:
+        batch = self.batches[op.batch]
+        start, end = batch.start(op.step), batch.start(op.step) + batch.columns(op.step)
+        for dst, src in zip(self.cache[op.layer][op.batch], self.cache_slots[op.slot]):
+            self._copy(dst[start:end], src[start:end], "out", "cache")
+        self._poison_after_sync(*self.cache_slots[op.slot])
+
+    def load_hidden(self, op: Op) -> None:
+        n = self.batches[op.batch].columns(op.step)
+        self._copy(self.hidden_slots[op.slot][:n], self.hidden[op.batch][:n], "in", "hidden")
+
+    def store_hidden(self, op: Op) -> None:
+        n = self._hidden_out(op.step, op.layer, op.batch)
+        self._copy(self.hidden[op.batch][:n], self.hidden_slots[op.slot][:n], "out", "hidden")
+        self._poison_after_sync(self.hidden_slots[op.slot])
+
+    def compute(self, op: Op) -> None:
+        step, layer, b = op.step, op.layer, op.batch
+        x, lm, batch = self.x, self.x.lm, self.batches[b]
+        module = x.weight_buffers[(step * x.num_layers + layer) % WEIGHT_BUFFERS] if self.placement.weights \
+            else x.resident[layer]
+        hidden = (self.hidden_slots[op.slot] if self.placement.hidden else self.hidden[b])[:batch.columns(step)]
+        k_cache, v_cache = self.cache_slots[op.slot] if self.placement.cache else self.cache[layer][b]
+        attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap)
+        positions = batch.positions(step)
+        inputs = hidden.transpose(0, 1).flatten(1, 2)  # [2, L*B, H]
+        out, residual = module(inputs[0], None if layer == 0 else inputs[1], lm.rotary(positions), attend)
+        if layer + 1 < x.num_layers:
+            hidden.copy_(torch.stack([out, residual]).unflatten(1, (hidden.shape[0], -1)).transpose(0, 1))
+            return
+        last = (out + residual).view(hidden.shape[0], -1, out.shape[-1])[-1]  # [B, H]: each row's last token
+        token = lm.head(last).argmax(-1)
+        self.tokens[b, :, step] = token
+        if step + 1 < self.num_tokens:  # the next step's input: the token's embedding
+            hidden[:1, 0].copy_(lm.embed(token, batch.positions(step + 1)).unsqueeze(0))
+        if self.x.config.check_buffers and self.placement.weights and b == len(self.batches) - 1:
+            self._poison_after_sync(*layer_tensors(module))
+
+    def sync(self, op: Op) -> None:
+        if self.x.is_cuda:  # (the compute of this slot, on the current stream)
+            self.events.append(torch.cuda.current_stream(self.x.device).record_event())
+        for event in self.events:
+            event.synchronize()
+        self.events = []
+        for t in self.poison:
+            t.fill_(math.nan)
+        self.poison = []
+
+    # helpers -------------------------------------------------------------------------------------
+    def _hidden_out(self, step: int, layer: int, b: int) -> int:
+        """Columns of hidden states compute(step, layer, b) leaves: the next step's input is one."""
+        return 1 if layer + 1 == self.x.num_layers else self.batches[b].columns(step)
+
+    def _copy(self, dst: Tensor, src: Tensor, stream: str, kind: str) -> None:
+        with self._stream(stream):
+            dst.copy_(src, non_blocking=True)
+        self.moved.bytes[kind] += src.numel() * src.element_size()
+
+    def _stream(self, name: str):
+        """A side stream's context on CUDA, closed by an event the next `sync` waits on."""
+        return _SideStream(self, name) if self.x.is_cuda else contextlib.nullcontext()
+
+    def _poison_after_sync(self, *tensors: Tensor) -> None:
+        if self.x.config.check_buffers:
+            self.poison += tensors
+
+
+class _SideStream:
+    """Work issued inside runs on the run's side stream `name`; an event after it joins the slot's."""
+
+    def __init__(self, run: BlockRun, name: str):
+        self.run, self.stream = run, run.x.streams[name]
+        self.context = torch.cuda.stream(self.stream)
+
+    def __enter__(self):
+        self.context.__enter__()
+
+    def __exit__(self, *exc):
+        self.context.__exit__(*exc)
+        self.run.events.append(self.stream.record_event())

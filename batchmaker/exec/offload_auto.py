@@ -1,0 +1,112 @@
+"""`offload=auto`: the machine's rates measured at start-up (a fraction of a second), FlexGen's
+cost model and policy search (core/offload_policy.py) over what the executor runs, and the chosen
+policy with its predicted step time, as one line to print.
+
+What is measured (`measure`): the copy rate host -> device and back (pinned host memory beside a
+GPU; on a CPU, between two CPU tensors, the executor's two pools), the device's matmul rate at
+the model's dtype, and the CPU's batched matmul rate (FlexGen's CPU attention term). The search
+runs over whole tensors (fractions 0 or 1: the executor places each class of tensor wholly on
+the host or the device; no disk), so a policy maps onto a `Placement` exactly.
+
+Adaptations of FlexGen's model (it counts 2-byte values, OPT's two-matrix MLP and one KV head per
+query head): the model is described to it with an MLP width scaled to Llama's three matrices, and
+the rates are converted to its 2-byte units for the model's dtype; grouped-query KV is counted as
+FlexGen's full KV (an overestimate of the KV traffic).
+"""
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.core.offload_policy import Hardware, ModelShape, Policy, layer_seconds, search
+from batchmaker.core.zigzag import Placement
+
+CPU_DEVICE_BYTES = 1 << 30  # the "device" pool's budget on a CPU when none is given
+
+
+@dataclass(frozen=True)
+class Rates:
+    ctog: float  # bytes/s host -> device
+    gtoc: float  # bytes/s device -> host
+    mm_flops: float  # the device's matmuls
+    cpu_flops: float  # the CPU's batched matmuls (attention)
+
+
+@dataclass(frozen=True)
+class Choice:
+    policy: Policy
+    placement: Placement
+    tokens_per_s: float  # predicted
+    step_seconds: float  # predicted: one decode step of the whole block (every layer)
+
+    def describe(self) -> str:
+        p = self.placement
+        where = lambda offloaded: "host" if offloaded else "device"  # noqa: E731
+        return (f"offload policy: gpu_batch={self.policy.gpu_batch} num_batches={self.policy.num_batches} "
+                f"(block {self.policy.block}); weights on {where(p.weights)}, KV cache on {where(p.cache)}, "
+                f"hidden states on {where(p.hidden)}; predicted decode step {self.step_seconds * 1e3:.2f} ms, "
+                f"{self.tokens_per_s:.1f} tokens/s")
+
+
+def _seconds(fn, repeats: int = 3) -> float:
+    fn()  # (warm-up)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int = 512) -> Rates:
+    """The rates of this machine: copies of `copy_bytes`, matmuls of `size` cubed."""
+    device = torch.device(device)
+    is_cuda = device.type == "cuda"
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=is_cuda)
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    ctog = copy_bytes / _seconds(lambda: dev.copy_(host, non_blocking=True))
+    gtoc = copy_bytes / _seconds(lambda: host.copy_(dev, non_blocking=True))
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    mm = 2 * size ** 3 / _seconds(lambda: a @ a)
+    q, k = torch.randn(64, 1, 128), torch.randn(64, 128, 512)  # decode attention's shape: one query a row
+    cpu = 2 * 64 * 128 * 512 / _seconds(lambda: torch.bmm(q, k))
+    return Rates(ctog, gtoc, mm, cpu)
+
+
+def host_bytes() -> float:
+    """The machine's physical memory (the host pool's bound)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def model_shape(config: DecoderConfig, prompt: int, generate: int) -> ModelShape:
+    """FlexGen's view of `config`: a gated MLP's three matrices as an OPT MLP 1.5x wider."""
+    width = config.intermediate_size * (3 if config.family == "llama" else 2) // 2
+    return ModelShape(config.num_layers, config.hidden_size, width, prompt, generate)
+
+
+def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float) -> Hardware:
+    """The cost model's machine, in its 2-byte units: our bytes count 2 / itemsize of its values."""
+    units = 16 / torch.finfo(dtype).bits
+    return Hardware(ctog=rates.ctog * units, gtoc=rates.gtoc * units, dtoc=0.0, ctod=0.0, mm_flops=rates.mm_flops,
+                    bmm_flops=rates.mm_flops, cpu_flops=rates.cpu_flops, gpu_bytes=device_bytes * units,
+                    cpu_bytes=host * units, disk_bytes=0.0)
+
+
+def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
+           prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64) -> Choice:
+    """The fastest policy the executor runs within `device_bytes` and `host` bytes."""
+    hw = hardware(rates, dtype, device_bytes, host)
+    shape = model_shape(config, prompt, generate)
+    rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches)
+    if policy is None:
+        raise ValueError(f"no placement of the model fits {device_bytes / 2**30:.2f} GiB of device and "
+                         f"{host / 2**30:.1f} GiB of host memory")
+    p = np.array([[policy.wg, policy.wc, policy.cg, policy.cc, policy.hg, policy.hc]])
+    decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p)[1][0]
+    placement = Placement(weights=policy.wg < 1, cache=policy.cg < 1, hidden=policy.hg < 1)
+    return Choice(policy, placement, rate, float(decode) * config.num_layers)

@@ -1,0 +1,83 @@
+"""One GPU batch of a FlexGen block (exec/offload.py): its prompts left-padded to one length, the
+positions of each step's tokens, and attention over the batch's contiguous KV cache.
+
+Layout (tokens ordered column-major, token t = l * B + b, so that a step's columns are one
+contiguous prefix and a cache's valid part is `cache[:end]`, one contiguous copy):
+    prompts  [B, P]            left-padded with token 0; row b's first real column is pads[b]
+    cache    [S, B, Hkv, D]    K or V of one layer, S = P + num_tokens - 1 columns
+    hidden   [L, 2, B, H]      the residual stream between layers, unsummed (x, residual)
+A pad column is a key no real query sees; a pad query sees itself only (so that it stays finite).
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from batchmaker.kernels.paged_attention import capped
+
+
+@dataclass(frozen=True)
+class BatchPrompts:
+    tokens: Tensor  # [B, P] long, left-padded
+    pads: Tensor  # [B] long: pad columns before each row's prompt
+    last: int  # the model's last position: a row run past its own count stays there (its tokens dropped)
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], width: int, last: int, device) -> "BatchPrompts":
+        """`prompts` left-padded to `width` (the block's longest: every batch of a block has one shape)."""
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
+        return cls(tokens.to(device), pads.to(device), last)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def start(self, step: int) -> int:
+        """The first cache column step `step` writes: 0 for the prompt, then one column a step."""
+        return 0 if step == 0 else self.width + step - 1
+
+    def columns(self, step: int) -> int:
+        """How many columns (tokens per row) step `step` computes."""
+        return self.width if step == 0 else 1
+
+    def positions(self, step: int) -> Tensor:
+        """[L * B] the position of each token of the step (pads at 0), in the column-major order."""
+        start = self.start(step)
+        columns = torch.arange(start, start + self.columns(step), device=self.pads.device)
+        return (columns[:, None] - self.pads[None, :]).clamp(0, self.last).flatten()
+
+
+class BatchAttend:
+    """An `Attend` (cells/decoder.py) for one step of one batch: writes the step's k, v into the
+    batch's cache at its columns, then attends over columns [0, end) in fp32."""
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, batch: BatchPrompts, step: int, scale: float,
+                 softcap: float | None):
+        self.k_cache, self.v_cache, self.batch, self.scale, self.softcap = k_cache, v_cache, batch, scale, softcap
+        self.start, self.columns = batch.start(step), batch.columns(step)
+
+    def __call__(self, layer_index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q [L*B, Hq, D], k, v [L*B, Hkv, D] (column-major tokens)
+        num_rows, (num_kv_heads, head_dim) = self.batch.pads.shape[0], k.shape[1:]
+        start, end = self.start, self.start + self.columns
+        self.k_cache[start:end] = k.view(self.columns, num_rows, num_kv_heads, head_dim)
+        self.v_cache[start:end] = v.view(self.columns, num_rows, num_kv_heads, head_dim)
+        keys = self.k_cache[:end].float().permute(1, 2, 0, 3).unsqueeze(2)  # [B, Hkv, 1, end, D]
+        values = self.v_cache[:end].float().permute(1, 2, 0, 3).unsqueeze(2)
+        group = q.shape[1] // num_kv_heads
+        qh = q.float().view(self.columns, num_rows, num_kv_heads, group, head_dim).permute(1, 2, 3, 0, 4)  # [B, Hkv, G, L, D]
+        scores = capped(qh @ keys.transpose(-1, -2) * self.scale, self.softcap)  # [B, Hkv, G, L, end]
+        scores.masked_fill_(~self.visible(end)[:, None, None], float("-inf"))
+        out = scores.softmax(-1) @ values  # [B, Hkv, G, L, D]
+        return out.permute(3, 0, 1, 2, 4).reshape(q.shape).to(q.dtype)
+
+    def visible(self, end: int) -> Tensor:
+        """[B, L, end]: query column start + l of row b sees key column c."""
+        device = self.batch.pads.device
+        query = torch.arange(self.start, end, device=device)[:, None]  # [L, 1]
+        key = torch.arange(end, device=device)  # [end]
+        is_real = key[None, None, :] >= self.batch.pads[:, None, None]  # [B, 1, end]
+        return (key <= query)[None] & (is_real | (key == query)[None])

@@ -1,0 +1,154 @@
+"""FlexGen's offloading executor (exec/offload.py) on the CPU, over two memory pools (host storage
+and device buffers as separate tensors): its greedy tokens equal the same model resident (each
+prompt alone through `dense_logits`) and transformers' for a saved checkpoint, every token, for
+several block shapes and every placement, prompts of different lengths left-padded in a batch;
+it carries out exactly the zig-zag schedule's operations, a layer's weights cross once per step
+of the block; and no compute reads a buffer the schedule is done with (each one is filled with
+NaN then), a check that does catch a schedule missing one load."""
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import batchmaker.exec.offload as offload
+from batchmaker.cells.checkpoint import load_checkpoint
+from batchmaker.cells.decoder import build_decoder
+from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.core.zigzag import Placement, zigzag
+from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
+from batchmaker.kernels.compress4 import compress, decompress
+
+PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)]
+
+
+def placement_id(p: Placement) -> str:
+    return f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}"
+
+
+def resident_greedy(lm, prompt: list[int], n: int) -> list[int]:
+    """The reference: one prompt alone, the whole sequence re-run through the resident model per token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(lm.dense_logits(torch.tensor(seq))[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-opt"])
+def family(request):
+    config = PRESETS[request.param]
+    prompts = random_prompts([3, 7, 1, 5, 9, 2, 4], config.vocab_size, seed=1)
+    reference = build_decoder(config, seed=3)
+    return config, prompts, [resident_greedy(reference, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("gpu_batch, num_batches", [(1, 1), (2, 3), (3, 2), (4, 1), (2, 4)])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=placement_id)
+def test_tokens_equal_the_resident_model(family, gpu_batch, num_batches, placement):
+    config, prompts, want = family
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu",
+                               OffloadConfig(gpu_batch, num_batches, placement, check_buffers=True))
+    assert executor.generate(prompts, 6) == want
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_tokens_equal_transformers_for_a_saved_checkpoint(tmp_path, preset):
+    pytest.importorskip("transformers")
+    from test_decoder_models import save_hf
+    from test_generation import hf_greedy
+    hf = save_hf(PRESETS[preset], tmp_path)
+    prompts = random_prompts([6, 2, 11, 4, 1], 512, seed=2)
+    executor = OffloadExecutor(load_checkpoint(tmp_path), "cpu", OffloadConfig(2, 3, check_buffers=True))
+    assert executor.generate(prompts, 8) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=placement_id)
+def test_it_carries_out_the_zigzag_operations(placement):
+    config = PRESETS["tiny-llama"]
+    executor = OffloadExecutor(build_decoder(config), "cpu", OffloadConfig(2, 3, placement))
+    prompts = random_prompts([4, 2, 5, 3, 1], config.vocab_size, seed=4)
+    _, moved = executor.generate_block(prompts, 5)
+    assert moved.ops == zigzag(config.num_layers, 3, 5, placement)
+    layer_bytes = sum(p.numel() * p.element_size() for p in build_decoder(config).layers.parameters())
+    assert moved.bytes["weights"] == (5 * layer_bytes if placement.weights else 0)  # (once a step, not a batch)
+    rows, width, heads = 3 * 2, 5, config.num_kv_heads * config.head_dim
+    cache_out = config.num_layers * rows * (width + 4) * heads * 2 * 4  # each column stored once (K and V, fp32)
+    cache_in = config.num_layers * rows * sum(width + s - 1 for s in range(1, 5)) * heads * 2 * 4
+    assert moved.bytes["cache"] == (cache_out + cache_in if placement.cache else 0)
+
+
+@pytest.mark.parametrize("placement", [Placement(True, True, True), Placement(True, False, False)], ids=placement_id)
+def test_compressed_weights_give_the_tokens_of_the_round_tripped_model(placement):
+    """compress='weights': each matrix crosses as 4-bit codes; the reference is the resident model
+    with its layers' matrices replaced by their round trip through kernels/compress4.py."""
+    config = PRESETS["tiny-llama"]
+    reference = build_decoder(config, seed=3)
+    with torch.no_grad():
+        for p in reference.layers.parameters():
+            if p.dim() == 2:
+                p.copy_(decompress(compress(p, 64, dim=0)))
+    prompts = random_prompts([3, 7, 1, 5], config.vocab_size, seed=6)
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu",
+                               OffloadConfig(2, 2, placement, check_buffers=True, compress="weights"))
+    tokens, moved = executor.generate_block(prompts, 6)
+    assert tokens == [resident_greedy(reference, p, 6) for p in prompts]
+    plain = 6 * sum(p.numel() * 4 for p in reference.layers.parameters())  # (fp32, once a step)
+    assert 0.12 * plain < moved.bytes["weights"] < 0.16 * plain  # (36 bytes a group of 64 instead of 256, + norms)
+
+
+def test_a_schedule_missing_a_load_is_caught_by_the_nan_check(monkeypatch):
+    """One layer, one batch a block: the buffer a load would fill still holds what it would bring
+    (each step reuses it), so a missing load goes unseen unless the buffer is poisoned once stored."""
+    config = replace(PRESETS["tiny-llama"], num_layers=1)
+    prompts = random_prompts([3, 4, 2, 5], config.vocab_size, seed=5)
+    reference = build_decoder(config, seed=3)
+    want = [resident_greedy(reference, p, 4) for p in prompts]
+
+    def missing_one(*args, **kwargs):
+        ops = zigzag(*args, **kwargs)
+        ops.remove(next(op for op in ops if op.kind == "load_cache" and op.step == 2))
+        return ops
+    monkeypatch.setattr(offload, "zigzag", missing_one)
+    for check, same in ((False, True), (True, False)):
+        executor = OffloadExecutor(build_decoder(config, seed=3), "cpu", OffloadConfig(4, 1, check_buffers=check))
+        assert (executor.generate(prompts, 4) == want) is same
+
+
+def test_each_prompt_gets_its_own_count_up_to_the_last_position():
+    """A block runs its largest count; a long prompt with a small count stops at the model's last
+    position (its extra tokens dropped), and the others' tokens are unchanged."""
+    config = replace(PRESETS["tiny-opt"], max_positions=24)  # (OPT: positions past the table would fail)
+    reference = build_decoder(config, seed=3)
+    prompts = [random_prompts([20], config.vocab_size, seed=7)[0], [5, 6]]
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu", OffloadConfig(2, 1))
+    tokens, _ = executor.generate_block(prompts, [4, 15])
+    assert tokens == [resident_greedy(reference, prompts[0], 4), resident_greedy(reference, prompts[1], 15)]
+
+
+def test_bad_inputs_are_refused():
+    config = PRESETS["tiny-llama"]
+    executor = OffloadExecutor(build_decoder(config), "cpu", OffloadConfig(2, 2))
+    with pytest.raises(ValueError, match="1 to 4 prompts"):
+        executor.generate_block([[1]] * 5, 2)
+    with pytest.raises(ValueError, match="token ids"):
+        executor.generate_block([[1], []], 2)
+    with pytest.raises(ValueError, match="token ids"):
+        executor.generate_block([[config.vocab_size]], 2)
+    with pytest.raises(ValueError, match="positions"):
+        executor.generate_block([[1] * 250], 10)
+    with pytest.raises(ValueError, match="num_tokens"):
+        executor.generate_block([[1]], 0)
+    with pytest.raises(ValueError, match=">= 1"):
+        OffloadConfig(0, 2)
+    with pytest.raises(ValueError, match="compress='kv'"):
+        OffloadConfig(compress="kv")
+    with pytest.raises(ValueError, match="keeps them on the device"):
+        OffloadConfig(placement=Placement(False, True, True), compress="weights")
+    with pytest.raises(ValueError, match="Gemma"):
+        OffloadExecutor(build_decoder(replace(config, layer_windows=(8, 8))), "cpu")

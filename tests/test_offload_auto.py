@@ -1,0 +1,42 @@
+"""`offload=auto` (exec/offload_auto.py): the machine's rates are measured (positive, finite); the
+policy chosen keeps everything on a device that holds it, moves the weights to the host when they
+do not fit, counts the model's dtype (a budget that holds bf16 weights but not fp32 ones), and is
+said in one line with its prediction."""
+import math
+
+import pytest
+import torch
+
+from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.core.zigzag import Placement
+from batchmaker.exec.offload_auto import Rates, choose, host_bytes, measure
+
+RATES = Rates(ctog=5e9, gtoc=5e9, mm_flops=1e11, cpu_flops=1e9)  # (a CPU's, in round numbers)
+SMALL = PRESETS["small-llama"]  # 8 layers of 3.1M parameters: 103 MB in fp32, 51 MB in bf16
+MIB = 1 << 20
+
+
+def test_the_rates_are_measured():
+    rates = measure("cpu", torch.float32, copy_bytes=4 * MIB, size=128)
+    assert all(0 < v < math.inf for v in rates.__dict__.values())
+    assert host_bytes() > 64 * MIB
+
+
+def test_a_device_that_holds_everything_keeps_everything():
+    choice = choose(SMALL, torch.float32, RATES, 64 << 30, 64 << 30, prompt=16, generate=16)
+    assert choice.placement == Placement(False, False, False)
+    assert choice.policy.block > 1  # (as fast at every block size in the model: the largest is taken)
+
+
+@pytest.mark.parametrize("dtype, offloaded", [(torch.bfloat16, False), (torch.float32, True)])
+def test_weights_that_do_not_fit_go_to_the_host(dtype, offloaded):
+    choice = choose(SMALL, dtype, RATES, 80 * MIB, 64 << 30, prompt=16, generate=16)
+    assert choice.placement.weights is offloaded
+    assert choice.tokens_per_s > 0 and choice.step_seconds > 0
+    line = choice.describe()
+    assert f"gpu_batch={choice.policy.gpu_batch}" in line and "predicted decode step" in line
+
+
+def test_nothing_fits_is_a_clear_error():
+    with pytest.raises(ValueError, match="no placement"):
+        choose(SMALL, torch.float32, RATES, 1 * MIB, 1 * MIB, prompt=16, generate=16)
