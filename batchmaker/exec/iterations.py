@@ -55,6 +55,12 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
+    def release(self) -> None:
+        """Give the blocks' memory back now (the runner stopped), whatever still refers to the
+        tensors: a stopped engine's objects form cycles that the collector may free much later."""
+        for t in (self.k, self.v):
+            t.untyped_storage().resize_(0)
+
 
 class IterationRunner:
     def __init__(self, cell_type, module, device: torch.device, graphs, num_blocks: int, ranks=None):
@@ -301,9 +307,14 @@ class IterationRunner:
         return None
 
     def close(self) -> None:
+        """Stop: the group's ranks, then what holds memory (graphs and their pools, the KV cache,
+        the host tier), given back now rather than when the collector gets to the engine."""
+        self.graphs.drop()  # (their captured collectives hold the group's communicator)
         if self.ranks is not None:
-            self.graphs.drop()  # (their captured collectives hold the group's communicator)
             self.ranks.close()
+        self.cache.release()
+        if self.host is not None:
+            self.host.release()
 
     def finish(self, task: IterationTask) -> None:
         if isinstance(task.handle, PendingTokens):

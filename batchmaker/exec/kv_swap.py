@@ -68,6 +68,12 @@ class HostTier:
         # host time spent issuing copies (benchmarks): plans and runs of host chunks, each way
         self.counters = {"out_plans": 0, "out_runs": 0, "out_ms": 0.0, "in_plans": 0, "in_runs": 0, "in_ms": 0.0}
 
+    def release(self) -> None:
+        """Give the host chunks and the staging buffers back now (the runner stopped)."""
+        for t in (self.host, self.out_buffer, self.in_buffers):
+            if t is not None:
+                t.untyped_storage().resize_(0)
+
     @staticmethod
     def num_chunks_for(num_bytes: int, config, chunk_tokens: int, dtype: torch.dtype) -> int:
         return num_bytes // (2 * config.num_layers * chunk_tokens * config.num_kv_heads * config.head_dim * dtype.itemsize)
