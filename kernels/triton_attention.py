@@ -105,16 +105,20 @@ def _key_range(first, kv_end, window, split, num_splits, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi,
+def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, gap_at, gap,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window, softcap_log2,
             D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             MASKED: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr):
     # online softmax of q_tile [M, D_PAD] (queries at context positions pos [M]) over positions [lo, hi),
     # carrying the running output acc [M, D_PAD], max m_i [M] and sum l_i [M]. Unless MASKED, every
     # position of the range is below hi and visible to every row (no position masks); MASKED and
-    # WINDOWED, a row at p sees p - window + 1 .. p only. CAPPED: scores soft-capped before the masks.
+    # WINDOWED, a row at p sees p - window + 1 .. p only, and the gap positions from gap_at (whole
+    # steps from lo) are left out. CAPPED: scores soft-capped before the masks.
     offs_d = tl.arange(0, D_PAD)
-    for start in range(lo, hi, BLOCK_N):
+    for step in range(lo, hi - gap, BLOCK_N):
+        start = step
+        if MASKED and WINDOWED:  # (steps from gap_at on sit gap positions later)
+            start = step + tl.where(step >= gap_at, gap, 0)
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < hi
         if MASKED:
@@ -196,9 +200,9 @@ def paged_attention_kernel(
     first = ctx - n + tile * BLOCK_M  # the tile's first query position
     kv_end = ctx - n + tl.minimum(tile * BLOCK_M + BLOCK_M, n)  # one past the tile's last query position
     lo, hi = _key_range(first, kv_end, window, split, num_splits, BLOCK_N, IS_SPLIT, WINDOWED)
-    # [lo, full): WINDOWED, steps before the last query's window begins (kv_end - window): masked;
-    # [full, mid): whole steps below the tile's first query position, visible to every row: no masks
-    # (all of decode but its last step); [mid, hi): masked
+    # [lo, full): WINDOWED, steps before the last query's window begins (kv_end - window): masked
+    # (none in decode); [full, mid): whole steps below the tile's first query position, visible to
+    # every row: no masks (all of decode but its last step); [mid, hi): masked
     full = lo
     if WINDOWED:
         full = tl.minimum(lo + tl.cdiv(tl.maximum(kv_end - window - lo, 0), BLOCK_N) * BLOCK_N, hi)
@@ -207,16 +211,18 @@ def paged_attention_kernel(
     m_i = tl.full([M], NO_SCORE, tl.float32)
     l_i = tl.zeros([M], tl.float32)
     table_row = block_tables + seq * stride_bt
-    if WINDOWED:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, full,
-                                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
-                                softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED, CAPPED)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, full, mid,
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, full, mid, 0, 0,
                             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
                             softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION, WINDOWED, CAPPED)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi,
-                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
-                            softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED, CAPPED)
+    if WINDOWED:  # [lo, full) and [mid, hi) in one masked loop (two would hold more registers)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, full,
+                                mid - full, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                                scale_log2, window, softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION,
+                                WINDOWED, CAPPED)
+    else:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi, 0, 0,
+                                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
+                                softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED, CAPPED)
     has_key = l_i > 0.0  # false for rows whose slice of the context ends before their position
     l_i = tl.where(has_key, l_i, 1.0)
     acc = acc / l_i[:, None]

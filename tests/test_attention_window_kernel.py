@@ -156,15 +156,22 @@ def test_the_interpreter_in_a_subprocess():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("window, softcap", FEATURES)
-@pytest.mark.parametrize("head_dim", (24, 64, 80, 128, 256))
+@pytest.mark.parametrize("head_dim, window, softcap", SWEEP)
 def test_every_path_on_the_gpu(head_dim, window, softcap):
     every_path(head_dim, window, softcap, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("window, softcap", [(1, None), (33, None), (4096, None), (None, 50.0), (1000, 30.0)])
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_batches_on_the_gpu(seed):
+    """GQA 1-8, blocks of 8-32, decodes beside chunks (bf16, heads of 64)."""
+    check_features(random_case(seed, torch.bfloat16, "cuda", head_dims=(64,)), *FEATURES[seed % len(FEATURES)])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("window, softcap", [(1, None), (4096, None), (None, 50.0), (1000, 30.0)])
 def test_long_contexts_on_the_gpu(window, softcap):
     """Contexts of thousands, split into as many slices as the planner picks and as asked (most of
     them wholly before a short window: empty), a mixed batch of 20 sequences from work lists;
