@@ -20,7 +20,8 @@ stored; where D is a power of two (D_PAD == D) no column mask is built: the same
 Sliding windows and soft caps (Mistral's, Gemma's): WINDOWED, a query at position p sees p - window
 + 1 .. p, and a tile's programs start at the first position its first query sees (the steps before
 are skipped, not masked; split, they slice that range), masking by window the steps before its last
-query's window begins; CAPPED, scores are cap * tanh(s / cap) before the masks. Both are runtime
+query's window begins (in one loop with the masked steps of its diagonal: two loops spilled more);
+CAPPED, scores are cap * tanh(s / cap) before the masks (an exp2 and a division a score). Both are runtime
 scalars behind constexpr flags: without them the arguments are None (no parameter at all) and the
 kernel compiles to the code it had before them (bench/attention_fit.py --against).
 
