@@ -14,8 +14,8 @@ window cap both` compile those variants as well (issue 33: whether they still fi
 (with its ptxas), no GPU; compile times are not launch times.
 
     git show de8754f:kernels/triton_attention.py > /tmp/before_windows.py
-    python bench/attention_fit.py --against /tmp/before_windows.py --heads 64 80 128 256 --dtypes bf16 \
-        --out bench/results/attention-fit-sm90-windows-same-ptx.json
+    python bench/attention_fit.py --against /tmp/before_windows.py --heads 64 80 128 256 --dtypes bf16 fp32 \
+        --features none both --out bench/results/attention-fit-sm90-windows.json
 """
 import argparse
 import importlib.util
