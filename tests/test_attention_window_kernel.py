@@ -11,6 +11,7 @@ A window skips the positions before it, not only masks them: the kernel reads ca
 positions before each sequence's first window hold NaN (the twin reads clean ones), so a step it
 read there would show up as NaN. Every case's features bind: without them the twin's output differs.
 """
+import importlib.util
 import random
 
 import pytest
@@ -149,7 +150,9 @@ def test_gemma2_served_through_the_kernel_in_the_interpreter(tmp_path):
 
 def test_the_interpreter_in_a_subprocess():
     """Runs the tests above under TRITON_INTERPRET=1, on machines with triton but no GPU."""
-    assert f"{len(SWEEP) + len(RANDOM_SEEDS) + 1} passed" in run_interpreted(__file__, "in_the_interpreter", timeout=900)
+    served = importlib.util.find_spec("transformers") is not None  # (the Gemma 2 test needs it)
+    assert f"{len(SWEEP) + len(RANDOM_SEEDS) + served} passed" in run_interpreted(__file__, "in_the_interpreter",
+                                                                                  timeout=900)
 
 
 # GPU --------------------------------------------------------------------------------------------
