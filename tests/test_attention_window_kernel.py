@@ -19,6 +19,7 @@ import torch
 
 from batchmaker import Engine, build_model
 from batchmaker.kernels.attention_launch import AttentionConfig, window_bound
+from batchmaker.kernels.attention_variants import compile_variants
 from batchmaker.kernels.paged_attention import paged_attention, reference_paged_attention
 from helpers import interpreter, needs_gpu, run_interpreted
 from test_paged_attention import TOLERANCE, Case, make_case, random_case, work_for
@@ -119,6 +120,18 @@ def test_random_batches_in_the_interpreter(seed):
 
 
 @interpreter
+def test_every_windowed_variant_runs_in_the_interpreter():
+    """compile_variants for a model whose layers alternate windowed and global, capped: every
+    variant twice (WINDOWED or not), over scratch, reading only."""
+    k = torch.randn(3, 4, 2, 24)
+    v = torch.randn_like(k)
+    before = (k.clone(), v.clone())
+    plain = compile_variants(k, v, num_q_heads=4, max_blocks=64, max_positions=512)
+    assert compile_variants(k, v, 4, 64, 512, windows=(16, 0), softcap=50.0) == 2 * plain > 0
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+@interpreter
 def test_gemma2_served_through_the_kernel_in_the_interpreter(tmp_path):
     """The CPU engine's attention swapped for the kernel: Gemma 2 (tests/test_gemma.py's: a window
     of 16, a cap of 0.5 that binds), each layer's window and the cap passed by PagedAttend; greedy
@@ -151,7 +164,7 @@ def test_gemma2_served_through_the_kernel_in_the_interpreter(tmp_path):
 def test_the_interpreter_in_a_subprocess():
     """Runs the tests above under TRITON_INTERPRET=1, on machines with triton but no GPU."""
     served = importlib.util.find_spec("transformers") is not None  # (the Gemma 2 test needs it)
-    assert f"{len(SWEEP) + len(RANDOM_SEEDS) + served} passed" in run_interpreted(__file__, "in_the_interpreter",
+    assert f"{len(SWEEP) + len(RANDOM_SEEDS) + 1 + served} passed" in run_interpreted(__file__, "in_the_interpreter",
                                                                                   timeout=900)
 
 
