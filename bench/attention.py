@@ -7,11 +7,14 @@ measured copy bandwidth and against torch SDPA on the same contexts stored dense
     python bench/attention.py --out attention.json --prefill-sweep  # prompt-chunk tiles, swept
     TRITON_INTERPRET=1 python bench/attention.py --device cpu --smoke --out /tmp/a.json
                                          # a smoke run of this script on the CPU (times mean nothing)
+    python bench/attention.py --out gemma2.json --heads 16 --kv-heads 8 --head-dim 256 \
+        --window 4096 --softcap 50 --contexts 2048 8192  # Gemma 2 9B's local layers (issue 33)
 
 Decode: batch B of one new token per sequence, every sequence with the same context length.
 Ceilings: a large copy (read + write bytes) and a large sum (read bytes), measured in the same run.
 Prefill: chunks of --chunk new tokens at the end of their context. Bytes counted: K and V of every
-attended position (read once) plus q and out; split-KV partials are overhead, not counted.
+attended position (read once; with --window, of those the windows reach) plus q and out; split-KV
+partials are overhead, not counted. With --window or --softcap there is no SDPA comparison.
 Every variant runs `--calls` calls captured in one CUDA graph and replayed; each call reads its own
 copy of the cache blocks (rotating block tables, enough copies for > 4x the L2 cache), so small
 contexts are not served from L2. µs per call = median over 5 timed windows.
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from batchmaker.kernels.attention_launch import fit_head, head_pad
+from batchmaker.kernels.attention_launch import fit_head, head_pad, window_bound
 from batchmaker.kernels.paged_attention import AttentionConfig, paged_attention, pick_launch, wide_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,7 +48,9 @@ class Contexts:
         self.batch, self.ctx, self.n, self.lens = batch, ctx, n, lens
         heads, kv_heads, dim, bs, dtype = args.heads, args.kv_heads, args.head_dim, args.block_size, args.dtype
         blocks_per_seq = -(-ctx // bs)
-        self.kv_bytes = 2 * (sum(lens) if lens else batch * ctx) * kv_heads * dim * dtype.itemsize
+        self.window, self.softcap = args.window, args.softcap  # (None: none)
+        reach = ctx if args.window is None else min(ctx, args.window + n - 1)  # positions a sequence's tiles read
+        self.kv_bytes = 2 * sum(min(c, reach) for c in lens or [ctx] * batch) * kv_heads * dim * dtype.itemsize
         self.copies = max(1, min(args.calls, math.ceil(4 * L2_BYTES / self.kv_bytes)))
         num_blocks = 1 + self.copies * batch * blocks_per_seq
         self.k_cache = torch.empty(num_blocks, bs, kv_heads, dim, dtype=dtype, device=device).normal_()
@@ -65,8 +70,9 @@ class Contexts:
             self.dense_q = self.q.view(batch, n, heads, dim).transpose(1, 2)  # [B, H, n, D]
 
     def paged(self, i: int, **kw) -> None:
+        features = {k: v for k, v in (("window", self.window), ("softcap", self.softcap)) if v is not None}
         paged_attention(self.q, self.k_cache, self.v_cache, self.tables[i % self.copies], self.query_start,
-                        self.context_lens, self.n, self.scale, self.out, max_context_len=self.ctx, **kw)
+                        self.context_lens, self.n, self.scale, self.out, max_context_len=self.ctx, **features, **kw)
 
     def sdpa(self, i: int) -> None:
         k, v = self.dense[0][i % self.copies], self.dense[1][i % self.copies]
@@ -85,11 +91,11 @@ class Contexts:
 
     @property
     def flops(self) -> float:
-        # 2 dots of 2 * D flops per (query, attended key, head); query i attends ctx - n + i + 1 keys
-        if self.lens:  # (decode: each sequence's one query attends its own context)
-            return 4 * sum(self.lens) * self.q.shape[1] * self.q.shape[2]
-        keys = self.n * (self.ctx - self.n) + self.n * (self.n + 1) / 2
-        return 4 * self.batch * keys * self.q.shape[1] * self.q.shape[2]
+        # 2 dots of 2 * D flops per (query, attended key, head); query i attends ctx - n + i + 1 keys (at
+        # most the window's); decode with `lens`: each sequence's one query its own context
+        window = self.window or self.ctx
+        keys = sum(min(c - self.n + i + 1, window) for c in self.lens or [self.ctx] * self.batch for i in range(self.n))
+        return 4 * keys * self.q.shape[1] * self.q.shape[2]
 
 
 def time_us(call, calls: int, device) -> float:
@@ -150,8 +156,8 @@ def auto_choice(ctxs: Contexts, args, device) -> dict:
     """The tile shape and split count paged_attention picks for these contexts (what the record shows)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     wide = wide_prompt(device, head_pad(args.head_dim) * args.dtype.itemsize)  # (as paged_attention picks)
-    cfg, num_splits = pick_launch(ctxs.batch, args.kv_heads, args.heads // args.kv_heads, ctxs.n, ctxs.ctx, sms,
-                                  wide=wide)
+    cfg, num_splits = pick_launch(ctxs.batch, args.kv_heads, args.heads // args.kv_heads, ctxs.n,
+                                  window_bound(ctxs.ctx, ctxs.window, ctxs.n), sms, wide=wide)
     cfg = fit_head(cfg, head_pad(args.head_dim), args.dtype.itemsize)
     return {"config": [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], "num_splits": num_splits}
 
@@ -257,6 +263,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-sweep", action="store_true", help="only prompt-chunk tiles, swept")
     parser.add_argument("--mid-sweep", action="store_true", help="only decode batches of 2-64 at 512-16,384 positions, swept")
     parser.add_argument("--ragged-sweep", action="store_true", help="only decode batches of differing contexts, swept")
+    parser.add_argument("--window", type=int, help="a sliding window (issue 33); no SDPA comparison then")
+    parser.add_argument("--softcap", type=float, help="soft-capped scores (issue 33); no SDPA comparison then")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
     args = parser.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -269,26 +277,27 @@ def main(argv=None) -> None:
     ceilings = {"copy": copy_bandwidth(device, nbytes), "read": read_bandwidth(device, nbytes)}
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
+    plain = args.window is None and args.softcap is None  # (SDPA has neither: compared without them only)
     if args.short_sweep or args.prefill_sweep or args.mid_sweep or args.ragged_sweep:
         args.batches, args.prefill = [], []
     for batch in args.batches:
         for ctx in args.contexts:
             if batch * ctx > args.max_tokens:
                 continue
-            ctxs = Contexts(batch, ctx, 1, args, device, dense=True)
+            ctxs = Contexts(batch, ctx, 1, args, device, dense=plain)
             decode.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device)})
             print("decode", decode[-1], flush=True)
             del ctxs
     for spec in args.prefill:
         batch, ctx = map(int, spec.split(":"))
-        ctxs = Contexts(batch, ctx, args.chunk, args, device, dense=True)
+        ctxs = Contexts(batch, ctx, args.chunk, args, device, dense=plain)
         prefill.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device)})
         print("prefill", prefill[-1], flush=True)
         del ctxs
     record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "command": " ".join(sys.argv), "dtype": str(args.dtype),
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-              "block_size": args.block_size, "copy_GBps": round(ceilings["copy"], 1),
+              "block_size": args.block_size, "window": args.window, "softcap": args.softcap, "copy_GBps": round(ceilings["copy"], 1),
               "read_GBps": round(ceilings["read"], 1), "decode": decode, "prefill": prefill}
     if args.mid_sweep:
         record["sweep"] = short_sweep(args, device, ceilings, MID_SHAPES, (1, 2, 4, 8))

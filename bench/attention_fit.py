@@ -7,12 +7,19 @@ list, after attention_launch.fit_head). Where attention_launch.HEAD_STEPS comes 
     git show REV:kernels/triton_attention.py > /tmp/old_attention.py
     python bench/attention_fit.py --against /tmp/old_attention.py --heads 64 128 --out /tmp/same.json
 
---against compiles REV's kernel too, at power-of-two heads, and says whether the PTX is the same
-(ignoring debug labels): what the padded kernel promises for them. Needs triton (with its ptxas),
-no GPU; compile times are not launch times.
+--against compiles REV's kernel too, at power-of-two heads (at every head where REV pads heads too),
+and says whether the PTX is the same (ignoring debug labels): what the padded kernel promises for
+them, and the kernel without a window or a cap (`--features none`, the default). `--features
+window cap both` compile those variants as well (issue 33: whether they still fit). Needs triton
+(with its ptxas), no GPU; compile times are not launch times.
+
+    git show de8754f:kernels/triton_attention.py > /tmp/before_windows.py
+    python bench/attention_fit.py --against /tmp/before_windows.py --heads 64 80 128 256 --dtypes bf16 fp32 \
+        --features none both --out bench/results/attention-fit-sm90-windows.json
 """
 import argparse
 import importlib.util
+import itertools
 import json
 import re
 import subprocess
@@ -29,19 +36,24 @@ from batchmaker.kernels.attention_variants import launch_variants
 
 SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on an H100/H200 (227 KB)
 TARGET = GPUTarget("cuda", 90, 32)
+FEATURES = {"none": (False, False), "window": (True, False), "cap": (False, True), "both": (True, True)}
 POINTERS = {"part_out": "*fp32", "part_lse": "*fp32", "counters": "*i32", "block_tables": "*i32",
             "query_start": "*i32", "context_lens": "*i32", "work": "*i32"}
 
 
-def compile_kernel(kernel, head_dim: int, dtype: str, cfg, split: bool, combine: bool, padded: bool = True):
-    """(PTX without debug labels, shared bytes) of one variant (group 1, blocks of 16)."""
-    consts = {"G": 1, "G_PAD": 1, "D": head_dim, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_SIZE": 16,
-              "IS_SPLIT": split, "COMBINE": combine, "PRECISION": "tf32", "WORK": False, "PDL": False}
-    if padded:
-        consts["D_PAD"] = head_pad(head_dim)
+def compile_kernel(kernel, head_dim: int, dtype: str, cfg, split: bool, combine: bool, features: str = "none"):
+    """(PTX without debug labels, shared bytes) of one variant (group 1, blocks of 16), with `features`
+    (FEATURES: a sliding window, a soft cap) where the kernel has them (an older one: its arguments)."""
+    windowed, capped = FEATURES[features]
+    consts = {"G": 1, "G_PAD": 1, "D": head_dim, "D_PAD": head_pad(head_dim), "BLOCK_M": cfg.block_m,
+              "BLOCK_N": cfg.block_n, "BLOCK_SIZE": 16, "IS_SPLIT": split, "COMBINE": combine, "PRECISION": "tf32",
+              "WORK": False, "PDL": False, "WINDOWED": windowed, "CAPPED": capped}
     names = kernel.arg_names
+    consts = {n: v for n, v in consts.items() if n in names}
+    consts |= {n: None for n, on in (("window", windowed), ("softcap_log2", capped)) if n in names and not on}
     types = {n: "constexpr" if n in consts else POINTERS.get(n, f"*{dtype}" if n in ("q", "k_cache", "v_cache", "out")
-                                                                     else "fp32" if n == "scale_log2" else "i32")
+                                                                     else "fp32" if n in ("scale_log2", "softcap_log2")
+                                                                     else "i32")
              for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types[n].startswith("*")}
     compiled = triton.compile(ASTSource(kernel, types, consts, aligned), target=TARGET,
@@ -74,7 +86,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, nargs="+", default=[64, 80, 96, 128, 256])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
-    parser.add_argument("--against", help="an older kernels/triton_attention.py: compare PTX at power-of-two heads")
+    parser.add_argument("--features", nargs="+", default=["none"], choices=list(FEATURES),
+                        help="compile with a sliding window and/or a soft cap too")
+    parser.add_argument("--against", help="an older kernels/triton_attention.py: compare PTX at power-of-two heads "
+                                           "(features none only)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     old = None
@@ -83,21 +98,21 @@ def main() -> None:
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     rows = []
-    for head_dim in args.heads:
-        for dtype in args.dtypes:
-            for cfg, split, combine in variants(head_dim, 4 if dtype == "fp32" else 2):
-                ptx, shared = compile_kernel(triton_attention.paged_attention_kernel, head_dim, dtype, cfg, split,
-                                             combine)
-                regs, spills = registers(ptx)
-                row = {"head_dim": head_dim, "dtype": dtype, "block_m": cfg.block_m, "block_n": cfg.block_n,
-                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "split": split, "combine": combine,
-                       "shared_bytes": shared, "fits": shared <= SHARED_LIMIT, "registers": regs,
-                       "spill_bytes": spills}
-                if old is not None and head_pad(head_dim) == head_dim:
-                    row["same_ptx_as_against"] = compile_kernel(old.paged_attention_kernel, head_dim, dtype, cfg,
-                                                                split, combine, padded=False)[0] == ptx
-                rows.append(row)
-                print(row, flush=True)
+    for head_dim, dtype, features in itertools.product(args.heads, args.dtypes, args.features):
+        for cfg, split, combine in variants(head_dim, 4 if dtype == "fp32" else 2):
+            ptx, shared = compile_kernel(triton_attention.paged_attention_kernel, head_dim, dtype, cfg, split,
+                                         combine, features)
+            regs, spills = registers(ptx)
+            row = {"head_dim": head_dim, "dtype": dtype, "features": features, "block_m": cfg.block_m,
+                   "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "split": split,
+                   "combine": combine, "shared_bytes": shared, "fits": shared <= SHARED_LIMIT, "registers": regs,
+                   "spill_bytes": spills}
+            if old is not None and features == "none" and (head_pad(head_dim) == head_dim or "D_PAD" in
+                                                           old.paged_attention_kernel.arg_names):
+                row["same_ptx_as_against"] = compile_kernel(old.paged_attention_kernel, head_dim, dtype, cfg,
+                                                            split, combine)[0] == ptx
+            rows.append(row)
+            print(row, flush=True)
     Path(args.out).write_text(json.dumps({"command": "python bench/attention_fit.py " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
         "triton": triton.__version__, "target": "sm_90a (compiled on the CPU)", "rows": rows}, indent=1))

@@ -86,6 +86,12 @@ def plan_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     return cfg, num_splits, may_combine and 1 < num_splits <= COMBINE_MAX_SPLITS
 
 
+def window_bound(bound: int, window: int | None, max_query_len: int) -> int:
+    """The positions a tile reads at most under a sliding window (from its first query's window to
+    its last query: window + max_query_len - 1), or `bound` where that is fewer; `bound` without one."""
+    return bound if window is None else min(bound, window + max_query_len - 1)
+
+
 def head_pad(head_dim: int) -> int:
     """The columns a tile spans for this head size: the next power of two, at least MIN_HEAD_PAD."""
     return max(MIN_HEAD_PAD, _pow2(head_dim))

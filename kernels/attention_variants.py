@@ -11,8 +11,14 @@ Triton's caches (in memory, and on disk for the next process). Triton also compi
 16-byte alignment of each pointer argument: the scratch tensors are fresh allocations, so the
 engine's own index arrays must start 16-byte aligned too (exec/iteration_buffers.column_layout).
 
-    compile_variants(k_cache[0], v_cache[0], num_q_heads, max_blocks, max_positions)
+    compile_variants(k_cache[0], v_cache[0], num_q_heads, max_blocks, max_positions, windows, softcap)
+
+A model with sliding windows or soft-capped scores launches the kernel with those features
+(constexpr flags: variants of their own), and Gemma 2's layers alternate windowed and global: each
+variant compiles once per feature set the model's layers have.
 """
+import itertools
+
 import torch
 
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
@@ -51,17 +57,21 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_blocks: int,
-                     max_positions: int) -> int:
+                     max_positions: int, windows: tuple[int, ...] = (), softcap: float | None = None) -> int:
     """Launch every variant of `launch_variants` once over block 0 of one layer's caches
     ([blocks, block_size, Hkv, D]); block tables `max_blocks` wide, as the engine's; contexts of up
-    to `max_positions` (the longest bound a launch is given). Returns the launches made. Writes
-    nothing but scratch outputs; synchronizes the device."""
+    to `max_positions` (the longest bound a launch is given); for each of the layers' feature sets
+    (`windows`: each layer's sliding window, 0 for none; `softcap`: the model's, DecoderConfig's).
+    Returns the launches made. Writes nothing but scratch outputs; synchronizes the device."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, group = k_cache.device, num_q_heads // num_kv_heads
     tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     items = torch.zeros(1, dtype=torch.int32, device=device)  # sequence 0, tile 0
     variants = launch_variants(group, max_positions, wide_prompt(device, head_pad(head_dim) * k_cache.element_size()))
-    for cfg, splits, work in variants:  # (a work list's launch picks its own tiles: from its query length)
+    windowed = sorted({bool(w) for w in windows} or {False})
+    for (cfg, splits, work), is_windowed in itertools.product(variants, windowed):
+        # (a work list's launch picks its own tiles, from its query length; a window as long as the
+        # block table reaches: the scratch launch plans as it would without one, WINDOWED all the same)
         short = work and splits > 1 and cfg.block_n == 64 and cfg.block_m * _pow2(group) <= 16
         context = min(SCRATCH_CONTEXT // 4 if short else SCRATCH_CONTEXT, max_blocks * block_size)
         tokens = min(cfg.block_m, context)
@@ -69,7 +79,8 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
         starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         lens = torch.tensor([context], dtype=torch.int32, device=device)
         _launch(q, k_cache, v_cache, torch.empty_like(q), tables, starts, lens, tokens, head_dim ** -0.5,
-                context, cfg if splits == 1 or not work else None, splits, items if work else None)
+                context, cfg if splits == 1 or not work else None, splits, items if work else None,
+                max_blocks * block_size if is_windowed else None, softcap)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(variants)
+    return len(variants) * len(windowed)

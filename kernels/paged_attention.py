@@ -4,8 +4,9 @@ live in fixed-size blocks of a shared cache (grouped-query attention: query head
 h // G). One Triton launch per call (split-KV into a few slices included: the last program of a
 tile merges them; more slices take a second launch), two for a mixed batch given work lists
 (kernels/attention_work.py: decodes, then prompt tiles); `reference_paged_attention` is the
-pure-PyTorch twin with the same arguments, and what the engine runs on the CPU; it also takes a
-sliding window and a soft cap of the scores, which the kernel does not yet.
+pure-PyTorch twin with the same arguments, and what the engine runs on the CPU. Both take a
+sliding window and a soft cap of the scores (`window=`, `softcap=`: Mistral's, Gemma's); the
+kernel then starts each tile at the first position its window reaches.
 
     write_kv(k, v, k_cache, v_cache, slots)          # the new tokens' K/V first (one launch on CUDA)
     out = paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens,
@@ -40,7 +41,7 @@ from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAM
                                                 MAX_HEAD_DIM, MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN,
                                                 SHORT_CONTEXT_LEN, SHORT_MAX_SPLITS, AttentionConfig, _pow2,
                                                 head_pad, plan_launch, pick_config, pick_launch, pick_num_splits,
-                                                wide_prompt)
+                                                wide_prompt, window_bound)
 from batchmaker.kernels.cell_launch import (KernelUnavailableError, dot_precision, is_interpreting, load_kernels,
                                              pdl_options)
 
@@ -90,10 +91,10 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, co
     """The twin of `paged_attention`: per sequence, gather its context through the block table and
     run softmax(mask(cap(q k^T * scale))) v in fp32. Padding rows are zero. The mask is causal, and
     with a `window` a query at position p sees positions p - window + 1 .. p only (Mistral's, Gemma's
-    sliding window); `softcap` caps the scores as cap * tanh(s / cap) (Gemma 2). The kernel takes
-    neither yet. The keywords between only steer the kernel; they are accepted so that callers can
-    swap the two."""
+    sliding window); `softcap` caps the scores as cap * tanh(s / cap) (Gemma 2). The keywords
+    between only steer the kernel; they are accepted so that callers can swap the two."""
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    _check_features(window, softcap)
     out = torch.zeros_like(q) if out is None else out.zero_()
     block_size = k_cache.shape[1]
     starts, lens = query_start.tolist(), context_lens.tolist()  # the twin's one host sync
@@ -163,7 +164,8 @@ def outside_window(key: torch.Tensor, query: torch.Tensor, window: int | None) -
 def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
                     scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
                     num_splits: int | None = None, config: AttentionConfig | None = None,
-                    work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    work: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of every sequence's new queries over its paged context; [T, Hq, D] in q's
     dtype (fp16, bf16 or fp32), padding rows zero. max_query_len >= every n_s (host int: the grid).
 
@@ -177,8 +179,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     the (sequence, tile) items of the others prompt tiles in a second, instead of every sequence
     taking max_query_len's tiles (a mixed batch's decodes in 128-row tiles: ~2x the time, H200).
     Split-KV then merges in the kernel (at most COMBINE_MAX_SPLITS slices) or does not split.
+
+    `window`: a query at position p sees p - window + 1 .. p only; `softcap`: scores are
+    cap * tanh(s / cap) (reference_paged_attention's). None: neither (the kernel as without them).
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
+    _check_features(window, softcap)
     if q.shape[2] > MAX_HEAD_DIM:  # (the twin takes any)
         raise ValueError(f"head dim {q.shape[2]}: the kernels take head sizes up to {MAX_HEAD_DIM}")
     if not (q.is_cuda or is_interpreting()):
@@ -194,12 +200,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * k_cache.shape[1]
     if work is None:
         _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len, scale, bound,
-                config, num_splits, None)
+                config, num_splits, None, window, softcap)
     else:
         for items, query_len in zip(work, (small_tokens(group), max_query_len)):
             if len(items):
                 _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, query_len, scale, bound,
-                        None, num_splits, items)
+                        None, num_splits, items, window, softcap)
     return out
 
 
@@ -209,14 +215,15 @@ def small_tokens(group: int) -> int:
 
 
 def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len: int, scale: float,
-            bound: int, config, num_splits, items) -> None:
+            bound: int, config, num_splits, items, window: int | None = None, softcap: float | None = None) -> None:
     """One kernel launch (+ the combine's): over every sequence and max_query_len's tiles, or over
-    `items` ((sequence, tile) each)."""
+    `items` ((sequence, tile) each); a window bounds the positions a tile reads (window_bound)."""
     kernels = _load_kernels()
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     available = _counters(q.device) if num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
+    bound = window_bound(bound, window, max_query_len)
     cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
                                            available is not None, config, num_splits,
                                            None if items is None else len(items),
@@ -231,12 +238,14 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     kernels.paged_attention_kernel[(num_kv_heads * num_splits, *grid)](
         q, k_cache, v_cache, out, part_out, part_lse, part_lse if counters is None else counters, block_tables,
         query_start, context_lens, query_start if items is None else items,
-        scale * LOG2_E, num_seqs, num_tokens, num_q_heads, num_splits,
+        scale * LOG2_E, window, None if softcap is None else softcap * LOG2_E, num_seqs, num_tokens, num_q_heads,
+        num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=group, G_PAD=_pow2(group), D=head_dim, D_PAD=head_pad(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size, IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype),
-        WORK=items is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q, PDL))
+        WORK=items is not None, WINDOWED=window is not None, CAPPED=softcap is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(q, PDL))
     if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
@@ -254,7 +263,7 @@ class PagedAttend:
     written (e.g. waiting for blocks copied in). `max_context_len` bounds every context (a host
     int, or None: what a block table row holds): it picks the launch, so it must be known when the
     launch is planned (captured). A layer's sliding window and the soft cap are passed on only
-    where set (the twin takes them; the kernel not yet: such models are refused on CUDA when built)."""
+    where set (the kernel and the twin take both)."""
     k_cache: torch.Tensor  # [layers, num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor
     slots: torch.Tensor  # int64 [T]: block * block_size + offset of each new token
@@ -314,6 +323,13 @@ def _num_sms(device: torch.device) -> int:
 
 def _load_kernels():
     return load_kernels("triton_attention", "paged_attention", "reference_paged_attention")
+
+
+def _check_features(window, softcap) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window {window!r}: a sliding window is an int >= 1 (None: none)")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap {softcap!r}: a soft cap is a finite number > 0 (None: none)")
 
 
 def _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens) -> None:

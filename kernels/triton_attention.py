@@ -17,6 +17,14 @@ Any head size D: tiles span D_PAD columns (the next power of two, what tl.arange
 take) and the columns past D are masked, read as 0 (adding 0 to every score and output) and never
 stored; where D is a power of two (D_PAD == D) no column mask is built: the same code as before.
 
+Sliding windows and soft caps (Mistral's, Gemma's): WINDOWED, a query at position p sees p - window
++ 1 .. p, and a tile's programs start at the first position its first query sees (the steps before
+are skipped, not masked; split, they slice that range), masking by window the steps before its last
+query's window begins (in one loop with the masked steps of its diagonal: two loops spilled more);
+CAPPED, scores are cap * tanh(s / cap) before the masks (an exp2 and a division a score). Both are runtime
+scalars behind constexpr flags: without them the arguments are None (no parameter at all) and the
+kernel compiles to the code it had before them (bench/attention_fit.py --against).
+
 `write_kv_kernel` puts the new tokens' K and V into their cache slots (one launch for both).
 
 Split-KV (flash-decoding): with num_splits > 1, the programs of one tile each take a slice of its
@@ -33,6 +41,7 @@ import triton.language as tl
 
 from batchmaker.kernels.triton_pdl import wait_for_input
 
+LOG2_E = tl.constexpr(1.4426950408889634)
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so keyless rows make no NaNs
 
 
@@ -72,15 +81,45 @@ def _tile_rows(tile, kv_head, n, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi,
-            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
+def _tanh(x):
+    # (1 - e) / (1 + e), e = exp(-2|x|): within ~1e-7 of tanh near 0 too (the interpreter has no libdevice)
+    e = tl.exp2(-2.0 * LOG2_E * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _key_range(first, kv_end, window, split, num_splits, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+               WINDOWED: tl.constexpr):
+    # [lo, hi): the positions a program reads for a tile whose queries sit at first .. kv_end - 1: from
+    # 0, or WINDOWED from the first its first query sees; IS_SPLIT, this program's slice of them (whole
+    # steps; the last slices of a short range are empty: no keys, an lse of -inf that merges as nothing)
+    start = 0
+    if WINDOWED:
+        start = tl.maximum(first - window + 1, 0)
+    lo, hi = start, kv_end
+    if IS_SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_end - start, num_splits), BLOCK_N) * BLOCK_N
+        lo = start + split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    return lo, hi
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, gap_at, gap,
+            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window, softcap_log2,
             D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            MASKED: tl.constexpr, PRECISION: tl.constexpr):
+            MASKED: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr):
     # online softmax of q_tile [M, D_PAD] (queries at context positions pos [M]) over positions [lo, hi),
     # carrying the running output acc [M, D_PAD], max m_i [M] and sum l_i [M]. Unless MASKED, every
-    # position of the range is below hi and visible to every row (no position masks).
+    # position of the range is below hi and visible to every row (no position masks); MASKED and
+    # WINDOWED, a row at p sees p - window + 1 .. p only, and the gap positions from gap_at (whole
+    # steps from lo) are left out. CAPPED: scores soft-capped before the masks.
     offs_d = tl.arange(0, D_PAD)
-    for start in range(lo, hi, BLOCK_N):
+    for step in range(lo, hi - gap, BLOCK_N):
+        start = step
+        if MASKED and WINDOWED:  # (steps from gap_at on sit gap positions later)
+            start = step + tl.where(step >= gap_at, gap, 0)
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < hi
         if MASKED:
@@ -92,8 +131,12 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
         v_rows = block.to(tl.int64) * stride_vb + offset * stride_vo + kv_head * stride_vh
         k = _load_rows(k_cache + k_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
         scores = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, BN]
+        if CAPPED:  # cap * tanh(s / cap), in log2 units (softcap_log2: the cap times log2(e), as the scores)
+            scores = softcap_log2 * _tanh(scores / softcap_log2)
         if MASKED:
             causal = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
+            if WINDOWED:
+                causal = causal & (offs_n[None, :] > pos[:, None] - window)
             scores = tl.where(causal, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -110,19 +153,21 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
 SHAPE_ARGS = ["num_seqs", "num_tokens", "num_splits"]
 
 
-@triton.jit(do_not_specialize=SHAPE_ARGS)
+@triton.jit(do_not_specialize=[*SHAPE_ARGS, "window"])  # (a window of 1, or of 16's multiples: no variant of its own)
 def paged_attention_kernel(
     q, k_cache, v_cache, out,  # q, out: [T, Hq, D]; caches: [num_blocks, BLOCK_SIZE, Hkv, D]
     part_out, part_lse,  # split-KV partials, fp32 [num_splits, T, Hq, D] and [num_splits, T, Hq]
     counters,  # COMBINE: int32 [Hkv * T], zero; a tile's is at kv_head * T + its first token
     block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
     work,  # WORK: int32 items, sequence << 16 | tile (-1: none), one per program_id(1)
-    scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
+    scale_log2, window, softcap_log2,  # WINDOWED: int >= 1; CAPPED: the cap times log2(e) (else None: no argument)
+    num_seqs, num_tokens, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr,
-    PRECISION: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
+    CAPPED: tl.constexpr,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
     # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile)
@@ -153,25 +198,32 @@ def paged_attention_kernel(
     pos = ctx - n + tok  # [M] context position of each row's query
     q_tile = _load_rows(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                         is_row, offs_d, D, D_PAD, True)
+    first = ctx - n + tile * BLOCK_M  # the tile's first query position
     kv_end = ctx - n + tl.minimum(tile * BLOCK_M + BLOCK_M, n)  # one past the tile's last query position
-    lo, hi = 0, kv_end
-    if IS_SPLIT:
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_end)
-    # [lo, mid): whole steps below the tile's first query position, visible to every row: no masks
-    # (all of decode but its last step)
-    mid = lo + tl.maximum(tl.minimum(hi, ctx - n + tile * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    lo, hi = _key_range(first, kv_end, window, split, num_splits, BLOCK_N, IS_SPLIT, WINDOWED)
+    # [lo, full): WINDOWED, steps before the last query's window begins (kv_end - window): masked
+    # (none in decode); [full, mid): whole steps below the tile's first query position, visible to
+    # every row: no masks (all of decode but its last step); [mid, hi): masked
+    full = lo
+    if WINDOWED:
+        full = tl.minimum(lo + tl.cdiv(tl.maximum(kv_end - window - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    mid = full + tl.maximum(tl.minimum(hi, first + 1) - full, 0) // BLOCK_N * BLOCK_N
     acc = tl.zeros([M, D_PAD], tl.float32)
     m_i = tl.full([M], NO_SCORE, tl.float32)
     l_i = tl.zeros([M], tl.float32)
     table_row = block_tables + seq * stride_bt
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, mid,
-                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-                            D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi,
-                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-                            D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, full, mid, 0, 0,
+                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
+                            softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION, WINDOWED, CAPPED)
+    if WINDOWED:  # [lo, full) and [mid, hi) in one masked loop (two would hold more registers)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, full,
+                                mid - full, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                                scale_log2, window, softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION,
+                                WINDOWED, CAPPED)
+    else:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi, 0, 0,
+                                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
+                                softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED, CAPPED)
     has_key = l_i > 0.0  # false for rows whose slice of the context ends before their position
     l_i = tl.where(has_key, l_i, 1.0)
     acc = acc / l_i[:, None]

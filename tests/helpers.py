@@ -63,6 +63,16 @@ def run_interpreted(test_file: str, name: str, timeout: float) -> str:
     return done.stdout
 
 
+def passes_gpu_checks(checkpoint: str) -> None:
+    """Building `checkpoint` for a GPU passes every check of the model (unfolders/decoders.py): it
+    builds where a CUDA device is, else only the device check, the last, refuses it."""
+    if torch.cuda.is_available():
+        build_model("llama", checkpoint=checkpoint, device="cuda")
+        return
+    with pytest.raises(ValueError, match="ranks need cuda.*CUDA devices"):
+        build_model("llama", checkpoint=checkpoint, device="cuda")
+
+
 def wait_idle(engine, timeout=10.0):
     """Accounting is checked once the engine is idle: no live nodes, no rows held."""
     deadline = time.monotonic() + timeout

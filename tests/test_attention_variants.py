@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchmaker.kernels.attention_variants import compile_variants, launch_variants
+from batchmaker.kernels.attention_launch import window_bound
 from batchmaker.kernels.paged_attention import COMBINE_MAX_SPLITS, _pow2, plan_launch, small_tokens
 from helpers import interpreter, needs_gpu, run_interpreted
 
@@ -55,25 +56,32 @@ class _Recorder:
         return Kernel()
 
 
-_VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IS_SPLIT", "COMBINE", "WORK", "SPLITS_PAD")
+_VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IS_SPLIT", "COMBINE", "WORK", "SPLITS_PAD", "WINDOWED",
+            "CAPPED")
 
 
-def _kernel_launches(cfg, n: int, combine: bool, work: bool) -> set:
+def _kernel_launches(cfg, n: int, combine: bool, work: bool, windowed: bool = False, capped: bool = False) -> set:
     attention = ("paged_attention_kernel", tuple(sorted({
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         "IS_SPLIT": n > 1,
-        "COMBINE": combine, "WORK": work}.items())))
+        "COMBINE": combine, "WORK": work, "WINDOWED": windowed, "CAPPED": capped}.items())))
     combine_launch = ("combine_splits_kernel", (("SPLITS_PAD", _pow2(n)), ("num_warps", 1)))
     return {attention} | ({combine_launch} if n > 1 and not combine else set())
 
 
+FEATURES = {"none": ((), None), "alternating windows and a cap": ((16, 0, 16), 50.0), "windows": ((8, 8), None),
+            "a cap": ((), 30.0)}  # (each layer's sliding window, the soft cap), as DecoderConfig has them
+
+
+@pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("wide", (False, True))
 @pytest.mark.parametrize("group,max_positions,block", [(1, 4096, 16), (4, 4090, 16), (8, 2048, 16), (2, 700, 8)])
-def test_compile_variants_launches_what_serving_launches(group, max_positions, block, wide, monkeypatch):
+def test_compile_variants_launches_what_serving_launches(group, max_positions, block, wide, features, monkeypatch):
     """The kernels compile_variants launches (constexprs recorded in place of Triton) are those
     the planner picks over a sweep of batches up to the block table's width, a block past
     max_positions where it is no multiple of the block size (an unbounded launch's bound); with
-    the device's prompt tiles either way (wide_prompt)."""
+    the device's prompt tiles either way (wide_prompt); for each of the layers' windows (none,
+    or one: a launch of its own, whose bound the window caps) with the model's cap or without."""
     from batchmaker.kernels import attention_variants, paged_attention
     from batchmaker.exec.iterations import IterationRunner
     recorder = _Recorder()
@@ -82,18 +90,26 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
         monkeypatch.setattr(module, "wide_prompt", lambda device, row_bytes: wide)
     kv_heads, max_blocks = 32 // group, -(-max_positions // block)
     k = torch.zeros(2, block, kv_heads, 16)
+    windows, softcap = FEATURES[features]
+    config = types.SimpleNamespace(num_heads=32, max_positions=max_positions, attention_windows=windows,
+                                   attn_softcap=softcap)
     runner = types.SimpleNamespace(cache=types.SimpleNamespace(k=k[None], v=k[None]), max_blocks=max_blocks,
-                                   config=types.SimpleNamespace(num_heads=32, max_positions=max_positions),
-                                   module=types.SimpleNamespace(block_size=block))
+                                   config=config, module=types.SimpleNamespace(block_size=block))
     IterationRunner.compile_kernels(runner)
     width = max_blocks * block
-    wanted = set()
+    wanted, served = set(), set()
     for seqs, query, bound, items in itertools.product(
             (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, 8, 16, 64, 128, 512, 2048), sorted({*range(16, width + 1, 37), width}),
             (None, 1, 4, 16, 100, 1000)):
-        wanted |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items,
-                                                wide=wide), items is not None)
-    assert recorder.launched == wanted
+        for window in {*windows} or {0}:
+            flags = (items is not None, window > 0, softcap is not None)
+            capped = window_bound(bound, window or None, query)
+            served |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, capped, 132, True, num_items=items,
+                                                    wide=wide), *flags)
+            wanted |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items,
+                                                    wide=wide), *flags)
+    # (a window compiles the launches of every bound: those a window as long as the context reaches)
+    assert recorder.launched == wanted and served <= wanted
     assert any(("BLOCK_N", 128) in key and ("BLOCK_M", 128 // group) in key
                for name, key in recorder.launched if name == "paged_attention_kernel") == wide
 

@@ -2,7 +2,7 @@
 attention; and the checkpoints built like it: Mistral, Qwen2/3, Phi-3, Gemma 1-3) and "opt"
 (OPT-style: LayerNorm, learned positions). Each is one DecoderCell served by a Generate form
 (batchmaker/generation.py says what a request holds and what comes back). What a GPU cannot run
-yet (head sizes, sliding windows, soft caps) is refused when the model is built.
+yet (head sizes past 256) is refused when the model is built.
 
 Weights: seeded random ones of a named preset (cells/decoder_config.py: the papers' Llama-2-7B,
 Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style checkpoint directory
@@ -77,9 +77,6 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
         raise ValueError(f"model {name!r} serves {family} decoders; {checkpoint or preset} is {config.family}")
     if torch.device(device).type == "cuda":
         check_gpu_attention(config, checkpoint or preset)
-    if torch.device(device).type == "cuda" and config.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {config.head_dim} ({checkpoint or preset}): the GPU attention kernels take "
-                         f"head sizes up to {MAX_HEAD_DIM} (on a CPU any head size runs)")
     check_shardable(config, tensor_parallel)
     check_stages(config, pipeline_parallel)
     if pipeline_parallel > 1 and torch.device(device).type != "cpu":
@@ -89,17 +86,11 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
 
 
 def check_gpu_attention(config, source: str) -> None:
-    """A typed refusal, when the model is built for a GPU, of what the attention kernels lack so far
-    (a sliding window that binds, soft-capped scores); the CPU's twin runs both."""
-    lacking = []
-    if config.attention_windows:
-        lacking.append(f"sliding_window {max(config.attention_windows)} < max_position_embeddings "
-                       f"{config.max_positions} (sliding windows)")
-    if config.attn_softcap is not None:
-        lacking.append(f"attn_logit_softcapping {config.attn_softcap} (soft-capped scores)")
-    if lacking:
-        raise ValueError(f"{'; '.join(lacking)} ({source}): the GPU attention kernels have neither yet "
-                         f"(on a CPU the model runs)")
+    """A typed refusal, when the model is built for a GPU, of what the attention kernels lack: a head
+    past MAX_HEAD_DIM (the CPU's twin takes any). Sliding windows and soft-capped scores they run."""
+    if config.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {config.head_dim} ({source}): the GPU attention kernels take head sizes up "
+                         f"to {MAX_HEAD_DIM} (on a CPU any head size runs)")
 
 
 @register_model("llama")

@@ -349,9 +349,11 @@ class IterationRunner:
     def compile_kernels(self) -> None:
         """Compile every attention variant this model can launch now, not mid-serving
         (kernels/attention_variants.py; CUDA workers call it at start, graphs or not). Contexts
-        reach the block table's width (an unbounded launch's bound), a block past max_positions."""
+        reach the block table's width (an unbounded launch's bound), a block past max_positions; with
+        the layers' sliding windows and soft cap, where the model has them."""
         compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
-                         max(self.config.max_positions, self.max_blocks * self.module.block_size))
+                         max(self.config.max_positions, self.max_blocks * self.module.block_size),
+                         self.config.attention_windows, self.config.attn_softcap)
 
     def warm_up(self) -> None:
         """Capture the decode graphs of every bucket now (padded sequences only touch scratch)."""
