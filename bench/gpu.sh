@@ -24,6 +24,9 @@
 #     decoders the decoder tests (HF references, Triton attention, CUDA-graph decode), bench/attention.py,
 #              and a small bench/chat.py (tiny model) that checks the script end to end
 #     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
+#     verify16: the GPU tests of code written without a GPU in the sixteenth session (the 4-bit
+#              kernels, head sizes, windows and soft caps, Gemma 2, offloading, the one-shot
+#              all-reduce's int64 flags and self-test)
 #     tp-tests, tp-step, tp-chat (a multi-GPU machine; issue 31): the tensor-parallel GPU tests; the
 #              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
 #              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
@@ -103,6 +106,11 @@ for suite in "$@"; do
                 step "tp-chat-$tp" timeout 300 python3 bench/chat.py --preset "${TP_PRESET:-llama-2-13b}" \
                     --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" --tensor-parallel "$tp"
             done ;;
+        verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
+            step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
+                tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \
+                tests/test_offload_gpu.py -k "not variant"
+            step verify16-one-shot timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/test_one_shot_gpu.py ;;
         *) echo "unknown suite $suite"; failed+=("$suite") ;;
     esac
 done
