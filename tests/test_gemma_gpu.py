@@ -4,8 +4,6 @@ run of the same checkpoint in bf16, one request at a time, up to tests/test_gene
 near-tie rule. A tiny Gemma 2 whose window (16 positions) is shorter than most prompts and whose
 score cap (0.5) binds: without either, transformers' greedy tokens differ for every prompt of a
 sample like these (fp32, CPU)."""
-import random
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from test_gemma import FAMILIES, TINY
 
 transformers = pytest.importorskip("transformers")
 
-from test_generation_gpu import NEAR_TIE, hf_reference, near_tie_or_equal, serve  # noqa: E402
+from test_generation_gpu import assert_bf16_near_ties  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 GEMMA2 = {**TINY, **FAMILIES["gemma2"][2], "final_logit_softcapping": 30.0, "tie_word_embeddings": False}
@@ -36,11 +34,4 @@ def checkpoint(tmp_path_factory):
 
 def test_bf16_greedy_matches_hf_up_to_near_ties(checkpoint, no_tf32):
     path, hf = checkpoint
-    hf = hf.to("cuda", torch.bfloat16).eval()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(4, 512) for _ in range(rng.randint(1, 200))] for _ in range(40)]
-    ours = serve(path, "bf16", prompts, 32, rng)
-    results = [near_tie_or_equal(tokens, *hf_reference(hf, prompt, 32), NEAR_TIE) for prompt, tokens in zip(prompts, ours)]
-    identical, passed = sum(r[0] for r in results), sum(r[1] for r in results)
-    print(f"gemma2 bf16: {identical}/{len(prompts)} identical, {passed}/{len(prompts)} identical or near-tie")
-    assert passed >= 0.95 * len(prompts)
+    assert_bf16_near_ties(path, hf, (4, 512), 200, "gemma2 bf16")
