@@ -8,7 +8,6 @@ A manager thread runs `step()` in a loop; with `start(thread=False)` the caller 
 benchmarks): the same sequence either way.
 """
 import asyncio
-import gc
 import heapq
 import itertools
 import logging
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from batchmaker import collector
 from batchmaker.core.admission import AdmissionBound
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
@@ -92,12 +92,7 @@ class Engine:
             self.workers.clear()
             torch.set_num_threads(self._threads_before)
             raise
-        # Long-lived objects (torch, models) leave the collector's view: full collections would
-        # otherwise walk them while many requests are live.
-        gc.freeze()
-        self._gc_before = gc.get_threshold()
-        if self.config.gc_young_threshold is not None:
-            gc.set_threshold(self.config.gc_young_threshold, *self._gc_before[1:])
+        self._gc_before = collector.freeze(self.config.gc_young_threshold)  # (batchmaker/collector.py)
         self._running = True
         if thread:
             self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
@@ -119,8 +114,7 @@ class Engine:
         for worker in self.workers:
             worker.close()
         torch.set_num_threads(self._threads_before)
-        gc.unfreeze()  # (start froze them) the collector may free a dropped engine's cycles again
-        gc.set_threshold(*self._gc_before)
+        collector.thaw(self._gc_before)  # (the collector may free a dropped engine's cycles again)
 
     @property
     def num_accepted(self) -> int:

@@ -22,7 +22,6 @@ start/stop, a context manager), so the Server and the benchmarks take it as they
   Engine.stop does), reports and exits; a replica that does not within `stop_timeout` is killed.
 """
 import concurrent.futures
-import gc
 import itertools
 import logging
 import multiprocessing
@@ -37,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from batchmaker import collector
 from batchmaker.core.admission import AdmissionBound
 from batchmaker.engine import check_options
 from batchmaker.engine_config import EngineConfig
@@ -101,7 +101,7 @@ class Replicas:
             self._close()
             raise
         self.front = Front(self.replicas, self.models, self._mailbox, self._reports, self.config)
-        self._freeze_gc()
+        self._gc_before = collector.freeze(self.config.engine.gc_young_threshold)  # (as Engine.start)
         self._running = True
         self._thread = threading.Thread(target=self.front.run, name="batchmaker-replicas", daemon=True)
         self._thread.start()
@@ -118,8 +118,7 @@ class Replicas:
             self.front.finish()  # (a submit that raced the stop)
         self._close()
         self._running = False
-        gc.unfreeze()
-        gc.set_threshold(*self._gc_before)
+        collector.thaw(self._gc_before)
 
     @property
     def num_accepted(self) -> int:
@@ -242,14 +241,6 @@ class Replicas:
         self._context.term()
         self._mailbox.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def _freeze_gc(self) -> None:
-        """As Engine.start: long-lived objects leave the collector's view, young collections are
-        rarer (every request allocates a few tracked objects here too)."""
-        gc.freeze()
-        self._gc_before = gc.get_threshold()
-        if self.config.engine.gc_young_threshold is not None:
-            gc.set_threshold(self.config.engine.gc_young_threshold, *self._gc_before[1:])
 
     def _check_submit(self, model, priority, deadline) -> BatchMakerError | None:
         if not self._running or self._stopping or self.front.is_done:

@@ -12,12 +12,10 @@ positions before each sequence's first window hold NaN (the twin reads clean one
 read there would show up as NaN. Every case's features bind: without them the twin's output differs.
 """
 import importlib.util
-import random
 
 import pytest
 import torch
 
-from batchmaker import Engine, build_model
 from batchmaker.kernels.attention_launch import AttentionConfig, window_bound
 from batchmaker.kernels.attention_variants import compile_variants
 from batchmaker.kernels.paged_attention import paged_attention, reference_paged_attention
@@ -137,27 +135,13 @@ def test_gemma2_served_through_the_kernel_in_the_interpreter(tmp_path):
     of 16, a cap of 0.5 that binds), each layer's window and the cap passed by PagedAttend; greedy
     tokens equal transformers' (fp32), prompts arriving together (chunks beside decodes)."""
     pytest.importorskip("transformers")
-    from test_gemma import save
-    from test_generation import hf_greedy, run_until
-    hf = save("gemma2", tmp_path)
-    rng = random.Random(5)
-    requests = [{"tokens": [rng.randrange(4, 512) for _ in range(length)], "max_new_tokens": 6, "ignore_eos": True}
-                for length in (3, 70, 17, 40, 1, 33)]
+    from test_gemma import assert_sent_at_once_equal_hf, save
     seen = []
 
     def kernel(*args, **kw):
         seen.append((kw.get("window"), kw.get("softcap")))
         return paged_attention(*args, **kw)
-    engine = Engine([build_model("llama", checkpoint=str(tmp_path), max_tokens=48)]).start(thread=False)
-    try:
-        for runner in engine.workers[0].iterations.values():
-            runner.attention = kernel
-        futures = [engine.submit("llama", inputs) for inputs in requests]
-        run_until(engine, lambda: all(f.done() for f in futures))
-        for future, inputs in zip(futures, requests):
-            assert future.result(0).outputs["tokens"] == hf_greedy(hf, inputs["tokens"], 6)
-    finally:
-        engine.stop()
+    assert_sent_at_once_equal_hf(save("gemma2", tmp_path), tmp_path, attention=kernel)
     assert set(seen) == {(16, 0.5), (None, 0.5)}  # (Gemma 2's layers alternate windowed and global)
 
 

@@ -110,12 +110,21 @@ def test_served_tokens_equal_transformers(family, tp, pp, tmp_path):
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
 def test_requests_sent_at_once(family, tmp_path):
     """Mixed prompt lengths submitted together: iterations of several prompt chunks and decodes."""
-    hf = save(family, tmp_path)
+    assert_sent_at_once_equal_hf(save(family, tmp_path), tmp_path)
+
+
+def assert_sent_at_once_equal_hf(hf, path, attention=None) -> None:
+    """Six prompts of mixed lengths submitted together to an engine serving the checkpoint at
+    `path` (its runners' attention replaced by `attention` where given): every greedy token equals
+    transformers' for each prompt alone."""
     rng = random.Random(5)
     requests = [{"tokens": [rng.randrange(4, 512) for _ in range(length)], "max_new_tokens": 6, "ignore_eos": True}
                 for length in (3, 70, 17, 40, 1, 33)]
-    engine = Engine([build_model("llama", checkpoint=str(tmp_path), max_tokens=48)]).start(thread=False)
+    engine = Engine([build_model("llama", checkpoint=str(path), max_tokens=48)]).start(thread=False)
     try:
+        if attention is not None:
+            for runner in engine.workers[0].iterations.values():
+                runner.attention = attention
         futures = [engine.submit("llama", inputs) for inputs in requests]
         run_until(engine, lambda: all(f.done() for f in futures))
         for future, inputs in zip(futures, requests):
