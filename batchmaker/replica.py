@@ -73,6 +73,12 @@ def replica_main(spec: ReplicaSpec) -> None:
 def build_engine(spec: ReplicaSpec) -> Engine:
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))  # (nothing of ours lands on another device by default)
+        # One torch CPU thread (or EngineConfig.cpu_threads): the replica's host work is one thread's,
+        # and torch's default pool (every core, per process) woke for each large host copy and spun
+        # beside the other replicas, the front and the load generator. On 2 H100s (32 cores) two
+        # replicas with it sustained 0.77x one replica's LSTM requests/s (bench/results/README.md).
+        # A CPU replica's engine chooses its own (engine_config.choose_cpu_threads).
+        torch.set_num_threads(spec.engine.cpu_threads or 1)
     models = [load_model(name, **options) for name, options in spec.models]
     for model in models:
         if model.forms and isinstance(model.forms[0], Generate):
