@@ -150,6 +150,28 @@ class Engine:
             self._wake.set()
         return future
 
+    def submit_many(self, model: str, inputs: list[dict[str, Any]]) -> list[RequestFuture]:
+        """Queue many requests of one model with the default options (no priority, deadline or
+        streaming): submit's futures and answers, with one check, one admission lock and one
+        wake-up for all (a replica's turn: batchmaker/replica.py)."""
+        ids = self._ids
+        futures = [RequestFuture(next(ids), model, x) for x in inputs]
+        error = self._check_submit(model, None, 0, None)
+        taken = 0 if error is not None else self.bound.take_many(len(futures), self.accounting.num_finished)
+        if taken < len(futures):
+            refusal = error or self.bound.overloaded()
+            for future in futures[taken:]:
+                future.set_exception(refusal)
+        accepted = futures[:taken]
+        if accepted:
+            live = self.accounting.live
+            for future in accepted:
+                live[future.request_id] = future
+            self._inbox.extend(accepted)
+            if not self._wake.is_set():
+                self._wake.set()
+        return futures
+
     async def submit_async(self, model: str, inputs: dict[str, Any], **options) -> Result:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()

@@ -105,6 +105,13 @@ class RequestFuture:
             for fn in self._callbacks:
                 _call(fn, self)
 
+    def bulk_row(self):
+        """(rows, i) of a future resolved in bulk whose Result is not built yet (core/request.ResultRows
+        and its row), else None: a consumer that forwards results as columns (a replica's report)
+        reads the batch's columns instead of building the Result. For the resolving thread."""
+        rows = self._rows
+        return None if rows is None else (rows, self._row)
+
     def _take_row(self) -> None:
         """The Result of a request resolved in bulk, built on its first read (once, whatever the thread)."""
         with _lock:

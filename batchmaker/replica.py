@@ -97,6 +97,7 @@ class ReplicaLoop:
         self.front_ids: dict = {}  # the engine's request id -> front id
         self.report = Report(spec.index)
         self.finished: dict = {}  # (model, output names) -> (front ids, first cells, outputs): the report's results
+        self.finished_rows: dict = {}  # id(ResultRows) -> (model, rows, front ids, row indices): resolved in bulk
         self.last_sent = 0.0
         self.encode = Encoder()
         self.is_stopping = False
@@ -146,19 +147,25 @@ class ReplicaLoop:
         self.is_stopping |= turn.stop
 
     def _submit(self, model: str, ids: list, inputs: list, options: dict) -> None:
-        """One batch of a turn: each request to the engine, with its options if it has any."""
-        submit, now = self.engine.submit, time.perf_counter()
-        for k, front_id in enumerate(ids):
-            if k in options:
-                priority, deadline, is_streamed = options[k]
-                remaining = None if deadline is None else max(1e-9, deadline - now)  # (shared clock: CLOCK_MONOTONIC)
-                on_partial = self._partials_of(front_id) if is_streamed else None
-                future = submit(model, inputs[k], priority=priority, deadline=remaining, on_partial=on_partial)
-            else:
-                future = submit(model, inputs[k])
-            self.front_ids[future.request_id] = front_id
-            self.live[front_id] = future
-            future.add_done_callback(self._on_done)
+        """One batch of a turn to the engine: at once when no request sets an option (submit_many),
+        else each with its options."""
+        if not options:
+            futures = self.engine.submit_many(model, inputs)
+        else:
+            submit, now, futures = self.engine.submit, time.perf_counter(), []
+            for k, front_id in enumerate(ids):
+                if k in options:
+                    priority, deadline, is_streamed = options[k]
+                    remaining = None if deadline is None else max(1e-9, deadline - now)  # (shared clock: CLOCK_MONOTONIC)
+                    on_partial = self._partials_of(front_id) if is_streamed else None
+                    futures.append(submit(model, inputs[k], priority=priority, deadline=remaining, on_partial=on_partial))
+                else:
+                    futures.append(submit(model, inputs[k]))
+        front_ids, live, on_done = self.front_ids, self.live, self._on_done
+        for future, front_id in zip(futures, ids):
+            front_ids[future.request_id] = front_id
+            live[front_id] = future
+            future.add_done_callback(on_done)
 
     def _partials_of(self, front_id: int):
         """on_partial of a streamed request: its partials go in the next report."""
@@ -169,7 +176,15 @@ class ReplicaLoop:
         front_id = self.front_ids.pop(future.request_id)
         del self.live[front_id]
         error = future.exception()
-        if error is None:
+        bulk = future.bulk_row() if error is None else None
+        if bulk is not None:  # (its batch's columns go in the report: no Result built, no rows split and restacked)
+            rows, i = bulk
+            group = self.finished_rows.get(id(rows))
+            if group is None:
+                group = self.finished_rows[id(rows)] = (future.model, rows, [], [])
+            group[2].append(front_id)
+            group[3].append(i)
+        elif error is None:
             result = future.result()
             key = (future.model, tuple(result.outputs))
             group = self.finished.get(key)
@@ -186,14 +201,17 @@ class ReplicaLoop:
         """Send the report when something finished, an answer is due, or the heartbeat is."""
         report = self.report
         now = time.perf_counter()
-        if not (self.finished or report.failures or report.partials or report.answers or report.state == STOPPED):
+        if not (self.finished or self.finished_rows or report.failures or report.partials or report.answers
+                or report.state == STOPPED):
             if now - self.last_sent < self.spec.heartbeat:
                 return
             self._check_parent()
         report.progress = self.engine.num_tasks + self.engine.accounting.num_finished
         report.results = [(model, ids, first_cells, columns(outputs))
                           for (model, _), (ids, first_cells, outputs) in self.finished.items()]
+        report.results += [rows_of(*group) for group in self.finished_rows.values()]
         self.finished = {}
+        self.finished_rows = {}
         self._send(report)
         self.report = Report(self.spec.index)
 
@@ -204,3 +222,15 @@ class ReplicaLoop:
     def _check_parent(self) -> None:
         if os.getppid() != self.spec.parent_pid:
             self.is_orphaned = self.is_stopping = True
+
+
+def rows_of(model: str, rows, ids: list, index: list) -> tuple:
+    """A report's result entry from the rows `index` of one batch resolved in bulk: the batch's
+    columns themselves when the rows are all of it, in order (the usual case: every request an
+    engine resolves together is this replica's), else those rows of them."""
+    first_cells, outputs = rows.first_cells, rows.outputs
+    if len(index) == len(first_cells) and index[0] == 0 and index[-1] == len(index) - 1:
+        return model, ids, first_cells, outputs
+    return (model, ids, [first_cells[i] for i in index],
+            {name: column[torch.tensor(index)] if isinstance(column, torch.Tensor) else [column[i] for i in index]
+             for name, column in outputs.items()})

@@ -53,51 +53,57 @@ def null_lstm():
 
 
 class CpuClock:
-    """CPU seconds of this whole process, and of its thread named `thread_name` (the front thread
-    of the replicas, or an engine's manager thread) read from /proc (Linux, 10 ms ticks)."""
+    """CPU seconds of this whole process, of its thread named `thread_name` (the front thread of
+    the replicas, or an engine's manager thread), and of the replica processes `pids` together,
+    read from /proc (Linux, 10 ms ticks)."""
 
-    def __init__(self, thread_name: str):
+    def __init__(self, thread_name: str, pids=()):
         thread = next(t for t in threading.enumerate() if t.name == thread_name)
         self.path = f"/proc/self/task/{thread.native_id}/stat"
+        self.replica_paths = [f"/proc/{pid}/stat" for pid in pids]
         self.tick = os.sysconf("SC_CLK_TCK")
 
-    def read(self) -> tuple[float, float]:
-        with open(self.path) as f:
+    def read(self) -> tuple[float, float, float]:
+        return time.process_time(), self._ticks(self.path), sum(self._ticks(p) for p in self.replica_paths)
+
+    def _ticks(self, path: str) -> float:
+        with open(path) as f:
             fields = f.read().rpartition(")")[2].split()
-        return time.process_time(), (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
+        return (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
 
 
 def burst(system, requests: list, clock: CpuClock) -> dict:
     """Every request submitted at once; CPU per request finished."""
-    process0, thread0 = clock.read()
+    process0, thread0, replicas0 = clock.read()
     wall0, submit0 = time.perf_counter(), time.thread_time()
     futures = [system.submit("lstm", inputs) for inputs in requests]
     submit_s = time.thread_time() - submit0
     for f in futures:
         f.result(600)
     wall = time.perf_counter() - wall0
-    process, thread = clock.read()
+    process, thread, replicas = clock.read()
     n = len(requests)
     return {"requests": n, "wall_s": wall, "rate": n / wall, "submit_us": submit_s / n * 1e6,
-            "thread_us": (thread - thread0) / n * 1e6, "process_us": (process - process0) / n * 1e6}
+            "thread_us": (thread - thread0) / n * 1e6, "process_us": (process - process0) / n * 1e6,
+            "replica_processes_us": (replicas - replicas0) / n * 1e6}
 
 
 def paced(system, requests: list, rate: float, duration: float, gen: LoadGenerator, clock: CpuClock) -> dict:
     """Open-loop Poisson arrivals at `rate` (bench/loadgen.py, in process: the caller submits)."""
     pool = [("lstm", inputs) for inputs in requests]
-    process0, thread0 = clock.read()
+    process0, thread0, replicas0 = clock.read()
     trace = gen.run_point(system.submit, pool, rate, duration, seed=int(rate))
     gen.settle()
-    process, thread = clock.read()
+    process, thread, replicas = clock.read()
     n, ok = len(trace.arrivals), int(trace.ok.sum())
     latency = (trace.done_at[trace.ok] - (trace.start + trace.arrivals[trace.ok])) * 1e3
     return {"offered": rate, "requests": n, "ok": ok, "thread_us": (thread - thread0) / n * 1e6,
-            "process_us": (process - process0) / n * 1e6,
+            "process_us": (process - process0) / n * 1e6, "replica_processes_us": (replicas - replicas0) / n * 1e6,
             "latency_ms": {q: float(np.percentile(latency, q)) for q in (50, 90, 99)} if ok else None}
 
 
 def measure(system, thread_name: str, requests: list, args, gen: LoadGenerator) -> dict:
-    clock = CpuClock(thread_name)
+    clock = CpuClock(thread_name, [r.process.pid for r in getattr(system, "replicas", ())])
     burst(system, requests[:2000], clock)  # warm-up
     run = {"burst": burst(system, (requests * 10)[:args.requests], clock),
            "paced": [paced(system, requests, rate, args.duration, gen, clock) for rate in args.rates]}

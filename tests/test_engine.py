@@ -239,6 +239,21 @@ def test_a_flood_beyond_max_requests_is_answered_overloaded_at_once():
         assert engine.infer("toy", {"xs": [3]}, timeout=10)["ys"]  # serving again once drained
 
 
+def test_submit_many_answers_as_submit_does_with_one_admission_for_all():
+    requests = [{"xs": [k % 7 + 1] * (k % 5 + 1)} for k in range(40)]
+    with Engine([toy_model()], EngineConfig(max_requests=30)) as engine:
+        futures = engine.submit_many("toy", requests)  # the first 30 accepted, the other 10 refused at once
+        assert all(f.done() and isinstance(f.exception(), OverloadedError) for f in futures[30:])
+        for f, inputs in zip(futures[:30], requests):
+            torch.testing.assert_close(f.result(30).outputs, engine.submit("toy", inputs).result(30).outputs, rtol=0, atol=0)
+        unknown = engine.submit_many("nope", requests[:3])
+        assert all(f.exception(1).code == "unknown_model" for f in unknown)
+        wait_idle(engine)
+        assert engine.stats()["num_queued_requests"] == 0
+    stopped = engine.submit_many("toy", requests[:2])
+    assert all(isinstance(f.exception(1), EngineStoppedError) for f in stopped)
+
+
 def test_request_priority_orders_work_within_a_model():
     """With one worker kept busy, a high-priority request submitted last finishes first."""
     model = toy_model(enc_delay=0.001, enc_sizes=(1,), dec_sizes=(1,))  # one node per task

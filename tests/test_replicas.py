@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from batchmaker.cells.weights import save_weights
 from batchmaker.errors import ReplicaFailedError
 from batchmaker.replica_stats import merge
 from batchmaker.core.request import ResultRows
+from batchmaker.replica import rows_of
 from batchmaker.replica_routing import DEAD, spread
 from batchmaker.replica_wire import Report, columns, decode, encode
 from batchmaker.replicas import Replicas, ReplicasConfig
@@ -304,6 +306,16 @@ def test_the_wire_carries_tensors_as_arrays_and_results_as_columns():
     rows = ResultRows(columns_back, [0.25, 0.5], first_cells, 2.0)
     assert torch.equal(rows.result(0).outputs["h"], big[1]) and rows.result(1).outputs["n"] == [3]
     assert rows.result(1).timing.first_cell is None and rows.result(0).timing.latency == 1.75
+
+
+def test_a_report_takes_a_bulk_batch_whole_or_the_rows_of_it_that_finished_here():
+    outputs = {"h": torch.arange(12.0).reshape(4, 3), "n": [[1], [2], [3], [4]]}
+    rows = ResultRows(outputs, [0.0] * 4, np.array([0.1, 0.2, 0.3, 0.4]), 1.0)
+    model, ids, first_cells, columns_whole = rows_of("lstm", rows, [7, 8, 9, 10], [0, 1, 2, 3])
+    assert (model, ids) == ("lstm", [7, 8, 9, 10]) and columns_whole is outputs and first_cells is rows.first_cells
+    _, ids, first_cells, part = rows_of("lstm", rows, [8, 10], [1, 3])
+    assert ids == [8, 10] and first_cells == [0.2, 0.4] and part["n"] == [[2], [4]]
+    assert torch.equal(part["h"], outputs["h"][[1, 3]])
 
 
 def test_spread_gives_what_sending_one_by_one_to_the_least_loaded_gives():

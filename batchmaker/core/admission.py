@@ -114,6 +114,17 @@ class AdmissionBound:
         """A place for one more request (None), or the error that refuses it."""
         with self._lock:
             if self.num_accepted - num_finished >= self.limit:
-                return OverloadedError(f"{self.limit} requests queued or running; retry later")
+                return self.overloaded()
             self.num_accepted += 1
             return None
+
+    def overloaded(self) -> OverloadedError:
+        return OverloadedError(f"{self.limit} requests queued or running; retry later")
+
+    def take_many(self, count: int, num_finished: int) -> int:
+        """Places for up to `count` more requests under one lock: how many were taken (the first
+        that many are accepted, the rest refused as take refuses one)."""
+        with self._lock:
+            taken = max(0, min(count, self.limit - (self.num_accepted - num_finished)))
+            self.num_accepted += taken
+            return taken
