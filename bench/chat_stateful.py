@@ -8,6 +8,9 @@ In one run, with the same weights and the same GPU KV budget:
   gpu         turns name their conversation; the cache lives in GPU blocks only
   gpu+cpu     ... and in a host tier (pinned memory) behind them (eviction: Pensieve's value)
   gpu+cpu-lru the same with LRU eviction (recomputed tokens compared at the highest rate)
+  prefix      every turn sends its whole history, as stateless, to an engine with automatic prefix
+              caching (issue 32): the cached context is found by its tokens, GPU blocks only
+  prefix+cpu  ... and the host tier behind them (Pensieve's value eviction), as gpu+cpu
 
 Per system and conversation rate: output tokens/s, normalized latency (latency / output tokens)
 p50/p90 over all turns and over conversations of >= 5 turns, and the time to first token of turns
@@ -30,7 +33,9 @@ from bench.common import triton_compiles
 from bench.workload import conversation_draws
 
 SYSTEMS = {"stateless": dict(host_bytes=0), "gpu": dict(host_bytes=0), "gpu+cpu": dict(eviction="value"),
-           "gpu+cpu-lru": dict(eviction="lru")}
+           "gpu+cpu-lru": dict(eviction="lru"), "prefix": dict(host_bytes=0, prefix_caching=True),
+           "prefix+cpu": dict(eviction="value", prefix_caching=True)}
+STATEFUL = ("gpu", "gpu+cpu", "gpu+cpu-lru")  # the systems whose turns name their conversation
 
 
 @dataclass
@@ -321,7 +326,7 @@ def run(args, model, config, write_results) -> None:
                 work = scripts(n, rate, reaction, config.max_positions, config.vocab_size, args.seed)
                 stop = work[-1].start
                 before = engine_counters(engine, gen)
-                records, span = converse(engine, "llama", work, stateful=system != "stateless", stop_at=stop)
+                records, span = converse(engine, "llama", work, stateful=system in STATEFUL, stop_at=stop)
                 stats = gen.conversation_stats() if system != "stateless" else None
                 if gen.caches and "chunk_cost_ms" not in payload and system.endswith("cpu"):
                     cost = next(iter(gen.caches.values())).cost  # the value policy's Cost(l), profiled
@@ -362,7 +367,8 @@ def run(args, model, config, write_results) -> None:
 
 def add_arguments(ap) -> None:
     ap.add_argument("--stateful", action="store_true", help="multi-turn conversations (this module)")
-    ap.add_argument("--stateful-systems", nargs="+", default=list(SYSTEMS))
+    ap.add_argument("--stateful-systems", nargs="+", default=["stateless", "gpu", "gpu+cpu", "gpu+cpu-lru"],
+                    choices=list(SYSTEMS))
     ap.add_argument("--arrival-seconds", type=float, default=60.0,
                     help="conversations start for this long at each rate; no turn is sent after")
     ap.add_argument("--warm-fraction", type=float, default=0.4, help="of the arrivals, before measuring")
