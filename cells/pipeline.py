@@ -2,14 +2,15 @@
 stages of about equal cost, one rank each. Stage 0 embeds the tokens and runs its layers, and
 each stage hands its residual stream (hidden and residual, unsummed: [2, T, H]) to the next; the
 last stage runs its layers, the final norm and the head, samples, and sends the sampled tokens
-back to stage 0, whose manager needs them (and whose next iterations feed them).
+back to stage 0, whose manager needs them (the plans of its next iterations carry them).
 
 A stage is an ordinary `DecoderLM` of its layers (`StageCut.config`: the layers renumbered from
 0, so that its KV cache holds its layers only) with a `PipelineStage` installed, which does the
 sends and receives. Parameters a stage does not use (the embedding off stage 0, the head off the
 last) are empty tensors, never read from a checkpoint. Several iterations are in flight at once,
-one per stage, on disjoint sets of sequences (core/sequence_queue.py `exclusive`): ORCA's
-pipeline, in which no stage waits for a token another iteration has not sampled yet.
+one per stage, on disjoint sets of sequences (core/sequence_queue.py `stages`): ORCA's
+pipeline, in which no stage waits for a token another iteration has not sampled yet. The same
+code runs on CPUs (gloo) and GPUs (NCCL); exec/stage_exchange.py calls it around each iteration.
 """
 from dataclasses import dataclass, replace
 

@@ -350,7 +350,7 @@ class IterationRunner:
         except Exception as e:  # (a stage died or hung: the group is done)
             task.error = RankFailure(f"the pipeline's tokens did not come back: {type(e).__name__}: {e}")
             self.ranks.abort(str(task.error))
-        else:  # (the plans feed them: core/sequence_queue.py `exclusive`)
+        else:  # (the plans feed them: core/sequence_queue.py `stages`)
             task.sampled = chosen.numpy().copy()
         task.handle = None
 
@@ -383,7 +383,9 @@ class IterationRunner:
         it on: its neighbours' warm runs wait for it)."""
         out = []
         self.graphs.capture(key, lambda: out.append(body()) or out[-1], [], warm=True)
-        return out[0] if out else body()  # (not captured: the cell type runs eagerly; still one warm run)
+        if out or self.exchange is None:
+            return out[0] if out else None
+        return body()  # (not captured: the cell type runs eagerly; a stage still hands a warm run on)
 
     def _packer(self, num_tokens: int, num_seqs: int, num_samples: int, graphed: bool = False,
                 work: tuple[int, int] | None = None) -> Packed:
