@@ -98,7 +98,7 @@ class GenerativeModel(Finisher):
                                    {worker: f.chunk_bytes for worker, f in facts.items()})
         self.queue = SequenceQueue(self.cell_type, sequences, self, kv.reserve, self.turns,
                                    {worker: f.shapes for worker, f in facts.items()},
-                                   exclusive=self.cell.pipeline_parallel > 1)
+                                   stages=self.cell.pipeline_parallel)
         self.queues = [self.queue]
         return self.queues
 

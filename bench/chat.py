@@ -261,10 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="ranks on consecutive GPUs from --device; the roofline then counts every rank's bandwidth "
                          "and peak (the whole model's bytes and FLOPs over tp x each)")
+    ap.add_argument("--pipeline-parallel", type=int, default=1,
+                    help="stages on consecutive GPUs from --device, counted in the roofline as --tensor-parallel's "
+                         "ranks are; the iterations' spans (`device`) are stage 0's")
     chat_stateful.add_arguments(ap)
     args = ap.parse_args(argv)
-    if args.tensor_parallel > 1 and any(s.startswith("hf") for s in args.systems):
-        ap.error("--tensor-parallel: BatchMaker only (--systems batchmaker)")
+    ranks = args.tensor_parallel * args.pipeline_parallel
+    if ranks > 1 and any(s.startswith("hf") for s in args.systems):
+        ap.error("--tensor-parallel, --pipeline-parallel: BatchMaker only (--systems batchmaker)")
     from batchmaker import Engine, EngineConfig
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
     from batchmaker.registry import build_model
@@ -279,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         num_blocks = int(args.kv_gib * 2**30 // per_block)
     model = build_model("llama", preset=args.preset, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_tokens=args.max_tokens, max_seqs=args.max_seqs, max_new_tokens=1024,
-                        num_blocks=num_blocks, tensor_parallel=args.tensor_parallel)
+                        num_blocks=num_blocks, tensor_parallel=args.tensor_parallel,
+                        pipeline_parallel=args.pipeline_parallel)
     if args.prefill_graph_tokens is not None:
         cell = model.cells["decoder"]
         cell.kv = replace(cell.kv, prefill_graph_tokens=args.prefill_graph_tokens)
@@ -294,13 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(1, config.vocab_size, p).tolist() for p, _ in work]
     limits = measure_limits(args.device, lm.embed_tokens.weight.dtype)  # (the roofline's: bench/device_limits.py)
-    args.bandwidth = (args.bandwidth or limits.copy_bytes_per_s) * args.tensor_parallel  # (summed over the ranks)
-    args.peak = (args.peak or limits.matmul_flops_per_s) * args.tensor_parallel
+    args.bandwidth = (args.bandwidth or limits.copy_bytes_per_s) * ranks  # (summed over the ranks)
+    args.peak = (args.peak or limits.matmul_flops_per_s) * ranks
     floor_s = params * itemsize / args.bandwidth
     rows, steps, profile = [], [], None
 
     def save() -> None:  # after each system: a run cut short keeps what it measured
         payload = {"preset": args.preset, "dtype": args.dtype, "tensor_parallel": args.tensor_parallel,
+                   "pipeline_parallel": args.pipeline_parallel,
                    "parameters": params, "weight_floor_ms": floor_s * 1e3,
                    "device_limits": limits.as_dict(), "bandwidth": args.bandwidth, "peak": args.peak,
                    "workload": {"requests": len(work), "mean_prompt": float(np.mean([p for p, _ in work])),
@@ -319,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             ax.legend()
             ax.set_title(f"{args.preset} {args.dtype}, ShareGPT-like, stateless")
         tp = f"-tp{args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+        tp += f"-pp{args.pipeline_parallel}" if args.pipeline_parallel > 1 else ""
         print(write_results(f"chat-{args.preset}{tp}", args.device, payload, plot), flush=True)
 
     hf = hf_model(lm, config) if any(s.startswith("hf") for s in args.systems) else None

@@ -32,6 +32,10 @@
 #     tp-tests, tp-step, tp-chat (a multi-GPU machine; issue 31): the tensor-parallel GPU tests; the
 #              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
 #              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
+#     pp (a 2-GPU machine; issue 31): pp-tests then pp-chat: the pipeline-parallel GPU tests
+#              (tests/test_pipeline_parallel_gpu.py), then bench/chat.py all at once at PP 1 and 2
+#              (13B: the issue's PP=2 >= 1.7x one GPU's tokens/s at saturation); ~8 min expected, not yet run
+#     pp-step  bench/tp_step.py --pp 1 2: a pipeline's decode round at batch 1 and 64
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
 # RATES_REPLICAS_TREE (the replica suites'), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
@@ -65,6 +69,7 @@ REPLICA_COUNTS=$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= 
 replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
 TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
+set -- $(for suite in "$@"; do [ "$suite" = pp ] && echo pp-tests pp-chat || echo "$suite"; done)
 for suite in "$@"; do
     case "$suite" in
         tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
@@ -110,6 +115,13 @@ for suite in "$@"; do
         tp-chat) for tp in ${TP_DEGREES:-1 $TP}; do
                 step "tp-chat-$tp" timeout 300 python3 bench/chat.py --preset "${TP_PRESET:-llama-2-13b}" \
                     --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" --tensor-parallel "$tp"
+            done ;;
+        pp-tests) step pp-tests timeout 240 python3 -m pytest -q -s -p no:cacheprovider -rf tests/test_pipeline_parallel_gpu.py ;;
+        pp-step) step pp-step timeout 590 python3 bench/tp_step.py --preset "${PP_PRESET:-llama-2-13b}" --tp --pp 1 2 \
+                     --batch 1 64 --context 512 --steps 32 ;;
+        pp-chat) for pp in 1 2; do
+                step "pp-chat-$pp" timeout 240 python3 bench/chat.py --preset "${PP_PRESET:-llama-2-13b}" \
+                    --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" --pipeline-parallel "$pp"
             done ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \

@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     from batchmaker.cells.decoder_config import PRESETS
     from batchmaker.exec import kv_swap
-    from batchmaker.exec.iterations import KVCache
+    from batchmaker.exec.kv_cache import KVCache
     modules = {"current": kv_swap}
     for path in args.modules:
         spec = importlib.util.spec_from_file_location(f"kv_swap_{Path(path).stem}", path)

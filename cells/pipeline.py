@@ -2,14 +2,15 @@
 stages of about equal cost, one rank each. Stage 0 embeds the tokens and runs its layers, and
 each stage hands its residual stream (hidden and residual, unsummed: [2, T, H]) to the next; the
 last stage runs its layers, the final norm and the head, samples, and sends the sampled tokens
-back to stage 0, whose manager needs them (and whose next iterations feed them).
+back to stage 0, whose manager needs them (the plans of its next iterations carry them).
 
 A stage is an ordinary `DecoderLM` of its layers (`StageCut.config`: the layers renumbered from
 0, so that its KV cache holds its layers only) with a `PipelineStage` installed, which does the
 sends and receives. Parameters a stage does not use (the embedding off stage 0, the head off the
 last) are empty tensors, never read from a checkpoint. Several iterations are in flight at once,
-one per stage, on disjoint sets of sequences (core/sequence_queue.py `exclusive`): ORCA's
-pipeline, in which no stage waits for a token another iteration has not sampled yet.
+one per stage, on disjoint sets of sequences (core/sequence_queue.py `stages`): ORCA's
+pipeline, in which no stage waits for a token another iteration has not sampled yet. The same
+code runs on CPUs (gloo) and GPUs (NCCL); exec/stage_exchange.py calls it around each iteration.
 """
 from dataclasses import dataclass, replace
 
@@ -92,46 +93,76 @@ class StageCut:
 
 class PipelineStage:
     """One stage's view of its group: what it receives and sends. `group` is the group's own
-    process group (exec/tensor_group.py), set once every stage has joined."""
+    process group (exec/tensor_group.py), set once every stage has joined; `back` (stage 0 and the
+    last only) a process group of those two, members 0 and 1, that carries the sampled tokens: on
+    GPUs a communicator of its own, so that stage 0 can wait for tokens on a side stream while its
+    next iteration sends on `group` (one NCCL communicator must not run two kernels at once)."""
 
-    def __init__(self, stage: int, stages: int, group=None):
-        self.stage, self.stages, self.group = stage, stages, group
+    def __init__(self, stage: int, stages: int, group=None, back=None):
+        self.stage, self.stages, self.group, self.back = stage, stages, group, back
         self.first, self.last = stage == 0, stage == stages - 1
 
-    def run(self, lm, tokens: Tensor, positions: Tensor, attend) -> Tensor | None:
-        """This stage's part of a forward over the iteration's tokens: on the last stage the hidden
-        states before the final norm [T, H]; elsewhere None (its output went to the next stage)."""
+    def run(self, lm, tokens: Tensor, positions: Tensor, attend, received: Tensor | None) -> Tensor:
+        """This stage's part of a forward over the iteration's tokens, from `received` (the previous
+        stage's residual stream [2, T, H]; stage 0 embeds `tokens`): on the last stage the hidden
+        states before the final norm [T, H]; elsewhere the residual stream for the next [2, T, H]."""
         if self.first:
             hidden, residual = lm.embed(tokens, positions), None
         else:
-            received = torch.empty(2, tokens.shape[0], lm.config.hidden_size, dtype=lm.layers[0].attn.o_proj.weight.dtype,
-                                   device=tokens.device)
-            self.group.recv([received], self.stage - 1, ACTIVATIONS).wait()
             hidden, residual = received[0], received[1]
         hidden, residual = lm.run_layers(hidden, residual, positions, attend)
-        if self.last:
-            return hidden + residual
-        self.group.send([torch.stack([hidden, residual])], self.stage + 1, ACTIVATIONS).wait()
-        return None
+        return hidden + residual if self.last else torch.stack([hidden, residual])
+
+    def receive(self, into: Tensor) -> Tensor:
+        """The previous stage's residual stream, into `into` [2, T, H] (on a GPU the current stream
+        waits for it, the host does not)."""
+        self.group.recv([into], self.stage - 1, ACTIVATIONS).wait()
+        return into
+
+    def send(self, stream: Tensor) -> None:
+        """The residual stream [2, T, H] to the next stage."""
+        self.group.send([stream], self.stage + 1, ACTIVATIONS).wait()
 
     def send_tokens(self, chosen: Tensor) -> None:
         """The last stage: the sampled tokens to stage 0."""
         if chosen.numel():  # (an iteration of prompt chunks only samples nothing)
-            self.group.send([chosen.contiguous()], 0, TOKENS).wait()
+            self.back.send([chosen.contiguous()], 0, TOKENS).wait()
 
-    def receive_tokens(self, num_samples: int, device) -> "PendingTokens":
-        """Stage 0: the tokens the last stage will sample for this iteration (wait for them later)."""
-        buffer = torch.empty(num_samples, dtype=torch.int64, device=device)
-        return PendingTokens(self.group.recv([buffer], self.stages - 1, TOKENS) if num_samples else None, buffer)
+    def receive_tokens(self, count: int, device, side=None, region=None) -> "PendingTokens":
+        """Stage 0: the `count` tokens the last stage samples for this iteration (wait for them
+        later). With `side` (a CUDA stream), the receive and the copy into `region` (pinned host
+        memory, exec/staging.py) run on that stream, so stage 0's next launches never wait for the
+        tokens, and an event says when they have landed."""
+        if not count:
+            return PendingTokens(None, torch.empty(0, dtype=torch.int64))
+        if side is None:
+            buffer = torch.empty(count, dtype=torch.int64, device=device)
+            return PendingTokens(self.back.recv([buffer], 1, TOKENS), buffer)
+        with torch.cuda.stream(side):
+            buffer = torch.empty(count, dtype=torch.int64, device=device)
+            self.back.recv([buffer], 1, TOKENS).wait()  # (the side stream waits, not the host)
+            host = region.to_host(buffer)
+            landed = torch.cuda.Event()
+            landed.record(side)
+        return PendingTokens(None, host, landed)
 
 
 @dataclass
 class PendingTokens:
-    """An iteration's sampled tokens on their way from the last stage."""
+    """An iteration's sampled tokens on their way from the last stage: a receive to wait for
+    (CPU), or a copy to host memory that `landed` (a CUDA event) marks done."""
     work: object
     buffer: Tensor
+    landed: object = None
+
+    def ready(self) -> bool:
+        if self.landed is not None:
+            return self.landed.query()
+        return self.work is None or self.work.is_completed()
 
     def wait(self) -> Tensor:
         if self.work is not None:
             self.work.wait()
+        if self.landed is not None:
+            self.landed.synchronize()
         return self.buffer

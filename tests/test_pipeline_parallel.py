@@ -13,7 +13,7 @@ import torch
 from batchmaker import Engine
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
-from batchmaker.cells.pipeline import StageCut, check_stages, stage_bounds
+from batchmaker.cells.pipeline import PendingTokens, StageCut, check_stages, stage_bounds
 from batchmaker.registry import build_model
 from test_generation import hf_greedy, step
 from test_tensor_parallel_engine import converse_and_cancel, kill_a_rank, serve, workload
@@ -92,20 +92,23 @@ def test_a_conversation_and_a_cancel_in_two_stages():
 
 
 def test_iterations_in_flight_hold_disjoint_sequences():
-    """ORCA's pipeline: with two stages, two iterations run at once, and none decodes a sequence
-    whose last token is still in the other."""
+    """ORCA's pipeline: with two stages, two iterations run at once, and none holds a sequence
+    whose last token is still in the other (the plan carries each decode's token: stage 0 feeds
+    it); sequences that start together spread over both (an iteration decodes half of them)."""
     engine = Engine([build_model("llama", seed=1, max_tokens=48, pipeline_parallel=2)]).start(thread=False)
     try:
         worker = engine.workers[0]
-        seen, overlap, most = [], [], 0
+        seen, overlap, most, decodes = [], [], 0, []
         submit = worker.submit
 
         def spy(task):
             live = [t for t in seen if t.sampled is None and t.error is None]
             if task.kind == "iteration":
-                decodes = set(task.slots[task.plan.tokens[task.plan.query_start[:-1]] < 0].tolist())
-                overlap.extend(decodes & set(s for t in live for s in t.slots[t.sample].tolist()))
+                assert (task.plan.tokens >= 0).all()
+                overlap.extend(set(task.slots.tolist()) & set(s for t in live for s in t.slots[t.sample].tolist()))
                 seen.append(task)
+                if task.plan.decode_only:
+                    decodes.append(len(task.slots))
             submit(task)
         worker.submit = spy
         futures = [engine.submit("llama", {"tokens": [i + 2] * (3 + i), "max_new_tokens": 12, "ignore_eos": True})
@@ -115,6 +118,7 @@ def test_iterations_in_flight_hold_disjoint_sequences():
             most = max(most, worker.num_in_flight)
         assert all(f.result(0).outputs["tokens"] for f in futures)
         assert most == 2 and not overlap
+        assert max(decodes) <= 4 and decodes.count(4) > 4, decodes
     finally:
         engine.stop()
 
@@ -126,3 +130,48 @@ def test_a_stage_that_dies_fails_the_requests_and_nothing_is_left_behind():
     finally:
         engine.stop()
     assert not multiprocessing.active_children()
+
+
+class FakeStage:
+    """A stage's sends and receives, recorded (exec/stage_exchange.py's contract)."""
+
+    def __init__(self, stage: int, stages: int):
+        self.first, self.last, self.calls = stage == 0, stage == stages - 1, []
+
+    def receive(self, into):
+        self.calls.append(("receive", into))
+
+    def send(self, stream):
+        self.calls.append(("send", stream))
+
+    def send_tokens(self, chosen):
+        self.calls.append(("send_tokens", chosen))
+
+    def receive_tokens(self, count, device):
+        self.calls.append(("receive_tokens", count))
+        return PendingTokens(None, torch.zeros(count, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_stage_receives_before_and_sends_after_its_work_and_graphs_keep_one_buffer(stage):
+    from batchmaker.exec.stage_exchange import StageExchange
+    fake = FakeStage(stage, 3)
+    exchange = StageExchange(fake, 8, torch.float32, torch.device("cpu"))
+    seen = []
+
+    def forward(inbox):
+        seen.append(inbox)
+        fake.calls.append(("forward", None))
+        return torch.ones(2, 5, 8) if not fake.last else torch.tensor([7, 7, 7])
+
+    outs = [exchange.around(forward, 5, 3, graphed=True), exchange.around(forward, 5, 3, graphed=True),
+            exchange.around(forward, 5, 3)]
+    kinds = [kind for kind, _ in fake.calls]
+    expected = {0: ["forward", "send", "receive_tokens"], 1: ["receive", "forward", "send"],
+                2: ["receive", "forward", "send_tokens"]}[stage]
+    assert kinds == expected * 3
+    if stage == 0:
+        assert seen == [None] * 3 and all(out.tolist() == [0, 0, 0] for out in outs)
+    else:
+        assert seen[0] is seen[1] and seen[2] is not seen[0] and seen[0].shape == (2, 5, 8)  # (a graph's buffer, kept)
+        assert outs == [None] * 3 if stage == 1 else all(out.tolist() == [7, 7, 7] for out in outs)

@@ -79,8 +79,6 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
         check_gpu_attention(config, checkpoint or preset)
     check_shardable(config, tensor_parallel)
     check_stages(config, pipeline_parallel)
-    if pipeline_parallel > 1 and torch.device(device).type != "cpu":
-        raise ValueError(f"pipeline_parallel={pipeline_parallel}: stages run on CPU workers only so far (issue 31)")
     check_rank_devices(device, tensor_parallel * pipeline_parallel)
     return config, tokenizer
 
@@ -111,9 +109,10 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     chunks are copied to the host ahead of time. reserve: the fraction of blocks new requests leave
     free for running decodes. tensor_parallel: ranks the model is split over (processes the engine
     starts: rank r on the r-th CUDA device after `device`'s, or on the CPU). pipeline_parallel:
-    stages the layers are split into, a process each (ORCA's pipeline; CPU only so far; not with
-    tensor_parallel yet). prefix_caching: a request without a conversation keeps its context like
-    one, and a later request whose prompt continues it exactly (a client resending its history)
+    stages the layers are split into, a process each (ORCA's pipeline: stage r on the r-th CUDA
+    device after `device`'s, or on the CPU; not with tensor_parallel yet). prefix_caching: a
+    request without a conversation keeps its context like one, and a later request whose prompt
+    continues it exactly (a client resending its history)
     takes it; a prompt's leading whole blocks that any request computed before are read, not
     computed (a shared system prompt's)."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,

@@ -43,12 +43,15 @@ class SequenceQueue:
 
     def __init__(self, cell_type, sequences: dict[int, Sequences], finisher, reserve: float = 0.1,
                  turns: Conversations | None = None, shapes: dict[int, GraphShapes] | None = None,
-                 exclusive: bool = False):
+                 stages: int = 1):
         self.cell_type = cell_type
-        # ORCA's pipeline: a sequence whose sampled token is still in flight is not decoded again
-        # until it comes back (the next stage 0 cannot feed it), so iterations in flight hold
-        # disjoint sequences; without a pipeline the next iteration feeds it on the device
-        self.exclusive = exclusive
+        # ORCA's pipeline of `stages`: a sequence whose sampled token is still in flight is not
+        # decoded again until it comes back, so iterations in flight hold disjoint sequences, and
+        # the plan carries the token to stage 0; without a pipeline the next iteration feeds it on
+        # the device. An iteration decodes at most its share of the decoding sequences, so that
+        # sequences that started together still spread over the stages
+        self.stages = stages
+        self.exclusive = stages > 1
         self.sequences = sequences  # worker id -> Sequences
         self.turns = turns or Conversations({})  # conversations and their caches across turns
         self.shapes = shapes or dict.fromkeys(sequences, NO_GRAPHS)  # worker id -> the CUDA graphs it replays
@@ -125,7 +128,8 @@ class SequenceQueue:
         are grown one by one); returns the budget left."""
         ready = q.active & (q.computed >= q.target) & (q.planned < q.limit)
         decoding = np.flatnonzero(ready & (q.planned == q.length) if self.exclusive else ready)
-        decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:budget]
+        share = -(-int(ready.sum()) // self.stages)  # (the ready ones with those in flight)
+        decoding = decoding[np.argsort(q.order[decoding], kind="stable")][:min(budget, share)]
         needs = q.blocks.blocks_for(q.computed[decoding] + 1) > q.blocks.count[decoding]
         grown = [s for s in decoding[needs].tolist() if q.active[s] and self._grow(q, worker_id, s, int(q.computed[s]) + 1)]
         decodes = np.concatenate([decoding[~needs], np.array(grown, dtype=np.int64)])
@@ -274,7 +278,8 @@ class SequenceQueue:
         positions = np.arange(total) - np.repeat(query_start[:-1], counts) + np.repeat(starts, counts)
         decode = starts >= q.target[slots]  # feeds the last sampled token
         tokens = q.tokens[token_slots, np.minimum(positions, q.max_len - 1)]
-        tokens[np.repeat(decode, counts)] = -1
+        if not self.exclusive:  # (a pipeline's decodes: the token came back to the host; its stage 0 samples none)
+            tokens[np.repeat(decode, counts)] = -1
         bs = q.blocks.block_size
         kv_slots = q.blocks.table[token_slots, positions // bs].astype(np.int64) * bs + positions % bs
         ends = starts + counts

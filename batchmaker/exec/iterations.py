@@ -13,7 +13,9 @@ a packed int64 buffer from pinned memory, then the work, replaying the CUDA grap
 `graph` shape (padded to it: core/iteration_shapes.py; captured the second time a shape comes,
 exec/graphs.py) or eagerly; the plan's copies to and from the host tier go as its `copies.mode`
 says (exec/kv_swap.py). A batch of decodes beside prompt chunks attends in two launches from
-work lists packed with the rest (kernels/attention_work.py).
+work lists packed with the rest (kernels/attention_work.py). A pipeline stage runs its layers
+between its receive and its send (exec/stage_exchange.py), and its stage 0 gets the tokens back
+from the last stage instead of sampling them.
 """
 import math
 import time
@@ -27,10 +29,12 @@ from batchmaker.core.iteration_shapes import GraphShape, GraphShapes, graph_key,
 from batchmaker.core.task import IterationTask
 from batchmaker.core.decoder_facts import DecoderFacts
 from batchmaker.exec.iteration_buffers import Packed
+from batchmaker.exec.kv_cache import KVCache
 from batchmaker.cells.pipeline import PendingTokens
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.tensor_group import RankFailure
 from batchmaker.exec.sampling import log_probabilities, sample
+from batchmaker.exec.stage_exchange import StageExchange
 from batchmaker.exec.staging import Landing
 from batchmaker.kernels import attention_work
 from batchmaker.kernels.attention_variants import compile_variants
@@ -46,22 +50,6 @@ class IterationRecord:
     pairs: int | None = None  # (query token, context position) pairs attended, causal: a prompt's FLOPs
 
 
-class KVCache:
-    """K and V blocks of every layer: [layers, blocks, block_size, kv heads, head dim] each."""
-
-    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_blocks, self.block_size = num_blocks, block_size
-
-    def release(self) -> None:
-        """Give the blocks' memory back now (the runner stopped), whatever still refers to the
-        tensors: a stopped engine's objects form cycles that the collector may free much later."""
-        for t in (self.k, self.v):
-            t.untyped_storage().resize_(0)
-
-
 class IterationRunner:
     def __init__(self, cell_type, module, device: torch.device, graphs, num_blocks: int, ranks=None):
         from batchmaker.kernels import paged_attention as kernels
@@ -74,6 +62,7 @@ class IterationRunner:
         self.device = device
         self.graphs = graphs
         dtype = next(self.lm.parameters()).dtype
+        self.exchange = None if self.stage is None else StageExchange(self.stage, self.config.hidden_size, dtype, device)
         self.cache = KVCache(self.config, num_blocks, module.block_size, dtype, device)
         self.max_blocks = -(-self.config.max_positions // module.block_size)
         self.scratch_slot = module.max_seqs  # padded sequences' last token lives here
@@ -143,9 +132,7 @@ class IterationRunner:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 start = time.perf_counter()
-                out = self._forward(t, ct, True, None)
-                if isinstance(out, PendingTokens):  # (a pipeline: the time until its tokens are back)
-                    out.wait()
+                self._staged(lambda inbox: self._forward(t, ct, True, None, inbox=inbox), rows * ct, rows)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 seconds.append((time.perf_counter() - start) / rows)
@@ -153,11 +140,14 @@ class IterationRunner:
 
     # the computation ---------------------------------------------------------------------------
     def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in,
-                 max_context_len: int | None = None, work: tuple | None = None, logprobs: int = -1):
+                 max_context_len: int | None = None, work: tuple | None = None, logprobs: int = -1,
+                 inbox: torch.Tensor | None = None):
         """The iteration on tensors already on the device; returns the sampled tokens [N] (with
-        `logprobs` >= 0: and their log-probabilities, exec/sampling.log_probabilities).
-        max_context_len: a host bound on every context (it picks the attention launch; None: the
-        block tables' width); work: the attention's item lists (kernels/attention_work.py)."""
+        `logprobs` >= 0: and their log-probabilities, exec/sampling.log_probabilities), or on a
+        pipeline stage before the last the residual stream it hands on [2, T, H] (from `inbox`,
+        what it received: `_staged`). max_context_len: a host bound on every context (it picks
+        the attention launch; None: the block tables' width); work: the attention's item lists
+        (kernels/attention_work.py)."""
         tokens = torch.where(t["tokens"] >= 0, t["tokens"], self.last_token[t["token_slots"]])
         attend = self.kernels.PagedAttend(
             self.cache.k, self.cache.v, t["kv_slots"], t["block_tables"], t["query_start"], t["context_lens"],
@@ -166,14 +156,12 @@ class IterationRunner:
             windows=self.config.attention_windows, softcap=self.config.attn_softcap)
         if self.stage is None:
             hidden = self.lm(tokens, t["positions"], attend)
-        else:  # a pipeline stage: stage 0 waits for its tokens later, a middle stage has none
-            hidden = self.stage.run(self.lm, tokens, t["positions"], attend)
-            if hidden is None:
-                return self.stage.receive_tokens(len(t["sample_slots"]), self.device) if self.stage.first else None
+        else:  # a pipeline stage
+            hidden = self.stage.run(self.lm, tokens, t["positions"], attend, inbox)
+            if not self.stage.last:
+                return hidden
         logits = self.lm.head(hidden.index_select(0, t["sample_token"]))
         chosen = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"], greedy_only)
-        if self.stage is not None:
-            self.stage.send_tokens(chosen)  # (stage 0 feeds them: core/sequence_queue.py `exclusive`)
         self.last_token.index_copy_(0, t["sample_slots"], chosen)
         return chosen if logprobs < 0 else (chosen, log_probabilities(logits, chosen, logprobs))
 
@@ -198,7 +186,9 @@ class IterationRunner:
         start = time.perf_counter()
         try:
             swap_in = self._copies(task, None)
-            out = self._forward(t, plan.max_query_len, plan.greedy, swap_in, logprobs=plan.logprobs)
+            out = self._staged(lambda inbox: self._forward(t, plan.max_query_len, plan.greedy, swap_in,
+                                                           logprobs=plan.logprobs, inbox=inbox),
+                               plan.num_tokens, plan.num_samples, self.exchange and self.exchange.receive_tokens)
             if isinstance(out, tuple):
                 out, extras = out
                 task.logprobs = tuple(x.numpy().copy() for x in extras)
@@ -234,8 +224,12 @@ class IterationRunner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(compute)
         swap_in = self._copies(task, compute)
+        region = self.landing.open()
+        tokens_back = self.exchange and self.exchange.tokens_on_side(region)  # (pipeline stage 0's)
         if shape is not None:  # a CUDA graph per padded shape
-            out = self._replay(pad(plan, shape, self.scratch_slot, self.module.block_size))
+            padded = pad(plan, shape, self.scratch_slot, self.module.block_size)
+            out = self._staged(lambda inbox: self._replay(padded, inbox), shape.tokens, shape.seqs, tokens_back,
+                               graphed=True)
             self.num_graph_iterations += 1
         else:
             sizes = self._work_sizes(plan.num_tokens, plan.num_seqs, plan.max_query_len)
@@ -244,19 +238,24 @@ class IterationRunner:
             packed.load(arrays)
             work = packed.work(sizes, arrays.get("work_counts"))
             longest = int(plan.context_lens.max())  # (host arrays: no device sync)
-            out = self._forward(packed.tensors, plan.max_query_len, plan.greedy, swap_in, longest, work,
-                                plan.logprobs)
+            out = self._staged(lambda inbox: self._forward(packed.tensors, plan.max_query_len, plan.greedy, swap_in,
+                                                           longest, work, plan.logprobs, inbox),
+                               plan.num_tokens, plan.num_samples, tokens_back)
         extras = ()
         if isinstance(out, tuple):
             out, extras = out
         if timed:
             end.record(compute)  # (before the copy to the host: passed once the tokens have landed)
-        region = self.landing.open()
-        task.handle = (region, region.to_host(out[:plan.num_samples]), (start, end) if timed else None, record,
-                       tuple(region.to_host(x) for x in extras))
+        if out is not None and not isinstance(out, PendingTokens):  # (a middle stage has none)
+            out = region.to_host(out[:plan.num_samples])
+        task.handle = (region, out, (start, end) if timed else None, record, tuple(region.to_host(x) for x in extras))
         self.num_iterations += 1
 
-    def _replay(self, padded: IterationPlan) -> torch.Tensor:
+    def _staged(self, forward, *args, **kwargs):
+        """`forward(None)`; on a pipeline stage, between its receive and its send (exec/stage_exchange.py)."""
+        return forward(None) if self.exchange is None else self.exchange.around(forward, *args, **kwargs)
+
+    def _replay(self, padded: IterationPlan, inbox: torch.Tensor | None = None) -> torch.Tensor:
         """A plan padded to its graph's shape, through that graph (captured when the shape comes again)."""
         shape = padded.graph
         sizes = self._work_sizes(shape.tokens, shape.seqs, padded.max_query_len)
@@ -265,7 +264,7 @@ class IterationRunner:
         work = packed.work(sizes)
         key = graph_key(self.cell_type, shape, padded.greedy)
         return self.graphs.run(key, lambda: self._forward(packed.tensors, padded.max_query_len, padded.greedy, None,
-                                                          shape.bound, work), [])
+                                                          shape.bound, work, inbox=inbox), [])
 
     def _work_sizes(self, num_tokens: int, num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
         """The attention's item lists of an iteration of this shape, if its batch may mix decodes
@@ -316,33 +315,42 @@ class IterationRunner:
         if self.host is not None:
             self.host.release()
 
+    def landed(self, task: IterationTask) -> bool:
+        """CUDA: whether a launched (and signalled) iteration's tokens are on the host: at once,
+        but on pipeline stage 0 only once they came back (or the group broke: they never will)."""
+        tokens = task.handle[1] if isinstance(task.handle, tuple) else None
+        return not isinstance(tokens, PendingTokens) or tokens.ready() or self.ranks.broken is not None
+
     def finish(self, task: IterationTask) -> None:
         if isinstance(task.handle, PendingTokens):
             return self._tokens_back(task)
         if task.handle is not None:
             region, tokens, events, record, extras = task.handle
-            task.sampled = tokens.numpy().copy()
+            if isinstance(tokens, PendingTokens):  # (pipeline stage 0, `landed`: not if the group broke)
+                tokens, region = (tokens.buffer[:task.plan.num_samples], region) if tokens.ready() else (None, None)
+            if tokens is not None:  # (a middle stage has none)
+                task.sampled = tokens.numpy().copy()
             if extras:
                 task.logprobs = tuple(x.numpy().copy() for x in extras)
             if events is not None:
                 task.seconds = events[0].elapsed_time(events[1]) / 1e3
             if record is not None:
                 record.seconds = task.seconds
-            self.landing.close(region)
+            if region is not None:  # (else a copy may still land in it: left to the collector)
+                self.landing.close(region)
             task.handle = None
         if self.ranks is not None and self.ranks.broken is not None and task.error is None and self.device.type == "cuda":
             task.error = RankFailure(f"the tensor-parallel group broke while this iteration ran: {self.ranks.broken}")
 
     def _tokens_back(self, task: IterationTask) -> None:
-        """Pipeline stage 0, once its iteration ran here: the tokens the last stage sampled (the
-        manager waits at most for the stages after this one), fed to the next iterations."""
+        """CPU pipeline stage 0, once its iteration ran here: the tokens the last stage sampled
+        (the manager waits at most for the stages after this one)."""
         try:
             chosen = task.handle.wait()
         except Exception as e:  # (a stage died or hung: the group is done)
             task.error = RankFailure(f"the pipeline's tokens did not come back: {type(e).__name__}: {e}")
             self.ranks.abort(str(task.error))
-        else:
-            self.last_token[torch.from_numpy(task.plan.sample_slots)] = chosen
+        else:  # (the plans feed them: core/sequence_queue.py `stages`)
             task.sampled = chosen.numpy().copy()
         task.handle = None
 
@@ -367,8 +375,17 @@ class IterationRunner:
             for greedy in (True, False):
                 for bound in (self.shapes.short_context, None):  # decode at short contexts: one attention launch
                     shape = GraphShape(bucket, bucket, bound, True)
-                    self.graphs.capture(graph_key(self.cell_type, shape, greedy),
-                                        lambda: self._forward(packed.tensors, 1, greedy, None, bound), [], warm=True)
+                    self._staged(lambda inbox: self._capture(graph_key(self.cell_type, shape, greedy), lambda: self._forward(
+                        packed.tensors, 1, greedy, None, bound, inbox=inbox)), bucket, bucket, graphed=True)
+
+    def _capture(self, key, body) -> torch.Tensor:
+        """Capture `body` after a warm run; returns its output of that run (a pipeline stage hands
+        it on: its neighbours' warm runs wait for it)."""
+        out = []
+        self.graphs.capture(key, lambda: out.append(body()) or out[-1], [], warm=True)
+        if out or self.exchange is None:
+            return out[0] if out else None
+        return body()  # (not captured: the cell type runs eagerly; a stage still hands a warm run on)
 
     def _packer(self, num_tokens: int, num_seqs: int, num_samples: int, graphed: bool = False,
                 work: tuple[int, int] | None = None) -> Packed:

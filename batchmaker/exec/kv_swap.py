@@ -35,7 +35,7 @@ OUT_STAGING_CHUNKS = 8  # chunks of every layer gathered at once for copies out 
 
 class HostTier:
     def __init__(self, cache, num_chunks: int, chunk_tokens: int, max_in: int, max_out: int):
-        self.cache = cache  # exec/iterations.KVCache
+        self.cache = cache  # exec/kv_cache.KVCache
         k = cache.k
         self.layers, self.block_size = k.shape[0], cache.block_size
         self.per_chunk = chunk_tokens // cache.block_size

@@ -95,26 +95,37 @@ def communicator(lm):
     return lm.tp if lm.tp is not None else lm.pp
 
 
-def connect(lm, store, rank: int, size: int, device: torch.device):
+def connect(lm, store, rank: int, size: int, device: torch.device) -> list:
     """Join this rank's part to its group (every rank calls it, in the same order): the process
-    group, and for a tensor-parallel shard on GPUs of one host the one-shot all-reduce where it
-    measures faster than NCCL (exec/one_shot.py). Returns the process group."""
+    group; for a pipeline's first and last stages the tokens' own group of those two; for a
+    tensor-parallel shard on GPUs of one host the one-shot all-reduce where it measures faster
+    than NCCL (exec/one_shot.py). Returns the process groups."""
     from batchmaker.exec import one_shot
     comm = communicator(lm)
     comm.group = process_group(store, rank, size, device)
+    if lm.pp is not None and rank in (0, size - 1):
+        comm.back = process_group(dist.PrefixStore("tokens", store), int(rank > 0), 2, device)
     if lm.tp is not None:
         dtype = next(lm.parameters()).dtype
         with torch.cuda.device(device) if device.type == "cuda" else _nothing():
             lm.tp.one_shot = one_shot.join(store, rank, size, device, comm.group, dtype)
-    return comm.group
+    return groups(lm)
+
+
+def groups(lm) -> list:
+    """The process groups a part's collectives and sends use."""
+    comm = communicator(lm)
+    return [g for g in (comm.group, getattr(comm, "back", None)) if g is not None]
 
 
 def disconnect(lm, device: torch.device, broken: bool) -> None:
     """Undo `connect` (after the last kernel that uses the group)."""
     comm = communicator(lm)
-    if comm.group is not None:
-        end_group(comm.group, device, broken)
-        comm.group = None
+    for group in groups(lm):
+        end_group(group, device, broken)
+    comm.group = None
+    if lm.pp is not None:
+        comm.back = None
     if lm.tp is not None and getattr(lm.tp, "one_shot", None) is not None:
         lm.tp.one_shot.close()
         lm.tp.one_shot = None
@@ -127,7 +138,7 @@ class TensorGroup:
         from batchmaker.launch import launched
         self.size, self.lm = cell.ranks, cell.lm  # (rank 0's part)
         self.processes, self.pipes, self.broken = [], [], None
-        self.group, self.device, self._closing = None, torch.device(device), False
+        self.groups, self.device, self._closing = [], torch.device(device), False
         self._lock = threading.Lock()  # (the watcher and the manager both may break the group)
 
         def spec(rank: int, host: str, port: int) -> FollowerSpec:
@@ -138,7 +149,7 @@ class TensorGroup:
         try:
             launch = launched()
             store = self._join(launch, spec) if launch is not None else self._start(spec)
-            self.group = connect(self.lm, store, 0, self.size, self.device)
+            self.groups = connect(self.lm, store, 0, self.size, self.device)
         except BaseException:
             self.close()
             raise
@@ -190,9 +201,11 @@ class TensorGroup:
             if self.broken is not None:
                 return
             self.broken = reason
-            if self.group is not None and self.device.type == "cuda":  # (gloo's collectives fail by themselves)
+            if self.device.type != "cuda":  # (gloo's collectives fail by themselves)
+                return
+            for group in self.groups:
                 try:
-                    self.group.abort()
+                    group.abort()
                 except Exception as e:
                     log.warning("aborting the tensor-parallel group: %s: %s", type(e).__name__, e)
 
@@ -231,9 +244,9 @@ class TensorGroup:
             except OSError:
                 pass
             pipe.close()
-        if self.group is not None:
+        if self.groups:
             disconnect(self.lm, self.device, self.broken is not None)
-            self.group = None
+            self.groups = []
         for process in self.processes:
             process.join(5.0 if self.broken is None else 0.5)
             if process.is_alive():

@@ -266,8 +266,11 @@ class CUDAWorker(Worker):
         done = []
         signalled = self.counter.read()
         while self._num_signalled < signalled:
+            task = self._in_progress[0]
+            if task.kind == "iteration" and not self.iterations[id(task.cell_type)].landed(task):
+                break  # (a pipeline's tokens on their way back: the tasks after it wait their turn)
             self._num_signalled += 1
-            task = self._in_progress.popleft()
+            self._in_progress.popleft()
             self._finish(task)
             done.append(task)
         return done
