@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from batchmaker import collector
-from batchmaker.core.admission import AdmissionBound
+from batchmaker.core.admission import AdmissionBound, check_options
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler
 from batchmaker.engine_config import EngineConfig, choose_cpu_threads
-from batchmaker.errors import (BadRequestError, BatchMakerError, CancelledError, DeadlineExceededError,
+from batchmaker.errors import (BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, make_worker, place_cell
 from batchmaker.forms import Generate
@@ -390,16 +390,6 @@ class Engine:
 
     def _release(self, node) -> None:
         self.workers[node.worker_id].release(node)
-
-
-def check_options(priority, deadline) -> BadRequestError | None:
-    """A request's priority and deadline as submit takes them (Engine, Replicas)."""
-    if type(priority) is not int or not -(2**31) <= priority < 2**31:
-        return BadRequestError(f"priority must be a 32-bit integer, got {priority!r}")
-    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                 or not 0 < deadline < 1e7):
-        return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
-    return None
 
 
 def _copy_state(source: RequestFuture, waiter: asyncio.Future) -> None:

@@ -38,7 +38,7 @@ import zmq
 
 from batchmaker import collector
 from batchmaker.core.admission import AdmissionBound
-from batchmaker.engine import check_options
+from batchmaker.core.admission import check_options
 from batchmaker.engine_config import EngineConfig
 from batchmaker.errors import (BatchMakerError, EngineStoppedError, ReplicaFailedError,
                                UnknownModelError)

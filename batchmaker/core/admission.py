@@ -128,3 +128,13 @@ class AdmissionBound:
             taken = max(0, min(count, self.limit - (self.num_accepted - num_finished)))
             self.num_accepted += taken
             return taken
+
+
+def check_options(priority, deadline) -> BadRequestError | None:
+    """A request's priority and deadline as submit takes them (Engine, Replicas)."""
+    if type(priority) is not int or not -(2**31) <= priority < 2**31:
+        return BadRequestError(f"priority must be a 32-bit integer, got {priority!r}")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not 0 < deadline < 1e7):
+        return BadRequestError(f"deadline must be a positive number of seconds, got {deadline!r}")
+    return None
