@@ -20,7 +20,7 @@ or after a layer's last batch for weights), so that a compute reading stale data
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
-from batchmaker.exec.offload_weights import HostWeights, layer_tensors
+from batchmaker.exec.offload_weights import DEQUANTS, HostWeights, default_dequant, layer_tensors
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class OffloadConfig:
     placement: Placement = Placement()
     check_buffers: bool = False  # NaN into a buffer the schedule is done with (tests)
     compress: str | None = None  # "weights": offloaded weights kept as 4-bit codes (exec/offload_weights.py)
+    dequant: str | None = None  # how compressed weights meet the compute (offload_weights.DEQUANTS); None:
+    # Triton's expansion on a GPU, the PyTorch twin elsewhere (fused is not the default: no GPU timing yet)
 
     def __post_init__(self):
         if self.gpu_batch < 1 or self.num_batches < 1:
@@ -46,6 +48,8 @@ class OffloadConfig:
             raise ValueError(f"compress={self.compress!r}: None or 'weights' (a compressed KV cache is not built yet)")
         if self.compress and not self.placement.weights:
             raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
+        if self.dequant is not None and (self.dequant not in DEQUANTS or not self.compress):
+            raise ValueError(f"dequant={self.dequant!r}: one of {', '.join(DEQUANTS)}, with compress='weights'")
 
     @property
     def block(self) -> int:
@@ -80,11 +84,22 @@ class OffloadExecutor:
         self.dtype = lm.embed_tokens.weight.dtype
         if config.placement.weights:
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
-            self.host_weights = HostWeights(layers, self.weight_buffers, self.is_cuda, config.compress == "weights")
+            self.host_weights = HostWeights(layers, self.weight_buffers, config.compress == "weights",
+                                            config.dequant or default_dequant(self.device))
         else:
             self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers)
         if self.is_cuda:
             self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
+
+    def with_block(self, gpu_batch: int, num_batches: int, placement: Placement) -> "OffloadExecutor":
+        """An executor of another block shape and placement of the cache and hidden states, sharing
+        this one's host weights and device buffers (the same offloaded model: no rebuild); the
+        weights' placement must stay. Not to run beside this one (they share buffers and streams)."""
+        if placement.weights != self.config.placement.weights:
+            raise ValueError("with_block keeps the weights where they are: build another executor to move them")
+        other = copy.copy(self)
+        other.config = replace(self.config, gpu_batch=gpu_batch, num_batches=num_batches, placement=placement)
+        return other
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
