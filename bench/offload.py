@@ -12,16 +12,24 @@ steers the search; the executor does not enforce it). Then the same policies wit
 (`compress=weights`, Triton's expansion; greedy agreement with bf16 recorded; the cost model does
 not count compression, so no prediction). Then, on one layer's four matrices, Triton's expansion
 + matmul against the fused `linear4` at a few row counts (what would choose `dequant=fused`).
-Last, the anchor: `--probe` (../shared/probes/offload_probe.py, copied to .probes/ for the GPU
-machine; skipped with a message where missing) at the same budget, batches, prompt and new tokens.
-The JSON is written before the anchor runs and again after it.
+The record is rewritten after each policy (a run cut short keeps what it measured).
+
+The anchor runs in a second command, a process of its own (both build a 26 GB model on the host):
+`--anchor PROBE` runs HF Accelerate's probe (../shared/probes/offload_probe.py, copied to .probes/
+for the GPU machine; skipped with a message where missing) at the same budget, batches, prompt and
+new tokens, and adds it to today's record of the device, with our tokens/s over its.
 
     python bench/offload.py --preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32
+    python bench/offload.py --preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32 \
+        --anchor .probes/offload_probe.py
 """
 import argparse
+import datetime
 import gc
+import json
 import random
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import write_results  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import device_name, write_results  # noqa: E402
 from batchmaker.cells.decoder import INIT_STD, DecoderLM, empty_decoder, materialize  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.core.zigzag import Placement  # noqa: E402
@@ -93,7 +102,7 @@ def timed(executor: OffloadExecutor, prompts: list, num_tokens: int):
 def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is_compressed: bool) -> dict:
     """One block of `prompts`: the block, its prefill alone, the prediction, what moved, the peak."""
     c = executor.config
-    executor.generate_block([prompts[0][:16]], 2)  # (warm-up: kernels, cuBLAS, pinned buffers)
+    executor.generate_block(prompts, 1)  # (warm-up: kernels, cuBLAS, the block's pinned host cache allocated once)
     if executor.is_cuda:
         torch.cuda.reset_peak_memory_stats(executor.device)
     prefill, _, _ = timed(executor, prompts, 1)
@@ -193,12 +202,14 @@ def plot(record: dict):
                    for name, row in record["systems"].items()]
         systems += [(f"accelerate B={b}", row["tokens_per_s"], "C3")
                     for b, row in record["accelerate"].get("batches", {}).items()]
-        names, values, colors = zip(*systems)
+        names, values, colors = zip(*systems) if systems else ((), (), ())
         bars.bar(range(len(names)), values, color=colors)
         bars.set_xticks(range(len(names)), names, rotation=35, fontsize=6, ha="right")
         bars.set(ylabel="generated tokens/s", yscale="log", title=record["title"])
         bars.title.set_fontsize(8)
         rows = [(n, r) for n, r in record["systems"].items() if "predicted" in r]
+        if not rows:
+            return
         for k, (name, row) in enumerate(rows):
             fit.scatter(row["predicted"]["step_seconds"] * 1e3, row["step_seconds"] * 1e3, color=f"C{k}", label=name)
         top = max([r["step_seconds"] * 1e3 for _, r in rows] + [r["predicted"]["step_seconds"] * 1e3 for _, r in rows])
@@ -210,7 +221,7 @@ def plot(record: dict):
     return draw
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-2-13b")
     ap.add_argument("--gpu-memory", type=float, default=12.0, help="GiB: the device budget of offload=auto")
@@ -220,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--other", default="4x2:weights+cache+hidden", help="a hand-picked policy: GBSxNB:offloaded")
     ap.add_argument("--no-compress", action="store_true", help="skip the 4-bit runs")
     ap.add_argument("--dequant-rows", type=int, nargs="*", default=[1, 8, 64, 4096])
-    ap.add_argument("--probe", default=".probes/offload_probe.py")
+    ap.add_argument("--anchor", metavar="PROBE", help="instead: run this Accelerate probe (offload_probe.py) at "
+                    "the same settings and add it to today's record (a process of its own: host memory)")
     ap.add_argument("--probe-preset", default="13b")
     ap.add_argument("--probe-new", type=int, default=None, help="the anchor's new tokens (default: --new)")
     ap.add_argument("--probe-timeout", type=float, default=300.0)
@@ -229,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     args.probe_new = args.probe_new or args.new
     if args.new < 2:
         ap.error("--new must be at least 2 (the decode step is measured from the block minus its prefill)")
+    return args
+
+
+def ours(args) -> None:
+    """Every policy on the executor; the record is rewritten after each, so that a run cut short keeps
+    what it measured."""
     device, config = args.device, PRESETS[args.preset]
     if is_cuda(device):
         torch.cuda.set_device(device)
@@ -257,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"title": title, "preset": args.preset, "dtype": "bfloat16", "prompt": args.prompt, "new": args.new,
               "gpu_memory_gib": args.gpu_memory, "host_gib": host_bytes() / GIB, "rates": rates.__dict__,
               "choices": choices, "systems": {}, "accelerate": {}}
+    tokens = {}
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
         start = time.perf_counter()
         lm = random_model(config, device)
@@ -272,10 +291,12 @@ def main(argv: list[str] | None = None) -> None:
             executor = first.with_block(gbs, nb, placement)
             key = name + ("-4bit" if is_compressed else "")
             print(f"{key}: gpu_batch {gbs} x {nb}, {placement_name(placement)} on the host, {b} prompts", flush=True)
-            record["systems"][key] = run_policy(executor, prompts[:b], args, config, rates, is_compressed)
+            row = run_policy(executor, prompts[:b], args, config, rates, is_compressed)
+            tokens[key] = row.pop("tokens")
             if is_compressed:
-                record["systems"][key]["agreement_with_bf16"] = agreement(record["systems"][key]["tokens"],
-                                                                         record["systems"][name]["tokens"])
+                row["agreement_with_bf16"] = agreement(tokens[key], tokens[name])
+            record["systems"][key] = row
+            write_results("offload", device, record)
         del lm, first, executor
         gc.collect()
         if is_cuda(device):
@@ -283,19 +304,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.dequant_rows:
         print("4-bit weights: expand + matmul against the fused projection (linear4)", flush=True)
         record["dequant"] = time_dequant(config, args.dequant_rows, device)
-    for row in record["systems"].values():
-        row["tokens"] = None  # (compared above; too long to keep)
-    path = write_results("offload", device, record)
-    print(path, flush=True)
-    getattr(torch._C, "_host_emptyCache", lambda: None)()  # (the anchor builds its own 26 GB on the host)
-    record["accelerate"] = run_probe(args.probe, args)
-    for b, row in record["accelerate"].get("batches", {}).items():
-        ours = record["systems"].get(f"auto-B{b}")
-        if ours:
-            row["ours_over_accelerate"] = ours["tokens_per_s"] / row["tokens_per_s"]
-            print(f"B={b}: ours {ours['tokens_per_s']:.2f} tokens/s, Accelerate {row['tokens_per_s']:.2f}: "
-                  f"{row['ours_over_accelerate']:.1f}x", flush=True)
     print(write_results("offload", device, record, plot=plot(record)), flush=True)
+
+
+def anchor(args) -> None:
+    """The Accelerate probe at the run's settings, added to today's record of this device (a
+    record of its own where there is none)."""
+    path = common.RESULTS / f"offload-{device_name(args.device)}-{datetime.date.today().isoformat()}.json"
+    record = json.loads(path.read_text()) if path.exists() else {"title": f"{args.preset}: the anchor alone",
+                                                                  "systems": {}}
+    record["anchor_command"] = "python bench/offload.py " + " ".join(shlex.quote(a) for a in args.argv)
+    record["accelerate"] = run_probe(args.anchor, args)
+    for b, row in record["accelerate"].get("batches", {}).items():
+        mine = record["systems"].get(f"auto-B{b}")
+        if mine:
+            row["ours_over_accelerate"] = mine["tokens_per_s"] / row["tokens_per_s"]
+            print(f"B={b}: ours {mine['tokens_per_s']:.2f} tokens/s, Accelerate {row['tokens_per_s']:.2f}: "
+                  f"{row['ours_over_accelerate']:.1f}x", flush=True)
+    print(write_results("offload", args.device, record, plot=plot(record)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.anchor:
+        anchor(args)
+    else:
+        ours(args)
 
 
 if __name__ == "__main__":

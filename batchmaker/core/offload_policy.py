@@ -141,7 +141,8 @@ def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int =
            max_batches: int = 64, max_block: int | None = None, kv_to_gpu: bool = False) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
     placement fits and tokens/s grows, then look between the last two; the best policy found
-    (of policies as fast, the largest block: the model counts no per-batch overhead). With
+    (of policies as fast, the largest block, then the largest GPU batch: the model counts no
+    per-batch overhead, and each GPU batch of a block is a slot of its own launches and sync). With
     `max_block`, blocks of at most that many sequences (a run of that many prompts); `kv_to_gpu`:
     as `layer_seconds`."""
     grid = placements(step)
@@ -158,7 +159,7 @@ def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int =
         for between in range(max(1, nb // 4) + 1, min(nb, max_batches_here + 1)):  # (between the last doublings)
             rates.setdefault(between, best_placement(m, hw, gbs, between, grid, kv_to_gpu))
         for nb, (rate, placement) in rates.items():
-            tie = best is not None and rate >= best_rate * (1 - 1e-12) and gbs * nb > best.block
-            if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block)
+            tie = best is not None and rate >= best_rate * (1 - 1e-12) and (gbs * nb, gbs) > (best.block, best.gpu_batch)
+            if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block, GPU batch)
                 best_rate, best = rate, Policy(gbs, nb, *map(float, placement))
     return best_rate, best
