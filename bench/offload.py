@@ -9,8 +9,9 @@ too: for each, generated tokens/s, the block's time, its prefill alone (a block 
 so the decode step ((block - prefill) / (new - 1)), each against the cost model's prediction
 (issue: within 20%), the bytes each kind of move carried and the GPU's peak memory (the budget
 steers the search; the executor does not enforce it). Then the same policies with 4-bit weights
-(`compress=weights`, Triton's expansion; greedy agreement with bf16 recorded; the cost model does
-not count compression, so no prediction). Then, on one layer's four matrices, Triton's expansion
+(`--compress weights`, Triton's expansion; or `kv`, `both` where the policies keep the cache on the
+host; greedy agreement with bf16 recorded; the cost model does not count compression, so no
+prediction). Then, on one layer's four matrices, Triton's expansion
 + matmul against the fused `linear4` at a few row counts (what would choose `dequant=fused`).
 The record is rewritten after each policy (a run cut short keeps what it measured).
 
@@ -230,6 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--other", default="4x2:weights+cache+hidden", help="a hand-picked policy: GBSxNB:offloaded")
     ap.add_argument("--no-compress", action="store_true", help="skip the 4-bit runs")
+    ap.add_argument("--compress", choices=("weights", "kv", "both"), default="weights",
+                    help="what the 4-bit runs compress (kv, both: the policies must keep the cache on the host)")
     ap.add_argument("--dequant-rows", type=int, nargs="*", default=[1, 8, 64, 4096])
     ap.add_argument("--anchor", metavar="PROBE", help="instead: run this Accelerate probe (offload_probe.py) at "
                     "the same settings and add it to today's record (a process of its own: host memory)")
@@ -283,9 +286,12 @@ def ours(args) -> None:
         for name, (gbs, nb, placement, b) in policies.items():
             if is_compressed and not name.startswith("auto"):
                 continue
+            if is_compressed and args.compress != "weights" and not placement.cache:
+                print(f"{name}: keeps the cache on the device, no 4-bit {args.compress} run", flush=True)
+                continue
             if executor is None:
                 first = OffloadExecutor(lm, device, OffloadConfig(gbs, nb, placement,
-                                                                  compress="weights" if is_compressed else None))
+                                                                  compress=args.compress if is_compressed else None))
                 print(f"built {args.preset} on the host{' (4-bit)' if is_compressed else ''} in "
                       f"{time.perf_counter() - start:.1f} s", flush=True)
             executor = first.with_block(gbs, nb, placement)

@@ -3,7 +3,9 @@ side streams closed by events. Offloading changes no numerics: with every placem
 poisoned once the schedule is done with them, the tokens equal those of the same model resident
 on the GPU, bf16 and fp32, every token. With 4-bit weights: the codes made on the GPU are the
 CPU's, and Triton's expansion (the GPU's default) gives the tokens of the PyTorch twin; the fused
-projection (`linear4`) those of the twin in fp32. Not run yet (written on a machine without a GPU)."""
+projection (`linear4`) those of the twin in fp32; a 4-bit host KV cache expanded and compressed by
+Triton gives the tokens of the twins (bit for bit the same codes). Not run yet (written on a
+machine without a GPU)."""
 import itertools
 import random
 
@@ -53,10 +55,10 @@ def test_codes_made_on_the_gpu_are_the_cpus(dtype):
                 assert torch.equal(getattr(on_gpu, name).cpu(), getattr(on_cpu, name)), name
 
 
-def compressed_tokens(dtype, dequant: str | None) -> tuple[OffloadExecutor, list[list[int]]]:
+def compressed_tokens(dtype, dequant: str | None, what: str = "weights") -> tuple[OffloadExecutor, list[list[int]]]:
     executor = OffloadExecutor(build_decoder(CONFIG, seed=1, dtype=dtype), "cuda",
                                OffloadConfig(4, 3, Placement(True, True, False), check_buffers=True,
-                                             compress="weights", dequant=dequant))
+                                             compress=what, dequant=dequant))
     tokens = executor.generate(prompts(), 12)
     torch.cuda.synchronize()
     return executor, tokens
@@ -72,3 +74,11 @@ def test_compressed_weights_expanded_by_the_kernel_give_the_twins_tokens(dtype):
 def test_the_fused_projection_gives_the_twins_tokens_in_fp32():
     # (fp32: its sums run in another order than cuBLAS's; in bf16 near ties could flip a token)
     assert compressed_tokens(torch.float32, "fused")[1] == compressed_tokens(torch.float32, "reference")[1]
+
+
+@pytest.mark.parametrize("what", ["kv", "both"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_4bit_cache_by_the_kernels_gives_the_twins_tokens(dtype, what):
+    executor, tokens = compressed_tokens(dtype, None, what)
+    assert not executor.is_reference
+    assert tokens == compressed_tokens(dtype, "reference", what)[1]

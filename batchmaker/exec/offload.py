@@ -27,8 +27,10 @@ from torch import Tensor, nn
 
 from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
+from batchmaker.exec import offload_cache
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
 from batchmaker.exec.offload_weights import DEQUANTS, HostWeights, default_dequant, layer_tensors
+from batchmaker.kernels.compress4 import Compressed
 
 
 @dataclass(frozen=True)
@@ -37,19 +39,32 @@ class OffloadConfig:
     num_batches: int = 2  # GPU batches per block (FlexGen's block size = gpu_batch x num_batches)
     placement: Placement = Placement()
     check_buffers: bool = False  # NaN into a buffer the schedule is done with (tests)
-    compress: str | None = None  # "weights": offloaded weights kept as 4-bit codes (exec/offload_weights.py)
-    dequant: str | None = None  # how compressed weights meet the compute (offload_weights.DEQUANTS); None:
-    # Triton's expansion on a GPU, the PyTorch twin elsewhere (fused is not the default: no GPU timing yet)
+    compress: str | None = None  # 4-bit codes on the host: "weights" (exec/offload_weights.py), "kv" (the
+    # KV cache: BlockRun), or "both"
+    dequant: str | None = None  # how compressed tensors meet the compute (offload_weights.DEQUANTS; a cache
+    # is expanded by Triton unless "reference"); None: Triton on a GPU, the PyTorch twins elsewhere (fused is
+    # not the default: no GPU timing yet)
 
     def __post_init__(self):
         if self.gpu_batch < 1 or self.num_batches < 1:
             raise ValueError(f"gpu_batch and num_batches must be >= 1, got {self.gpu_batch}, {self.num_batches}")
-        if self.compress not in (None, "weights"):
-            raise ValueError(f"compress={self.compress!r}: None or 'weights' (a compressed KV cache is not built yet)")
-        if self.compress and not self.placement.weights:
+        if self.compress not in (None, "weights", "kv", "both"):
+            raise ValueError(f"compress={self.compress!r}: None, 'weights', 'kv' or 'both'")
+        if self.compresses_weights and not self.placement.weights:
             raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
+        if self.compresses_cache and not self.placement.cache:
+            raise ValueError("compress='kv' compresses the host's KV cache: the placement keeps it on the device")
         if self.dequant is not None and (self.dequant not in DEQUANTS or not self.compress):
-            raise ValueError(f"dequant={self.dequant!r}: one of {', '.join(DEQUANTS)}, with compress='weights'")
+            raise ValueError(f"dequant={self.dequant!r}: one of {', '.join(DEQUANTS)}, with compress='weights', "
+                             "'kv' or 'both'")
+
+    @property
+    def compresses_weights(self) -> bool:
+        return self.compress in ("weights", "both")
+
+    @property
+    def compresses_cache(self) -> bool:
+        return self.compress in ("kv", "both")
 
     @property
     def block(self) -> int:
@@ -84,10 +99,11 @@ class OffloadExecutor:
         self.dtype = lm.embed_tokens.weight.dtype
         if config.placement.weights:
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
-            self.host_weights = HostWeights(layers, self.weight_buffers, config.compress == "weights",
+            self.host_weights = HostWeights(layers, self.weight_buffers, config.compresses_weights,
                                             config.dequant or default_dequant(self.device))
         else:
             self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers)
+        self.is_reference = (config.dequant or default_dequant(self.device)) == "reference"  # (a cache's twins)
         if self.is_cuda:
             self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
 
@@ -153,7 +169,10 @@ class BlockRun:
         hidden_shape = (width, 2, rows, c.hidden_size)
         place = self.placement
         # host storage of what is offloaded, device storage of what is not (per batch)
+        self.is_compressed = executor.config.compresses_cache  # (the host cache as 4-bit codes: offload_cache.py)
         self.cache = [[self._kv(cache_shape, on_host=place.cache) for _ in batches] for _ in range(executor.num_layers)]
+        self.cache_staging = [self._codes(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
+            if self.is_compressed else None
         self.hidden = [self._empty(hidden_shape, on_host=place.hidden) for _ in batches]
         self.cache_slots = [self._kv(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] if place.cache else None
         self.hidden_slots = [self._empty(hidden_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
@@ -170,8 +189,15 @@ class BlockRun:
         device = "cpu" if on_host else x.device
         return torch.empty(shape, dtype=x.dtype, device=device, pin_memory=on_host and x.is_cuda)
 
-    def _kv(self, shape, on_host: bool) -> tuple[Tensor, Tensor]:
+    def _kv(self, shape, on_host: bool) -> tuple[Tensor, Tensor] | tuple[Compressed, Compressed]:
+        if on_host and self.is_compressed:
+            return self._codes(shape, on_host)
         return self._empty(shape, on_host), self._empty(shape, on_host)
+
+    def _codes(self, shape, on_host: bool) -> tuple[Compressed, Compressed]:
+        x = self.x
+        device, pin = ("cpu", x.is_cuda) if on_host else (x.device, False)
+        return tuple(offload_cache.empty_codes(shape, x.dtype, device, pin) for _ in range(2))
 
     # the operations ---------------------------------------------------------------------------
     def do(self, op: Op) -> None:
@@ -184,6 +210,12 @@ class BlockRun:
 
     def load_cache(self, op: Op) -> None:
         end = self.batches[op.batch].start(op.step)  # every column written before this step
+        if self.is_compressed:
+            with self._stream("in"):
+                for dst, src, stage in zip(self.cache_slots[op.slot], self.cache[op.layer][op.batch],
+                                           self.cache_staging[op.slot]):
+                    self.moved.bytes["cache"] += offload_cache.load(dst, src, stage, end, self.x.is_reference)
+            return
         for dst, src in zip(self.cache_slots[op.slot], self.cache[op.layer][op.batch]):
             self._copy(dst[:end], src[:end], "in", "cache")
 
@@ -191,7 +223,11 @@ class BlockRun:
         batch = self.batches[op.batch]
         start, end = batch.start(op.step), batch.start(op.step) + batch.columns(op.step)
         for dst, src in zip(self.cache[op.layer][op.batch], self.cache_slots[op.slot]):
-            self._copy(dst[start:end], src[start:end], "out", "cache")
+            if self.is_compressed:
+                with self._stream("out"):
+                    self.moved.bytes["cache"] += offload_cache.store(dst, src, start, end, self.x.is_reference)
+            else:
+                self._copy(dst[start:end], src[start:end], "out", "cache")
         self._poison_after_sync(*self.cache_slots[op.slot])
 
     def load_hidden(self, op: Op) -> None:

@@ -6,10 +6,11 @@ runs them). With it, through FlexGen's offloading executor (exec/offload.py): `o
 measures the machine and picks the policy (exec/offload_auto.py, printed with its prediction);
 `offload=weights+cache+hidden` (any of the three, or `none`) names what lives on the host.
 `gpu_memory=12GiB` bounds the device pool for auto; `gpu_batch=` and `num_batches=` override the
-policy's block; `compress=weights` keeps the offloaded weights as 4-bit codes (FlexGen's group-wise
-quantization), and `dequant=reference|expand|fused` says how they meet the compute (default: Triton's
-expansion on a GPU, the PyTorch twin elsewhere; exec/offload_weights.py). These keys are the
-command's own; the rest of --set goes to the model.
+policy's block; `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
+as 4-bit codes (FlexGen's group-wise quantization), and `dequant=reference|expand|fused` says how
+they meet the compute (default: Triton's kernels on a GPU, the PyTorch twins elsewhere;
+exec/offload_weights.py, exec/offload_cache.py). These keys are the command's own; the rest of
+--set goes to the model.
 """
 import logging
 import os
@@ -76,8 +77,9 @@ def _convert(key: str, text: str):
             raise UsageError(f"--set offload={text}: expected auto, none, or weights, cache, hidden joined by +")
         return text
     if key == "compress":
-        if text != "weights":
-            raise UsageError(f"--set compress={text}: expected weights (4-bit offloaded weights; kv is not built yet)")
+        if text not in ("weights", "kv", "both"):
+            raise UsageError(f"--set compress={text}: expected weights, kv or both (4-bit offloaded weights, host KV "
+                             "cache, or both)")
         return text
     if key == "dequant":
         if text not in ("reference", "expand", "fused"):
