@@ -129,6 +129,7 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
         row["predicted"] = {"seconds": p.block_seconds, "prefill_seconds": p.prefill_seconds,
                             "step_seconds": p.step_seconds, "tokens_per_s": c.block * args.new / p.block_seconds}
         row["step_measured_over_predicted"] = row["step_seconds"] / p.step_seconds
+        row["step_within_20_percent"] = abs(row["step_measured_over_predicted"] - 1) <= 0.2  # (the bar)
         row["measured_over_predicted"] = seconds / p.block_seconds
     print(f"  {row['tokens_per_s']:8.2f} tokens/s: block {seconds:.2f} s, prefill {prefill:.2f} s, decode step "
           f"{row['step_seconds'] * 1e3:.1f} ms" + (f" (predicted {row['predicted']['step_seconds'] * 1e3:.1f} ms, "
@@ -285,7 +286,7 @@ def ours(args) -> None:
              f"{torch.cuda.get_device_name(device) if is_cuda(device) else 'CPU'}")
     record = {"title": title, "preset": args.preset, "dtype": "bfloat16", "prompt": args.prompt, "new": args.new,
               "gpu_memory_gib": args.gpu_memory, "host_gib": host_bytes() / GIB, "rates": rates.__dict__,
-              "choices": choices, "systems": {}, "accelerate": {}}
+              "choices": choices, "chosen": f"auto-B{max(args.batches)}", "systems": {}, "accelerate": {}}
     tokens = {}
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
         start = time.perf_counter()
