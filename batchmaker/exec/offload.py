@@ -4,12 +4,13 @@ out core/zigzag.py's operations in order.
 
 What the placement offloads lives in host storage between uses and moves through device buffers:
 each layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2 weight buffers,
-each (layer, batch)'s KV cache and each batch's hidden states into 3 batch buffers; a compute
-reads and writes device buffers only. What is not offloaded stays on the device (the embedding,
-the final norm and the head always do). On CUDA the loads and stores run on two side streams
-beside the compute on the current one, each slot closed by events the host waits on (the
-schedule's `sync`); on a CPU device the moves run in order between separate tensors, so the
-schedule's loads and stores really move the data its computes read.
+each (layer, batch)'s KV cache (exec/offload_cache.py: optionally 4-bit) and each batch's hidden
+states into 3 batch buffers; a compute reads and writes device buffers only. What is not
+offloaded stays on the device (the embedding, the final norm and the head always do). On CUDA
+the loads and stores run on two side streams beside the compute on the current one, each slot
+closed by events the host waits on (the schedule's `sync`); on a CPU device the moves run in
+order between separate tensors, so the schedule's loads and stores really move the data its
+computes read.
 
 Prompts of a batch are left-padded (exec/offload_block.py). A block runs as many steps as its
 largest count for all its prompts (FlexGen's fixed length) and returns each prompt's own count;
