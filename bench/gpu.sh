@@ -29,6 +29,13 @@
 #     verify16: the GPU tests of code written without a GPU in the sixteenth session (the 4-bit
 #              kernels, head sizes, windows and soft caps, Gemma 2, offloading, the one-shot
 #              all-reduce's int64 flags and self-test)
+#     offload  issue 34 on one GPU (~8 min on an H100, estimated: not run yet): the offloading GPU tests
+#              (tests/test_offload_gpu.py, tests/test_compress4.py), then bench/offload.py: a 13B-sized
+#              random bf16 model, offload=auto under 12 GiB at 8 and 64 prompts of 512 + 32 tokens, a
+#              hand-picked policy, 4-bit weights; then, in a process of its own, the Accelerate anchor
+#              (.probes/offload_probe.py: copy ../shared/probes there; skipped with a message where
+#              missing) added to the same JSON; PROBE_NEW (default 32) sets the anchor's new tokens;
+#              offload-tests, offload-bench, offload-anchor: each part alone
 #     tp-tests, tp-step, tp-chat (a multi-GPU machine; issue 31): the tensor-parallel GPU tests; the
 #              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
 #              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
@@ -123,6 +130,17 @@ for suite in "$@"; do
                 step "pp-chat-$pp" timeout 240 python3 bench/chat.py --preset "${PP_PRESET:-llama-2-13b}" \
                     --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" --pipeline-parallel "$pp"
             done ;;
+        offload|offload-tests|offload-bench|offload-anchor)  # issue 34; `offload` is the three (their limits sum
+            # to under the 10-minute command with the setup steps; expected ~8 min on an H100, not run yet)
+            off=(--preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32)
+            [ "$suite" = offload-bench ] || [ "$suite" = offload-anchor ] ||
+                step offload-tests timeout 115 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                    tests/test_offload_gpu.py tests/test_compress4.py
+            [ "$suite" = offload-tests ] || [ "$suite" = offload-anchor ] ||
+                step offload-bench timeout 220 python3 bench/offload.py "${off[@]}"
+            [ "$suite" = offload-tests ] || [ "$suite" = offload-bench ] ||
+                step offload-anchor timeout 225 python3 bench/offload.py "${off[@]}" --anchor .probes/offload_probe.py \
+                    --probe-new "${PROBE_NEW:-32}" --probe-timeout 215 ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \

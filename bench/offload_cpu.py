@@ -13,17 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import write_results  # noqa: E402
 from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
-from batchmaker.core.offload_policy import layer_seconds  # noqa: E402
 from batchmaker.core.zigzag import Placement  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
-from batchmaker.exec.offload_auto import hardware, host_bytes, measure, model_shape  # noqa: E402
+from batchmaker.exec.offload_auto import measure, predict  # noqa: E402
 
 PLACEMENTS = {"resident": Placement(False, False, False), "weights": Placement(True, False, False),
               "all": Placement(True, True, True)}
@@ -37,17 +35,6 @@ def run_engine(preset: str, prompts: list, new: int) -> tuple[float, list]:
         futures = [engine.submit("llama", {"tokens": p, "max_new_tokens": new, "ignore_eos": True}) for p in prompts]
         tokens = [f.result(600).outputs["tokens"] for f in futures]
         return time.perf_counter() - start, tokens
-
-
-def predicted_block_seconds(config, rates, placement: Placement, gbs: int, nb: int, prompt: int, new: int) -> float:
-    """The cost model's time for the block, the placement as fractions 0 or 1."""
-    shape = model_shape(config, prompt, new)
-    hw = hardware(rates, torch.float32, 0.0, host_bytes())
-    p = np.array([[0.0 if placement.weights else 1.0, 1.0 if placement.weights else 0.0,
-                   0.0 if placement.cache else 1.0, 1.0 if placement.cache else 0.0,
-                   0.0 if placement.hidden else 1.0, 1.0 if placement.hidden else 0.0]])
-    prefill, decode = layer_seconds(shape, hw, gbs, nb, p)
-    return float(config.num_layers * (prefill[0] + (new - 1) * decode[0]))
 
 
 def main() -> None:
@@ -85,8 +72,8 @@ def main() -> None:
         median = statistics.median(times)
         rows[name] = {"seconds": times, "tokens_per_s": block * args.new / median}
         if name in PLACEMENTS:
-            rows[name]["predicted_seconds"] = predicted_block_seconds(config, rates, PLACEMENTS[name], args.gpu_batch,
-                                                                      args.num_batches, args.prompt, args.new)
+            rows[name]["predicted_seconds"] = predict(config, torch.float32, rates, PLACEMENTS[name], args.gpu_batch,
+                                                      args.num_batches, args.prompt, args.new).block_seconds
         print(f"{name:9s} {rows[name]['tokens_per_s']:8.1f} tokens/s (median of {len(times)}: {median:.2f} s"
               + (f", predicted {rows[name]['predicted_seconds']:.2f} s)" if name in PLACEMENTS else ")"))
     print(f"tokens equal: {equal}")

@@ -80,10 +80,10 @@ class LlamaLayer(DecoderLayer):
         self.one_token: OneTokenConfig | None = None if self.has_bias else OneTokenConfig()
 
     def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
-        qkv_weight = self.attn.qkv_proj.weight
         how = self.one_token
-        if how is None or not gemv.can_gemv(x, qkv_weight):
+        if how is None or not gemv.can_gemv(x, self.attn.qkv_proj.weight):
             return super().forward(x, residual, rotate, attend)
+        qkv_weight = self.attn.qkv_proj.weight
         eps, pdl, attn = self.attn_norm.eps, how.pdl, self.attn
         if how.rope_in_qkv and isinstance(rotate, Rotary) and hasattr(attend, "attend_cached") and \
                 gemv.qkv_takes_rope(qkv_weight, attn.head_dim):  # RoPE and the K/V write inside the projection

@@ -84,9 +84,10 @@ def can_skinny(x: Tensor, weight: Tensor) -> bool:
 
 
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x), through `skinny_linear` where the kernel takes it (no bias, `can_skinny`): the models'
-    projections call this, so a decode iteration of a few tokens reads each weight once."""
-    if layer.bias is None and can_skinny(x, layer.weight):
+    """layer(x), through `skinny_linear` where the kernel takes it (an nn.Linear without bias,
+    `can_skinny`): the models' projections call this, so a decode iteration of a few tokens reads
+    each weight once. Another module (the offloader's 4-bit `Linear4`) is called as it is."""
+    if isinstance(layer, nn.Linear) and layer.bias is None and can_skinny(x, layer.weight):
         n_out, k_in = layer.weight.shape
         config = pick_config(n_out, k_in, block_rows(x.shape[0]))
         if config is not None:

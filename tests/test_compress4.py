@@ -83,6 +83,7 @@ def test_expand_kernel_in_the_interpreter():
     run_interpreted(__file__, "test_expand_kernel_equals_the_reference_interpreted", timeout=600)
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_expand_kernel_equals_the_reference_on_the_gpu():
     _expand_equals_the_reference("cuda")
@@ -122,6 +123,7 @@ def test_linear4_kernel_in_the_interpreter():
     run_interpreted(__file__, "test_linear4_kernel_equals_the_twin_interpreted", timeout=600)
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_linear4_kernel_equals_the_twin_on_the_gpu():
     _linear4_equals_the_twin("cuda", (torch.float16, torch.bfloat16, torch.float32))
@@ -161,6 +163,7 @@ def test_compress_kernel_in_the_interpreter():
     run_interpreted(__file__, "test_compress_kernel_equals_the_reference_interpreted", timeout=600)
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_compress_kernel_equals_the_reference_on_the_gpu():
     _compress_rows_equals_the_reference("cuda", (torch.float16, torch.bfloat16, torch.float32))

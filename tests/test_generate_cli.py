@@ -74,6 +74,10 @@ def test_compressed_weights_run_and_cut_at_each_length(tmp_path, whole):
     compressed = results(tmp_path / "4bit.jsonl")
     assert compressed.keys() == whole.keys()
     assert all(len(compressed[i][0]) == len(whole[i][0]) or compressed[i][1] == "stop" for i in whole)
+    assert generate(tmp_path, "fused.jsonl", *OFFLOAD, "--set", "compress=weights", "--set", "dequant=fused") == 0
+    assert results(tmp_path / "fused.jsonl") == compressed  # (on the CPU the fused path's twin: the same products)
+    assert generate(tmp_path, "kv.jsonl", *OFFLOAD, "--set", "compress=kv") == 0
+    assert results(tmp_path / "kv.jsonl").keys() == whole.keys()
 
 
 @pytest.mark.parametrize("line, message", [
@@ -92,7 +96,9 @@ def test_a_bad_line_is_one_error_naming_it(tmp_path, capsys, line, message):
 def test_bad_settings_are_usage_errors(tmp_path, capsys):
     write_prompts(tmp_path / "in.jsonl", 2)
     for setting, message in (("offload=disk", "expected auto, none"), ("gpu_memory=lots", "expected a size"),
-                             ("gpu_batch=0", "integer >= 1"), ("compress=kv", "expected weights")):
+                             ("gpu_batch=0", "integer >= 1"), ("compress=cache", "expected weights, kv or both"),
+                             ("dequant=fast", "expected reference, expand or fused"),
+                             ("dequant=expand", "with compress='weights'")):
         assert generate(tmp_path, "out.jsonl", "--set", setting) == 2
         assert message in capsys.readouterr().err
 

@@ -9,7 +9,7 @@ import torch
 
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.zigzag import Placement
-from batchmaker.exec.offload_auto import Rates, choose, host_bytes, measure
+from batchmaker.exec.offload_auto import Rates, choose, host_bytes, measure, predict
 
 RATES = Rates(ctog=5e9, gtoc=5e9, mm_flops=1e11, cpu_flops=1e9)  # (a CPU's, in round numbers)
 SMALL = PRESETS["small-llama"]  # 8 layers of 3.1M parameters: 103 MB in fp32, 51 MB in bf16
@@ -40,3 +40,13 @@ def test_weights_that_do_not_fit_go_to_the_host(dtype, offloaded):
 def test_nothing_fits_is_a_clear_error():
     with pytest.raises(ValueError, match="no placement"):
         choose(SMALL, torch.float32, RATES, 1 * MIB, 1 * MIB, prompt=16, generate=16)
+
+
+def test_a_bounded_block_and_the_prediction_of_the_chosen_policy():
+    choice = choose(SMALL, torch.float32, RATES, 80 * MIB, 64 << 30, prompt=16, generate=16, max_block=8)
+    assert choice.policy.block <= 8
+    p = predict(SMALL, torch.float32, RATES, choice.placement, choice.policy.gpu_batch, choice.policy.num_batches,
+                prompt=16, generate=16)
+    assert p.step_seconds == pytest.approx(choice.step_seconds)
+    assert p.block_seconds == pytest.approx(p.prefill_seconds + 15 * p.step_seconds)
+    assert choice.policy.block * 16 / p.block_seconds == pytest.approx(choice.tokens_per_s)

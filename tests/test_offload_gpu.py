@@ -1,7 +1,11 @@
 """The offloading executor on a GPU (exec/offload.py): pinned host storage, loads and stores on
 side streams closed by events. Offloading changes no numerics: with every placement, buffers
 poisoned once the schedule is done with them, the tokens equal those of the same model resident
-on the GPU, bf16 and fp32, every token. Not run yet (written on a machine without a GPU)."""
+on the GPU, bf16 and fp32, every token. With 4-bit weights: the codes made on the GPU are the
+CPU's, and Triton's expansion (the GPU's default) gives the tokens of the PyTorch twin; the fused
+projection (`linear4`) those of the twin in fp32; a 4-bit host KV cache expanded and compressed by
+Triton gives the tokens of the twins (bit for bit the same codes). Not run yet (written on a
+machine without a GPU)."""
 import itertools
 import random
 
@@ -14,6 +18,7 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.zigzag import Placement
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
+from batchmaker.kernels.compress4 import compress
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 CONFIG = PRESETS["small-llama"]
@@ -39,3 +44,41 @@ def test_offloaded_tokens_equal_the_resident_model_on_the_gpu(resident, placemen
                                OffloadConfig(4, 3, placement, check_buffers=True))
     assert executor.generate(prompts(), 12) == want
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_codes_made_on_the_gpu_are_the_cpus(dtype):
+    for weight in build_decoder(CONFIG, seed=1, dtype=dtype).layers[0].parameters():
+        if weight.dim() == 2:
+            on_gpu, on_cpu = compress(weight.cuda(), 64, 0), compress(weight, 64, 0)
+            for name in ("codes", "scale", "low"):
+                assert torch.equal(getattr(on_gpu, name).cpu(), getattr(on_cpu, name)), name
+
+
+def compressed_tokens(dtype, dequant: str | None, what: str = "weights") -> tuple[OffloadExecutor, list[list[int]]]:
+    executor = OffloadExecutor(build_decoder(CONFIG, seed=1, dtype=dtype), "cuda",
+                               OffloadConfig(4, 3, Placement(True, True, False), check_buffers=True,
+                                             compress=what, dequant=dequant))
+    tokens = executor.generate(prompts(), 12)
+    torch.cuda.synchronize()
+    return executor, tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compressed_weights_expanded_by_the_kernel_give_the_twins_tokens(dtype):
+    executor, tokens = compressed_tokens(dtype, None)
+    assert executor.host_weights.dequant == "expand"
+    assert tokens == compressed_tokens(dtype, "reference")[1]
+
+
+def test_the_fused_projection_gives_the_twins_tokens_in_fp32():
+    # (fp32: its sums run in another order than cuBLAS's; in bf16 near ties could flip a token)
+    assert compressed_tokens(torch.float32, "fused")[1] == compressed_tokens(torch.float32, "reference")[1]
+
+
+@pytest.mark.parametrize("what", ["kv", "both"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_4bit_cache_by_the_kernels_gives_the_twins_tokens(dtype, what):
+    executor, tokens = compressed_tokens(dtype, None, what)
+    assert not executor.is_reference
+    assert tokens == compressed_tokens(dtype, "reference", what)[1]

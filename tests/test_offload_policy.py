@@ -33,6 +33,15 @@ def test_the_search_finds_what_trying_every_policy_finds(model, gpu_gb, cpu_gb):
                 np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes]) + 1e-6).all()
 
 
+@pytest.mark.parametrize("max_block", [1, 6, 16])
+def test_a_bounded_block_is_what_trying_every_policy_within_the_bound_finds(max_block):
+    grid = placements(0.5)
+    want = max(best_placement(OPT_30B, T4, gbs, nb, grid)[0] for gbs in gpu_batch_sizes(16)
+               for nb in range(1, 25) if gbs * nb <= max_block)
+    rate, policy = search(OPT_30B, T4, step=0.5, max_gpu_batch=16, max_batches=24, max_block=max_block)
+    assert rate == pytest.approx(want, rel=1e-9) and policy.block <= max_block
+
+
 def test_a_gpu_that_holds_everything_keeps_everything():
     hw = Hardware(**{**T4.__dict__, "gpu_bytes": 10_000 * GB})
     _, policy = search(OPT_6B, hw, step=0.25, max_gpu_batch=8, max_batches=4)
@@ -55,3 +64,19 @@ def test_placements_cover_the_grid_and_sum_to_one():
     assert len(grid) == 15 ** 3 and (grid >= 0).all()
     for pair in ((0, 1), (2, 3), (4, 5)):
         assert (grid[:, pair].sum(1) <= 1 + 1e-9).all()
+
+
+def test_a_cache_moved_to_the_gpu_is_counted_on_the_link_and_in_its_slots():
+    """kv_to_gpu (the executor's way): the decode step reads the host cache over the link and
+    attends on the GPU; FlexGen's way charges the CPU's attention instead."""
+    p = np.array([[0.0, 1.0, 0.0, 1.0, 1.0, 0.0]])  # weights and cache on the CPU, activations on the GPU
+    m, gbs, nb = OPT_6B, 4, 2
+    kv_mean = 4 * gbs * nb * (m.prompt + m.generate / 2) * m.hidden
+    moved = layer_seconds(m, T4, gbs, nb, p, kv_to_gpu=True)[1][0]
+    compute = gbs * nb * m.layer_bytes / T4.mm_flops + kv_mean / T4.bmm_flops
+    assert moved == pytest.approx((m.layer_bytes + kv_mean) / T4.ctog + compute)
+    delegated = layer_seconds(m, T4, gbs, nb, p)[1][0]
+    assert delegated == pytest.approx(m.layer_bytes / T4.ctog + gbs * nb * m.layer_bytes / T4.mm_flops
+                                      + kv_mean / T4.cpu_flops)
+    slots = peak_bytes(m, gbs, nb, p, kv_to_gpu=True)[0, 0] - peak_bytes(m, gbs, nb, p)[0, 0]
+    assert slots == pytest.approx(3 * 4 * (m.prompt + m.generate) * m.hidden * gbs)

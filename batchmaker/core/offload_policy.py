@@ -14,6 +14,9 @@ its cache plus the CPU's attention over the CPU's and disk's cache (A.3's table)
 block takes l x (prefill + (n - 1) x decode). Placements are searched on a grid of fractions,
 GPU batch sizes over FlexGen's candidates, and the number of GPU batches by doubling while it
 fits and pays (FlexGen's procedure), each checked against an exhaustive search in the tests.
+FlexGen attends on the CPU over a cache that lives there; our executor moves that cache to the GPU
+instead (`kv_to_gpu`: its bytes join the decode step's ctog, its attention the GPU's compute, and
+its three batch slots the GPU's working memory).
 """
 from dataclasses import dataclass
 
@@ -63,8 +66,11 @@ class Policy:
         return self.gpu_batch * self.num_batches
 
 
-def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc)."""
+def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
+                  kv_to_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc).
+    `kv_to_gpu`: a decode step moves the KV cache that lives off the GPU to it and attends there
+    (exec/offload.py), instead of attending on the CPU where it lives (FlexGen's delegation)."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
     w, h1, s, n, bls = m.layer_bytes, m.hidden, m.prompt, m.generate, gbs * nb
@@ -74,25 +80,30 @@ def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray)
            (wd * w + 2 * hd * s * h1 * bls) / hw.dtoc if hw.dtoc else np.where(wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * (s + 1) * h1 + 2 * hd * s * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
            bls * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate) / hw.mm_flops + 4 * bls * s ** 2 * h1 / hw.bmm_flops)
-    dec = (((wc + wd) * w + 2 * (hc + hd) * h1 * bls) / hw.ctog,
+    kv_moved = (cc + cd) * kv_mean if kv_to_gpu else 0.0  # (the cache read in, every decode step)
+    dec = (((wc + wd) * w + 2 * (hc + hd) * h1 * bls + kv_moved) / hw.ctog,
            2 * (hc + hd) * h1 * bls / hw.gtoc,
            (4 * cd * kv_mean + wd * w + 2 * hd * h1 * bls) / hw.dtoc if hw.dtoc else np.where(cd + wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * h1 + 2 * hd * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
-           bls * w / hw.mm_flops + cg * kv_mean / hw.bmm_flops + (cc + cd) * kv_mean / hw.cpu_flops)
+           bls * w / hw.mm_flops + (kv_mean / hw.bmm_flops if kv_to_gpu else
+                                    cg * kv_mean / hw.bmm_flops + (cc + cd) * kv_mean / hw.cpu_flops))
     prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), pre[4])
     decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], dec[4]))
     return np.broadcast_to(prefill, wg.shape), np.broadcast_to(decode, wg.shape)
 
 
-def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray) -> np.ndarray:
+def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False) -> np.ndarray:
     """[P, 3]: each tier's peak (GPU, CPU, disk): what lives there, plus the GPU's working set
-    (two layers' weight buffers for what is not resident, one GPU batch's activations)."""
+    (two layers' weight buffers for what is not resident, one GPU batch's activations; with
+    `kv_to_gpu`, three GPU batches' cache slots of one layer for a cache that is not resident)."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
     weights = m.layer_bytes * m.layers
     kv = 4 * (m.prompt + m.generate) * m.hidden * gbs * nb * m.layers
     act = 2 * m.hidden * gbs * nb * m.prompt
     gpu = wg * weights + cg * kv + hg * act + 2 * (1 - wg) * m.layer_bytes + 2 * m.hidden * gbs * m.prompt
+    if kv_to_gpu:
+        gpu = gpu + np.where(cg < 1, 3 * 4 * (m.prompt + m.generate) * m.hidden * gbs, 0.0)
     return np.stack([gpu, wc * weights + cc * kv + hc * act, wd * weights + cd * kv + hd * act], axis=1)
 
 
@@ -104,12 +115,14 @@ def placements(step: float) -> np.ndarray:
     return np.concatenate([pairs[i.ravel()], pairs[j.ravel()], pairs[k.ravel()]], axis=1)
 
 
-def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray) -> tuple[float, np.ndarray | None]:
+def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray,
+                   kv_to_gpu: bool = False) -> tuple[float, np.ndarray | None]:
     """(tokens/s, placement) of the fastest placement of `grid` that fits; (0, None) if none does."""
-    fits = (peak_bytes(m, gbs, nb, grid) <= np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes]) + 1e-6).all(1)
+    capacity = np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes])
+    fits = (peak_bytes(m, gbs, nb, grid, kv_to_gpu) <= capacity + 1e-6).all(1)
     if not fits.any():
         return 0.0, None
-    prefill, decode = layer_seconds(m, hw, gbs, nb, grid[fits])
+    prefill, decode = layer_seconds(m, hw, gbs, nb, grid[fits], kv_to_gpu)
     rate = gbs * nb * m.generate / (m.layers * (prefill + (m.generate - 1) * decode))
     best = int(np.argmax(rate))
     return float(rate[best]), grid[fits][best]
@@ -125,24 +138,28 @@ def gpu_batch_sizes(limit: int) -> list[int]:
 
 
 def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int = 64,
-           max_batches: int = 64) -> tuple[float, Policy | None]:
+           max_batches: int = 64, max_block: int | None = None, kv_to_gpu: bool = False) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
     placement fits and tokens/s grows, then look between the last two; the best policy found
-    (of policies as fast, the largest block: the model counts no per-batch overhead)."""
+    (of policies as fast, the largest block, then the largest GPU batch: the model counts no
+    per-batch overhead, and each GPU batch of a block is a slot of its own launches and sync). With
+    `max_block`, blocks of at most that many sequences (a run of that many prompts); `kv_to_gpu`:
+    as `layer_seconds`."""
     grid = placements(step)
     best_rate, best = 0.0, None
-    for gbs in gpu_batch_sizes(max_gpu_batch):
+    for gbs in gpu_batch_sizes(min(max_gpu_batch, max_block or max_gpu_batch)):
+        max_batches_here = max_batches if max_block is None else min(max_batches, max_block // gbs)
         rates = {}
         nb = 1
-        while nb <= max_batches:
-            rates[nb] = best_placement(m, hw, gbs, nb, grid)
+        while nb <= max_batches_here:
+            rates[nb] = best_placement(m, hw, gbs, nb, grid, kv_to_gpu)
             if rates[nb][1] is None or (nb > 1 and rates[nb][0] <= rates[nb // 2][0]):
                 break
             nb *= 2
-        for between in range(max(1, nb // 4) + 1, min(nb, max_batches + 1)):  # (between the last doublings)
-            rates.setdefault(between, best_placement(m, hw, gbs, between, grid))
+        for between in range(max(1, nb // 4) + 1, min(nb, max_batches_here + 1)):  # (between the last doublings)
+            rates.setdefault(between, best_placement(m, hw, gbs, between, grid, kv_to_gpu))
         for nb, (rate, placement) in rates.items():
-            tie = best is not None and rate >= best_rate * (1 - 1e-12) and gbs * nb > best.block
-            if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block)
+            tie = best is not None and rate >= best_rate * (1 - 1e-12) and (gbs * nb, gbs) > (best.block, best.gpu_batch)
+            if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block, GPU batch)
                 best_rate, best = rate, Policy(gbs, nb, *map(float, placement))
     return best_rate, best

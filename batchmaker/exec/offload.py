@@ -4,12 +4,13 @@ out core/zigzag.py's operations in order.
 
 What the placement offloads lives in host storage between uses and moves through device buffers:
 each layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2 weight buffers,
-each (layer, batch)'s KV cache and each batch's hidden states into 3 batch buffers; a compute
-reads and writes device buffers only. What is not offloaded stays on the device (the embedding,
-the final norm and the head always do). On CUDA the loads and stores run on two side streams
-beside the compute on the current one, each slot closed by events the host waits on (the
-schedule's `sync`); on a CPU device the moves run in order between separate tensors, so the
-schedule's loads and stores really move the data its computes read.
+each (layer, batch)'s KV cache (exec/offload_cache.py: optionally 4-bit) and each batch's hidden
+states into 3 batch buffers; a compute reads and writes device buffers only. What is not
+offloaded stays on the device (the embedding, the final norm and the head always do). On CUDA
+the loads and stores run on two side streams beside the compute on the current one, each slot
+closed by events the host waits on (the schedule's `sync`); on a CPU device the moves run in
+order between separate tensors, so the schedule's loads and stores really move the data its
+computes read.
 
 Prompts of a batch are left-padded (exec/offload_block.py). A block runs as many steps as its
 largest count for all its prompts (FlexGen's fixed length) and returns each prompt's own count;
@@ -20,15 +21,17 @@ or after a layer's last batch for weights), so that a compute reading stale data
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
+from batchmaker.exec import offload_cache
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
-from batchmaker.exec.offload_weights import HostWeights, layer_tensors
+from batchmaker.exec.offload_weights import DEQUANTS, HostWeights, default_dequant, layer_tensors
+from batchmaker.kernels.compress4 import Compressed
 
 
 @dataclass(frozen=True)
@@ -37,15 +40,32 @@ class OffloadConfig:
     num_batches: int = 2  # GPU batches per block (FlexGen's block size = gpu_batch x num_batches)
     placement: Placement = Placement()
     check_buffers: bool = False  # NaN into a buffer the schedule is done with (tests)
-    compress: str | None = None  # "weights": offloaded weights kept as 4-bit codes (exec/offload_weights.py)
+    compress: str | None = None  # 4-bit codes on the host: "weights" (exec/offload_weights.py), "kv" (the
+    # KV cache: BlockRun), or "both"
+    dequant: str | None = None  # how compressed tensors meet the compute (offload_weights.DEQUANTS; a cache
+    # is expanded by Triton unless "reference"); None: Triton on a GPU, the PyTorch twins elsewhere (fused is
+    # not the default: no GPU timing yet)
 
     def __post_init__(self):
         if self.gpu_batch < 1 or self.num_batches < 1:
             raise ValueError(f"gpu_batch and num_batches must be >= 1, got {self.gpu_batch}, {self.num_batches}")
-        if self.compress not in (None, "weights"):
-            raise ValueError(f"compress={self.compress!r}: None or 'weights' (a compressed KV cache is not built yet)")
-        if self.compress and not self.placement.weights:
+        if self.compress not in (None, "weights", "kv", "both"):
+            raise ValueError(f"compress={self.compress!r}: None, 'weights', 'kv' or 'both'")
+        if self.compresses_weights and not self.placement.weights:
             raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
+        if self.compresses_cache and not self.placement.cache:
+            raise ValueError("compress='kv' compresses the host's KV cache: the placement keeps it on the device")
+        if self.dequant is not None and (self.dequant not in DEQUANTS or not self.compress):
+            raise ValueError(f"dequant={self.dequant!r}: one of {', '.join(DEQUANTS)}, with compress='weights', "
+                             "'kv' or 'both'")
+
+    @property
+    def compresses_weights(self) -> bool:
+        return self.compress in ("weights", "both")
+
+    @property
+    def compresses_cache(self) -> bool:
+        return self.compress in ("kv", "both")
 
     @property
     def block(self) -> int:
@@ -80,11 +100,23 @@ class OffloadExecutor:
         self.dtype = lm.embed_tokens.weight.dtype
         if config.placement.weights:
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
-            self.host_weights = HostWeights(layers, self.weight_buffers, self.is_cuda, config.compress == "weights")
+            self.host_weights = HostWeights(layers, self.weight_buffers, config.compresses_weights,
+                                            config.dequant or default_dequant(self.device))
         else:
             self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers)
+        self.is_reference = (config.dequant or default_dequant(self.device)) == "reference"  # (a cache's twins)
         if self.is_cuda:
             self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
+
+    def with_block(self, gpu_batch: int, num_batches: int, placement: Placement) -> "OffloadExecutor":
+        """An executor of another block shape and placement of the cache and hidden states, sharing
+        this one's host weights and device buffers (the same offloaded model: no rebuild); the
+        weights' placement must stay. Not to run beside this one (they share buffers and streams)."""
+        if placement.weights != self.config.placement.weights:
+            raise ValueError("with_block keeps the weights where they are: build another executor to move them")
+        other = copy.copy(self)
+        other.config = replace(self.config, gpu_batch=gpu_batch, num_batches=num_batches, placement=placement)
+        return other
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
@@ -138,7 +170,10 @@ class BlockRun:
         hidden_shape = (width, 2, rows, c.hidden_size)
         place = self.placement
         # host storage of what is offloaded, device storage of what is not (per batch)
+        self.is_compressed = executor.config.compresses_cache  # (the host cache as 4-bit codes: offload_cache.py)
         self.cache = [[self._kv(cache_shape, on_host=place.cache) for _ in batches] for _ in range(executor.num_layers)]
+        self.cache_staging = [self._codes(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
+            if self.is_compressed else None
         self.hidden = [self._empty(hidden_shape, on_host=place.hidden) for _ in batches]
         self.cache_slots = [self._kv(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] if place.cache else None
         self.hidden_slots = [self._empty(hidden_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
@@ -155,8 +190,15 @@ class BlockRun:
         device = "cpu" if on_host else x.device
         return torch.empty(shape, dtype=x.dtype, device=device, pin_memory=on_host and x.is_cuda)
 
-    def _kv(self, shape, on_host: bool) -> tuple[Tensor, Tensor]:
+    def _kv(self, shape, on_host: bool) -> tuple[Tensor, Tensor] | tuple[Compressed, Compressed]:
+        if on_host and self.is_compressed:
+            return self._codes(shape, on_host)
         return self._empty(shape, on_host), self._empty(shape, on_host)
+
+    def _codes(self, shape, on_host: bool) -> tuple[Compressed, Compressed]:
+        x = self.x
+        device, pin = ("cpu", x.is_cuda) if on_host else (x.device, False)
+        return tuple(offload_cache.empty_codes(shape, x.dtype, device, pin) for _ in range(2))
 
     # the operations ---------------------------------------------------------------------------
     def do(self, op: Op) -> None:
@@ -169,6 +211,12 @@ class BlockRun:
 
     def load_cache(self, op: Op) -> None:
         end = self.batches[op.batch].start(op.step)  # every column written before this step
+        if self.is_compressed:
+            with self._stream("in"):
+                for dst, src, stage in zip(self.cache_slots[op.slot], self.cache[op.layer][op.batch],
+                                           self.cache_staging[op.slot]):
+                    self.moved.bytes["cache"] += offload_cache.load(dst, src, stage, end, self.x.is_reference)
+            return
         for dst, src in zip(self.cache_slots[op.slot], self.cache[op.layer][op.batch]):
             self._copy(dst[:end], src[:end], "in", "cache")
 
@@ -176,7 +224,11 @@ class BlockRun:
         batch = self.batches[op.batch]
         start, end = batch.start(op.step), batch.start(op.step) + batch.columns(op.step)
         for dst, src in zip(self.cache[op.layer][op.batch], self.cache_slots[op.slot]):
-            self._copy(dst[start:end], src[start:end], "out", "cache")
+            if self.is_compressed:
+                with self._stream("out"):
+                    self.moved.bytes["cache"] += offload_cache.store(dst, src, start, end, self.x.is_reference)
+            else:
+                self._copy(dst[start:end], src[start:end], "out", "cache")
         self._poison_after_sync(*self.cache_slots[op.slot])
 
     def load_hidden(self, op: Op) -> None:

@@ -4,8 +4,9 @@ policy with its predicted step time, as one line to print.
 
 What is measured (`measure`): the copy rate host -> device and back (pinned host memory beside a
 GPU; on a CPU, between two CPU tensors, the executor's two pools), the device's matmul rate at
-the model's dtype, and the CPU's batched matmul rate (FlexGen's CPU attention term). The search
-runs over whole tensors (fractions 0 or 1: the executor places each class of tensor wholly on
+the model's dtype, and the CPU's batched matmul rate (FlexGen's CPU attention term, kept in the
+record: the executor moves a host cache to the device and attends there, which is what the search
+counts, `kv_to_gpu`). The search runs over whole tensors (fractions 0 or 1: the executor places each class of tensor wholly on
 the host or the device; no disk), so a policy maps onto a `Placement` exactly.
 
 Adaptations of FlexGen's model (it counts 2-byte values, OPT's two-matrix MLP and one KV head per
@@ -98,15 +99,36 @@ def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float)
 
 
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
-           prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64) -> Choice:
-    """The fastest policy the executor runs within `device_bytes` and `host` bytes."""
+           prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64,
+           max_block: int | None = None) -> Choice:
+    """The fastest policy the executor runs within `device_bytes` and `host` bytes (and blocks of
+    at most `max_block` sequences)."""
     hw = hardware(rates, dtype, device_bytes, host)
     shape = model_shape(config, prompt, generate)
-    rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches)
+    rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches,
+                          max_block=max_block, kv_to_gpu=True)
     if policy is None:
         raise ValueError(f"no placement of the model fits {device_bytes / 2**30:.2f} GiB of device and "
                          f"{host / 2**30:.1f} GiB of host memory")
     p = np.array([[policy.wg, policy.wc, policy.cg, policy.cc, policy.hg, policy.hc]])
-    decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p)[1][0]
+    decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p, kv_to_gpu=True)[1][0]
     placement = Placement(weights=policy.wg < 1, cache=policy.cg < 1, hidden=policy.hg < 1)
     return Choice(policy, placement, rate, float(decode) * config.num_layers)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    block_seconds: float  # the whole block: prefill and every decode step, every layer
+    prefill_seconds: float  # step 0 (the prompts), every layer
+    step_seconds: float  # one decode step of the block, every layer
+
+
+def predict(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
+            num_batches: int, prompt: int, generate: int) -> Prediction:
+    """The cost model's times for a policy the executor runs (whole tensors on the host or the device)."""
+    hw = hardware(rates, dtype, 0.0, 0.0)
+    off = [placement.weights, placement.cache, placement.hidden]
+    p = np.array([[v for is_off in off for v in ((0.0, 1.0) if is_off else (1.0, 0.0))]])
+    prefill, decode = (float(t[0]) * config.num_layers for t in
+                       layer_seconds(model_shape(config, prompt, generate), hw, gpu_batch, num_batches, p, kv_to_gpu=True))
+    return Prediction(prefill + (generate - 1) * decode, prefill, decode)

@@ -3,17 +3,29 @@ device weight buffer.
 
 Each layer's tensors are kept in registration order, pinned beside a GPU. With `compress`, each
 matrix is kept as FlexGen's 4-bit group-wise codes (kernels/compress4.py: groups of 64 along the
-output channels; 1-D tensors, norms and biases, stay as they are, as in FlexGen): the codes and
-the groups' (scale, min) cross the link into device staging tensors, and the weight buffer gets
-their expansion, on the load stream. So a compressed load moves about 0.28x the bytes of fp16
-(0.14x of fp32) and the compute sees the round-tripped weights.
+output channels; 1-D tensors, norms and biases, stay as they are, as in FlexGen), compressed on
+the executor's device where it is a GPU (the same codes as on the CPU, faster): the codes and the
+groups' (scale, min) cross the link into device staging tensors on the load stream. So a
+compressed load moves about 0.28x the bytes of fp16 (0.14x of fp32). What the compute then sees
+is the round-tripped weights, by one of three `DEQUANTS`:
+    reference  the PyTorch twin expands the staging into the dense weight buffer (the CPU's way)
+    expand     the Triton kernel (`compress4.expand`) does, on a GPU; then the layer's own matmuls
+    fused      no dense weight on the device: each projection of the buffer runs `compress4.linear4`,
+               which expands tiles of the codes in registers just before its product
+`default_dequant` picks expand on a GPU and the reference elsewhere; fused is an option until a GPU
+measurement chooses it (bench/offload.py times both on a 13B layer's shapes).
 """
 import torch
 from torch import Tensor, nn
 
-from batchmaker.kernels.compress4 import Compressed, compress, decompress
+from batchmaker.kernels.compress4 import Compressed, compress, decompress, expand, linear4
 
 GROUP = 64  # FlexGen's group size
+DEQUANTS = ("reference", "expand", "fused")
+
+
+def default_dequant(device) -> str:
+    return "expand" if torch.device(device).type == "cuda" else "reference"
 
 
 def layer_tensors(module: nn.Module) -> list[Tensor]:
@@ -21,23 +33,44 @@ def layer_tensors(module: nn.Module) -> list[Tensor]:
     return [*module.parameters(), *module.buffers()]
 
 
-class HostWeights:
-    def __init__(self, layers: nn.ModuleList, buffers: list[nn.Module], pin: bool, is_compressed: bool):
-        self.layers = [[self._kept(t, pin, is_compressed) for t in layer_tensors(layer)] for layer in layers]
-        self.buffers = [layer_tensors(b) for b in buffers]
-        device = self.buffers[0][0].device
-        self.staging = [[_staging(kept, device) for kept in self.layers[0]] for _ in buffers]
+class Linear4(nn.Module):
+    """A projection whose weight stays 4-bit on the device (`dequant="fused"`): x W^T + b by
+    `linear4` over a weight buffer's staging codes, which each load refills."""
 
-    @staticmethod
-    def _kept(t: Tensor, pin: bool, is_compressed: bool) -> Tensor | Compressed:
+    def __init__(self, stage: Compressed, bias: Tensor | None):
+        super().__init__()
+        self.stage = stage  # (not registered: codes are no parameters, and no NaN fits a uint8)
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = linear4(x, self.stage)
+        return out if self.bias is None else out + self.bias
+
+
+class HostWeights:
+    def __init__(self, layers: nn.ModuleList, buffers: list[nn.Module], is_compressed: bool,
+                 dequant: str = "reference"):
+        """`buffers`: the device weight buffers (copies of a layer); with `dequant="fused"` their
+        compressed projections become `Linear4`s over the staging (and their dense weights go)."""
+        if dequant not in DEQUANTS:
+            raise ValueError(f"dequant={dequant!r}: one of {', '.join(DEQUANTS)}")
+        self.dequant = dequant
+        self.buffers = [layer_tensors(b) for b in buffers]
+        self.device = self.buffers[0][0].device
+        pin = self.device.type == "cuda"
+        self.layers = [[self._kept(t, pin, is_compressed) for t in layer_tensors(layer)] for layer in layers]
+        self.staging = [[_staging(kept, self.device) for kept in self.layers[0]] for _ in buffers]
+        if dequant == "fused":
+            for module, tensors, staging in zip(buffers, self.buffers, self.staging):
+                _fuse(module, tensors, staging)
+
+    def _kept(self, t: Tensor, pin: bool, is_compressed: bool) -> Tensor | Compressed:
         """What the host keeps of the model's tensor `t`; `t` itself gives up its memory to it."""
         if is_compressed and t.dim() == 2:
-            kept = compress(t.detach(), GROUP, dim=0)
+            kept = compress(t.detach().to(self.device), GROUP, dim=0)
             t.data = t.data.new_empty(0)  # (the host keeps the codes only)
-            if pin:
-                kept = Compressed(kept.codes.pin_memory(), kept.scale.pin_memory(), kept.low.pin_memory(),
-                                  kept.shape, kept.dim, kept.group)
-            return kept
+            codes, scale, low = (_host(x, pin) for x in (kept.codes, kept.scale, kept.low))
+            return Compressed(codes, scale, low, kept.shape, kept.dim, kept.group)
         if pin:
             t.data = t.data.pin_memory()
         return t.detach()
@@ -49,7 +82,10 @@ class HostWeights:
             if isinstance(src, Compressed):
                 for name in ("codes", "scale", "low"):
                     getattr(stage, name).copy_(getattr(src, name), non_blocking=True)
-                dst.copy_(decompress(stage))
+                if self.dequant == "expand":
+                    expand(stage, dst)
+                elif self.dequant == "reference":
+                    dst.copy_(decompress(stage))
                 moved += src.nbytes
             else:
                 dst.copy_(src, non_blocking=True)
@@ -57,8 +93,25 @@ class HostWeights:
         return moved
 
 
+def _host(x: Tensor, pin: bool) -> Tensor:
+    x = x.cpu()
+    return x.pin_memory() if pin else x
+
+
 def _staging(kept: Tensor | Compressed, device) -> Compressed | None:
     if not isinstance(kept, Compressed):
         return None
     return Compressed(torch.empty_like(kept.codes, device=device), torch.empty_like(kept.scale, device=device),
                       torch.empty_like(kept.low, device=device), kept.shape, kept.dim, kept.group)
+
+
+def _fuse(module: nn.Module, tensors: list[Tensor], staging: list[Compressed | None]) -> None:
+    """Each nn.Linear of `module` whose weight is compressed becomes a Linear4 over its staging."""
+    where = {id(t): stage for t, stage in zip(tensors, staging) if stage is not None}
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and id(child.weight) in where:
+                setattr(parent, name, Linear4(where[id(child.weight)], child.bias))
+                child.weight.data = child.weight.data.new_empty(0)  # (no dense copy on the device)
+    if hasattr(module, "one_token"):  # (Llama's one-token path reads dense weights: the general path instead)
+        module.one_token = None

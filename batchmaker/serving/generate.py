@@ -6,8 +6,11 @@ runs them). With it, through FlexGen's offloading executor (exec/offload.py): `o
 measures the machine and picks the policy (exec/offload_auto.py, printed with its prediction);
 `offload=weights+cache+hidden` (any of the three, or `none`) names what lives on the host.
 `gpu_memory=12GiB` bounds the device pool for auto; `gpu_batch=` and `num_batches=` override the
-policy's block; `compress=weights` keeps the offloaded weights as 4-bit codes (FlexGen's group-wise
-quantization). These keys are the command's own; the rest of --set goes to the model.
+policy's block; `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
+as 4-bit codes (FlexGen's group-wise quantization), and `dequant=reference|expand|fused` says how
+they meet the compute (default: Triton's kernels on a GPU, the PyTorch twins elsewhere;
+exec/offload_weights.py, exec/offload_cache.py). These keys are the command's own; the rest of
+--set goes to the model.
 """
 import logging
 import os
@@ -20,7 +23,7 @@ from batchmaker.serving.cli_models import UsageError
 from batchmaker.serving.prompt_file import OutputFile, PromptRecord, finished_ids, read_prompts
 
 log = logging.getLogger("batchmaker")
-GENERATE_KEYS = ("offload", "gpu_memory", "gpu_batch", "num_batches", "compress")
+GENERATE_KEYS = ("offload", "gpu_memory", "gpu_batch", "num_batches", "compress", "dequant")
 MODEL_KEYS = ("preset", "checkpoint", "seed", "dtype")  # what the offloading path builds the model from
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
 
@@ -44,7 +47,7 @@ def run_generate(args) -> int:
     progress = Progress(len(pending))
     out = OutputFile(args.output)
     try:
-        if own.get("offload", "none") == "none" and not {"gpu_batch", "num_batches", "compress"} & set(own):
+        if own.get("offload", "none") == "none" and not {"gpu_batch", "num_batches", "compress", "dequant"} & set(own):
             _run_engine(name, model_items, args.devices, pending, out, progress)
         else:
             _run_offloaded(name, model_items, args.devices, own, pending, out, progress)
@@ -74,8 +77,13 @@ def _convert(key: str, text: str):
             raise UsageError(f"--set offload={text}: expected auto, none, or weights, cache, hidden joined by +")
         return text
     if key == "compress":
-        if text != "weights":
-            raise UsageError(f"--set compress={text}: expected weights (4-bit offloaded weights; kv is not built yet)")
+        if text not in ("weights", "kv", "both"):
+            raise UsageError(f"--set compress={text}: expected weights, kv or both (4-bit offloaded weights, host KV "
+                             "cache, or both)")
+        return text
+    if key == "dequant":
+        if text not in ("reference", "expand", "fused"):
+            raise UsageError(f"--set dequant={text}: expected reference, expand or fused")
         return text
     if key == "gpu_memory":
         match = _SIZE.fullmatch(text)
@@ -211,7 +219,7 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         device_bytes = own.get("gpu_memory") or _device_bytes(device) or CPU_DEVICE_BYTES
         try:
             choice = choose(lm.config, dtype, measure(device, dtype), device_bytes, host_bytes(), prompt, generate,
-                            max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts))
+                            max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts)
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(choice.describe(), file=sys.stderr, flush=True)
@@ -222,9 +230,10 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         parts = set(offload.split("+")) - {"none"}
         placement = Placement(*(kind in parts for kind in ("weights", "cache", "hidden")))
     try:
-        config = OffloadConfig(gpu_batch, num_batches, placement, compress=own.get("compress"))
+        config = OffloadConfig(gpu_batch, num_batches, placement, compress=own.get("compress"),
+                               dequant=own.get("dequant"))
     except ValueError as e:
-        raise UsageError(f"--set compress: {e}") from None
+        raise UsageError(f"--set compress, dequant: {e}") from None
     return OffloadExecutor(lm, device, config)
 
 

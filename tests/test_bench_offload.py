@@ -1,0 +1,54 @@
+"""bench/offload.py end to end on the CPU (a small model, weights offloaded under a tiny budget,
+a stand-in for the Accelerate probe): every policy's row carries its measurement and, without
+compression, the cost model's prediction; the 4-bit rows their agreement with bf16; the anchor's
+lines are parsed, and a missing probe is skipped with a reason."""
+import json
+
+import pytest
+
+offload = pytest.importorskip("bench.offload")
+
+FAKE_PROBE = '''import sys
+args = sys.argv[1:]
+batches = args[args.index("--batches") + 1].split(",")
+print("host->device GB/s: {'pinned': 50.0, 'pageable': 14.0}")
+for b in batches:
+    print(f"accelerate offload 13b gpu 0 GiB B={b} prompt 4 new 3: 2.0 s, {int(b) * 3 / 2.0:.2f} generated tok/s")
+'''
+
+
+ARGS = ["--device", "cpu", "--preset", "small-llama", "--gpu-memory", "0.03", "--batches", "2", "--prompt", "4",
+        "--new", "3"]
+
+
+def run(tmp_path, monkeypatch, probe: str) -> dict:
+    from bench import common
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    offload.main(ARGS + ["--other", "1x2:weights+cache+hidden", "--dequant-rows", "2"])
+    offload.main(ARGS + ["--anchor", probe])
+    (path,) = tmp_path.glob("offload-*.json")
+    return json.loads(path.read_text())
+
+
+def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatch):
+    probe = tmp_path / "probe.py"
+    probe.write_text(FAKE_PROBE)
+    record = run(tmp_path, monkeypatch, str(probe))
+    systems = record["systems"]
+    assert set(systems) == {"auto-B2", "other-1x2-weights+cache+hidden", "auto-B2-4bit"}
+    for name, row in systems.items():
+        assert row["block"] <= 2 and row["tokens_per_s"] > 0 and min(row["seconds"], row["prefill_seconds"]) > 0
+        assert row["moved_gb"]["weights"] > 0 and row["offloaded"].startswith("weights")
+        assert ("predicted" in row) is (row["compress"] is None)
+    assert 0 <= systems["auto-B2-4bit"]["agreement_with_bf16"]["tokens"] <= 1
+    assert systems["auto-B2-4bit"]["dequant"] == "reference"  # (the CPU's)
+    assert record["choices"]["auto-B2"]["policy"]["gpu_batch"] == systems["auto-B2"]["gpu_batch"]
+    assert record["dequant"]["2"]["faster"] in ("expand_matmul", "fused")
+    assert "--anchor" in record["anchor_command"]
+    anchor = record["accelerate"]
+    assert anchor["status"] == 0 and anchor["batches"]["2"]["tokens_per_s"] == 3.0
+    assert anchor["batches"]["2"]["ours_over_accelerate"] == pytest.approx(systems["auto-B2"]["tokens_per_s"] / 3.0)
+
+
+def test_a_missing_probe_is_skipped_with_its_reason(tmp_path):
+    assert "missing" in offload.run_probe(str(tmp_path / "absent.py"), None)["skipped"]
