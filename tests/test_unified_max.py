@@ -156,15 +156,25 @@ def test_paged_attend_passes_phi_on():
     assert seen[0]["unified_max"] == 1.5
 
 
-def test_a_runner_keeps_the_phi_it_calibrated():
-    """IterationRunner.calibrate_unified_max holds phi for its iterations' PagedAttend; a pipeline
-    stage or a tensor-parallel rank stays exact (each would see part of the model)."""
+def test_a_runner_calibrates_at_start_and_compiles_with_phi(monkeypatch):
+    """A GPU worker's start (IterationRunner.compile_kernels) calibrates from the cell's prompts,
+    holds phi for its iterations' PagedAttend and compiles the unified variants with it; a model
+    split over ranks (tensor or pipeline parallel) stays exact (each rank sees part of it)."""
+    from batchmaker.exec import iterations
+    compiled = []
+    monkeypatch.setattr(iterations, "compile_variants", lambda *args: compiled.append(args))
     lm = build_decoder(PRESETS["tiny-llama"], seed=1)
-    runner = types.SimpleNamespace(lm=lm, stage=None, ranks=None, unified_max=None)
-    phi = IterationRunner.calibrate_unified_max(runner, [[1, 5, 9, 2, 7]])
-    assert phi is not None and runner.unified_max == phi == calibrate_lm(lm, [[1, 5, 9, 2, 7]])
-    runner.ranks = object()
-    assert IterationRunner.calibrate_unified_max(runner, [[1, 5, 9, 2, 7]]) is None and runner.unified_max is None
+    prompts = [[1, 5, 9, 2, 7]]
+    k = torch.zeros(1, 2, 16, lm.config.num_kv_heads, lm.config.head_dim)
+    module = types.SimpleNamespace(ranks=1, calibration_prompts=prompts, block_size=16)
+    runner = types.SimpleNamespace(lm=lm, module=module, unified_max=None, config=lm.config, max_blocks=4,
+                                   cache=types.SimpleNamespace(k=k, v=k))
+    runner.calibrate_unified_max = lambda p: IterationRunner.calibrate_unified_max(runner, p)
+    IterationRunner.compile_kernels(runner)
+    assert runner.unified_max is not None and runner.unified_max == calibrate_lm(lm, prompts)
+    assert compiled[-1][-1] == runner.unified_max
+    module.ranks = 2
+    assert IterationRunner.calibrate_unified_max(runner, prompts) is None and runner.unified_max is None
 
 
 @pytest.mark.parametrize("phi, extra", [(math.inf, {}), (math.nan, {}), ("1", {}), (0.0, {"window": 8}),

@@ -352,7 +352,9 @@ class IterationRunner:
         (kernels/attention_variants.py; CUDA workers call it at start, graphs or not). Contexts
         reach the block table's width (an unbounded launch's bound), a block past max_positions; with
         the layers' sliding windows and soft cap, where the model has them, and the calibrated
-        unified maximum's split decodes (calibrate_unified_max first)."""
+        unified maximum's split decodes, calibrated first from the cell's calibration prompts."""
+        if self.module.calibration_prompts:
+            self.calibrate_unified_max(self.module.calibration_prompts)
         compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
                          max(self.config.max_positions, self.max_blocks * self.module.block_size),
                          self.config.attention_windows, self.config.attn_softcap, self.unified_max)
@@ -360,9 +362,10 @@ class IterationRunner:
     def calibrate_unified_max(self, prompts: list[list[int]]) -> float | None:
         """FlashDecoding++'s unified maximum for this model from its scores on `prompts`
         (kernels/unified_max.calibrate_lm), used by every later iteration's split decode; before
-        graphs are captured (they hold it). None (no prompts, windows, soft caps): the exact path."""
+        graphs are captured (they hold it; compile_kernels calls it at a GPU worker's start). None
+        (no prompts, windows, soft caps, a model split over ranks): the exact path."""
         from batchmaker.kernels.unified_max import calibrate_lm
-        self.unified_max = calibrate_lm(self.lm, prompts) if self.stage is None and self.ranks is None else None
+        self.unified_max = calibrate_lm(self.lm, prompts) if self.module.ranks == 1 else None
         return self.unified_max
 
     def warm_up(self) -> None:
