@@ -9,6 +9,13 @@ measured copy bandwidth and against torch SDPA on the same contexts stored dense
                                          # a smoke run of this script on the CPU (times mean nothing)
     python bench/attention.py --out gemma2.json --heads 16 --kv-heads 8 --head-dim 256 \
         --window 4096 --softcap 50 --contexts 2048 8192  # Gemma 2 9B's local layers (issue 33)
+    python bench/attention.py --out fdpp.json --unified-max   # decode: exact against a unified maximum (issue 33)
+
+--unified-max: decode at batches 1-256 and contexts 256-32K (at most --max-tokens positions in all),
+each launch as paged_attention plans it, timed exact, with a unified maximum (--phi, the scores'
+units: 0 suits these random scores, all inside its window) and with a phi that every row leaves
+(every slice walked twice: the fallback's worst case); `unified` says whether the plan split (the
+unified maximum runs in split launches only; unsplit rows are the same launch twice).
 
 Decode: batch B of one new token per sequence, every sequence with the same context length.
 Ceilings: a large copy (read + write bytes) and a large sum (read bytes), measured in the same run.
@@ -217,6 +224,35 @@ def ragged_sweep(args, device, ceilings: dict) -> list[dict]:
     return rows
 
 
+UNIFIED_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+UNIFIED_CONTEXTS = (256, 1024, 4096, 16384, 32768)
+FAR_PHI = 1000.0  # every row's scores far below it: every slice flagged and walked again
+
+
+def unified_ab(args, device, ceilings: dict) -> list[dict]:
+    """Decode with the exact split-KV merge against FlashDecoding++'s unified maximum (issue 33):
+    us of each, exact_us / unified_us, and the all-flagged worst case, per (batch, context)."""
+    from batchmaker.kernels.unified_max import runs_unified
+    rows = []
+    batches, contexts = (args.batches, args.contexts) if args.smoke else (UNIFIED_BATCHES, UNIFIED_CONTEXTS)
+    for batch in batches:
+        for ctx in contexts:
+            if batch * ctx > args.max_tokens:
+                continue
+            ctxs = Contexts(batch, ctx, 1, args, device, dense=False)
+            choice = auto_choice(ctxs, args, device)
+            exact = measure(ctxs, args, device, ceilings)
+            unified = measure(ctxs, args, device, ceilings, unified_max=args.phi)
+            flagged = measure(ctxs, args, device, ceilings, unified_max=FAR_PHI)
+            rows.append({**exact, **choice, "unified": runs_unified(args.phi, 1, choice["num_splits"], None),
+                         "unified_us": unified["us"], "unified_GBps": unified["GBps"],
+                         "exact_over_unified": round(exact["us"] / unified["us"], 3),
+                         "all_flagged_us": flagged["us"]})
+            print("unified", rows[-1], flush=True)
+            del ctxs
+    return rows
+
+
 MID_SHAPES = ((2, 1024), (4, 512), (4, 2048), (8, 512), (8, 1024), (8, 4096), (8, 16384), (16, 512), (16, 1024),
               (16, 4096), (32, 512), (32, 1024), (64, 1024), (64, 4096))  # a chat run's decode batches
 
@@ -265,6 +301,9 @@ def main(argv=None) -> None:
     parser.add_argument("--ragged-sweep", action="store_true", help="only decode batches of differing contexts, swept")
     parser.add_argument("--window", type=int, help="a sliding window (issue 33); no SDPA comparison then")
     parser.add_argument("--softcap", type=float, help="soft-capped scores (issue 33); no SDPA comparison then")
+    parser.add_argument("--unified-max", action="store_true",
+                        help="only decode, exact against a unified maximum (issue 33), batches 1-256 x 256-32K")
+    parser.add_argument("--phi", type=float, default=0.0, help="--unified-max's phi (the scores' units)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of this script)")
     args = parser.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -278,8 +317,8 @@ def main(argv=None) -> None:
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
     plain = args.window is None and args.softcap is None  # (SDPA has neither: compared without them only)
-    if args.short_sweep or args.prefill_sweep or args.mid_sweep or args.ragged_sweep:
-        args.batches, args.prefill = [], []
+    if args.short_sweep or args.prefill_sweep or args.mid_sweep or args.ragged_sweep or args.unified_max:
+        args.batches, args.prefill = ([1, 3], []) if args.smoke and args.unified_max else ([], [])
     for batch in args.batches:
         for ctx in args.contexts:
             if batch * ctx > args.max_tokens:
@@ -299,7 +338,10 @@ def main(argv=None) -> None:
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "block_size": args.block_size, "window": args.window, "softcap": args.softcap, "copy_GBps": round(ceilings["copy"], 1),
               "read_GBps": round(ceilings["read"], 1), "decode": decode, "prefill": prefill}
-    if args.mid_sweep:
+    if args.unified_max:
+        record["phi"] = args.phi
+        record["sweep"] = unified_ab(args, device, ceilings)
+    elif args.mid_sweep:
         record["sweep"] = short_sweep(args, device, ceilings, MID_SHAPES, (1, 2, 4, 8))
     elif args.ragged_sweep:
         record["sweep"] = ragged_sweep(args, device, ceilings)

@@ -10,12 +10,16 @@ list, after attention_launch.fit_head). Where attention_launch.HEAD_STEPS comes 
 --against compiles REV's kernel too, at power-of-two heads (at every head where REV pads heads too),
 and says whether the PTX is the same (ignoring debug labels): what the padded kernel promises for
 them, and the kernel without a window or a cap (`--features none`, the default). `--features
-window cap both` compile those variants as well (issue 33: whether they still fit). Needs triton
+window cap both unified` compile those variants as well (issue 33: whether they still fit; unified:
+split launches only); --against also compares combine_splits_kernel's PTX. Needs triton
 (with its ptxas), no GPU; compile times are not launch times.
 
     git show de8754f:kernels/triton_attention.py > /tmp/before_windows.py
     python bench/attention_fit.py --against /tmp/before_windows.py --heads 64 80 128 256 --dtypes bf16 fp32 \
         --features none both --out bench/results/attention-fit-sm90-windows.json
+    git show b9fe573:kernels/triton_attention.py > /tmp/before_unified.py
+    python bench/attention_fit.py --against /tmp/before_unified.py --heads 64 80 128 256 --dtypes bf16 fp32 \
+        --features none unified --out bench/results/attention-fit-sm90-unified.json
 """
 import argparse
 import importlib.util
@@ -36,28 +40,42 @@ from batchmaker.kernels.attention_variants import launch_variants
 
 SHARED_LIMIT = 232448  # bytes of shared memory a block may opt into on an H100/H200 (227 KB)
 TARGET = GPUTarget("cuda", 90, 32)
-FEATURES = {"none": (False, False), "window": (True, False), "cap": (False, True), "both": (True, True)}
+FEATURES = {"none": (False, False, False), "window": (True, False, False), "cap": (False, True, False),
+            "both": (True, True, False), "unified": (False, False, True)}  # unified: split launches only
 POINTERS = {"part_out": "*fp32", "part_lse": "*fp32", "counters": "*i32", "block_tables": "*i32",
-            "query_start": "*i32", "context_lens": "*i32", "work": "*i32"}
+            "query_start": "*i32", "context_lens": "*i32", "work": "*i32", "part_flag": "*i8", "flags": "*i8"}
+UNIFIED_ARGS = ("phi_log2", "lo_log2", "hi_log2", "part_flag", "flags")  # (None without UNIFIED)
 
 
 def compile_kernel(kernel, head_dim: int, dtype: str, cfg, split: bool, combine: bool, features: str = "none"):
     """(PTX without debug labels, shared bytes) of one variant (group 1, blocks of 16), with `features`
     (FEATURES: a sliding window, a soft cap) where the kernel has them (an older one: its arguments)."""
-    windowed, capped = FEATURES[features]
+    windowed, capped, unified = FEATURES[features]
     consts = {"G": 1, "G_PAD": 1, "D": head_dim, "D_PAD": head_pad(head_dim), "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_SIZE": 16, "IS_SPLIT": split, "COMBINE": combine, "PRECISION": "tf32",
-              "WORK": False, "PDL": False, "WINDOWED": windowed, "CAPPED": capped}
+              "WORK": False, "PDL": False, "WINDOWED": windowed, "CAPPED": capped, "UNIFIED": unified}
+    return _compile(kernel, dtype, consts, {"window": windowed, "softcap_log2": capped,
+                                            **{n: unified for n in UNIFIED_ARGS}}, cfg.num_warps, cfg.num_stages)
+
+
+def compile_combine(kernel, head_dim: int, dtype: str, splits_pad: int, unified: bool = False):
+    """(PTX without debug labels, shared bytes) of `combine_splits_kernel` (one warp, as launched)."""
+    consts = {"D": head_dim, "D_PAD": head_pad(head_dim), "SPLITS_PAD": splits_pad, "PDL": False, "UNIFIED": unified}
+    return _compile(kernel, dtype, consts, {"phi_log2": unified, "part_flag": unified, "flags": unified}, 1, 1)
+
+
+def _compile(kernel, dtype: str, consts: dict, optional: dict, num_warps: int, num_stages: int):
+    # optional: arguments passed as None (no parameter) where False
     names = kernel.arg_names
     consts = {n: v for n, v in consts.items() if n in names}
-    consts |= {n: None for n, on in (("window", windowed), ("softcap_log2", capped)) if n in names and not on}
+    consts |= {n: None for n, on in optional.items() if n in names and not on}
     types = {n: "constexpr" if n in consts else POINTERS.get(n, f"*{dtype}" if n in ("q", "k_cache", "v_cache", "out")
-                                                                     else "fp32" if n in ("scale_log2", "softcap_log2")
+                                                                     else "fp32" if n.endswith("_log2")
                                                                      else "i32")
              for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types[n].startswith("*")}
     compiled = triton.compile(ASTSource(kernel, types, consts, aligned), target=TARGET,
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = re.sub(r"\.section\s+\.debug.*", "", compiled.asm["ptx"], flags=re.DOTALL)
     ptx = re.sub(r"^\s*(\.loc|\.file|//|\$L__tmp\d+:).*\n", "", ptx, flags=re.MULTILINE)
     return ptx, compiled.metadata.shared
@@ -100,6 +118,8 @@ def main() -> None:
     rows = []
     for head_dim, dtype, features in itertools.product(args.heads, args.dtypes, args.features):
         for cfg, split, combine in variants(head_dim, 4 if dtype == "fp32" else 2):
+            if FEATURES[features][2] and not split:
+                continue  # (the unified maximum runs in split launches only)
             ptx, shared = compile_kernel(triton_attention.paged_attention_kernel, head_dim, dtype, cfg, split,
                                          combine, features)
             regs, spills = registers(ptx)
@@ -113,6 +133,13 @@ def main() -> None:
                                                             split, combine)[0] == ptx
             rows.append(row)
             print(row, flush=True)
+        if old is not None and features == "none" and "D_PAD" in old.combine_splits_kernel.arg_names:
+            for splits_pad in (8, 16, 32):  # the combine launch's slice counts, padded
+                row = {"kernel": "combine_splits_kernel", "head_dim": head_dim, "dtype": dtype, "splits_pad": splits_pad,
+                       "same_ptx_as_against": compile_combine(old.combine_splits_kernel, head_dim, dtype, splits_pad)[0]
+                       == compile_combine(triton_attention.combine_splits_kernel, head_dim, dtype, splits_pad)[0]}
+                rows.append(row)
+                print(row, flush=True)
     Path(args.out).write_text(json.dumps({"command": "python bench/attention_fit.py " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
         "triton": triton.__version__, "target": "sm_90a (compiled on the CPU)", "rows": rows}, indent=1))

@@ -36,6 +36,9 @@
 #              (.probes/offload_probe.py: copy ../shared/probes there; skipped with a message where
 #              missing) added to the same JSON; PROBE_NEW (default 32) sets the anchor's new tokens;
 #              offload-tests, offload-bench, offload-anchor: each part alone
+#     fdpp     split-KV decode with FlashDecoding++'s unified maximum (issue 33; written without a GPU):
+#              its GPU tests (tests/test_unified_max.py), then bench/attention.py --unified-max (exact
+#              against unified decode, batches 1-256 x contexts 256-32K); fdpp-tests, fdpp-ab: each half
 #     tp-tests, tp-step, tp-chat (a multi-GPU machine; issue 31): the tensor-parallel GPU tests; the
 #              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
 #              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
@@ -141,6 +144,11 @@ for suite in "$@"; do
             [ "$suite" = offload-tests ] || [ "$suite" = offload-bench ] ||
                 step offload-anchor timeout 225 python3 bench/offload.py "${off[@]}" --anchor .probes/offload_probe.py \
                     --probe-new "${PROBE_NEW:-32}" --probe-timeout 215 ;;
+        fdpp|fdpp-tests|fdpp-ab)  # (the two steps fit one device command's 10 minutes together)
+            [ "$suite" = fdpp-ab ] || step fdpp-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                tests/test_unified_max.py
+            [ "$suite" = fdpp-tests ] || step fdpp-ab timeout 320 python3 bench/attention.py --unified-max --out \
+                "bench/results/attention-fdpp-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \

@@ -69,6 +69,9 @@ class DecoderCell(Cell):
         self.config = lm.config if source is None else source.config  # the whole model's
         self.block_size = kv.block_size
         self.max_seqs = kv.max_seqs
+        # token ids of prompts whose scores calibrate split decode's unified maximum at a GPU worker's
+        # start (kernels/unified_max.py); none: the exact path. One process only (no tp/pp ranks)
+        self.calibration_prompts: list[list[int]] = []
         vocab = self.config.vocab_size
         self.signature = Signature({"token": TensorSpec((), torch.int64, high=vocab)},
                                    {"token": TensorSpec((), torch.int64, high=vocab)})

@@ -57,11 +57,13 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_blocks: int,
-                     max_positions: int, windows: tuple[int, ...] = (), softcap: float | None = None) -> int:
+                     max_positions: int, windows: tuple[int, ...] = (), softcap: float | None = None,
+                     unified_max: float | None = None) -> int:
     """Launch every variant of `launch_variants` once over block 0 of one layer's caches
     ([blocks, block_size, Hkv, D]); block tables `max_blocks` wide, as the engine's; contexts of up
     to `max_positions` (the longest bound a launch is given); for each of the layers' feature sets
-    (`windows`: each layer's sliding window, 0 for none; `softcap`: the model's, DecoderConfig's).
+    (`windows`: each layer's sliding window, 0 for none; `softcap`: the model's, DecoderConfig's);
+    with a calibrated `unified_max`, the split decode variants again as they run with it (UNIFIED).
     Returns the launches made. Writes nothing but scratch outputs; synchronizes the device."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, group = k_cache.device, num_q_heads // num_kv_heads
@@ -81,6 +83,14 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
         _launch(q, k_cache, v_cache, torch.empty_like(q), tables, starts, lens, tokens, head_dim ** -0.5,
                 context, cfg if splits == 1 or not work else None, splits, items if work else None,
                 max_blocks * block_size if is_windowed else None, softcap)
+    unified = [(cfg, splits) for cfg, splits, work in variants if splits > 1 and not work and cfg.block_m * _pow2(
+        group) <= 16] if unified_max is not None and not any(windows) and softcap is None else []
+    for cfg, splits in unified:  # (one new token: a decode launch)
+        q = torch.zeros(1, num_q_heads, head_dim, dtype=k_cache.dtype, device=device)
+        context = min(SCRATCH_CONTEXT, max_blocks * block_size)
+        _launch(q, k_cache, v_cache, torch.empty_like(q), tables, torch.tensor([0, 1], dtype=torch.int32, device=device),
+                torch.tensor([context], dtype=torch.int32, device=device), 1, head_dim ** -0.5, context, cfg, splits,
+                None, None, None, unified_max)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(variants) * len(windowed)
+    return len(variants) * len(windowed) + len(unified)

@@ -44,6 +44,7 @@ from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAM
                                                 wide_prompt, window_bound)
 from batchmaker.kernels.cell_launch import (KernelUnavailableError, dot_precision, is_interpreting, load_kernels,
                                              pdl_options)
+from batchmaker.kernels.unified_max import bounds_log2, runs_unified, unified_decode, unified_plan
 
 LOG2_E = 1.4426950408889634
 COMBINE_COUNTERS = 1 << 20  # int32 per device: split launches of up to Hkv * T tiles merge in the kernel
@@ -87,14 +88,19 @@ def triton_write_kv(k, v, k_cache, v_cache, slots) -> None:
 def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, max_query_len: int,
                               scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
                               num_splits: int | None = None, config: AttentionConfig | None = None,
-                              work=None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                              work=None, window: int | None = None, softcap: float | None = None,
+                              unified_max: float | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of `paged_attention`: per sequence, gather its context through the block table and
     run softmax(mask(cap(q k^T * scale))) v in fp32. Padding rows are zero. The mask is causal, and
     with a `window` a query at position p sees positions p - window + 1 .. p only (Mistral's, Gemma's
     sliding window); `softcap` caps the scores as cap * tanh(s / cap) (Gemma 2). The keywords
-    between only steer the kernel; they are accepted so that callers can swap the two."""
+    between only steer the kernel; they are accepted so that callers can swap the two, and with
+    `unified_max` they give the slices: where the kernel would run the unified maximum (split
+    decode, `unified_plan`), so does the twin (kernels/unified_max.unified_decode) and sets `flags`."""
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
-    _check_features(window, softcap)
+    _check_features(window, softcap, unified_max, flags, q)
+    plan = unified_plan(q, k_cache, block_tables, max_query_len, max_context_len, config, num_splits, work,
+                        unified_max, _num_sms(q.device))
     out = torch.zeros_like(q) if out is None else out.zero_()
     block_size = k_cache.shape[1]
     starts, lens = query_start.tolist(), context_lens.tolist()  # the twin's one host sync
@@ -105,7 +111,13 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables, query_start, co
         blocks = block_tables[seqs, :width].long()
         k, v = k_cache[blocks].flatten(1, 2), v_cache[blocks].flatten(1, 2)  # [n, width * block_size, Hkv, D]
         rows = query_start[seqs].long()
-        out[rows] = _decode_attention(q[rows], k, v, context_lens[seqs], scale, window, softcap).to(q.dtype)
+        if plan is None:
+            out[rows] = _decode_attention(q[rows], k, v, context_lens[seqs], scale, window, softcap).to(q.dtype)
+        else:
+            got, row_flags = unified_decode(q[rows], k, v, context_lens[seqs], scale, unified_max, *plan)
+            out[rows] = got.to(q.dtype)
+            if flags is not None:
+                flags[rows] = row_flags.to(flags.dtype)
     for s, (first, end, ctx) in enumerate(zip(starts, starts[1:], lens)):
         if end - first <= 1:
             continue
@@ -165,7 +177,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
                     scale: float, out: torch.Tensor | None = None, *, max_context_len: int | None = None,
                     num_splits: int | None = None, config: AttentionConfig | None = None,
                     work: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, unified_max: float | None = None,
+                    flags: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every sequence's new queries over its paged context; [T, Hq, D] in q's
     dtype (fp16, bf16 or fp32), padding rows zero. max_query_len >= every n_s (host int: the grid).
 
@@ -182,9 +195,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
 
     `window`: a query at position p sees p - window + 1 .. p only; `softcap`: scores are
     cap * tanh(s / cap) (reference_paged_attention's). None: neither (the kernel as without them).
+
+    `unified_max`: phi (the scores' units, after scale; kernels/unified_max.py calibrates it):
+    a split decode launch (one new token per sequence, no work lists) sums exp(s - phi) in its
+    slices and adds them, recomputing with the running maximum the slices of rows whose largest
+    score leaves the window (on the device, same launch); `flags` (int8 [T, Hq], optional) then
+    gets each real row's 1 (a slice of it recomputed) or 0. None: the exact path.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start, context_lens)
-    _check_features(window, softcap)
+    _check_features(window, softcap, unified_max, flags, q)
     if q.shape[2] > MAX_HEAD_DIM:  # (the twin takes any)
         raise ValueError(f"head dim {q.shape[2]}: the kernels take head sizes up to {MAX_HEAD_DIM}")
     if not (q.is_cuda or is_interpreting()):
@@ -200,7 +219,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     bound = max_context_len if max_context_len is not None else block_tables.shape[1] * k_cache.shape[1]
     if work is None:
         _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len, scale, bound,
-                config, num_splits, None, window, softcap)
+                config, num_splits, None, window, softcap, unified_max, flags)
     else:
         for items, query_len in zip(work, (small_tokens(group), max_query_len)):
             if len(items):
@@ -215,9 +234,11 @@ def small_tokens(group: int) -> int:
 
 
 def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len: int, scale: float,
-            bound: int, config, num_splits, items, window: int | None = None, softcap: float | None = None) -> None:
+            bound: int, config, num_splits, items, window: int | None = None, softcap: float | None = None,
+            unified_max: float | None = None, flags: torch.Tensor | None = None) -> None:
     """One kernel launch (+ the combine's): over every sequence and max_query_len's tiles, or over
-    `items` ((sequence, tile) each); a window bounds the positions a tile reads (window_bound)."""
+    `items` ((sequence, tile) each); a window bounds the positions a tile reads (window_bound);
+    a split decode launch with `unified_max` sums from it (`runs_unified`)."""
     kernels = _load_kernels()
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
@@ -235,22 +256,28 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=q.device) if is_split else out
     part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device) if is_split else out
+    unified = runs_unified(unified_max, max_query_len, num_splits, items)
+    part_flag = torch.empty(part_out.shape[:3], dtype=torch.int8, device=q.device) if unified else None
+    if unified and flags is None:
+        flags = torch.empty(q.shape[:2], dtype=torch.int8, device=q.device)
+    phi_log2, lo_log2, hi_log2 = bounds_log2(unified_max, q.dtype) if unified else (None, None, None)
     kernels.paged_attention_kernel[(num_kv_heads * num_splits, *grid)](
-        q, k_cache, v_cache, out, part_out, part_lse, part_lse if counters is None else counters, block_tables,
-        query_start, context_lens, query_start if items is None else items,
-        scale * LOG2_E, window, None if softcap is None else softcap * LOG2_E, num_seqs, num_tokens, num_q_heads,
+        q, k_cache, v_cache, out, part_out, part_lse, part_flag, flags if unified else None,
+        part_lse if counters is None else counters, block_tables, query_start, context_lens,
+        query_start if items is None else items, scale * LOG2_E, window,
+        None if softcap is None else softcap * LOG2_E, phi_log2, lo_log2, hi_log2, num_seqs, num_tokens, num_q_heads,
         num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=group, G_PAD=_pow2(group), D=head_dim, D_PAD=head_pad(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size, IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype),
-        WORK=items is not None, WINDOWED=window is not None, CAPPED=softcap is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(q, PDL))
+        WORK=items is not None, WINDOWED=window is not None, CAPPED=softcap is not None, UNIFIED=unified,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q, PDL))
     if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
-            part_out, part_lse, out, query_start, num_seqs, num_tokens, num_q_heads, num_splits,
-            out.stride(0), out.stride(1), D=head_dim, D_PAD=head_pad(head_dim), SPLITS_PAD=_pow2(num_splits),
-            num_warps=1, **pdl_options(q, PDL))
+            part_out, part_lse, out, query_start, part_flag, flags if unified else None, phi_log2, num_seqs,
+            num_tokens, num_q_heads, num_splits, out.stride(0), out.stride(1), D=head_dim, D_PAD=head_pad(head_dim),
+            SPLITS_PAD=_pow2(num_splits), UNIFIED=unified, num_warps=1, **pdl_options(q, PDL))
 
 
 @dataclass(slots=True)
@@ -263,7 +290,7 @@ class PagedAttend:
     written (e.g. waiting for blocks copied in). `max_context_len` bounds every context (a host
     int, or None: what a block table row holds): it picks the launch, so it must be known when the
     launch is planned (captured). A layer's sliding window and the soft cap are passed on only
-    where set (the kernel and the twin take both)."""
+    where set (the kernel and the twin take both), as is the model's calibrated unified maximum."""
     k_cache: torch.Tensor  # [layers, num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor
     slots: torch.Tensor  # int64 [T]: block * block_size + offset of each new token
@@ -278,6 +305,7 @@ class PagedAttend:
     work: tuple[torch.Tensor, torch.Tensor] | None = None  # item lists (kernels/attention_work.py)
     windows: tuple[int, ...] = ()  # per layer: a sliding window (0: none); (): none anywhere
     softcap: float | None = None  # the scores' soft cap (Gemma 2)
+    unified_max: float | None = None  # phi of split decode's unified maximum (kernels/unified_max.py); None: exact
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write_kv(k, v, *self.kv_cache(layer))
@@ -296,6 +324,8 @@ class PagedAttend:
             extra["window"] = self.windows[layer]
         if self.softcap is not None:
             extra["softcap"] = self.softcap
+        if self.unified_max is not None:
+            extra["unified_max"] = self.unified_max
         return attention(q, self.k_cache[layer], self.v_cache[layer], self.block_tables, self.query_start,
                          self.context_lens, self.max_query_len, self.scale, max_context_len=self.max_context_len,
                          **extra)
@@ -325,7 +355,14 @@ def _load_kernels():
     return load_kernels("triton_attention", "paged_attention", "reference_paged_attention")
 
 
-def _check_features(window, softcap) -> None:
+def _check_features(window, softcap, unified_max=None, flags=None, q=None) -> None:
+    if unified_max is not None and not (isinstance(unified_max, (int, float)) and abs(unified_max) < float("inf")):
+        raise ValueError(f"unified_max {unified_max!r}: phi is a finite number (None: the exact path)")
+    if unified_max is not None and (window is not None or softcap is not None):
+        raise ValueError("unified_max with a sliding window or a soft cap: not built (the exact path runs them)")
+    if flags is not None and (flags.dtype != torch.int8 or flags.shape != q.shape[:2] or not flags.is_contiguous()):
+        raise ValueError(f"flags: a contiguous int8 [T, Hq] {tuple(q.shape[:2])} expected, got {flags.dtype} "
+                         f"{tuple(flags.shape)}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window {window!r}: a sliding window is an int >= 1 (None: none)")
     if softcap is not None and not 0 < softcap < float("inf"):

@@ -35,11 +35,17 @@ num_splits reads every partial (acquired; loads that bypass L1) and puts the cou
 the next launch. Without COMBINE `combine_splits_kernel` merges them (a second launch). Slices are
 cut from the sequence's actual context length, read on the device, so the split count is the only
 host-side choice and the launch stays capturable in a CUDA graph.
+
+UNIFIED (split decode given a phi; kernels/unified_max.py): the slices sum 2^(s - phi) without a
+running max and write their sums; the rows of a slice whose largest score leaves the window walk
+it again with the running max (`_recompute_flagged`), and the merge adds the rows none of whose
+slices did (triton_unified_max.py). Without it (None arguments) the kernels are as before.
 """
 import triton
 import triton.language as tl
 
 from batchmaker.kernels.triton_pdl import wait_for_input
+from batchmaker.kernels.triton_unified_max import combine_row, combine_tile, slice_flags
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so keyless rows make no NaNs
@@ -108,13 +114,15 @@ def _key_range(first, kv_end, window, split, num_splits, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, gap_at, gap,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window, softcap_log2,
-            D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            MASKED: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr):
+            phi_log2, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            MASKED: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
+            UNIFIED: tl.constexpr):
     # online softmax of q_tile [M, D_PAD] (queries at context positions pos [M]) over positions [lo, hi),
     # carrying the running output acc [M, D_PAD], max m_i [M] and sum l_i [M]. Unless MASKED, every
     # position of the range is below hi and visible to every row (no position masks); MASKED and
     # WINDOWED, a row at p sees p - window + 1 .. p only, and the gap positions from gap_at (whole
-    # steps from lo) are left out. CAPPED: scores soft-capped before the masks.
+    # steps from lo) are left out. CAPPED: scores soft-capped before the masks. UNIFIED: 2^(s - phi)
+    # summed as they come (triton_unified_max.py), m_i [M, BN] the largest score each lane saw.
     offs_d = tl.arange(0, D_PAD)
     for step in range(lo, hi - gap, BLOCK_N):
         start = step
@@ -138,14 +146,69 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
             if WINDOWED:
                 causal = causal & (offs_n[None, :] > pos[:, None] - window)
             scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_cache + v_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        if UNIFIED:  # exponents from the fixed phi: no row maximum, no rescale; m_i [M, BN] each lane's maximum
+            m_i = tl.maximum(m_i, scores)
+            p = tl.exp2(scores - phi_log2)
+            l_i += tl.sum(p, 1)
+            v = _load_rows(v_cache + v_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_rows(v_cache + v_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _walk(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, full, mid, hi,
+          stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window, softcap_log2, phi_log2,
+          D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+          PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr, UNIFIED: tl.constexpr):
+    # a program's positions [lo, hi): [full, mid) without masks, then the masked rest (WINDOWED: [lo,
+    # full) and [mid, hi) in one masked loop: two would hold more registers)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, full, mid, 0, 0,
+                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
+                            softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION, WINDOWED, CAPPED,
+                            UNIFIED)
+    if WINDOWED:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, full,
+                                mid - full, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                                scale_log2, window, softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True,
+                                PRECISION, WINDOWED, CAPPED, UNIFIED)
+    else:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi, 0, 0,
+                                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
+                                softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED,
+                                CAPPED, UNIFIED)
+    return acc, m_i, l_i
+
+
+@triton.jit(noinline=True)
+def _recompute_flagged(q, k_cache, v_cache, part_out, part_lse, part_flag, table_row, kv_head, split, tile, q_start, n,
+                       ctx, lo, full, mid, hi, num_tokens, num_q_heads, stride_qt, stride_qh, stride_kb, stride_ko,
+                       stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, G: tl.constexpr, G_PAD: tl.constexpr,
+                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    # UNIFIED: the rows of a slice program's tile whose part_flag it set, walked again with the running
+    # max; their (output, lse) replace its sums. Scalars only (a call, not inlined into the kernel).
+    M: tl.constexpr = BLOCK_M * G_PAD
+    offs_d = tl.arange(0, D_PAD)
+    tok, head, is_row = _tile_rows(tile, kv_head, n, G, G_PAD, BLOCK_M)
+    q_tile = _load_rows(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        is_row, offs_d, D, D_PAD, True)
+    part_row = (split * num_tokens + q_start + tok) * num_q_heads + head
+    bad = tl.load(part_flag + part_row, mask=is_row, other=0) != 0
+    acc, m_i, l_i = _walk(tl.zeros([M, D_PAD], tl.float32), tl.full([M], NO_SCORE, tl.float32),
+                          tl.zeros([M], tl.float32), q_tile, ctx - n + tok, k_cache, v_cache, table_row, kv_head, lo,
+                          full, mid, hi, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
+                          None, None, None, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, False, False, False)
+    l_i = tl.where(bad, l_i, 1.0)  # (a flagged row has a key: l_i >= 1)
+    _store_rows(part_out + part_row[:, None] * D + offs_d[None, :], acc / l_i[:, None], bad, offs_d, D, D_PAD)
+    tl.store(part_lse + part_row, m_i + tl.log2(l_i), mask=bad)
 
 
 # The batch's counts vary from launch to launch: not specialized (Triton would otherwise compile a
@@ -157,17 +220,19 @@ SHAPE_ARGS = ["num_seqs", "num_tokens", "num_splits"]
 def paged_attention_kernel(
     q, k_cache, v_cache, out,  # q, out: [T, Hq, D]; caches: [num_blocks, BLOCK_SIZE, Hkv, D]
     part_out, part_lse,  # split-KV partials, fp32 [num_splits, T, Hq, D] and [num_splits, T, Hq]
+    part_flag, flags,  # UNIFIED: int8 [num_splits, T, Hq] each slice's flag, [T, Hq] each row's (else None)
     counters,  # COMBINE: int32 [Hkv * T], zero; a tile's is at kv_head * T + its first token
     block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
     work,  # WORK: int32 items, sequence << 16 | tile (-1: none), one per program_id(1)
     scale_log2, window, softcap_log2,  # WINDOWED: int >= 1; CAPPED: the cap times log2(e) (else None: no argument)
+    phi_log2, lo_log2, hi_log2,  # UNIFIED: phi and a slice's bounds on its largest score, log2 units (else None)
     num_seqs, num_tokens, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, COMBINE: tl.constexpr,
     PRECISION: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
-    CAPPED: tl.constexpr,
+    CAPPED: tl.constexpr, UNIFIED: tl.constexpr = False,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
     # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile)
@@ -208,39 +273,54 @@ def paged_attention_kernel(
     if WINDOWED:
         full = tl.minimum(lo + tl.cdiv(tl.maximum(kv_end - window - lo, 0), BLOCK_N) * BLOCK_N, hi)
     mid = full + tl.maximum(tl.minimum(hi, first + 1) - full, 0) // BLOCK_N * BLOCK_N
-    acc = tl.zeros([M, D_PAD], tl.float32)
-    m_i = tl.full([M], NO_SCORE, tl.float32)
-    l_i = tl.zeros([M], tl.float32)
     table_row = block_tables + seq * stride_bt
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, full, mid, 0, 0,
-                            stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
-                            softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION, WINDOWED, CAPPED)
-    if WINDOWED:  # [lo, full) and [mid, hi) in one masked loop (two would hold more registers)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, full,
-                                mid - full, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                                scale_log2, window, softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION,
-                                WINDOWED, CAPPED)
+    acc = tl.zeros([M, D_PAD], tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    if UNIFIED:
+        m_i = tl.full([M, BLOCK_N], NO_SCORE, tl.float32)
     else:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi, 0, 0,
-                                stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
-                                softcap_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED, CAPPED)
-    has_key = l_i > 0.0  # false for rows whose slice of the context ends before their position
-    l_i = tl.where(has_key, l_i, 1.0)
-    acc = acc / l_i[:, None]
-    if IS_SPLIT:
+        m_i = tl.full([M], NO_SCORE, tl.float32)
+    acc, m_i, l_i = _walk(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, full, mid, hi,
+                          stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
+                          softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, WINDOWED, CAPPED, UNIFIED)
+    if UNIFIED:  # (split decode, no window or cap) sums from phi; flagged rows: this slice again, exact
+        tl.static_assert(IS_SPLIT and not WINDOWED and not CAPPED)
+        bad = slice_flags(m_i, is_row, lo_log2, hi_log2, NO_SCORE)
         part_row = (split * num_tokens + q_start + tok) * num_q_heads + head  # [M]
         _store_rows(part_out + part_row[:, None] * D + offs_d[None, :], acc, is_row, offs_d, D, D_PAD)
-        tl.store(part_lse + part_row, tl.where(has_key, m_i + tl.log2(l_i), float("-inf")), mask=is_row)
+        tl.store(part_lse + part_row, l_i, mask=is_row)
+        tl.store(part_flag + part_row, bad.to(tl.int8), mask=is_row)
+        if tl.max(bad.to(tl.int32), 0) > 0:  # (rare; a call of its own: its registers are not the loop's)
+            tl.debug_barrier()
+            _recompute_flagged(q, k_cache, v_cache, part_out, part_lse, part_flag, table_row, kv_head, split, tile,
+                               q_start, n, ctx, lo, full, mid, hi, num_tokens, num_q_heads, stride_qt, stride_qh,
+                               stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
+                               G, G_PAD, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_SIZE, PRECISION)
         if COMBINE:
             counter = counters + kv_head * num_tokens + q_start + tile * BLOCK_M
             tl.debug_barrier()  # every thread's partials stored before the release below
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                _combine_tile(part_out, part_lse, out, tok + q_start, head, is_row, num_tokens, num_q_heads,
-                              num_splits, stride_ot, stride_oh, D, D_PAD)
+                combine_tile(part_out, part_lse, part_flag, flags, out, tok + q_start, head, is_row, num_tokens,
+                             num_q_heads, num_splits, phi_log2, stride_ot, stride_oh, D, D_PAD)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        _store_rows(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                    acc.to(out.dtype.element_ty), is_row, offs_d, D, D_PAD)
+        has_key = l_i > 0.0  # false for rows whose slice of the context ends before their position
+        l_i = tl.where(has_key, l_i, 1.0)
+        acc = acc / l_i[:, None]
+        if IS_SPLIT:
+            part_row = (split * num_tokens + q_start + tok) * num_q_heads + head  # [M]
+            _store_rows(part_out + part_row[:, None] * D + offs_d[None, :], acc, is_row, offs_d, D, D_PAD)
+            tl.store(part_lse + part_row, tl.where(has_key, m_i + tl.log2(l_i), float("-inf")), mask=is_row)
+            if COMBINE:
+                counter = counters + kv_head * num_tokens + q_start + tile * BLOCK_M
+                tl.debug_barrier()  # every thread's partials stored before the release below
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                    _combine_tile(part_out, part_lse, out, tok + q_start, head, is_row, num_tokens, num_q_heads,
+                                  num_splits, stride_ot, stride_oh, D, D_PAD)
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        else:
+            _store_rows(out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                        acc.to(out.dtype.element_ty), is_row, offs_d, D, D_PAD)
 
 
 @triton.jit
@@ -290,10 +370,12 @@ def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_
 @triton.jit(do_not_specialize=SHAPE_ARGS)
 def combine_splits_kernel(
     part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
+    part_flag, flags, phi_log2,  # UNIFIED: as paged_attention_kernel's (else None)
     num_seqs, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
-    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr, UNIFIED: tl.constexpr = False,
 ):
-    # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse)
+    # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse); UNIFIED, a row
+    # none of whose slices is flagged: sum_j o_j / sum_j s_j (triton_unified_max.combine_row)
     wait_for_input(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)
@@ -301,12 +383,18 @@ def combine_splits_kernel(
     num_parts = tl.where(t < tl.load(query_start + num_seqs), num_splits, 0)  # padding tokens: none
     is_split = splits < num_parts
     part_row = (splits * num_tokens + t) * num_q_heads + h
-    lse = tl.load(part_lse + part_row, mask=is_split, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS_PAD], 0 for empty slices
-    o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
-    total = tl.sum(w, 0)
-    result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    if UNIFIED:  # sums (lse where flagged) and flags, triton_unified_max.py
+        o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
+        flag = tl.load(part_flag + part_row, mask=is_split, other=0)
+        result = combine_row(o, tl.load(part_lse + part_row, mask=is_split, other=0.0), flag, phi_log2)
+        tl.store(flags + t * num_q_heads + h, tl.max(flag, 0))
+    else:
+        lse = tl.load(part_lse + part_row, mask=is_split, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS_PAD], 0 for empty slices
+        o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
+        total = tl.sum(w, 0)
+        result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
     if D == D_PAD:
         tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))
     else:

@@ -94,7 +94,8 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     config = types.SimpleNamespace(num_heads=32, max_positions=max_positions, attention_windows=windows,
                                    attn_softcap=softcap)
     runner = types.SimpleNamespace(cache=types.SimpleNamespace(k=k[None], v=k[None]), max_blocks=max_blocks,
-                                   config=config, module=types.SimpleNamespace(block_size=block))
+                                   config=config, module=types.SimpleNamespace(block_size=block, calibration_prompts=[]),
+                                   unified_max=None)
     IterationRunner.compile_kernels(runner)
     width = max_blocks * block
     wanted, served = set(), set()

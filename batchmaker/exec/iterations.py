@@ -72,6 +72,7 @@ class IterationRunner:
         cuda = device.type == "cuda"
         self.kernels = kernels
         self.attention = kernels.paged_attention if cuda else kernels.reference_paged_attention
+        self.unified_max: float | None = None  # split decode's phi once calibrated (calibrate_unified_max)
         self.shapes = GraphShapes(cell_type.batch_sizes, module.max_seqs, module.kv.prefill_graph_tokens,
                                   kernels.SHORT_CONTEXT_LEN, self.max_blocks * module.block_size, graphs.enabled)
         self.stream = None  # the CUDA worker's stream
@@ -153,7 +154,7 @@ class IterationRunner:
             self.cache.k, self.cache.v, t["kv_slots"], t["block_tables"], t["query_start"], t["context_lens"],
             max_query_len, self.scale, max_context_len=max_context_len,
             before_layer=None if swap_in is None else swap_in.before_attention, attention=self.attention, work=work,
-            windows=self.config.attention_windows, softcap=self.config.attn_softcap)
+            windows=self.config.attention_windows, softcap=self.config.attn_softcap, unified_max=self.unified_max)
         if self.stage is None:
             hidden = self.lm(tokens, t["positions"], attend)
         else:  # a pipeline stage
@@ -358,10 +359,22 @@ class IterationRunner:
         """Compile every attention variant this model can launch now, not mid-serving
         (kernels/attention_variants.py; CUDA workers call it at start, graphs or not). Contexts
         reach the block table's width (an unbounded launch's bound), a block past max_positions; with
-        the layers' sliding windows and soft cap, where the model has them."""
+        the layers' sliding windows and soft cap, where the model has them, and the calibrated
+        unified maximum's split decodes, calibrated first from the cell's calibration prompts."""
+        if self.module.calibration_prompts:
+            self.calibrate_unified_max(self.module.calibration_prompts)
         compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
                          max(self.config.max_positions, self.max_blocks * self.module.block_size),
-                         self.config.attention_windows, self.config.attn_softcap)
+                         self.config.attention_windows, self.config.attn_softcap, self.unified_max)
+
+    def calibrate_unified_max(self, prompts: list[list[int]]) -> float | None:
+        """FlashDecoding++'s unified maximum for this model from its scores on `prompts`
+        (kernels/unified_max.calibrate_lm), used by every later iteration's split decode; before
+        graphs are captured (they hold it; compile_kernels calls it at a GPU worker's start). None
+        (no prompts, windows, soft caps, a model split over ranks): the exact path."""
+        from batchmaker.kernels.unified_max import calibrate_lm
+        self.unified_max = calibrate_lm(self.lm, prompts) if self.module.ranks == 1 else None
+        return self.unified_max
 
     def warm_up(self) -> None:
         """Capture the decode graphs of every bucket now (padded sequences only touch scratch)."""
