@@ -48,7 +48,10 @@ def compress(x: Tensor, group: int = 64, dim: int = 0) -> Compressed:
         moved = torch.cat([moved, moved[..., -1:].expand(*moved.shape[:-1], pad)], dim=-1)
     groups = moved.reshape(*moved.shape[:-1], -1, group).float()
     low = groups.amin(-1, keepdim=True)
-    scale = (groups.amax(-1, keepdim=True) - low) / LEVELS
+    # (a tensor divisor: on CUDA torch divides by a Python number as a product with its reciprocal,
+    # which rounds differently from the CPU's division and the kernels' div_rn: codes then differed
+    # by one in rare values between a GPU and the CPU, on an H100)
+    scale = (groups.amax(-1, keepdim=True) - low) / torch.full_like(low, LEVELS)
     codes = torch.round((groups - low) / torch.where(scale > 0, scale, 1.0)).clamp_(0, LEVELS).to(torch.uint8)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()  # (in the grouped layout's order)
     return Compressed(packed, scale.to(x.dtype).contiguous(), low.to(x.dtype).contiguous(), tuple(x.shape), dim, group)
@@ -86,7 +89,8 @@ def expand(c: Compressed, out: Tensor | None = None, reference: bool = False) ->
     kernels = load_kernels("triton_compress4", "the 4-bit expansion kernel", "compress4.decompress")
     grid = (-(-rows // EXPAND_ROWS), c.codes.shape[-2])
     kernels.expand_kernel[grid](c.codes.contiguous(), c.scale.contiguous(), c.low.contiguous(), out, rows, size, row_stride, col_stride,
-                                GROUP=c.group, BLOCK_R=EXPAND_ROWS)
+                                GROUP=c.group, BLOCK_R=EXPAND_ROWS,
+                                enable_fp_fusion=False)  # (min + code x scale rounded twice, as decompress: no FMA)
     return out
 
 
