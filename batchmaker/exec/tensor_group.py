@@ -14,9 +14,10 @@ from the same gathered logits; rank 0's are the engine's.
 The group is a process group of its own over a TCPStore on a port rank 0 binds (gloo on CPUs,
 NCCL on GPUs), not torch.distributed's default one: several groups can live in one process,
 beside whatever else uses torch.distributed there. A pipeline whose stages are tensor-parallel
-(cells/stage_shards.py) has, besides, a group per stage of its shards, for their collectives. On GPUs the collectives run inside the decode
-CUDA graphs: every rank captures the same graphs in the same order (the same start-up, then the
-same plans), so the captured collectives pair up when replayed.
+(cells/stage_shards.py) has, besides, a group per stage of its shards, for their collectives. On
+GPUs the collectives run inside the decode CUDA graphs: every rank captures the same graphs in the
+same order (the same start-up, then the same plans), so the captured collectives pair up when
+replayed.
 
 Failure: a rank that died is seen by a watcher thread at once (its process sentinel): the group
 is marked broken and its communicator aborted, so that a collective waiting for the dead rank
