@@ -46,6 +46,9 @@
 #              (tests/test_pipeline_parallel_gpu.py), then bench/chat.py all at once at PP 1 and 2
 #              (13B: the issue's PP=2 >= 1.7x one GPU's tokens/s at saturation); ~8 min expected, not yet run
 #     pp-step  bench/tp_step.py --pp 1 2: a pipeline's decode round at batch 1 and 64
+#     tppp (a 4-GPU machine; issue 31): tppp-tests then tppp-chat: tensor and pipeline parallelism
+#              together, TP=2 x PP=2 (tests/test_tensor_pipeline_gpu.py: bf16 tokens against one GPU, a
+#              killed rank), then bench/chat.py all at once at TP=2 x PP=2 (13B); not yet run
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
 # RATES_REPLICAS_TREE (the replica suites'), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
@@ -79,7 +82,8 @@ REPLICA_COUNTS=$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= 
 replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
 TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
-set -- $(for suite in "$@"; do [ "$suite" = pp ] && echo pp-tests pp-chat || echo "$suite"; done)
+set -- $(for suite in "$@"; do case "$suite" in pp) echo pp-tests pp-chat ;; tppp) echo tppp-tests tppp-chat ;;
+                                                  *) echo "$suite" ;; esac; done)
 for suite in "$@"; do
     case "$suite" in
         tests) step gpu-tests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ ;;
@@ -149,6 +153,10 @@ for suite in "$@"; do
                 tests/test_unified_max.py
             [ "$suite" = fdpp-tests ] || step fdpp-ab timeout 320 python3 bench/attention.py --unified-max --out \
                 "bench/results/attention-fdpp-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+        tppp-tests) step tppp-tests timeout 300 python3 -m pytest -q -s -p no:cacheprovider -rf tests/test_tensor_pipeline_gpu.py ;;
+        tppp-chat) step tppp-chat timeout 300 python3 bench/chat.py --preset "${TPPP_PRESET:-llama-2-13b}" \
+                       --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" \
+                       --tensor-parallel 2 --pipeline-parallel 2 ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \

@@ -56,12 +56,9 @@ class DecoderCell(Cell):
     def __init__(self, lm: torch.nn.Module, kv: KVSettings = KVSettings(), tensor_parallel: int = 1, source=None,
                  pipeline_parallel: int = 1):
         super().__init__()
-        if tensor_parallel > 1 and pipeline_parallel > 1:
-            raise ValueError(f"tensor_parallel={tensor_parallel} with pipeline_parallel={pipeline_parallel}: one or "
-                             f"the other so far")
         if max(tensor_parallel, pipeline_parallel) > 1 and source is None:
             raise ValueError("a parallel DecoderCell needs its DecoderSource (each rank builds its part from it)")
-        self.lm = lm  # the model, or rank 0's part of it (cells/tensor_parallel.py, cells/pipeline.py)
+        self.lm = lm  # the model, or rank 0's part of it (cells/tensor_parallel.py, cells/pipeline.py, both)
         self.kv = kv
         self.tensor_parallel = tensor_parallel  # ranks the model is split over (exec/tensor_group.py)
         self.pipeline_parallel = pipeline_parallel  # stages its layers are split into
@@ -78,13 +75,16 @@ class DecoderCell(Cell):
 
     @property
     def ranks(self) -> int:
-        """Processes the model runs on: its tensor-parallel shards or its pipeline stages."""
+        """Processes the model runs on: its tensor-parallel shards times its pipeline stages."""
         return self.tensor_parallel * self.pipeline_parallel
 
     def cut(self, rank: int):
         """What rank `rank` holds of the whole model (None: all of it)."""
         from batchmaker.cells.pipeline import StageCut
+        from batchmaker.cells.stage_shards import StageShardCut
         from batchmaker.cells.tensor_parallel import TensorCut
+        if self.pipeline_parallel > 1 and self.tensor_parallel > 1:  # (rank = stage * tensor_parallel + shard)
+            return StageShardCut.of(self.config, rank, self.pipeline_parallel, self.tensor_parallel)
         if self.pipeline_parallel > 1:
             return StageCut.of(self.config, rank, self.pipeline_parallel)
         return TensorCut(rank, self.tensor_parallel) if self.tensor_parallel > 1 else None

@@ -96,11 +96,23 @@ class PipelineStage:
     process group (exec/tensor_group.py), set once every stage has joined; `back` (stage 0 and the
     last only) a process group of those two, members 0 and 1, that carries the sampled tokens: on
     GPUs a communicator of its own, so that stage 0 can wait for tokens on a side stream while its
-    next iteration sends on `group` (one NCCL communicator must not run two kernels at once)."""
+    next iteration sends on `group` (one NCCL communicator must not run two kernels at once).
 
-    def __init__(self, stage: int, stages: int, group=None, back=None):
+    A stage may itself be `shards` tensor-parallel ranks (cells/stage_shards.py): rank
+    stage * shards + shard. Shard k of a stage receives from shard k of the previous one and sends
+    to shard k of the next (the residual stream is the same on every shard of a stage, after its
+    all-reduces); shard 0 of the last stage sends the tokens to rank 0 (stage 0's shard 0). Pairs
+    of peers rather than shard 0 sending and the next stage broadcasting: no collective is added
+    to the receiving stage's group (each iteration would wait for it), and the N pairs run over
+    their own links at once, each carrying what the one pair would (not measured on GPUs yet)."""
+
+    def __init__(self, stage: int, stages: int, group=None, back=None, shard: int = 0, shards: int = 1):
         self.stage, self.stages, self.group, self.back = stage, stages, group, back
+        self.shard, self.shards = shard, shards
         self.first, self.last = stage == 0, stage == stages - 1
+        self.rank = stage * shards + shard  # in `group`
+        self.receives_tokens = self.first and shard == 0  # (rank 0: the manager's)
+        self.sends_tokens = self.last and shard == 0
 
     def run(self, lm, tokens: Tensor, positions: Tensor, attend, received: Tensor | None) -> Tensor:
         """This stage's part of a forward over the iteration's tokens, from `received` (the previous
@@ -116,20 +128,20 @@ class PipelineStage:
     def receive(self, into: Tensor) -> Tensor:
         """The previous stage's residual stream, into `into` [2, T, H] (on a GPU the current stream
         waits for it, the host does not)."""
-        self.group.recv([into], self.stage - 1, ACTIVATIONS).wait()
+        self.group.recv([into], self.rank - self.shards, ACTIVATIONS).wait()
         return into
 
     def send(self, stream: Tensor) -> None:
-        """The residual stream [2, T, H] to the next stage."""
-        self.group.send([stream], self.stage + 1, ACTIVATIONS).wait()
+        """The residual stream [2, T, H] to the next stage (to this shard's peer there)."""
+        self.group.send([stream], self.rank + self.shards, ACTIVATIONS).wait()
 
     def send_tokens(self, chosen: Tensor) -> None:
-        """The last stage: the sampled tokens to stage 0."""
+        """The last stage's shard 0: the sampled tokens to stage 0's shard 0."""
         if chosen.numel():  # (an iteration of prompt chunks only samples nothing)
             self.back.send([chosen.contiguous()], 0, TOKENS).wait()
 
     def receive_tokens(self, count: int, device, side=None, region=None) -> "PendingTokens":
-        """Stage 0: the `count` tokens the last stage samples for this iteration (wait for them
+        """Stage 0's shard 0: the `count` tokens the last stage samples for this iteration (wait for them
         later). With `side` (a CUDA stream), the receive and the copy into `region` (pinned host
         memory, exec/staging.py) run on that stream, so stage 0's next launches never wait for the
         tokens, and an event says when they have landed."""

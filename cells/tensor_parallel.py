@@ -45,22 +45,25 @@ def rank_device(device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def check_rank_devices(device, size: int) -> None:
-    """A typed refusal, when the model is built, of ranks that would run on GPUs this machine lacks
-    (ranks a launcher started run where it put them: batchmaker/launch.py)."""
+def check_rank_devices(device, size: int, stages: int = 1) -> None:
+    """A typed refusal, when the model is built, of ranks (tensor_parallel `size` x
+    pipeline_parallel `stages`) that would run on GPUs this machine lacks (ranks a launcher
+    started run where it put them: batchmaker/launch.py)."""
     from batchmaker.launch import launched
-    launch = launched()
-    if launch is not None and size > 1:
-        if launch.size != size:
-            raise ValueError(f"tensor_parallel={size}: under a launcher the world (WORLD_SIZE={launch.size}) "
-                             f"is the group: set tensor_parallel={launch.size}")
+    launch, ranks = launched(), size * stages
+    asked = f"tensor_parallel={size}" if stages == 1 else \
+        f"tensor_parallel={size} x pipeline_parallel={stages} ({ranks} ranks)"
+    if launch is not None and ranks > 1:
+        if launch.size != ranks:
+            raise ValueError(f"{asked}: under a launcher the world (WORLD_SIZE={launch.size}) is the group: "
+                             f"set tensor_parallel x pipeline_parallel = {launch.size}")
         return
-    last = rank_device(device, size - 1)
+    last = rank_device(device, ranks - 1)
     if last.type == "cuda" and last.index >= torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel={size} from {device}: ranks need {torch.device(device)} to {last}, "
+        raise ValueError(f"{asked} from {device}: ranks need {torch.device(device)} to {last}, "
                          f"this machine has {torch.cuda.device_count()} CUDA devices")
     if last.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensor_parallel={size}: ranks run on CPUs or CUDA devices, not {last.type}")
+        raise ValueError(f"{asked}: ranks run on CPUs or CUDA devices, not {last.type}")
 
 
 def shard_config(config: DecoderConfig, size: int) -> DecoderConfig:

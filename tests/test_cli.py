@@ -162,3 +162,6 @@ def test_a_tensor_parallel_decoders_ranks_must_be_in_devices():
         check_rank_devices("llama", "cuda:2", 4, ("cuda:2", "cuda:3"))
     check_rank_devices("llama", "cuda:0", 2, ("cuda:0", "cuda:1"))
     check_rank_devices("llama", "cpu", 2, ("cpu",))  # (CPU ranks: processes beside the worker)
+    with pytest.raises(UsageError, match="tensor_parallel=2 pipeline_parallel=2: .* cuda:0 to cuda:3; "
+                                         "--devices lacks cuda:2, cuda:3"):
+        check_rank_devices("llama", "cuda:0", 2, ("cuda:0", "cuda:1"), 2)

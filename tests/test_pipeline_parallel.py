@@ -37,8 +37,6 @@ def test_stages_the_layers_cannot_fill_are_refused():
         check_stages(PRESETS["tiny-llama"], 3)
     with pytest.raises(ValueError, match="pipeline_parallel"):
         build_model("llama", pipeline_parallel=0)
-    with pytest.raises(ValueError, match="one or the other"):
-        build_model("llama", pipeline_parallel=2, tensor_parallel=2)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -135,8 +133,9 @@ def test_a_stage_that_dies_fails_the_requests_and_nothing_is_left_behind():
 class FakeStage:
     """A stage's sends and receives, recorded (exec/stage_exchange.py's contract)."""
 
-    def __init__(self, stage: int, stages: int):
+    def __init__(self, stage: int, stages: int, shard: int = 0):
         self.first, self.last, self.calls = stage == 0, stage == stages - 1, []
+        self.receives_tokens, self.sends_tokens = self.first and shard == 0, self.last and shard == 0
 
     def receive(self, into):
         self.calls.append(("receive", into))

@@ -105,14 +105,14 @@ def test_a_conversation_and_a_cancel_on_two_ranks():
     assert run(2) == run(1)
 
 
-def kill_a_rank(engine, warm_timeout: float = 30.0, settle: float = 0.0) -> None:
-    """A rank's process killed while four long requests run: each fails within 10 s."""
+def kill_a_rank(engine, warm_timeout: float = 30.0, settle: float = 0.0, rank: int = 1) -> None:
+    """Rank `rank`'s process killed while four long requests run: each fails within 10 s."""
     engine.submit("llama", {"tokens": [3, 4, 5], "max_new_tokens": 2, "ignore_eos": True}).result(warm_timeout)
     futures = [engine.submit("llama", {"tokens": [i + 1] * 8, "max_new_tokens": 200, "ignore_eos": True})
                for i in range(4)]
     time.sleep(settle)
     group = next(iter(engine.workers[0].iterations.values())).ranks
-    group.processes[0].kill()
+    group.processes[rank - 1].kill()
     start = time.monotonic()
     for f in futures:
         with pytest.raises(BatchMakerError):

@@ -1,4 +1,4 @@
-"""A tensor- or pipeline-parallel decoder over ranks a launcher started: `torchrun
+"""A tensor- or pipeline-parallel decoder (or both) over ranks a launcher started: `torchrun
 --nproc-per-node 2 -m batchmaker.serving.cli serve ...`, the same command in both processes,
 exactly as on several hosts (exec/tensor_launch.py), here on one host with gloo. Rank 0 serves over ZeroMQ and plans;
 rank 1 runs its plans. The tokens are those of one rank in one process; stopping torchrun leaves
@@ -42,13 +42,15 @@ def processes_naming(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("parallel", ["tensor_parallel", "pipeline_parallel"])
+@pytest.mark.parametrize("parallel", [("tensor_parallel",), ("pipeline_parallel",),
+                                      ("tensor_parallel", "pipeline_parallel")],  # (2 x 2: four ranks)
+                         ids=["tp", "pp", "tp-pp"])
 def test_torchrun_ranks_serve_the_tokens_of_one_rank(capsys, parallel):
-    address = ipc_address()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "batchmaker.serving.cli", "serve", "--models", "llama",
-               "--set", "llama.seed=2", "--set", "llama.max_tokens=48", "--set", f"llama.{parallel}=2",
-               "--address", address]
+    address, ranks = ipc_address(), 2 ** len(parallel)
+    sets = [arg for key in parallel for arg in ("--set", f"llama.{key}=2")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), "-m", "batchmaker.serving.cli", "serve", "--models",
+               "llama", "--set", "llama.seed=2", "--set", "llama.max_tokens=48", *sets, "--address", address]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -66,7 +68,7 @@ def test_torchrun_ranks_serve_the_tokens_of_one_rank(capsys, parallel):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    assert "rank 1 of 2: following rank 0" in output, output
+    assert f"rank {ranks - 1} of {ranks}: following rank 0" in output, output
     deadline = time.monotonic() + 10
     while processes_naming(address) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -79,7 +79,7 @@ def _config(name: str, family: str, preset: str, checkpoint: str | None, device:
         check_gpu_attention(config, checkpoint or preset)
     check_shardable(config, tensor_parallel)
     check_stages(config, pipeline_parallel)
-    check_rank_devices(device, tensor_parallel * pipeline_parallel)
+    check_rank_devices(device, tensor_parallel, pipeline_parallel)
     return config, tokenizer
 
 
@@ -110,7 +110,8 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     free for running decodes. tensor_parallel: ranks the model is split over (processes the engine
     starts: rank r on the r-th CUDA device after `device`'s, or on the CPU). pipeline_parallel:
     stages the layers are split into, a process each (ORCA's pipeline: stage r on the r-th CUDA
-    device after `device`'s, or on the CPU; not with tensor_parallel yet). prefix_caching: a
+    device after `device`'s, or on the CPU; with tensor_parallel N, each stage is N ranks: stage s on
+    the N devices from the (s N)-th after `device`'s). prefix_caching: a
     request without a conversation keeps its context like one, and a later request whose prompt
     continues it exactly (a client resending its history)
     takes it; a prompt's leading whole blocks that any request computed before are read, not

@@ -29,7 +29,8 @@ class StageExchange:
         the first: the residual stream [2, num_tokens, H] into `inbox`, one buffer per size if
         `graphed`) and its send (a stage before the last: `forward`'s output; the last: its sampled
         tokens, to stage 0). Returns the last stage's tokens, stage 0's `tokens_back(num_samples)`
-        (their PendingTokens; None: wait for them here, as start-up's measurements do), or None."""
+        (their PendingTokens; None: wait for them here, as start-up's measurements do), or None
+        (under tensor parallelism too: only stage 0's shard 0 gets the tokens back)."""
         stage = self.stage
         inbox = None
         if not stage.first:
@@ -41,10 +42,11 @@ class StageExchange:
             stage.receive(inbox)
         out = forward(inbox)
         if stage.last:
-            stage.send_tokens(out)
+            if stage.sends_tokens:  # (one shard of the last stage: every shard sampled the same)
+                stage.send_tokens(out)
             return out
         stage.send(out)
-        if not stage.first:
+        if not stage.receives_tokens:  # (a stage after the first, or stage 0's other shards: the plans feed them)
             return None
         if tokens_back is None:
             return stage.receive_tokens(num_samples, self.device).wait()

@@ -13,9 +13,11 @@ from the same gathered logits; rank 0's are the engine's.
 
 The group is a process group of its own over a TCPStore on a port rank 0 binds (gloo on CPUs,
 NCCL on GPUs), not torch.distributed's default one: several groups can live in one process,
-beside whatever else uses torch.distributed there. On GPUs the collectives run inside the decode
-CUDA graphs: every rank captures the same graphs in the same order (the same start-up, then the
-same plans), so the captured collectives pair up when replayed.
+beside whatever else uses torch.distributed there. A pipeline whose stages are tensor-parallel
+(cells/stage_shards.py) has, besides, a group per stage of its shards, for their collectives. On
+GPUs the collectives run inside the decode CUDA graphs: every rank captures the same graphs in the
+same order (the same start-up, then the same plans), so the captured collectives pair up when
+replayed.
 
 Failure: a rank that died is seen by a watcher thread at once (its process sentinel): the group
 is marked broken and its communicator aborted, so that a collective waiting for the dead rank
@@ -90,45 +92,54 @@ def process_group(store, rank: int, size: int, device: torch.device):
     return group
 
 
-def communicator(lm):
-    """A part's collectives: its TensorParallel (a shard) or its PipelineStage (a stage)."""
-    return lm.tp if lm.tp is not None else lm.pp
-
-
 def connect(lm, store, rank: int, size: int, device: torch.device) -> list:
     """Join this rank's part to its group (every rank calls it, in the same order): the process
-    group; for a pipeline's first and last stages the tokens' own group of those two; for a
+    group of all the ranks (a tensor-parallel shard's collectives; a pipeline's sends and
+    receives); with both, its stage's own group of its shards (their collectives); for a
+    pipeline's first and last stages the tokens' own group of those two ranks; for a
     tensor-parallel shard on GPUs of one host the one-shot all-reduce where it measures faster
-    than NCCL (exec/one_shot.py). Returns the process groups."""
+    than NCCL (exec/one_shot.py). Returns the process groups.
+
+    A stage's group is made over the store under a prefix of its own, by its shards only: the
+    groups here are built directly on a store, not by torch.distributed's `new_group` (which
+    needs its default group, and every rank of the world to call it for every subgroup), so the
+    stages' groups form at once, each by its members, with no order to agree across stages."""
     from batchmaker.exec import one_shot
-    comm = communicator(lm)
-    comm.group = process_group(store, rank, size, device)
-    if lm.pp is not None and rank in (0, size - 1):
-        comm.back = process_group(dist.PrefixStore("tokens", store), int(rank > 0), 2, device)
+    world, shards_store = process_group(store, rank, size, device), store
+    stage = lm.pp
+    if stage is None:
+        lm.tp.group = world
+    else:
+        stage.group = world
+        if lm.tp is not None:  # (rank = stage * shards + shard)
+            shards_store = dist.PrefixStore(f"stage-{stage.stage}", store)
+            lm.tp.group = process_group(shards_store, stage.shard, stage.shards, device)
+        if stage.receives_tokens or stage.sends_tokens:
+            stage.back = process_group(dist.PrefixStore("tokens", store), int(stage.sends_tokens), 2, device)
     if lm.tp is not None:
         dtype = next(lm.parameters()).dtype
         with torch.cuda.device(device) if device.type == "cuda" else _nothing():
-            lm.tp.one_shot = one_shot.join(store, rank, size, device, comm.group, dtype)
+            lm.tp.one_shot = one_shot.join(shards_store, lm.tp.rank, lm.tp.size, device, lm.tp.group, dtype)
     return groups(lm)
 
 
 def groups(lm) -> list:
-    """The process groups a part's collectives and sends use."""
-    comm = communicator(lm)
-    return [g for g in (comm.group, getattr(comm, "back", None)) if g is not None]
+    """The process groups a part's collectives and sends use (each once)."""
+    found = [lm.tp and lm.tp.group, lm.pp and lm.pp.group, lm.pp and lm.pp.back]
+    return [g for i, g in enumerate(found) if g is not None and all(g is not f for f in found[:i])]
 
 
 def disconnect(lm, device: torch.device, broken: bool) -> None:
     """Undo `connect` (after the last kernel that uses the group)."""
-    comm = communicator(lm)
     for group in groups(lm):
         end_group(group, device, broken)
-    comm.group = None
     if lm.pp is not None:
-        comm.back = None
-    if lm.tp is not None and getattr(lm.tp, "one_shot", None) is not None:
-        lm.tp.one_shot.close()
-        lm.tp.one_shot = None
+        lm.pp.group = lm.pp.back = None
+    if lm.tp is not None:
+        lm.tp.group = None
+        if getattr(lm.tp, "one_shot", None) is not None:
+            lm.tp.one_shot.close()
+            lm.tp.one_shot = None
 
 
 class TensorGroup:
@@ -177,7 +188,7 @@ class TensorGroup:
         from batchmaker.exec.tensor_launch import accept_ranks, launcher_store
         if launch.rank != 0 or launch.size != self.size:
             raise ValueError(f"{self.size} ranks: under a launcher (WORLD_SIZE={launch.size}, RANK={launch.rank}) "
-                             f"the world is the group: rank 0 serves, with tensor_parallel (or pipeline_parallel) "
+                             f"the world is the group: rank 0 serves, with tensor_parallel x pipeline_parallel "
                              f"equal to WORLD_SIZE")
         store = launcher_store(launch)
         self.pipes = accept_ranks(launch, store, lambda rank: spec(rank, launch.master_addr, launch.master_port))

@@ -31,7 +31,8 @@ def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] 
     for name, options in per_model.items():
         if "device" in factory_options(name):
             check_model_device(name, options.setdefault("device", devices[0]), devices)
-            check_rank_devices(name, options["device"], options.get("tensor_parallel", 1), devices)
+            check_rank_devices(name, options["device"], options.get("tensor_parallel", 1), devices,
+                               options.get("pipeline_parallel", 1))
     models = []
     for spec in specs:
         if ":" in spec:
@@ -58,16 +59,19 @@ def check_model_device(name: str, device: str, devices: tuple[str, ...]) -> None
                          f"{','.join(devices)} (--devices)")
 
 
-def check_rank_devices(name: str, device: str, size, devices: tuple[str, ...]) -> None:
-    """A tensor-parallel decoder's ranks run on consecutive GPUs from its device: --devices lists them all."""
+def check_rank_devices(name: str, device: str, size, devices: tuple[str, ...], stages=1) -> None:
+    """A parallel decoder's ranks (tensor_parallel `size` x pipeline_parallel `stages`) run on
+    consecutive GPUs from its device: --devices lists them all."""
     from batchmaker.launch import launched
-    if not isinstance(size, int) or size < 2 or not device.startswith("cuda") or launched() is not None:
+    if not isinstance(size, int) or not isinstance(stages, int) or size * stages < 2 or \
+            not device.startswith("cuda") or launched() is not None:
         return
-    index = int(device.partition(":")[2] or 0)
-    missing = [f"cuda:{index + r}" for r in range(size) if f"cuda:{index + r}" not in devices]
+    ranks, index = size * stages, int(device.partition(":")[2] or 0)
+    missing = [f"cuda:{index + r}" for r in range(ranks) if f"cuda:{index + r}" not in devices]
     if missing:
-        raise UsageError(f"--set tensor_parallel={size}: model {name}'s ranks run on cuda:{index} to "
-                         f"cuda:{index + size - 1}; --devices lacks {', '.join(missing)}")
+        asked = f"tensor_parallel={size}" + (f" pipeline_parallel={stages}" if stages > 1 else "")
+        raise UsageError(f"--set {asked}: model {name}'s ranks run on cuda:{index} to "
+                         f"cuda:{index + ranks - 1}; --devices lacks {', '.join(missing)}")
 
 
 def check_devices(text: str, flag: str) -> tuple[str, ...]:
