@@ -14,7 +14,6 @@ densely on cuda:0); at least 95% must pass (the model's head is scaled so that t
 the identical ones are printed. Seeded sampling draws the same tokens from the same logits: in
 fp32 (TF32 off) every seeded request must equal one GPU's; in bf16 they are printed only.
 """
-import gc
 import multiprocessing
 import random
 import time
@@ -23,10 +22,10 @@ import pytest
 import torch
 
 from batchmaker import Engine, EngineConfig
-from batchmaker.errors import BatchMakerError, CancelledError
+from batchmaker.errors import CancelledError
 from batchmaker.registry import build_model
 from test_generation import step
-from test_tensor_parallel_engine import kill_a_rank
+from test_tensor_parallel_gpu import assert_a_dead_rank_fails_the_requests, release
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -98,13 +97,6 @@ def serve(model, requests: list[dict], rng: random.Random) -> tuple[list, int]:
         release(engine)
 
 
-def release(engine) -> None:
-    """The stopped engine's GPU memory back to the device (its KV cache took most of what was free)."""
-    engine.workers.clear()
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def near_tie_or_equal(lm, prompt: list[int], ours: list[int], reference: list[int]) -> tuple[bool, bool]:
     """(identical, identical or first differing where the reference's logits nearly tie)."""
     if ours == reference:
@@ -119,35 +111,34 @@ def near_tie_or_equal(lm, prompt: list[int], ours: list[int], reference: list[in
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_two_gpu_stages_give_the_tokens_of_one(checkpoint, dtype, no_tf32):
+    same_seeded, seeded = assert_parallel_gives_one_gpus_tokens(checkpoint, dtype, f"PP=2 {dtype}", pipeline_parallel=2)
+    if dtype == "float32":
+        assert same_seeded == seeded
+
+
+def assert_parallel_gives_one_gpus_tokens(checkpoint: str, dtype: str, label: str, **parallel) -> tuple[int, int]:
+    """The workload served by one GPU and by the `parallel` model (two iterations in flight): all
+    tokens generated, >= 95% of the greedy requests identical or first differing at a near tie;
+    returns (seeded requests identical, seeded requests)."""
     requests = workload(random.Random(1))
     options = dict(checkpoint=checkpoint, dtype=dtype, device="cuda:0", max_tokens=128, max_seqs=32, num_blocks=512)
     model = build_model("llama", **options)
     one, _ = serve(model, requests, random.Random(2))
-    two, most = serve(build_model("llama", pipeline_parallel=2, **options), requests, random.Random(3))
+    ours, most = serve(build_model("llama", **parallel, **options), requests, random.Random(3))
     assert not multiprocessing.active_children()
     assert most == 2  # (ORCA's pipeline: an iteration per stage)
     lm = model.cells["decoder"].lm
     greedy = [i for i, r in enumerate(requests) if "temperature" not in r and i != CANCELLED]
-    results = [near_tie_or_equal(lm, requests[i]["tokens"], two[i], one[i]) for i in greedy]
+    results = [near_tie_or_equal(lm, requests[i]["tokens"], ours[i], one[i]) for i in greedy]
     identical, passed = sum(r[0] for r in results), sum(r[1] for r in results)
     seeded = [i for i, r in enumerate(requests) if "temperature" in r]
-    same_seeded = sum(two[i] == one[i] for i in seeded)
-    print(f"PP=2 {dtype}: greedy {identical}/{len(greedy)} identical, {passed}/{len(greedy)} identical or "
+    same_seeded = sum(ours[i] == one[i] for i in seeded)
+    print(f"{label}: greedy {identical}/{len(greedy)} identical, {passed}/{len(greedy)} identical or "
           f"near-tie; seeded {same_seeded}/{len(seeded)} identical")
-    assert all(len(two[i]) == NEW_TOKENS for i in greedy + seeded)
+    assert all(len(ours[i]) == NEW_TOKENS for i in greedy + seeded)
     assert passed >= 0.95 * len(greedy)
-    if dtype == "float32":
-        assert same_seeded == len(seeded)
+    return same_seeded, len(seeded)
 
 
 def test_a_stage_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind():
-    model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", pipeline_parallel=2)
-    engine = Engine([model], EngineConfig(devices=("cuda:0",))).start()
-    try:
-        kill_a_rank(engine, warm_timeout=60, settle=0.05)  # (every in-flight request fails within 10 s)
-        with pytest.raises(BatchMakerError, match="broken"):
-            engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(15)
-    finally:
-        engine.stop()
-        release(engine)
-    assert not multiprocessing.active_children()
+    assert_a_dead_rank_fails_the_requests(pipeline_parallel=2)

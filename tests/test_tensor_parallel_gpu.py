@@ -96,10 +96,16 @@ def test_two_gpus_give_the_tokens_of_one(checkpoint, dtype, identical, no_tf32):
 
 
 def test_a_rank_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind():
-    model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", tensor_parallel=2)
+    assert_a_dead_rank_fails_the_requests(tensor_parallel=2)
+
+
+def assert_a_dead_rank_fails_the_requests(rank: int = 1, **parallel) -> None:
+    """Rank `rank` of a parallel bf16 model killed mid-run (test_tensor_parallel_engine.kill_a_rank):
+    every in-flight request fails within 10 s, a new one as broken, and no process is left."""
+    model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", **parallel)
     engine = Engine([model], EngineConfig(devices=("cuda:0",))).start()
     try:
-        kill_a_rank(engine, warm_timeout=60, settle=0.05)
+        kill_a_rank(engine, warm_timeout=60, settle=0.05, rank=rank)
         with pytest.raises(BatchMakerError, match="broken"):
             engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(15)
     finally:

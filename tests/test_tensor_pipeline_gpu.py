@@ -12,18 +12,13 @@ difference one GPU's logit of our token is within NEAR_TIE times the spread (sta
 of one GPU's logits of its best; at least 95% must pass, and the identical ones are printed.
 Seeded requests are printed only (bf16: the shards' partial sums round otherwise).
 """
-import multiprocessing
-import random
 from dataclasses import replace
 
 import pytest
 import torch
 
-from batchmaker import Engine, EngineConfig
-from batchmaker.errors import BatchMakerError
-from batchmaker.registry import build_model
-from test_pipeline_parallel_gpu import CANCELLED, NEW_TOKENS, near_tie_or_equal, release, serve, workload
-from test_tensor_parallel_engine import kill_a_rank
+from test_pipeline_parallel_gpu import assert_parallel_gives_one_gpus_tokens
+from test_tensor_parallel_gpu import assert_a_dead_rank_fails_the_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")]
 
@@ -47,33 +42,8 @@ def one_kv_head(tmp_path_factory):
 
 
 def test_four_gpus_in_two_stages_of_two_shards_give_the_tokens_of_one(one_kv_head, no_tf32):
-    requests = workload(random.Random(1))
-    options = dict(checkpoint=one_kv_head, dtype="bfloat16", device="cuda:0", max_tokens=128, max_seqs=32,
-                   num_blocks=512)
-    model = build_model("llama", **options)
-    one, _ = serve(model, requests, random.Random(2))
-    four, most = serve(build_model("llama", **GRID, **options), requests, random.Random(3))
-    assert not multiprocessing.active_children()
-    assert most == 2  # (ORCA's pipeline: an iteration per stage)
-    lm = model.cells["decoder"].lm
-    greedy = [i for i, r in enumerate(requests) if "temperature" not in r and i != CANCELLED]
-    results = [near_tie_or_equal(lm, requests[i]["tokens"], four[i], one[i]) for i in greedy]
-    identical, passed = sum(r[0] for r in results), sum(r[1] for r in results)
-    seeded = [i for i, r in enumerate(requests) if "temperature" in r]
-    print(f"TP=2 x PP=2 bf16: greedy {identical}/{len(greedy)} identical, {passed}/{len(greedy)} identical or "
-          f"near-tie; seeded {sum(four[i] == one[i] for i in seeded)}/{len(seeded)} identical")
-    assert all(len(four[i]) == NEW_TOKENS for i in greedy + seeded)
-    assert passed >= 0.95 * len(greedy)
+    assert_parallel_gives_one_gpus_tokens(one_kv_head, "bfloat16", "TP=2 x PP=2 bf16", **GRID)
 
 
 def test_a_rank_of_the_last_stage_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind():
-    model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", **GRID)
-    engine = Engine([model], EngineConfig(devices=("cuda:0",))).start()
-    try:
-        kill_a_rank(engine, warm_timeout=60, settle=0.05, rank=3)  # (every in-flight request fails within 10 s)
-        with pytest.raises(BatchMakerError, match="broken"):
-            engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(15)
-    finally:
-        engine.stop()
-        release(engine)
-    assert not multiprocessing.active_children()
+    assert_a_dead_rank_fails_the_requests(rank=3, **GRID)
