@@ -199,7 +199,7 @@ def test_chunk_costs_are_timed_prefills_per_chunk_interpolated(checkpoint, monke
     the context, timed per chunk, interpolated between those points and flat past the last. A fake
     clock charges each forward 1 ms + 10 us per context position for each of its chunks, so the
     costs must lie on that line, whatever the number of chunks timed at once."""
-    from batchmaker.exec import iterations
+    from batchmaker.exec import chunk_costs
     family, path, _ = checkpoint
     engine, _ = engine_for(path, family, num_blocks=25, max_seqs=4, max_tokens=48)
     runner = next(iter(engine.workers[0].iterations.values()))
@@ -213,7 +213,7 @@ def test_chunk_costs_are_timed_prefills_per_chunk_interpolated(checkpoint, monke
         return forward(t, *args, **kwargs)
 
     monkeypatch.setattr(runner, "_forward", charged)
-    monkeypatch.setattr(iterations, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(chunk_costs, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     try:
         costs = runner.chunk_costs()
         ct, bs = runner.chunk_tokens, runner.module.block_size

@@ -28,6 +28,7 @@ from batchmaker.core.iteration_plan import IterationPlan
 from batchmaker.core.iteration_shapes import GraphShape, GraphShapes, graph_key, pad, pad_alone
 from batchmaker.core.task import IterationTask
 from batchmaker.core.decoder_facts import DecoderFacts
+from batchmaker.exec.chunk_costs import measure_chunk_costs
 from batchmaker.exec.iteration_buffers import Packed
 from batchmaker.exec.kv_cache import KVCache
 from batchmaker.cells.pipeline import PendingTokens
@@ -104,40 +105,8 @@ class IterationRunner:
                             host.measure_swap_in() if host else math.inf, self.shapes)
 
     def chunk_costs(self) -> np.ndarray:
-        """Seconds to recompute chunk k of a context (its positions end at (k + 1) * chunk_tokens),
-        measured at powers of two and interpolated (Pensieve Eq. 3.6). Each measurement recomputes
-        up to 16 such chunks in one iteration (the time per chunk of a batch: one alone would time
-        the host's launches, the same at every position). Runs on free blocks, before serving."""
-        ct, bs = self.chunk_tokens, self.module.block_size
-        ends = (np.arange(-(-self.config.max_positions // ct)) + 1) * ct
-        points = [ct]
-        while points[-1] * 2 <= min(ends[-1], (self.cache.num_blocks - 1) * bs):
-            points.append(points[-1] * 2)
-        seconds = []
-        with torch.inference_mode():
-            for end in [points[0]] + points:  # (the first run warms up)
-                n_blocks = -(-end // bs)
-                rows = max(1, min(16, self.module.max_seqs, (self.cache.num_blocks - 1) // n_blocks))
-                table = np.zeros((rows, self.max_blocks), dtype=np.int64)
-                table[:, :n_blocks] = 1 + np.arange(rows * n_blocks).reshape(rows, n_blocks)
-                positions = np.tile(np.arange(end - ct, end), rows)
-                row = np.repeat(np.arange(rows), ct)
-                zeros, scratch = np.zeros(rows, dtype=np.int64), np.full(rows, self.scratch_slot)
-                plan = IterationPlan.of(
-                    tokens=np.zeros(rows * ct), positions=positions, kv_slots=table[row, positions // bs] * bs + positions % bs,
-                    token_slots=np.full(rows * ct, self.scratch_slot), query_start=np.arange(rows + 1) * ct,
-                    context_lens=np.full(rows, end), block_tables=table, sample_token=np.arange(1, rows + 1) * ct - 1,
-                    sample_slots=scratch, seeds=zeros, counters=zeros, top_k=zeros, temperature=zeros,
-                    top_p=np.ones(rows), max_query_len=ct)
-                t = {k: torch.from_numpy(v).to(self.device) for k, v in plan.arrays().items()}
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                start = time.perf_counter()
-                self._staged(lambda inbox: self._forward(t, ct, True, None, inbox=inbox), rows * ct, rows)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                seconds.append((time.perf_counter() - start) / rows)
-        return np.maximum.accumulate(np.interp(ends, points, seconds[1:]))
+        """Seconds to recompute chunk k of a context, measured now (exec/chunk_costs.py)."""
+        return measure_chunk_costs(self)
 
     # the computation ---------------------------------------------------------------------------
     def _forward(self, t: dict, max_query_len: int, greedy_only: bool, swap_in,
