@@ -12,6 +12,10 @@ step() {  # step NAME COMMAND...: run, time, and remember failures without stopp
 }
 
 install() {  # offline: the GPU machine has torch, numpy, msgpack, networkx but no network
+    if compgen -G ".whl/*.whl" > /dev/null; then  # wheels carried along (pyzmq, ...: bench/README.md)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+            export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     python3 -m pip install --no-build-isolation --no-deps --no-index -q -e . ||
         python3 -m pip install --no-build-isolation --no-deps --no-index -q .
 }

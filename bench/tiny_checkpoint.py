@@ -11,6 +11,7 @@ seeded random initialization of a 2-layer Llama (`save_pretrained`), so the text
 noise. The chat template is ChatML-like and refuses a role it does not know (raise_exception).
 """
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -70,7 +71,67 @@ def save_tiny_chat_model(path, seed: int = 0, chat_template: str | None = CHAT_T
     return path
 
 
+def save_sized_chat_model(path, preset: str, device: str = "cuda:0", seed: int = 0,
+                          shard_bytes: int = 4 << 30) -> Path:
+    """A checkpoint of `preset`'s layers (cells/decoder_config.py: llama-2-7b, ...) with seeded random
+    bf16 weights drawn on `device`, and the tiny model's tokenizer and chat template: what a GPU
+    measurement of the HTTP path serves (the vocabulary is the tokenizer's 480 tokens, not the
+    preset's: its embedding and head are ~0.1% of a 7B's weight bytes instead of ~4%). Written as
+    safetensors shards with an index, as HF writes large models; no transformers model is built."""
+    import torch
+    from safetensors.torch import save_file
+
+    from batchmaker.cells.decoder_config import PRESETS
+
+    path = save_tiny_chat_model(path, seed=seed)  # (the tokenizer files and a config to overwrite)
+    for old in path.glob("*.safetensors"):
+        old.unlink()
+    shape = PRESETS[preset]
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                  num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                  num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                  max_position_embeddings=shape.max_positions,
+                  torch_dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    h, inter, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
+    vocab = config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(shape.num_layers):
+        layer = f"model.layers.{i}."
+        shapes.update({layer + "self_attn.q_proj.weight": (shape.num_heads * shape.head_dim, h),
+                       layer + "self_attn.k_proj.weight": (kv, h), layer + "self_attn.v_proj.weight": (kv, h),
+                       layer + "self_attn.o_proj.weight": (h, shape.num_heads * shape.head_dim),
+                       layer + "mlp.gate_proj.weight": (inter, h), layer + "mlp.up_proj.weight": (inter, h),
+                       layer + "mlp.down_proj.weight": (h, inter), layer + "input_layernorm.weight": (h,),
+                       layer + "post_attention_layernorm.weight": (h,)})
+    generator = torch.Generator(device).manual_seed(seed)
+    shard, size, weight_map, files = {}, 0, {}, []
+
+    def flush():
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        files.append(name)
+
+    for name, dims in shapes.items():
+        if len(dims) == 1:
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(dims, generator=generator, device=device) * dims[1] ** -0.5).to(torch.bfloat16).cpu()
+        shard[name] = tensor
+        size += tensor.nbytes
+        if size >= shard_bytes:
+            flush()
+            shard, size = {}, 0
+    if shard:
+        flush()
+    index = {"metadata": {"total_size": sum(math.prod(d) * 2 for d in shapes.values())}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return path
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python bench/tiny_checkpoint.py DIR")
-    print(save_tiny_chat_model(sys.argv[1]))
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python bench/tiny_checkpoint.py DIR [PRESET]  (a PRESET's layers: random bf16 on cuda:0)")
+    print(save_tiny_chat_model(sys.argv[1]) if len(sys.argv) == 2 else save_sized_chat_model(sys.argv[1], sys.argv[2]))
