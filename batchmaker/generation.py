@@ -207,8 +207,6 @@ class GenerativeModel(Finisher):
         logprobs = inputs.get("logprobs", -1)
         if logprobs != -1 and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise BadRequestError(f"logprobs: expected an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
-        if logprobs >= 0 and self.cell.pipeline_parallel > 1:
-            raise BadRequestError("logprobs: not served by a pipeline-parallel model yet")
         seed = inputs.get("seed")
         if seed is None:
             seed = next(self._seeds)

@@ -20,7 +20,7 @@ from torch import Tensor
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.cells.tensor_parallel import Slicing
 
-ACTIVATIONS, TOKENS = 1, 2  # message tags
+ACTIVATIONS, TOKENS, SCORES = 1, 2, 3  # message tags
 
 
 def check_stages(config: DecoderConfig, stages: int) -> None:
@@ -94,9 +94,10 @@ class StageCut:
 class PipelineStage:
     """One stage's view of its group: what it receives and sends. `group` is the group's own
     process group (exec/tensor_group.py), set once every stage has joined; `back` (stage 0 and the
-    last only) a process group of those two, members 0 and 1, that carries the sampled tokens: on
-    GPUs a communicator of its own, so that stage 0 can wait for tokens on a side stream while its
-    next iteration sends on `group` (one NCCL communicator must not run two kernels at once).
+    last only) a process group of those two, members 0 and 1, that carries the sampled tokens (and
+    their log-probabilities, when asked): on GPUs a communicator of its own, so that stage 0 can
+    wait for tokens on a side stream while its next iteration sends on `group` (one NCCL
+    communicator must not run two kernels at once).
 
     A stage may itself be `shards` tensor-parallel ranks (cells/stage_shards.py): rank
     stage * shards + shard. Shard k of a stage receives from shard k of the previous one and sends
@@ -135,46 +136,80 @@ class PipelineStage:
         """The residual stream [2, T, H] to the next stage (to this shard's peer there)."""
         self.group.send([stream], self.rank + self.shards, ACTIVATIONS).wait()
 
-    def send_tokens(self, chosen: Tensor) -> None:
-        """The last stage's shard 0: the sampled tokens to stage 0's shard 0."""
+    def send_tokens(self, chosen: Tensor, scores: tuple | None = None) -> None:
+        """The last stage's shard 0: the sampled tokens to stage 0's shard 0, then, when the plan
+        asks for log-probabilities, `scores` (exec/sampling.log_probabilities') packed in one
+        message (`pack_scores`); an iteration that asks none sends the tokens alone."""
         if chosen.numel():  # (an iteration of prompt chunks only samples nothing)
             self.back.send([chosen.contiguous()], 0, TOKENS).wait()
+            if scores is not None:
+                self.back.send([pack_scores(*scores)], 0, SCORES).wait()
 
-    def receive_tokens(self, count: int, device, side=None, region=None) -> "PendingTokens":
+    def receive_tokens(self, count: int, device, side=None, region=None, logprobs: int = -1) -> "PendingTokens":
         """Stage 0's shard 0: the `count` tokens the last stage samples for this iteration (wait for them
-        later). With `side` (a CUDA stream), the receive and the copy into `region` (pinned host
-        memory, exec/staging.py) run on that stream, so stage 0's next launches never wait for the
-        tokens, and an event says when they have landed."""
+        later), and with `logprobs` = k >= 0 (the plan's) their packed scores [count, 1 + 2k]. With
+        `side` (a CUDA stream), the receives and the copies into `region` (pinned host memory,
+        exec/staging.py) run on that stream, so stage 0's next launches never wait for them, and
+        an event says when they have landed."""
         if not count:
-            return PendingTokens(None, torch.empty(0, dtype=torch.int64))
+            return PendingTokens((), torch.empty(0, dtype=torch.int64))
         if side is None:
-            buffer = torch.empty(count, dtype=torch.int64, device=device)
-            return PendingTokens(self.back.recv([buffer], 1, TOKENS), buffer)
+            buffers, works = self._post_receives(count, logprobs, device)
+            return PendingTokens(tuple(works), *buffers)
         with torch.cuda.stream(side):
-            buffer = torch.empty(count, dtype=torch.int64, device=device)
-            self.back.recv([buffer], 1, TOKENS).wait()  # (the side stream waits, not the host)
-            host = region.to_host(buffer)
+            buffers, works = self._post_receives(count, logprobs, device)
+            for work in works:
+                work.wait()  # (the side stream waits, not the host)
+            landed_in = [region.to_host(b) for b in buffers]
             landed = torch.cuda.Event()
             landed.record(side)
-        return PendingTokens(None, host, landed)
+        return PendingTokens((), *landed_in, landed=landed)
+
+    def _post_receives(self, count: int, logprobs: int, device) -> tuple[list[Tensor], list]:
+        """The receives of an iteration's tokens [count] and, with logprobs = k >= 0, their scores
+        [count, 1 + 2k], in the order the last stage sends them."""
+        buffers = [torch.empty(count, dtype=torch.int64, device=device)]
+        if logprobs >= 0:
+            buffers.append(torch.empty(count, 1 + 2 * logprobs, dtype=torch.int32, device=device))
+        return buffers, [self.back.recv([b], 1, tag) for b, tag in zip(buffers, (TOKENS, SCORES))]
+
+
+def pack_scores(chosen: Tensor, top_ids: Tensor, top_values: Tensor) -> Tensor:
+    """exec/sampling.log_probabilities' [N], [N, k] and [N, k] as one message [N, 1 + 2k] of int32:
+    the float32 log-probabilities' bits (the chosen token's, then the top k's), then the ids."""
+    values = torch.cat([chosen.float().unsqueeze(1), top_values.float()], 1).view(torch.int32)
+    return torch.cat([values, top_ids.to(torch.int32)], 1)
+
+
+def unpack_scores(packed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`pack_scores`' inverse, bit for bit: (chosen [N] float32, top ids [N, k] int64, top values [N, k])."""
+    k = (packed.shape[1] - 1) // 2
+    values = packed[:, :k + 1].view(torch.float32)
+    return values[:, 0], packed[:, k + 1:].long(), values[:, 1:]
 
 
 @dataclass
 class PendingTokens:
-    """An iteration's sampled tokens on their way from the last stage: a receive to wait for
-    (CPU), or a copy to host memory that `landed` (a CUDA event) marks done."""
-    work: object
+    """An iteration's sampled tokens (and, if asked, their packed scores) on their way from the
+    last stage: receives to wait for (CPU), or copies to host memory that `landed` (a CUDA event)
+    marks done."""
+    works: tuple
     buffer: Tensor
+    scores: Tensor | None = None  # [N, 1 + 2k] int32 (pack_scores), when the plan asked for log-probabilities
     landed: object = None
 
     def ready(self) -> bool:
         if self.landed is not None:
             return self.landed.query()
-        return self.work is None or self.work.is_completed()
+        return all(work.is_completed() for work in self.works)
 
     def wait(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()
+        for work in self.works:
+            work.wait()
         if self.landed is not None:
             self.landed.synchronize()
         return self.buffer
+
+    def logprobs(self) -> tuple:
+        """Once ready: the scores unpacked (exec/sampling.log_probabilities' three), or () if none came."""
+        return () if self.scores is None else unpack_scores(self.scores)

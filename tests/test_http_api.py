@@ -2,10 +2,11 @@
 client: a tiny HF Llama saved by transformers, with a byte-level BPE tokenizer trained on the
 README and a chat template (bench/tiny_checkpoint.py), served by an in-process engine.
 
-Completions and chat, whole and streamed (the same text for the same seed), n choices, stop
-strings across token boundaries, 64 concurrent streams, the chat prompt of transformers'
-apply_chat_template, bad requests in OpenAI's error format, the API key, a client that leaves
-mid-stream (its sequence freed, seen through /metrics), draining, and `batchmaker serve --http`.
+Completions and chat, whole and streamed (the same text for the same seed), their logprobs (one
+process's and two pipeline stages'), n choices, stop strings across token boundaries, 64
+concurrent streams, the chat prompt of transformers' apply_chat_template, bad requests in OpenAI's
+error format, the API key, a client that leaves mid-stream (its sequence freed, seen through
+/metrics), draining, and `batchmaker serve --http`.
 """
 import asyncio
 import json
@@ -386,3 +387,18 @@ def test_logprobs_through_the_openai_client_are_the_engines(served, kind):
         assert [e.logprob for p in pieces for e in p.content] == [lp for _, lp, _ in entries]
     else:
         assert [lp for p in pieces for lp in p.token_logprobs] == [lp for _, lp, _ in entries]
+
+
+def test_logprobs_through_a_pipeline_are_one_processes(served):
+    """Two pipeline stages behind the front (the last stage sends them back with the tokens):
+    the same tokens and alternatives as one process, values within 1e-5."""
+    model = build_model("llama", checkpoint=str(served.checkpoint), num_blocks=256, pipeline_parallel=2)
+    options = dict(max_tokens=6, seed=3, temperature=0.7, extra_body=LONG, logprobs=True, top_logprobs=2)
+    with Engine([model]) as engine, HttpFront(engine, HttpConfig(port=0)) as front:
+        piped = create(Served(engine, front, served.checkpoint).client(), "chat", **options).choices[0].logprobs
+    one = create(served.client(), "chat", **options).choices[0].logprobs
+    assert len(piped.content) == len(one.content) == 6
+    for a, b in zip(one.content, piped.content):
+        assert a.token == b.token and [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+        assert [b.logprob] + [t.logprob for t in b.top_logprobs] == \
+            pytest.approx([a.logprob] + [t.logprob for t in a.top_logprobs], abs=1e-5, rel=1e-5)

@@ -1,7 +1,8 @@
 """Log-probabilities of generated tokens (`"logprobs": k`): each token's and its k most likely
 alternatives', under the model's own distribution (before temperature and the cuts), equal to
 transformers' log-softmax at every step; greedy or sampled, batched beside requests that do not
-ask (their replies unchanged), streamed and whole alike, and the same on two ranks."""
+ask (their replies unchanged), streamed and whole alike, and the same on two ranks, through two
+pipeline stages (the last stage sends them back to stage 0 with the tokens: cells/pipeline.py)."""
 import random
 
 import pytest
@@ -53,7 +54,9 @@ REQUESTS = [("llama", {"tokens": [5, 9, 17, 3], "max_new_tokens": 8, "logprobs":
             ("llama", {"tokens": [7] * 40, "max_new_tokens": 6, "ignore_eos": True}),  # (asks nothing)
             ("llama", {"tokens": [11, 2, 30], "max_new_tokens": 7, "logprobs": 0, "temperature": 0.8, "seed": 4,
                        "ignore_eos": True}),
-            ("llama", {"tokens": list(range(1, 70)), "max_new_tokens": 5, "logprobs": 20, "ignore_eos": True})]
+            ("llama", {"tokens": list(range(1, 70)), "max_new_tokens": 5, "logprobs": 20, "ignore_eos": True}),
+            ("llama", {"tokens": [40, 41], "max_new_tokens": 6, "logprobs": 5, "temperature": 1.2, "top_k": 30,
+                       "top_p": 0.9, "seed": 9, "ignore_eos": True})]
 
 
 def test_logprobs_equal_transformers_greedy_and_sampled(tiny):
@@ -88,14 +91,28 @@ def test_streamed_logprobs_are_the_replys(tiny):
             assert all("logprobs" not in p for p in partials)
 
 
-def test_two_ranks_give_the_logprobs_of_one(tiny):
-    path, _ = tiny
-    one = serve(build_model("llama", checkpoint=path, max_tokens=48), REQUESTS)
-    two = serve(build_model("llama", checkpoint=path, max_tokens=48, tensor_parallel=2), REQUESTS)
-    for (a, _), (b, _) in zip(one, two):
-        assert a["tokens"] == b["tokens"]
-        if "logprobs" in a:
-            torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-5, rtol=1e-5)
+@pytest.fixture(scope="module")
+def one_process(tiny):
+    return serve(build_model("llama", checkpoint=tiny[0], max_tokens=48), REQUESTS)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel=2), dict(pipeline_parallel=2)])  # (both: test_tensor_pipeline)
+def test_ranks_give_the_logprobs_of_one_process(tiny, one_process, parallel):
+    """Greedy and sampled, top_logprobs included, beside a request that asks none, arriving at
+    random (continuous batching): the same tokens, the same top ids, values within 1e-5 (fp32)."""
+    many = serve(build_model("llama", checkpoint=tiny[0], max_tokens=48, **parallel), REQUESTS)
+    for (a, _), (b, _) in zip(one_process, many):
+        assert_same_logprobs(a, b)
+
+
+def assert_same_logprobs(a: dict, b: dict) -> None:
+    """Two replies' tokens and top ids equal, their log-probabilities within 1e-5 (fp32 reduced in another order)."""
+    assert a["tokens"] == b["tokens"] and ("logprobs" in a) == ("logprobs" in b)
+    if "logprobs" in a:
+        torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-5, rtol=1e-5)
+        assert [[i for i, _ in top] for top in b["top_logprobs"]] == [[i for i, _ in top] for top in a["top_logprobs"]]
+        values = [torch.tensor([[v for _, v in top] for top in reply["top_logprobs"]]) for reply in (a, b)]
+        torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("value", [21, -2, "3", 1.5, True])

@@ -2,7 +2,8 @@
 stages of about equal cost, a process each (gloo on the CPU), several iterations in flight on
 disjoint sequences. Tokens must be those of one process and of HF transformers, under continuous
 batching, for conversations, with cancels; a stage that dies fails the requests; stopping leaves
-no process."""
+no process. Log-probabilities come back with the tokens as one more message, bit for bit (their
+values against one process's: tests/test_logprobs.py)."""
 import multiprocessing
 import random
 from dataclasses import replace
@@ -13,7 +14,7 @@ import torch
 from batchmaker import Engine
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
-from batchmaker.cells.pipeline import PendingTokens, StageCut, check_stages, stage_bounds
+from batchmaker.cells.pipeline import PendingTokens, StageCut, check_stages, pack_scores, stage_bounds, unpack_scores
 from batchmaker.registry import build_model
 from test_generation import hf_greedy, step
 from test_tensor_parallel_engine import converse_and_cancel, kill_a_rank, serve, workload
@@ -143,12 +144,12 @@ class FakeStage:
     def send(self, stream):
         self.calls.append(("send", stream))
 
-    def send_tokens(self, chosen):
-        self.calls.append(("send_tokens", chosen))
+    def send_tokens(self, chosen, scores=None):
+        self.calls.append(("send_tokens", chosen) if scores is None else ("send_tokens", chosen, scores))
 
-    def receive_tokens(self, count, device):
-        self.calls.append(("receive_tokens", count))
-        return PendingTokens(None, torch.zeros(count, dtype=torch.int64))
+    def receive_tokens(self, count, device, logprobs=-1):
+        self.calls.append(("receive_tokens", count) if logprobs < 0 else ("receive_tokens", count, logprobs))
+        return PendingTokens((), torch.zeros(count, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -174,3 +175,31 @@ def test_a_stage_receives_before_and_sends_after_its_work_and_graphs_keep_one_bu
     else:
         assert seen[0] is seen[1] and seen[2] is not seen[0] and seen[0].shape == (2, 5, 8)  # (a graph's buffer, kept)
         assert outs == [None] * 3 if stage == 1 else all(out.tolist() == [7, 7, 7] for out in outs)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_scores_go_back_as_one_message_bit_for_bit(k):
+    from batchmaker.exec.sampling import log_probabilities
+    logits = torch.randn(4, 50) * 10
+    logits[1, :] = float("-inf")
+    logits[1, 7] = 0.0  # (a row whose other tokens have no probability: -inf kept)
+    scores = log_probabilities(logits, torch.tensor([3, 7, 0, 49]), k)
+    packed = pack_scores(*scores)
+    assert packed.dtype == torch.int32 and packed.shape == (4, 1 + 2 * k)
+    for sent, got in zip(scores, unpack_scores(packed)):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_last_stage_sends_the_scores_the_plan_asks_for_and_stage_0_expects_them(stage):
+    from batchmaker.exec.stage_exchange import StageExchange
+    fake = FakeStage(stage, 2)
+    exchange = StageExchange(fake, 8, torch.float32, torch.device("cpu"))
+    scores = (torch.zeros(3), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2))
+    out = exchange.around(lambda inbox: torch.ones(2, 5, 8) if stage == 0 else (torch.tensor([7, 7, 7]), scores),
+                          5, 3, tokens_back=lambda count, logprobs: fake.receive_tokens(count, None, logprobs),
+                          logprobs=2)
+    if stage == 0:
+        assert fake.calls[-1] == ("receive_tokens", 3, 2) and isinstance(out, PendingTokens)
+    else:
+        assert fake.calls[-1][0] == "send_tokens" and fake.calls[-1][2] is scores and out[1] is scores

@@ -2,7 +2,7 @@
 tensor-parallel shards, four processes (gloo on the CPU), rank = stage * 2 + shard. Tokens must be
 those of one process and of HF transformers for a Llama with fewer kv heads than shards, under
 continuous batching with mixed prompt lengths, for a conversation, with a cancel mid-stream and
-with seeded sampling; a rank that dies fails the requests; stopping leaves no process."""
+with seeded sampling, log-probabilities included; a rank that dies fails the requests; stopping leaves no process."""
 import json
 import multiprocessing
 import random
@@ -21,6 +21,7 @@ from batchmaker.cells.stage_shards import StageShardCut
 from batchmaker.cells.tensor_parallel import slicing
 from batchmaker.registry import build_model
 from test_generation import drive, hf_greedy
+from test_logprobs import assert_same_logprobs
 from test_pipeline_parallel import FakeStage
 from test_tensor_parallel_engine import converse_and_cancel, kill_a_rank, workload
 
@@ -62,14 +63,14 @@ def test_each_rank_holds_its_shard_of_its_stages_layers(tied):
 
 
 def serve_and_talk(model, requests: list) -> tuple:
-    """The requests' tokens (random arrivals), then a conversation and a cancel mid-stream."""
+    """The requests' outputs (random arrivals), then a conversation and a cancel mid-stream."""
     engine = Engine([model]).start(thread=False)
     try:
-        tokens = [f.result(0).outputs["tokens"] for f in drive(engine, requests, random.Random(9))]
+        outputs = [f.result(0).outputs for f in drive(engine, requests, random.Random(9))]
         talk = converse_and_cancel(engine)
         queue = engine.structured["llama"].queue
         assert all(q.num_active == 0 for q in queue.sequences.values())  # (the cancelled one's slot freed)
-        return tokens, talk
+        return outputs, talk
     finally:
         engine.stop()
 
@@ -77,11 +78,16 @@ def serve_and_talk(model, requests: list) -> tuple:
 def test_two_stages_of_two_shards_give_the_tokens_of_one_process_and_of_hf(one_kv_head):
     path, hf = one_kv_head
     requests = workload(random.Random(31), "llama", n=9)  # (prompts of 1-20 or 49-90 tokens, a budget of 48)
-    one = serve_and_talk(build_model("llama", checkpoint=path, max_tokens=48), requests)
-    four = serve_and_talk(build_model("llama", checkpoint=path, max_tokens=48, **GRID), requests)
+    for i, k in zip((0, 2, 4, 5), (3, 5, 0, 20)):  # (greedy and sampled, beside requests that ask none)
+        requests[i][1]["logprobs"] = k
+    one, talk = serve_and_talk(build_model("llama", checkpoint=path, max_tokens=48), requests)
+    four, four_talk = serve_and_talk(build_model("llama", checkpoint=path, max_tokens=48, **GRID), requests)
     assert not multiprocessing.active_children()
-    assert four == one  # (greedy and seeded sampling, the conversation, the request beside the cancelled one)
-    greedy = [(tokens, inputs) for tokens, (_, inputs) in zip(four[0], requests) if "temperature" not in inputs]
+    assert four_talk == talk  # (the conversation, the request beside the cancelled one)
+    for a, b in zip(one, four):  # (greedy and seeded sampling)
+        assert_same_logprobs(a, b)
+    assert sum("logprobs" in b for b in four) == 4
+    greedy = [(b["tokens"], inputs) for b, (_, inputs) in zip(four, requests) if "temperature" not in inputs]
     assert len(greedy) == 6
     for tokens, inputs in greedy:
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])

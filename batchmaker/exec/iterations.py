@@ -15,11 +15,10 @@ exec/graphs.py) or eagerly; the plan's copies to and from the host tier go as it
 says (exec/kv_swap.py). A batch of decodes beside prompt chunks attends in two launches from
 work lists packed with the rest (kernels/attention_work.py). A pipeline stage runs its layers
 between its receive and its send (exec/stage_exchange.py), and its stage 0 gets the tokens back
-from the last stage instead of sampling them.
+(and their log-probabilities, when asked) from the last stage instead of sampling them.
 """
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from batchmaker.core.task import IterationTask
 from batchmaker.core.decoder_facts import DecoderFacts
 from batchmaker.exec.chunk_costs import measure_chunk_costs
 from batchmaker.exec.iteration_buffers import Packed
+from batchmaker.exec.iteration_record import IterationRecord
 from batchmaker.exec.kv_cache import KVCache
 from batchmaker.cells.pipeline import PendingTokens
 from batchmaker.exec.kv_swap import HostTier
@@ -39,16 +39,6 @@ from batchmaker.exec.stage_exchange import StageExchange
 from batchmaker.exec.staging import Landing
 from batchmaker.kernels import attention_work
 from batchmaker.kernels.attention_variants import compile_variants
-
-@dataclass(slots=True)
-class IterationRecord:
-    """One iteration in a benchmark's trace (`IterationRunner.trace`; setting it times them all)."""
-    tokens: int
-    context: int  # context positions read: every sequence's, its new tokens included
-    seqs: int
-    graphed: bool
-    seconds: float | None = None  # once finished: its span on the device (CUDA: events around it)
-    pairs: int | None = None  # (query token, context position) pairs attended, causal: a prompt's FLOPs
 
 
 class IterationRunner:
@@ -138,12 +128,7 @@ class IterationRunner:
     def _record(self, task: IterationTask) -> "IterationRecord | None":
         if self.trace is None:
             return None
-        plan = task.plan
-        queries = np.diff(plan.query_start)  # token i of a sequence's q new ones sees context - (q - 1 - i)
-        lens = plan.context_lens.astype(np.int64)
-        pairs = int((queries * lens - queries * (queries - 1) // 2).sum())
-        self.trace.append(IterationRecord(task.batch, int(lens.sum()), plan.num_seqs, plan.graph is not None,
-                                          pairs=pairs))
+        self.trace.append(IterationRecord.of(task))
         return self.trace[-1]
 
     # CPU: the worker thread runs it --------------------------------------------------------------
@@ -158,7 +143,8 @@ class IterationRunner:
             swap_in = self._copies(task, None)
             out = self._staged(lambda inbox: self._forward(t, plan.max_query_len, plan.greedy, swap_in,
                                                            logprobs=plan.logprobs, inbox=inbox),
-                               plan.num_tokens, plan.num_samples, self.exchange and self.exchange.receive_tokens)
+                               plan.num_tokens, plan.num_samples, self.exchange and self.exchange.receive_tokens,
+                               logprobs=plan.logprobs)
             if isinstance(out, tuple):
                 out, extras = out
                 task.logprobs = tuple(x.numpy().copy() for x in extras)
@@ -210,7 +196,7 @@ class IterationRunner:
             longest = int(plan.context_lens.max())  # (host arrays: no device sync)
             out = self._staged(lambda inbox: self._forward(packed.tensors, plan.max_query_len, plan.greedy, swap_in,
                                                            longest, work, plan.logprobs, inbox),
-                               plan.num_tokens, plan.num_samples, tokens_back)
+                               plan.num_tokens, plan.num_samples, tokens_back, logprobs=plan.logprobs)
         extras = ()
         if isinstance(out, tuple):
             out, extras = out
@@ -297,7 +283,9 @@ class IterationRunner:
         if task.handle is not None:
             region, tokens, events, record, extras = task.handle
             if isinstance(tokens, PendingTokens):  # (pipeline stage 0, `landed`: not if the group broke)
-                tokens, region = (tokens.buffer[:task.plan.num_samples], region) if tokens.ready() else (None, None)
+                back = tokens
+                tokens, extras, region = (back.buffer[:task.plan.num_samples], back.logprobs(), region) \
+                    if back.ready() else (None, (), None)
             if tokens is not None:  # (a middle stage has none)
                 task.sampled = tokens.numpy().copy()
             if extras:
@@ -322,6 +310,7 @@ class IterationRunner:
             self.ranks.abort(str(task.error))
         else:  # (the plans feed them: core/sequence_queue.py `stages`)
             task.sampled = chosen.numpy().copy()
+            task.logprobs = tuple(x.numpy().copy() for x in task.handle.logprobs()) or None
         task.handle = None
 
     def compile_kernels(self) -> None:

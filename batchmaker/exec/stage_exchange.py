@@ -7,11 +7,13 @@ and whether a capture succeeds or not, every stage sends and receives the same m
 same order. A graph reads what the stage received from one buffer per padded size (`inbox`),
 filled by the receive before each replay.
 
-Stage 0 gets its tokens back from the last stage. On a CPU its worker thread posts the receive,
-and the manager waits for it when it completes the iteration; on a GPU the receive and the copy
-of the tokens to pinned host memory run on a side stream (`side`), so stage 0's next launch never
-waits for them, and the worker reports the iteration done once an event says they have landed
-(IterationRunner.landed).
+Stage 0 gets its tokens back from the last stage, and, when the plan asks for log-probabilities
+(`logprobs` >= 0: never a graph's), their scores in a second message on the same group; both ends
+read k from the plan, so they agree on its shape, and an iteration that asks none sends what it
+did before. On a CPU its worker thread posts the receives, and the manager waits for them when it
+completes the iteration; on a GPU the receives and the copies to pinned host memory run on a side
+stream (`side`), so stage 0's next launch never waits for them, and the worker reports the
+iteration done once an event says they have landed (IterationRunner.landed).
 """
 import torch
 
@@ -24,11 +26,13 @@ class StageExchange:
         self._inboxes: dict[int, torch.Tensor] = {}  # the graphs' receive buffers, by padded tokens
         self._side: torch.cuda.Stream | None = None
 
-    def around(self, forward, num_tokens: int, num_samples: int, tokens_back=None, graphed: bool = False):
+    def around(self, forward, num_tokens: int, num_samples: int, tokens_back=None, graphed: bool = False,
+               logprobs: int = -1):
         """`forward(inbox)`, the iteration's own work, between this stage's receive (a stage after
         the first: the residual stream [2, num_tokens, H] into `inbox`, one buffer per size if
         `graphed`) and its send (a stage before the last: `forward`'s output; the last: its sampled
-        tokens, to stage 0). Returns the last stage's tokens, stage 0's `tokens_back(num_samples)`
+        tokens, with `logprobs` >= 0 and their scores, to stage 0). Returns the last stage's tokens
+        (and scores: `forward`'s output), stage 0's `tokens_back(num_samples, logprobs)`
         (their PendingTokens; None: wait for them here, as start-up's measurements do), or None
         (under tensor parallelism too: only stage 0's shard 0 gets the tokens back)."""
         stage = self.stage
@@ -43,22 +47,23 @@ class StageExchange:
         out = forward(inbox)
         if stage.last:
             if stage.sends_tokens:  # (one shard of the last stage: every shard sampled the same)
-                stage.send_tokens(out)
+                chosen, scores = out if isinstance(out, tuple) else (out, None)  # (scores: logprobs >= 0)
+                stage.send_tokens(chosen, scores)
             return out
         stage.send(out)
         if not stage.receives_tokens:  # (a stage after the first, or stage 0's other shards: the plans feed them)
             return None
         if tokens_back is None:
-            return stage.receive_tokens(num_samples, self.device).wait()
-        return tokens_back(num_samples)
+            return stage.receive_tokens(num_samples, self.device, logprobs=logprobs).wait()
+        return tokens_back(num_samples, logprobs)
 
-    def receive_tokens(self, count: int) -> PendingTokens:
-        """Stage 0 on a CPU: the receive of an iteration's tokens (waited for at its completion)."""
-        return self.stage.receive_tokens(count, self.device)
+    def receive_tokens(self, count: int, logprobs: int = -1) -> PendingTokens:
+        """Stage 0 on a CPU: the receives of an iteration's tokens and scores (waited for at its completion)."""
+        return self.stage.receive_tokens(count, self.device, logprobs=logprobs)
 
     def tokens_on_side(self, region):
         """Stage 0 on a GPU: `tokens_back` for `around`, receiving into `region` (exec/staging.py)
         on the side stream."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        return lambda count: self.stage.receive_tokens(count, self.device, self._side, region)
+        return lambda count, logprobs: self.stage.receive_tokens(count, self.device, self._side, region, logprobs)
