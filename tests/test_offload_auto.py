@@ -3,6 +3,7 @@ policy chosen keeps everything on a device that holds it, moves the weights to t
 do not fit, keeping as many whole layers on the device as the budget holds beside the buffers
 (`weights_gpu`), counts the model's dtype (a budget that holds bf16 weights but not fp32 ones), and
 is said in one line with its prediction, which falls as the share grows."""
+import itertools
 import math
 
 import pytest
@@ -60,6 +61,6 @@ def test_a_bounded_block_and_the_prediction_of_the_chosen_policy():
 def test_the_predicted_step_falls_as_the_share_of_resident_layers_grows():
     steps = [predict(SMALL, torch.float32, RATES, Placement(True, True, True, share), 4, 2, prompt=16,
                      generate=16).step_seconds for share in (0.0, 0.25, 0.5, 0.75, 1.0)]
-    assert all(a > b for a, b in zip(steps, steps[1:]))
+    assert all(a > b for a, b in itertools.pairwise(steps))
     same = predict(SMALL, torch.float32, RATES, Placement(True, True, True, 0.3), 4, 2, prompt=16, generate=16)
     assert same.step_seconds == pytest.approx(steps[1])  # (0.3 of 8 layers: 2 of them, as 0.25)

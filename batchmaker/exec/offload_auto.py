@@ -48,8 +48,8 @@ class Choice:
     def describe(self) -> str:
         p = self.placement
         where = lambda offloaded: "host" if offloaded else "device"  # noqa: E731
-        weights = f"weights_gpu={p.weights_gpu:.2f} (the other layers' weights on host)" if p.weights \
-            else "weights on device"
+        weights = "weights on device" if not p.weights else "weights on host" if not p.weights_gpu else \
+            f"weights_gpu={p.weights_gpu:.2f} (the first layers' weights on device, the others' on host)"
         return (f"offload policy: gpu_batch={self.policy.gpu_batch} num_batches={self.policy.num_batches} "
                 f"(block {self.policy.block}); {weights}, KV cache on {where(p.cache)}, "
                 f"hidden states on {where(p.hidden)}; predicted decode step {self.step_seconds * 1e3:.2f} ms, "
