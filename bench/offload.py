@@ -15,7 +15,10 @@ host; greedy agreement with bf16 recorded; the cost model does not count compres
 prediction). Then, on one layer's four matrices, Triton's expansion
 + matmul against the fused `linear4` at a few row counts (what would choose `dequant=fused`).
 The record is rewritten after each policy (a run cut short keeps what it measured). Policies that
-keep the same layers on the GPU share one host copy of the model; each other share builds its own.
+keep the same layers on the GPU share one executor; in bf16 every executor takes the same host
+model (a 4-bit one is drawn again per share: its codes replace the model's tensors). Without
+`--shares` (bench/gpu.sh passes none, to keep its time limit) the comparison at share 0 is the
+earlier runs' (bench/results/README.md).
 
 The anchor runs in a second command, a process of its own (both build a 26 GB model on the host):
 `--anchor PROBE` runs HF Accelerate's probe (../shared/probes/offload_probe.py, copied to .probes/
@@ -29,7 +32,6 @@ new tokens, and adds it to today's record of the device, with our tokens/s over 
 import argparse
 import datetime
 import gc
-import itertools
 import json
 import random
 import re
@@ -249,7 +251,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--other", default="4x2:weights+cache+hidden",
                     help="a hand-picked policy: GBSxNB:offloaded[@weights_gpu], e.g. 4x2:weights+cache+hidden@0.3")
-    ap.add_argument("--shares", type=float, nargs="*", default=[0.0],
+    ap.add_argument("--shares", type=float, nargs="*", default=[],
                     help="the largest run's auto policy again with these weights_gpu (0: every layer streamed)")
     ap.add_argument("--no-compress", action="store_true", help="skip the 4-bit runs")
     ap.add_argument("--compress", choices=("weights", "kv", "both"), default="weights",
@@ -304,13 +306,23 @@ def ours(args) -> None:
               "gpu_memory_gib": args.gpu_memory, "host_gib": host_bytes() / GIB, "rates": rates.__dict__,
               "choices": choices, "chosen": f"auto-B{max(args.batches)}", "systems": {}, "accelerate": {}}
     tokens = {}
-    for is_compressed, names in itertools.product((False, True)[:1 if args.no_compress else 2], groups.values()):
-        runs = [n for n in names if not is_compressed or n.startswith("auto-B") and "weights_gpu" not in n]
-        for name in [n for n in runs if is_compressed and not _compresses(policies[n][2], args.compress)]:
-            print(f"{name}: keeps what --compress {args.compress} compresses on the device, no 4-bit run", flush=True)
-            runs.remove(name)
-        if runs:
-            run_group(runs, policies, is_compressed, prompts, args, config, rates, record, tokens)
+    for is_compressed in (False, True)[:1 if args.no_compress else 2]:
+        lm = None
+        for names in groups.values():
+            runs = [n for n in names if not is_compressed or n.startswith("auto-B") and "weights_gpu" not in n]
+            for name in [n for n in runs if is_compressed and not _compresses(policies[n][2], args.compress)]:
+                print(f"{name}: keeps what --compress {args.compress} compresses on the device, no 4-bit run",
+                      flush=True)
+                runs.remove(name)
+            if not runs:
+                continue
+            if lm is None or is_compressed:  # (bf16: one host model for every group; 4-bit codes replace its tensors)
+                start = time.perf_counter()
+                lm = random_model(config, device)
+                print(f"drew {args.preset} on the host in {time.perf_counter() - start:.1f} s", flush=True)
+            run_group(lm, runs, policies, is_compressed, prompts, args, config, rates, record, tokens)
+        del lm
+        gc.collect()
     if args.dequant_rows:
         print("4-bit weights: expand + matmul against the fused projection (linear4)", flush=True)
         record["dequant"] = time_dequant(config, args.dequant_rows, device)
@@ -322,16 +334,16 @@ def _compresses(placement: Placement, what: str) -> bool:
     return (what == "kv" or placement.weights) and (what == "weights" or placement.cache)
 
 
-def run_group(names: list[str], policies: dict, is_compressed: bool, prompts: list, args, config, rates,
-              record: dict, tokens: dict) -> None:
-    """Policies that keep the same layers' weights on the GPU, over one host copy of the model."""
+def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bool, prompts: list, args, config,
+              rates, record: dict, tokens: dict) -> None:
+    """Policies that keep the same layers' weights on the GPU, one executor over the host model `lm`
+    (a bf16 one's host tensors stay as they are: the next group's executor takes them again)."""
     start = time.perf_counter()
-    lm = random_model(config, args.device)
     gbs, nb, placement, _ = policies[names[0]]
     first = OffloadExecutor(lm, args.device, OffloadConfig(gbs, nb, placement,
                                                            compress=args.compress if is_compressed else None))
-    print(f"built {args.preset} on the host{' (4-bit)' if is_compressed else ''}, {first.num_resident} of "
-          f"{first.num_layers} layers' weights on the GPU, in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"executor{' (4-bit)' if is_compressed else ''}: {first.num_resident} of {first.num_layers} layers' weights "
+          f"on the GPU, built in {time.perf_counter() - start:.1f} s", flush=True)
     for name in names:
         gbs, nb, placement, b = policies[name]
         executor = first.with_block(gbs, nb, placement)
@@ -341,9 +353,11 @@ def run_group(names: list[str], policies: dict, is_compressed: bool, prompts: li
         tokens[key] = row.pop("tokens")
         if is_compressed:
             row["agreement_with_bf16"] = agreement(tokens[key], tokens[name])
+        elif "-weights_gpu" in name:  # (the same model at another share: every token the same)
+            row["agreement_with_chosen"] = agreement(tokens[key], tokens[name.split("-weights_gpu")[0]])
         record["systems"][key] = row
         write_results("offload", args.device, record)
-    del lm, first, executor
+    del first, executor
     gc.collect()
     if is_cuda(args.device):
         torch.cuda.empty_cache()

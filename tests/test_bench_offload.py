@@ -25,7 +25,7 @@ ARGS = ["--device", "cpu", "--preset", "small-llama", "--gpu-memory", "0.03", "-
 def run(tmp_path, monkeypatch, probe: str) -> dict:
     from bench import common
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    offload.main(ARGS + ["--other", "1x2:weights+cache+hidden", "--dequant-rows", "2"])
+    offload.main(ARGS + ["--other", "1x2:weights+cache+hidden", "--dequant-rows", "2", "--shares", "0"])
     offload.main(ARGS + ["--anchor", probe])
     (path,) = tmp_path.glob("offload-*.json")
     return json.loads(path.read_text())
@@ -44,8 +44,9 @@ def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatc
         assert row["moved_gb"]["weights"] > 0 and row["offloaded"].startswith("weights")
         assert ("predicted" in row) is (row["compress"] is None)
         assert row["resident_layers"] == (0 if name.startswith("other") or "weights_gpu0" in name else round(share * 8))
-    streamed = systems["auto-B2-weights_gpu0"]  # (the same policy with every layer streamed: --shares' default)
+    streamed = systems["auto-B2-weights_gpu0"]  # (the same policy with every layer streamed: --shares 0)
     assert streamed["moved_gb"]["weights"] > systems["auto-B2"]["moved_gb"]["weights"]
+    assert streamed["agreement_with_chosen"]["tokens"] == 1.0  # (another executor over the same host model)
     assert streamed["predicted"]["step_seconds"] > systems["auto-B2"]["predicted"]["step_seconds"]
     assert 0 <= systems["auto-B2-4bit"]["agreement_with_bf16"]["tokens"] <= 1
     assert systems["auto-B2-4bit"]["dequant"] == "reference"  # (the CPU's)
