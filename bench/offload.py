@@ -4,8 +4,9 @@ kept in pinned host memory: no checkpoint on disk), `offload=auto` under a GPU b
 `--prompt` tokens and `--new` generated tokens.
 
 For each of `--batches` (a run of that many prompts) the search picks the policy (block at most
-that many; printed with its predicted decode step), and one hand-picked policy (`--other`) runs
-too: for each, generated tokens/s, the block's time, its prefill alone (a block of one token) and
+that many, and the share of layers whose weights stay on the GPU, `weights_gpu`; printed with its
+predicted decode step), the largest run's policy again at each share of `--shares` (the others
+equal: what keeping layers resident buys), and one hand-picked policy (`--other`) runs too: for each, generated tokens/s, the block's time, its prefill alone (a block of one token) and
 so the decode step ((block - prefill) / (new - 1)), each against the cost model's prediction
 (issue: within 20%), the bytes each kind of move carried and the GPU's peak memory (the budget
 steers the search; the executor does not enforce it). Then the same policies with 4-bit weights
@@ -13,7 +14,11 @@ steers the search; the executor does not enforce it). Then the same policies wit
 host; greedy agreement with bf16 recorded; the cost model does not count compression, so no
 prediction). Then, on one layer's four matrices, Triton's expansion
 + matmul against the fused `linear4` at a few row counts (what would choose `dequant=fused`).
-The record is rewritten after each policy (a run cut short keeps what it measured).
+The record is rewritten after each policy (a run cut short keeps what it measured). Policies that
+keep the same layers on the GPU share one executor; in bf16 every executor takes the same host
+model (a 4-bit one is drawn again per share: its codes replace the model's tensors). Without
+`--shares` (bench/gpu.sh passes none, to keep its time limit) the comparison at share 0 is the
+earlier runs' (bench/results/README.md).
 
 The anchor runs in a second command, a process of its own (both build a 26 GB model on the host):
 `--anchor PROBE` runs HF Accelerate's probe (../shared/probes/offload_probe.py, copied to .probes/
@@ -35,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,6 +54,7 @@ from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.core.zigzag import Placement  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
 from batchmaker.exec.offload_auto import choose, host_bytes, measure, predict  # noqa: E402
+from batchmaker.exec.offload_weights import default_dequant  # noqa: E402
 from batchmaker.kernels.compress4 import compress, expand, linear4  # noqa: E402
 
 GIB = 1 << 30
@@ -90,15 +97,18 @@ def random_model(config, device: str, seed: int = 0) -> DecoderLM:
 
 
 def placement_name(p: Placement) -> str:
-    return "+".join(k for k, on in (("weights", p.weights), ("cache", p.cache), ("hidden", p.hidden)) if on) or "none"
+    """What lives on the host, and the share of the layers' weights kept on the GPU where some is."""
+    offloaded = "+".join(k for k, on in (("weights", p.weights), ("cache", p.cache), ("hidden", p.hidden)) if on)
+    return (offloaded or "none") + (f"@{p.weights_gpu:.2f}" if p.weights_gpu else "")
 
 
 def parse_policy(text: str) -> tuple[int, int, Placement]:
-    """'4x2:weights+cache+hidden' -> (gpu_batch, num_batches, placement)."""
+    """'4x2:weights+cache+hidden[@0.4]' -> (gpu_batch, num_batches, placement with that weights_gpu)."""
     shape, _, where = text.partition(":")
+    where, _, share = where.partition("@")
     gbs, nb = (int(v) for v in shape.split("x"))
     parts = set(where.split("+"))
-    return gbs, nb, Placement("weights" in parts, "cache" in parts, "hidden" in parts)
+    return gbs, nb, Placement("weights" in parts, "cache" in parts, "hidden" in parts, float(share or 0))
 
 
 def timed(executor: OffloadExecutor, prompts: list, num_tokens: int):
@@ -118,8 +128,9 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
     seconds, tokens, moved = timed(executor, prompts, args.new)
     block = len(prompts)
     row = {"gpu_batch": c.gpu_batch, "num_batches": c.num_batches, "block": block,
-           "offloaded": placement_name(c.placement), "compress": c.compress,
-           "dequant": executor.host_weights.dequant if c.compress else None,
+           "offloaded": placement_name(c.placement), "weights_gpu": c.placement.weights_gpu,
+           "resident_layers": executor.num_resident, "compress": c.compress,
+           "dequant": (c.dequant or default_dequant(executor.device)) if c.compress else None,
            "seconds": seconds, "prefill_seconds": prefill, "step_seconds": (seconds - prefill) / (args.new - 1),
            "tokens_per_s": block * args.new / seconds,
            "peak_gib": torch.cuda.max_memory_allocated(executor.device) / GIB if executor.is_cuda else None,
@@ -238,7 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 64], help="prompts in a run (the block's bound)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--other", default="4x2:weights+cache+hidden", help="a hand-picked policy: GBSxNB:offloaded")
+    ap.add_argument("--other", default="4x2:weights+cache+hidden",
+                    help="a hand-picked policy: GBSxNB:offloaded[@weights_gpu], e.g. 4x2:weights+cache+hidden@0.3")
+    ap.add_argument("--shares", type=float, nargs="*", default=[],
+                    help="the largest run's auto policy again with these weights_gpu (0: every layer streamed)")
     ap.add_argument("--no-compress", action="store_true", help="skip the 4-bit runs")
     ap.add_argument("--compress", choices=("weights", "kv", "both"), default="weights",
                     help="what the 4-bit runs compress (kv, both: the policies must keep the cache on the host)")
@@ -277,11 +291,15 @@ def ours(args) -> None:
                                  "predicted_step_seconds": choice.step_seconds,
                                  "predicted_tokens_per_s": choice.tokens_per_s}
         policies[f"auto-B{b}"] = (choice.policy.gpu_batch, choice.policy.num_batches, choice.placement, b)
+    gbs, nb, chosen, b = policies[f"auto-B{max(args.batches)}"]
+    for share in args.shares:
+        if chosen.weights and share != chosen.weights_gpu:
+            policies[f"auto-B{b}-weights_gpu{share:g}"] = (gbs, nb, replace(chosen, weights_gpu=share), b)
     gbs, nb, placement = parse_policy(args.other)
     policies[f"other-{gbs}x{nb}-{placement_name(placement)}"] = (gbs, nb, placement, gbs * nb)
-    if any(not p.weights for _, _, p, _ in policies.values()):
-        raise SystemExit("a policy keeps the weights on the GPU: this script shares one host copy of offloaded "
-                         "weights between its policies (raise the model or lower --gpu-memory)")
+    groups = {}  # (the weights' placement) -> the policies that share one host copy of the model
+    for name, (_, _, placement, _) in policies.items():
+        groups.setdefault((placement.weights, placement.weights_gpu), []).append(name)
     title = (f"{args.preset} bf16, offload=auto gpu_memory={args.gpu_memory:g}GiB, prompt {args.prompt}, new {args.new}, "
              f"{torch.cuda.get_device_name(device) if is_cuda(device) else 'CPU'}")
     record = {"title": title, "preset": args.preset, "dtype": "bfloat16", "prompt": args.prompt, "new": args.new,
@@ -289,37 +307,60 @@ def ours(args) -> None:
               "choices": choices, "chosen": f"auto-B{max(args.batches)}", "systems": {}, "accelerate": {}}
     tokens = {}
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
-        start = time.perf_counter()
-        lm = random_model(config, device)
-        first, executor = None, None
-        for name, (gbs, nb, placement, b) in policies.items():
-            if is_compressed and not name.startswith("auto"):
+        lm = None
+        for names in groups.values():
+            runs = [n for n in names if not is_compressed or n.startswith("auto-B") and "weights_gpu" not in n]
+            for name in [n for n in runs if is_compressed and not _compresses(policies[n][2], args.compress)]:
+                print(f"{name}: keeps what --compress {args.compress} compresses on the device, no 4-bit run",
+                      flush=True)
+                runs.remove(name)
+            if not runs:
                 continue
-            if is_compressed and args.compress != "weights" and not placement.cache:
-                print(f"{name}: keeps the cache on the device, no 4-bit {args.compress} run", flush=True)
-                continue
-            if executor is None:
-                first = OffloadExecutor(lm, device, OffloadConfig(gbs, nb, placement,
-                                                                  compress=args.compress if is_compressed else None))
-                print(f"built {args.preset} on the host{' (4-bit)' if is_compressed else ''} in "
-                      f"{time.perf_counter() - start:.1f} s", flush=True)
-            executor = first.with_block(gbs, nb, placement)
-            key = name + ("-4bit" if is_compressed else "")
-            print(f"{key}: gpu_batch {gbs} x {nb}, {placement_name(placement)} on the host, {b} prompts", flush=True)
-            row = run_policy(executor, prompts[:b], args, config, rates, is_compressed)
-            tokens[key] = row.pop("tokens")
-            if is_compressed:
-                row["agreement_with_bf16"] = agreement(tokens[key], tokens[name])
-            record["systems"][key] = row
-            write_results("offload", device, record)
-        del lm, first, executor
+            if lm is None or is_compressed:  # (bf16: one host model for every group; 4-bit codes replace its tensors)
+                start = time.perf_counter()
+                lm = random_model(config, device)
+                print(f"drew {args.preset} on the host in {time.perf_counter() - start:.1f} s", flush=True)
+            run_group(lm, runs, policies, is_compressed, prompts, args, config, rates, record, tokens)
+        del lm
         gc.collect()
-        if is_cuda(device):
-            torch.cuda.empty_cache()
     if args.dequant_rows:
         print("4-bit weights: expand + matmul against the fused projection (linear4)", flush=True)
         record["dequant"] = time_dequant(config, args.dequant_rows, device)
     print(write_results("offload", device, record, plot=plot(record)), flush=True)
+
+
+def _compresses(placement: Placement, what: str) -> bool:
+    """Whether the executor takes `compress=what` with `placement` (it compresses what is offloaded)."""
+    return (what == "kv" or placement.weights) and (what == "weights" or placement.cache)
+
+
+def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bool, prompts: list, args, config,
+              rates, record: dict, tokens: dict) -> None:
+    """Policies that keep the same layers' weights on the GPU, one executor over the host model `lm`
+    (a bf16 one's host tensors stay as they are: the next group's executor takes them again)."""
+    start = time.perf_counter()
+    gbs, nb, placement, _ = policies[names[0]]
+    first = OffloadExecutor(lm, args.device, OffloadConfig(gbs, nb, placement,
+                                                           compress=args.compress if is_compressed else None))
+    print(f"executor{' (4-bit)' if is_compressed else ''}: {first.num_resident} of {first.num_layers} layers' weights "
+          f"on the GPU, built in {time.perf_counter() - start:.1f} s", flush=True)
+    for name in names:
+        gbs, nb, placement, b = policies[name]
+        executor = first.with_block(gbs, nb, placement)
+        key = name + ("-4bit" if is_compressed else "")
+        print(f"{key}: gpu_batch {gbs} x {nb}, {placement_name(placement)} on the host, {b} prompts", flush=True)
+        row = run_policy(executor, prompts[:b], args, config, rates, is_compressed)
+        tokens[key] = row.pop("tokens")
+        if is_compressed:
+            row["agreement_with_bf16"] = agreement(tokens[key], tokens[name])
+        elif "-weights_gpu" in name:  # (the same model at another share: every token the same)
+            row["agreement_with_chosen"] = agreement(tokens[key], tokens[name.split("-weights_gpu")[0]])
+        record["systems"][key] = row
+        write_results("offload", args.device, record)
+    del first, executor
+    gc.collect()
+    if is_cuda(args.device):
+        torch.cuda.empty_cache()
 
 
 def anchor(args) -> None:

@@ -1,6 +1,7 @@
 """bench/offload.py end to end on the CPU (a small model, weights offloaded under a tiny budget,
-a stand-in for the Accelerate probe): every policy's row carries its measurement and, without
-compression, the cost model's prediction; the 4-bit rows their agreement with bf16; the anchor's
+a stand-in for the Accelerate probe): every policy's row carries its measurement, its share of
+resident layers and, without compression, the cost model's prediction; the chosen policy rerun
+with every layer streamed moves more weight bytes and is predicted slower; the 4-bit rows their agreement with bf16; the anchor's
 lines are parsed, and a missing probe is skipped with a reason."""
 import json
 
@@ -24,7 +25,7 @@ ARGS = ["--device", "cpu", "--preset", "small-llama", "--gpu-memory", "0.03", "-
 def run(tmp_path, monkeypatch, probe: str) -> dict:
     from bench import common
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    offload.main(ARGS + ["--other", "1x2:weights+cache+hidden", "--dequant-rows", "2"])
+    offload.main(ARGS + ["--other", "1x2:weights+cache+hidden", "--dequant-rows", "2", "--shares", "0"])
     offload.main(ARGS + ["--anchor", probe])
     (path,) = tmp_path.glob("offload-*.json")
     return json.loads(path.read_text())
@@ -35,11 +36,18 @@ def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatc
     probe.write_text(FAKE_PROBE)
     record = run(tmp_path, monkeypatch, str(probe))
     systems = record["systems"]
-    assert set(systems) == {"auto-B2", "other-1x2-weights+cache+hidden", "auto-B2-4bit"}
+    share = systems["auto-B2"]["weights_gpu"]
+    assert 0 < share < 1  # (30 MiB holds two of small-llama's 8 bf16 layers beside the buffers)
+    assert set(systems) == {"auto-B2", "auto-B2-weights_gpu0", "other-1x2-weights+cache+hidden", "auto-B2-4bit"}
     for name, row in systems.items():
         assert row["block"] <= 2 and row["tokens_per_s"] > 0 and min(row["seconds"], row["prefill_seconds"]) > 0
         assert row["moved_gb"]["weights"] > 0 and row["offloaded"].startswith("weights")
         assert ("predicted" in row) is (row["compress"] is None)
+        assert row["resident_layers"] == (0 if name.startswith("other") or "weights_gpu0" in name else round(share * 8))
+    streamed = systems["auto-B2-weights_gpu0"]  # (the same policy with every layer streamed: --shares 0)
+    assert streamed["moved_gb"]["weights"] > systems["auto-B2"]["moved_gb"]["weights"]
+    assert streamed["agreement_with_chosen"]["tokens"] == 1.0  # (another executor over the same host model)
+    assert streamed["predicted"]["step_seconds"] > systems["auto-B2"]["predicted"]["step_seconds"]
     assert 0 <= systems["auto-B2-4bit"]["agreement_with_bf16"]["tokens"] <= 1
     assert systems["auto-B2-4bit"]["dequant"] == "reference"  # (the CPU's)
     assert record["choices"]["auto-B2"]["policy"]["gpu_batch"] == systems["auto-B2"]["gpu_batch"]

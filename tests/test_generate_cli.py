@@ -1,7 +1,8 @@
 """`batchmaker generate` (serving/generate.py): prompts from a JSON-lines file, one line per
 finished prompt; a run stopped early (--max-prompts, or killed mid-line) and resumed writes every
 id exactly once, with the tokens of one uninterrupted run; the offloading executor and the engine
-give the same tokens; a bad input line is one error naming it."""
+give the same tokens (with a share of the weights kept on the device too); a bad input line is one
+error naming it."""
 import json
 import random
 from pathlib import Path
@@ -69,6 +70,11 @@ def test_auto_prints_its_policy(tmp_path, whole, capsys):
     assert results(tmp_path / "auto.jsonl") == whole
 
 
+def test_a_share_of_resident_weights_gives_the_same_tokens(tmp_path, whole):
+    assert generate(tmp_path, "share.jsonl", *OFFLOAD, "--set", "weights_gpu=0.5") == 0
+    assert results(tmp_path / "share.jsonl") == whole
+
+
 def test_compressed_weights_run_and_cut_at_each_length(tmp_path, whole):
     assert generate(tmp_path, "4bit.jsonl", *OFFLOAD, "--set", "compress=weights") == 0
     compressed = results(tmp_path / "4bit.jsonl")
@@ -98,7 +104,8 @@ def test_bad_settings_are_usage_errors(tmp_path, capsys):
     for setting, message in (("offload=disk", "expected auto, none"), ("gpu_memory=lots", "expected a size"),
                              ("gpu_batch=0", "integer >= 1"), ("compress=cache", "expected weights, kv or both"),
                              ("dequant=fast", "expected reference, expand or fused"),
-                             ("dequant=expand", "with compress='weights'")):
+                             ("dequant=expand", "with compress='weights'"), ("weights_gpu=1.5", "share in [0, 1]"),
+                             ("weights_gpu=0.5", "every layer's weights there already")):
         assert generate(tmp_path, "out.jsonl", "--set", setting) == 2
         assert message in capsys.readouterr().err
 

@@ -3,7 +3,8 @@ and device buffers as separate tensors): its greedy tokens equal the same model 
 prompt alone through `dense_logits`) and transformers' for a saved checkpoint, every token, for
 several block shapes and every placement, prompts of different lengths left-padded in a batch;
 it carries out exactly the zig-zag schedule's operations, a layer's weights cross once per step
-of the block; and no compute reads a buffer the schedule is done with (each one is filled with
+of the block; a share of resident layers (`weights_gpu`, dense or 4-bit) changes no token and
+only the streamed layers cross; and no compute reads a buffer the schedule is done with (each one is filled with
 NaN then), a check that does catch a schedule missing one load."""
 import itertools
 import random
@@ -88,11 +89,7 @@ def test_compressed_weights_give_the_tokens_of_the_round_tripped_model(placement
     """compress='weights': each matrix crosses as 4-bit codes; the reference is the resident model
     with its layers' matrices replaced by their round trip through kernels/compress4.py."""
     config = PRESETS["tiny-llama"]
-    reference = build_decoder(config, seed=3)
-    with torch.no_grad():
-        for p in reference.layers.parameters():
-            if p.dim() == 2:
-                p.copy_(decompress(compress(p, 64, dim=0)))
+    reference = round_tripped(build_decoder(config, seed=3))
     prompts = random_prompts([3, 7, 1, 5], config.vocab_size, seed=6)
     executor = OffloadExecutor(build_decoder(config, seed=3), "cpu",
                                OffloadConfig(2, 2, placement, check_buffers=True, compress="weights"))
@@ -100,6 +97,42 @@ def test_compressed_weights_give_the_tokens_of_the_round_tripped_model(placement
     assert tokens == [resident_greedy(reference, p, 6) for p in prompts]
     plain = 6 * sum(p.numel() * 4 for p in reference.layers.parameters())  # (fp32, once a step)
     assert 0.12 * plain < moved.bytes["weights"] < 0.16 * plain  # (36 bytes a group of 64 instead of 256, + norms)
+
+
+def round_tripped(lm):
+    """`lm` with its layers' matrices replaced by their 4-bit round trip (kernels/compress4.py)."""
+    with torch.no_grad():
+        for p in lm.layers.parameters():
+            if p.dim() == 2:
+                p.copy_(decompress(compress(p, 64, dim=0)))
+    return lm
+
+
+@pytest.mark.parametrize("gpu_batch, num_batches", [(2, 3), (5, 1)])
+@pytest.mark.parametrize("compress_what", [None, "weights"])
+@pytest.mark.parametrize("share", [0.0, 0.4, 0.7, 1.0])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_a_share_of_resident_layers_gives_the_resident_models_tokens(preset, share, compress_what, gpu_batch,
+                                                                      num_batches):
+    """weights_gpu: the first floor(share x 3) layers keep their weights on the device (loaded once,
+    dense, round-tripped with 4-bit weights), the others stream as before: the tokens are the
+    resident model's (the round-tripped one's), only streamed layers cross, once a step."""
+    config = replace(PRESETS[preset], num_layers=3)
+    reference = build_decoder(config, seed=3)
+    if compress_what:
+        round_tripped(reference)
+    prompts = random_prompts([3, 7, 1, 5, 2], config.vocab_size, seed=8)
+    placement = Placement(True, True, False, weights_gpu=share)
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu",
+                               OffloadConfig(gpu_batch, num_batches, placement, check_buffers=True,
+                                             compress=compress_what))
+    tokens, moved = executor.generate_block(prompts, 5)
+    assert tokens == [resident_greedy(reference, p, 5) for p in prompts]
+    assert moved.ops == zigzag(3, num_batches, 5, placement)
+    streamed = {0.0: 3, 0.4: 2, 0.7: 1, 1.0: 0}[share]
+    kept = [compress(p, 64, dim=0).nbytes if compress_what and p.dim() == 2 else p.numel() * 4
+            for p in build_decoder(config).layers[0].parameters()]  # (what a layer's load moves: codes or fp32)
+    assert moved.bytes["weights"] == 5 * streamed * sum(kept)
 
 
 def test_a_schedule_missing_a_load_is_caught_by_the_nan_check(monkeypatch):
@@ -150,5 +183,7 @@ def test_bad_inputs_are_refused():
         OffloadConfig(compress="cache")
     with pytest.raises(ValueError, match="keeps them on the device"):
         OffloadConfig(placement=Placement(False, True, True), compress="weights")
+    with pytest.raises(ValueError, match="keeps the weights where they are"):
+        executor.with_block(2, 2, Placement(True, True, True, weights_gpu=0.5))
     with pytest.raises(ValueError, match="Gemma"):
         OffloadExecutor(build_decoder(replace(config, layer_windows=(8, 8))), "cpu")

@@ -1,7 +1,9 @@
 """`offload=auto` (exec/offload_auto.py): the machine's rates are measured (positive, finite); the
 policy chosen keeps everything on a device that holds it, moves the weights to the host when they
-do not fit, counts the model's dtype (a budget that holds bf16 weights but not fp32 ones), and is
-said in one line with its prediction."""
+do not fit, keeping as many whole layers on the device as the budget holds beside the buffers
+(`weights_gpu`), counts the model's dtype (a budget that holds bf16 weights but not fp32 ones), and
+is said in one line with its prediction, which falls as the share grows."""
+import itertools
 import math
 
 import pytest
@@ -32,6 +34,10 @@ def test_a_device_that_holds_everything_keeps_everything():
 def test_weights_that_do_not_fit_go_to_the_host(dtype, offloaded):
     choice = choose(SMALL, dtype, RATES, 80 * MIB, 64 << 30, prompt=16, generate=16)
     assert choice.placement.weights is offloaded
+    if offloaded:  # (8 layers of 12.6 MB: two buffers leave room for some resident layers in 80 MiB)
+        resident = choice.placement.num_resident(SMALL.num_layers)
+        assert 0 < resident < SMALL.num_layers and choice.placement.weights_gpu == resident / SMALL.num_layers
+        assert f"weights_gpu={choice.placement.weights_gpu:.2f}" in choice.describe()
     assert choice.tokens_per_s > 0 and choice.step_seconds > 0
     line = choice.describe()
     assert f"gpu_batch={choice.policy.gpu_batch}" in line and "predicted decode step" in line
@@ -50,3 +56,11 @@ def test_a_bounded_block_and_the_prediction_of_the_chosen_policy():
     assert p.step_seconds == pytest.approx(choice.step_seconds)
     assert p.block_seconds == pytest.approx(p.prefill_seconds + 15 * p.step_seconds)
     assert choice.policy.block * 16 / p.block_seconds == pytest.approx(choice.tokens_per_s)
+
+
+def test_the_predicted_step_falls_as_the_share_of_resident_layers_grows():
+    steps = [predict(SMALL, torch.float32, RATES, Placement(True, True, True, share), 4, 2, prompt=16,
+                     generate=16).step_seconds for share in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    assert all(a > b for a, b in itertools.pairwise(steps))
+    same = predict(SMALL, torch.float32, RATES, Placement(True, True, True, 0.3), 4, 2, prompt=16, generate=16)
+    assert same.step_seconds == pytest.approx(steps[1])  # (0.3 of 8 layers: 2 of them, as 0.25)

@@ -4,8 +4,9 @@ poisoned once the schedule is done with them, the tokens equal those of the same
 on the GPU, bf16 and fp32, every token. With 4-bit weights: the codes made on the GPU are the
 CPU's, and Triton's expansion (the GPU's default) gives the tokens of the PyTorch twin; the fused
 projection (`linear4`) those of the twin in fp32; a 4-bit host KV cache expanded and compressed by
-Triton gives the tokens of the twins (bit for bit the same codes). Not run yet (written on a
-machine without a GPU)."""
+Triton gives the tokens of the twins (bit for bit the same codes). A share of resident layers
+(`weights_gpu`, dense or 4-bit) changes no token. The share's tests have not run on a GPU (written
+on a machine without one)."""
 import itertools
 import random
 
@@ -46,6 +47,15 @@ def test_offloaded_tokens_equal_the_resident_model_on_the_gpu(resident, placemen
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
+def test_a_share_of_resident_layers_gives_the_resident_models_tokens_on_the_gpu(resident, share):
+    dtype, want = resident
+    executor = OffloadExecutor(build_decoder(CONFIG, seed=1, dtype=dtype), "cuda",
+                               OffloadConfig(4, 3, Placement(True, True, False, share), check_buffers=True))
+    assert executor.generate(prompts(), 12) == want
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_codes_made_on_the_gpu_are_the_cpus(dtype):
     for weight in build_decoder(CONFIG, seed=1, dtype=dtype).layers[0].parameters():
@@ -55,9 +65,10 @@ def test_codes_made_on_the_gpu_are_the_cpus(dtype):
                 assert torch.equal(getattr(on_gpu, name).cpu(), getattr(on_cpu, name)), name
 
 
-def compressed_tokens(dtype, dequant: str | None, what: str = "weights") -> tuple[OffloadExecutor, list[list[int]]]:
+def compressed_tokens(dtype, dequant: str | None, what: str = "weights",
+                      share: float = 0.0) -> tuple[OffloadExecutor, list[list[int]]]:
     executor = OffloadExecutor(build_decoder(CONFIG, seed=1, dtype=dtype), "cuda",
-                               OffloadConfig(4, 3, Placement(True, True, False), check_buffers=True,
+                               OffloadConfig(4, 3, Placement(True, True, False, share), check_buffers=True,
                                              compress=what, dequant=dequant))
     tokens = executor.generate(prompts(), 12)
     torch.cuda.synchronize()
@@ -69,6 +80,14 @@ def test_compressed_weights_expanded_by_the_kernel_give_the_twins_tokens(dtype):
     executor, tokens = compressed_tokens(dtype, None)
     assert executor.host_weights.dequant == "expand"
     assert tokens == compressed_tokens(dtype, "reference")[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_resident_layers_of_4bit_weights_give_the_streamed_models_tokens(dtype):
+    """Resident layers hold the PyTorch twin's round trip dense; streamed ones are expanded by Triton."""
+    want = compressed_tokens(dtype, None)[1]
+    assert compressed_tokens(dtype, None, share=0.5)[1] == want
+    assert compressed_tokens(dtype, None, share=1.0)[1] == want
 
 
 def test_the_fused_projection_gives_the_twins_tokens_in_fp32():

@@ -1,7 +1,10 @@
 """FlexGen's cost model and policy search (core/offload_policy.py): the search (GPU batch sizes,
 doubling the number of GPU batches, placements on a grid) finds what trying every policy of the
 same grid finds; what it picks fits every tier; a GPU that holds everything keeps everything;
-a faster host link never makes the best policy slower."""
+a faster host link never makes the best policy slower; with the executor's whole layers
+(`kv_to_gpu`) and the weights' share on a finer grid, the search still finds what trying every
+policy finds, a budget between no layer and every layer picks a share in between, and the
+predicted link bytes fall as the share grows."""
 import numpy as np
 import pytest
 
@@ -80,3 +83,38 @@ def test_a_cache_moved_to_the_gpu_is_counted_on_the_link_and_in_its_slots():
                                       + kv_mean / T4.cpu_flops)
     slots = peak_bytes(m, gbs, nb, p, kv_to_gpu=True)[0, 0] - peak_bytes(m, gbs, nb, p)[0, 0]
     assert slots == pytest.approx(3 * 4 * (m.prompt + m.generate) * m.hidden * gbs)
+
+
+def test_with_a_weight_share_the_executors_search_finds_what_trying_every_policy_finds():
+    """The executor's grid: weights on the GPU by tenths (whole layers of a 40-layer model), the
+    cache and activations wholly on one side; GPUs that hold none, some or all of the weights."""
+    model = ModelShape(layers=40, hidden=5120, intermediate=20480, prompt=512, generate=32)  # (13B-sized)
+    weights = model.layer_bytes * model.layers
+    grid = placements(1.0, weight_step=0.1)
+    for gpu_bytes in (0.3 * weights, 0.55 * weights, 3 * weights):
+        hw = Hardware(**{**T4.__dict__, "gpu_bytes": gpu_bytes, "dtoc": 0.0, "ctod": 0.0, "disk_bytes": 0.0})
+        rate, policy = search(model, hw, step=1.0, max_gpu_batch=16, max_batches=8, kv_to_gpu=True, weight_step=0.1)
+        want = max(best_placement(model, hw, gbs, nb, grid, kv_to_gpu=True)[0] for gbs in gpu_batch_sizes(16)
+                   for nb in range(1, 9))
+        assert rate == pytest.approx(want, rel=1e-9) and policy is not None
+        p = np.array([[policy.wg, policy.wc, policy.cg, policy.cc, policy.hg, policy.hc]])
+        assert peak_bytes(model, policy.gpu_batch, policy.num_batches, p, kv_to_gpu=True)[0, 0] <= gpu_bytes
+        if gpu_bytes == 0.55 * weights:
+            assert 0 < policy.wg < 1  # (as much as fits beside the buffers, not all or nothing)
+
+
+def test_the_predicted_link_bytes_fall_as_the_weight_share_grows():
+    """With compute free, a decode step is its bytes over the link: (1 - wg) of a layer's weights
+    plus the cache moved to the GPU; and the GPU's peak holds wg of the weights plus two whole
+    layers' buffers while any layer streams."""
+    m, gbs, nb = OPT_6B, 4, 2
+    free = Hardware(**{**T4.__dict__, "mm_flops": 1e30, "bmm_flops": 1e30, "cpu_flops": 1e30})
+    shares = np.round(np.arange(0, 1.05, 0.1), 6)
+    p = np.array([[wg, 1 - wg, 0.0, 1.0, 1.0, 0.0] for wg in shares])  # (the cache on the CPU, activations on the GPU)
+    decode = layer_seconds(m, free, gbs, nb, p, kv_to_gpu=True)[1]
+    kv_mean = 4 * gbs * nb * (m.prompt + m.generate / 2) * m.hidden
+    assert decode * free.ctog == pytest.approx((1 - shares) * m.layer_bytes + kv_mean)
+    assert (np.diff(decode) < 0).all()
+    gpu = peak_bytes(m, gbs, nb, p, kv_to_gpu=True)[:, 0]
+    buffers = np.where(shares < 1, 2 * m.layer_bytes, 0.0)
+    assert np.diff(gpu - shares * m.layer_bytes * m.layers - buffers) == pytest.approx(0.0)

@@ -2,7 +2,8 @@
 buffer holds: for random shapes and placements, every compute finds its layer's weights, its
 batch's cache and hidden states on the device, loaded in an earlier slot; nothing is loaded over
 data not yet stored or still in use in the same slot; every output reaches the host; and a
-layer's weights cross once per step of the block, not once per batch."""
+streamed layer's weights cross once per step of the block, not once per batch, while the layers
+a share `weights_gpu` keeps on the device never cross."""
 import itertools
 import random
 
@@ -36,17 +37,20 @@ class FakeDevice:
         busy = {(kind, op.slot) for op in computes for kind in ("cache", "hidden")}
         busy |= {(op.kind.split("_")[1], op.slot) for op in ops if op.kind.startswith("store")}
         weight_in_use = {self.weights.index((op.step, op.layer)) for op in computes
-                         if self.placement.weights and (op.step, op.layer) in self.weights}
+                         if self.streams(op.layer) and (op.step, op.layer) in self.weights}
         updates = []
         for op in ops:
             updates += getattr(self, op.kind)(op, busy, weight_in_use)
         for apply in updates:
             apply()
 
+    def streams(self, layer: int) -> bool:
+        return self.placement.streams(layer, self.num_layers)
+
     # each op: checks now, returns what it changes at the window's end
     def compute(self, op, busy, weight_in_use):
         tag = (op.step, op.layer, op.batch)
-        assert not self.placement.weights or (op.step, op.layer) in self.weights, f"{tag}: its weights are absent"
+        assert not self.streams(op.layer) or (op.step, op.layer) in self.weights, f"{tag}: its weights are absent"
         for kind in ("cache", "hidden"):
             if not getattr(self.placement, kind):
                 continue
@@ -60,6 +64,7 @@ class FakeDevice:
                 for kind in ("cache", "hidden") if getattr(self.placement, kind)]
 
     def load_weights(self, op, busy, weight_in_use):
+        assert self.streams(op.layer), f"weights of resident layer {op.layer} loaded"
         assert op.slot not in weight_in_use, f"weights of layer {op.layer} over the buffer in use"
         self.weight_loads += 1
         return [lambda: self.weights.__setitem__(op.slot, (op.step, op.layer))]
@@ -99,18 +104,34 @@ CASES = [(1, 1, 1), (1, 3, 2), (2, 1, 3), (3, 2, 2), (2, 3, 4)] + \
          for i in range(12)]
 
 
+PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)] + \
+    [Placement(True, cache, hidden, share) for share in (0.3, 0.5, 1.0) for cache, hidden in ((True, True), (False, True))]
+
+
 @pytest.mark.parametrize("layers, batches, tokens", CASES)
-@pytest.mark.parametrize("placement", [Placement(*p) for p in itertools.product((True, False), repeat=3)],
-                         ids=lambda p: f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}")
+@pytest.mark.parametrize("placement", PLACEMENTS,
+                         ids=lambda p: f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}g{p.weights_gpu}")
 def test_the_schedule_keeps_every_dependency_on_a_fake_device(layers, batches, tokens, placement):
     device = FakeDevice(layers, placement)
     device.run(zigzag(layers, batches, tokens, placement))
     walk = [(s, lay, b) for s in range(tokens) for lay in range(layers) for b in range(batches)]
     assert device.computed == walk  # (each once, a layer across the block's batches before the next)
-    assert device.weight_loads == (layers * tokens if placement.weights else 0)  # (once per layer and step)
+    streamed = layers - placement.num_resident(layers)
+    assert device.weight_loads == streamed * tokens  # (once per streamed layer and step)
     for kind in ("cache", "hidden"):
         if getattr(placement, kind):
             assert device.host[kind] == set(walk)  # (every output reached the host)
+
+
+def test_a_share_keeps_the_first_layers_whole_and_at_most_that_share():
+    assert [Placement(weights_gpu=g).num_resident(10) for g in (0.0, 0.1, 0.35, 0.99, 1.0)] == [0, 1, 3, 9, 10]
+    assert Placement(weights_gpu=3 / 7).num_resident(7) == 3  # (k / layers, as the search picks it)
+    assert Placement(False, True, True).num_resident(5) == 5
+    assert [Placement(weights_gpu=0.5).streams(layer, 4) for layer in range(4)] == [False, False, True, True]
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        Placement(weights_gpu=1.5)
+    with pytest.raises(ValueError, match="already"):
+        Placement(False, True, True, weights_gpu=0.5)
 
 
 def test_a_block_needs_layers_batches_and_tokens():

@@ -16,7 +16,11 @@ GPU batch sizes over FlexGen's candidates, and the number of GPU batches by doub
 fits and pays (FlexGen's procedure), each checked against an exhaustive search in the tests.
 FlexGen attends on the CPU over a cache that lives there; our executor moves that cache to the GPU
 instead (`kv_to_gpu`: its bytes join the decode step's ctog, its attention the GPU's compute, and
-its three batch slots the GPU's working memory).
+its three batch slots the GPU's working memory). FlexGen splits every layer's tensors by wg; the
+executor keeps the first wg x l layers whole on the GPU and streams the others whole (also meant by
+`kv_to_gpu`): the decode chain is linear in wg, so the same per-layer mean, while prefill's max is
+taken of the mean layer (an underestimate where a streamed layer's load outlasts its compute), and
+the two weight buffers hold whole layers (2w, not 2(1 - wg)w, while any layer streams).
 """
 from dataclasses import dataclass
 
@@ -95,24 +99,33 @@ def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
 def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False) -> np.ndarray:
     """[P, 3]: each tier's peak (GPU, CPU, disk): what lives there, plus the GPU's working set
     (two layers' weight buffers for what is not resident, one GPU batch's activations; with
-    `kv_to_gpu`, three GPU batches' cache slots of one layer for a cache that is not resident)."""
+    `kv_to_gpu`, two whole layers' buffers while any layer streams, and three GPU batches' cache
+    slots of one layer for a cache that is not resident)."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
     weights = m.layer_bytes * m.layers
     kv = 4 * (m.prompt + m.generate) * m.hidden * gbs * nb * m.layers
     act = 2 * m.hidden * gbs * nb * m.prompt
-    gpu = wg * weights + cg * kv + hg * act + 2 * (1 - wg) * m.layer_bytes + 2 * m.hidden * gbs * m.prompt
+    buffers = np.where(wg < 1, 2.0, 0.0) if kv_to_gpu else 2 * (1 - wg)  # (layers' worth: whole ones, or shares)
+    gpu = wg * weights + cg * kv + hg * act + buffers * m.layer_bytes + 2 * m.hidden * gbs * m.prompt
     if kv_to_gpu:
         gpu = gpu + np.where(cg < 1, 3 * 4 * (m.prompt + m.generate) * m.hidden * gbs, 0.0)
     return np.stack([gpu, wc * weights + cc * kv + hc * act, wd * weights + cd * kv + hd * act], axis=1)
 
 
-def placements(step: float) -> np.ndarray:
-    """Every (wg, wc, cg, cc, hg, hc) on a grid of `step` whose tiers' fractions sum to 1."""
-    f = np.round(np.arange(0, 1 + step / 2, step), 6)
-    pairs = np.array([(a, b) for a in f for b in f if a + b <= 1 + 1e-9])
-    i, j, k = np.meshgrid(*(np.arange(len(pairs)),) * 3, indexing="ij")
-    return np.concatenate([pairs[i.ravel()], pairs[j.ravel()], pairs[k.ravel()]], axis=1)
+def placements(step: float, weight_step: float | None = None) -> np.ndarray:
+    """Every (wg, wc, cg, cc, hg, hc) on a grid of `step` (the weights' of `weight_step`, default
+    `step`: e.g. 1 / layers for whole layers) whose tiers' fractions sum to 1."""
+    weights, other = _pairs(weight_step or step), _pairs(step)
+    i, j, k = np.meshgrid(np.arange(len(weights)), np.arange(len(other)), np.arange(len(other)), indexing="ij")
+    return np.concatenate([weights[i.ravel()], other[j.ravel()], other[k.ravel()]], axis=1)
+
+
+def _pairs(step: float) -> np.ndarray:
+    """(GPU, CPU) fractions k / n, n = 1 / step, that sum to at most 1 (the rest on disk)."""
+    n = round(1 / step)
+    f = np.arange(n + 1) / n
+    return np.array([(a, b) for a in f for b in f if a + b <= 1 + 1e-9])
 
 
 def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray,
@@ -138,14 +151,15 @@ def gpu_batch_sizes(limit: int) -> list[int]:
 
 
 def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int = 64,
-           max_batches: int = 64, max_block: int | None = None, kv_to_gpu: bool = False) -> tuple[float, Policy | None]:
+           max_batches: int = 64, max_block: int | None = None, kv_to_gpu: bool = False,
+           weight_step: float | None = None) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
     placement fits and tokens/s grows, then look between the last two; the best policy found
     (of policies as fast, the largest block, then the largest GPU batch: the model counts no
     per-batch overhead, and each GPU batch of a block is a slot of its own launches and sync). With
     `max_block`, blocks of at most that many sequences (a run of that many prompts); `kv_to_gpu`:
-    as `layer_seconds`."""
-    grid = placements(step)
+    as `layer_seconds`; `weight_step`: as `placements`."""
+    grid = placements(step, weight_step)
     best_rate, best = 0.0, None
     for gbs in gpu_batch_sizes(min(max_gpu_batch, max_block or max_gpu_batch)):
         max_batches_here = max_batches if max_block is None else min(max_batches, max_block // gbs)

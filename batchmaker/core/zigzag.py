@@ -20,18 +20,46 @@ moves in a slot never lands where that slot computes or reads.
         sync()
 
 Which moves exist depends on the placement: weights that stay on the device are never loaded
-(`Placement.weights`), nor a cache or hidden states that stay there.
+(`Placement.weights`, or the layers `Placement.weights_gpu` keeps resident), nor a cache or hidden
+states that stay there. A streamed layer's load is issued one place of the walk ahead, whatever
+comes before it: where that is a resident layer, no weight buffer is in use in that slot.
 """
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 
 @dataclass(frozen=True)
 class Placement:
-    """What lives off the device between uses (True) or stays on it (False)."""
+    """What lives off the device between uses (True) or stays on it (False); with the weights
+    offloaded, `weights_gpu` is the share of the decoder layers whose weights stay on the device
+    all the same (FlexGen's wg, by whole layers): the first floor(weights_gpu x layers) of them.
+
+    Why a prefix: each load is issued one place of the walk ahead and closed by that slot's sync,
+    so where the resident layers sit changes neither how many loads a step makes nor what each
+    overlaps (one slot of compute), except that a resident layer 0 lets the block's first load
+    overlap a compute instead of standing alone; and a prefix is one number to read."""
     weights: bool = True
     cache: bool = True
     hidden: bool = True
+    weights_gpu: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.weights_gpu <= 1.0:
+            raise ValueError(f"weights_gpu={self.weights_gpu}: a share in [0, 1]")
+        if self.weights_gpu > 0 and not self.weights:
+            raise ValueError("weights_gpu is the share of offloaded weights kept on the device: the placement keeps "
+                             "every layer's weights there already")
+
+    def num_resident(self, num_layers: int) -> int:
+        """How many layers (the first ones) keep their weights on the device."""
+        if not self.weights:
+            return num_layers
+        return math.floor(self.weights_gpu * num_layers + 1e-6)  # (at most the share: a budget counted it)
+
+    def streams(self, layer: int, num_layers: int) -> bool:
+        """Whether `layer`'s weights cross the link each step."""
+        return layer >= self.num_resident(num_layers)
 
 
 WEIGHT_BUFFERS, BATCH_BUFFERS = 2, 3
@@ -57,7 +85,8 @@ def zigzag(num_layers: int, num_batches: int, num_tokens: int, placement: Placem
     batch's in, and a sync (with one batch they share a buffer)."""
     if min(num_layers, num_batches, num_tokens) < 1:
         raise ValueError(f"a block needs layers, batches and tokens >= 1, got {num_layers}, {num_batches}, {num_tokens}")
-    ops = _window(([_op("load_weights", 0, 0)] if placement.weights else []) + _first_batch_in((0, 0), placement))
+    first_in = [_op("load_weights", 0, 0)] if placement.streams(0, num_layers) else []
+    ops = _window(first_in + _first_batch_in((0, 0), placement))
     for step in range(num_tokens):
         for layer in range(num_layers):
             nxt = _next_layer(step, layer, num_layers, num_tokens)
@@ -73,7 +102,8 @@ def zigzag(num_layers: int, num_batches: int, num_tokens: int, placement: Placem
 def _slot(step: int, layer: int, batch: int, num_batches: int, num_layers: int, nxt: tuple | None,
           placement: Placement) -> list[Op]:
     """One slot: compute (step, layer, batch) beside the six moves."""
-    moves = [("load_weights", placement.weights and batch == 0 and nxt is not None, *(nxt or (0, 0)), -1),
+    loads_next = nxt is not None and batch == 0 and placement.streams(nxt[1], num_layers)
+    moves = [("load_weights", loads_next, *(nxt or (0, 0)), -1),
              ("load_cache", placement.cache and batch + 1 < num_batches and step > 0, step, layer, batch + 1),
              ("store_cache", placement.cache and batch > 0, step, layer, batch - 1),
              ("load_hidden", placement.hidden and batch + 1 < num_batches, step, layer, batch + 1),

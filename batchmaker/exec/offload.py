@@ -3,7 +3,8 @@ generates greedily for a block of `num_batches` GPU batches of `gpu_batch` promp
 out core/zigzag.py's operations in order.
 
 What the placement offloads lives in host storage between uses and moves through device buffers:
-each layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2 weight buffers,
+each streamed layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2
+weight buffers (the first `Placement.num_resident` layers keep theirs on the device, loaded once),
 each (layer, batch)'s KV cache (exec/offload_cache.py: optionally 4-bit) and each batch's hidden
 states into 3 batch buffers; a compute reads and writes device buffers only. What is not
 offloaded stays on the device (the embedding, the final norm and the head always do). On CUDA
@@ -30,8 +31,8 @@ from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
 from batchmaker.exec import offload_cache
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
-from batchmaker.exec.offload_weights import DEQUANTS, HostWeights, default_dequant, layer_tensors
-from batchmaker.kernels.compress4 import Compressed
+from batchmaker.exec.offload_weights import DEQUANTS, GROUP, HostWeights, default_dequant, layer_tensors
+from batchmaker.kernels.compress4 import Compressed, compress, decompress
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,14 @@ class OffloadExecutor:
         lm.layers = layers
         self.num_layers = len(layers)
         self.dtype = lm.embed_tokens.weight.dtype
-        if config.placement.weights:
+        self.num_resident = config.placement.num_resident(self.num_layers)  # the first layers: weights stay
+        self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers[:self.num_resident])
+        if config.compresses_weights:  # (resident layers hold the round trip dense: the same model at any share)
+            _round_trip(self.resident)
+        if self.num_resident < self.num_layers:
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
-            self.host_weights = HostWeights(layers, self.weight_buffers, config.compresses_weights,
-                                            config.dequant or default_dequant(self.device))
-        else:
-            self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers)
+            self.host_weights = HostWeights(layers[self.num_resident:], self.weight_buffers,
+                                            config.compresses_weights, config.dequant or default_dequant(self.device))
         self.is_reference = (config.dequant or default_dequant(self.device)) == "reference"  # (a cache's twins)
         if self.is_cuda:
             self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
@@ -111,8 +114,10 @@ class OffloadExecutor:
     def with_block(self, gpu_batch: int, num_batches: int, placement: Placement) -> "OffloadExecutor":
         """An executor of another block shape and placement of the cache and hidden states, sharing
         this one's host weights and device buffers (the same offloaded model: no rebuild); the
-        weights' placement must stay. Not to run beside this one (they share buffers and streams)."""
-        if placement.weights != self.config.placement.weights:
+        weights' placement (and share on the device) must stay. Not to run beside this one (they
+        share buffers and streams)."""
+        was = self.config.placement
+        if (placement.weights, placement.weights_gpu) != (was.weights, was.weights_gpu):
             raise ValueError("with_block keeps the weights where they are: build another executor to move them")
         other = copy.copy(self)
         other.config = replace(self.config, gpu_batch=gpu_batch, num_batches=num_batches, placement=placement)
@@ -206,8 +211,8 @@ class BlockRun:
         self.moved.ops.append(op)
 
     def load_weights(self, op: Op) -> None:
-        with self._stream("in"):
-            self.moved.bytes["weights"] += self.x.host_weights.load(op.layer, op.slot)
+        with self._stream("in"):  # (the host keeps the streamed layers only, from num_resident on)
+            self.moved.bytes["weights"] += self.x.host_weights.load(op.layer - self.x.num_resident, op.slot)
 
     def load_cache(self, op: Op) -> None:
         end = self.batches[op.batch].start(op.step)  # every column written before this step
@@ -243,8 +248,8 @@ class BlockRun:
     def compute(self, op: Op) -> None:
         step, layer, b = op.step, op.layer, op.batch
         x, lm, batch = self.x, self.x.lm, self.batches[b]
-        module = x.weight_buffers[(step * x.num_layers + layer) % WEIGHT_BUFFERS] if self.placement.weights \
-            else x.resident[layer]
+        streams = self.placement.streams(layer, x.num_layers)
+        module = x.weight_buffers[(step * x.num_layers + layer) % WEIGHT_BUFFERS] if streams else x.resident[layer]
         hidden = (self.hidden_slots[op.slot] if self.placement.hidden else self.hidden[b])[:batch.columns(step)]
         k_cache, v_cache = self.cache_slots[op.slot] if self.placement.cache else self.cache[layer][b]
         attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap)
@@ -259,7 +264,7 @@ class BlockRun:
         self.tokens[b, :, step] = token
         if step + 1 < self.num_tokens:  # the next step's input: the token's embedding
             hidden[:1, 0].copy_(lm.embed(token, batch.positions(step + 1)).unsqueeze(0))
-        if self.x.config.check_buffers and self.placement.weights and b == len(self.batches) - 1:
+        if self.x.config.check_buffers and streams and b == len(self.batches) - 1:
             self._poison_after_sync(*layer_tensors(module))
 
     def sync(self, op: Op) -> None:
@@ -289,6 +294,13 @@ class BlockRun:
     def _poison_after_sync(self, *tensors: Tensor) -> None:
         if self.x.config.check_buffers:
             self.poison += tensors
+
+
+def _round_trip(layers: nn.ModuleList) -> None:
+    """Each matrix replaced by its 4-bit round trip, on its device (what a streamed layer computes with)."""
+    for p in layers.parameters():
+        if p.dim() == 2:
+            p.data.copy_(decompress(compress(p.data, GROUP, dim=0)))
 
 
 class _SideStream:

@@ -6,8 +6,10 @@ What is measured (`measure`): the copy rate host -> device and back (pinned host
 GPU; on a CPU, between two CPU tensors, the executor's two pools), the device's matmul rate at
 the model's dtype, and the CPU's batched matmul rate (FlexGen's CPU attention term, kept in the
 record: the executor moves a host cache to the device and attends there, which is what the search
-counts, `kv_to_gpu`). The search runs over whole tensors (fractions 0 or 1: the executor places each class of tensor wholly on
-the host or the device; no disk), so a policy maps onto a `Placement` exactly.
+counts, `kv_to_gpu`). The search runs over what the executor places: the weights' share on the
+device by whole layers (fractions k / layers: `Placement.weights_gpu`, resident weights counted
+against the device budget), the KV cache and hidden states wholly on the host or the device
+(fractions 0 or 1; no disk), so a policy maps onto a `Placement` exactly.
 
 Adaptations of FlexGen's model (it counts 2-byte values, OPT's two-matrix MLP and one KV head per
 query head): the model is described to it with an MLP width scaled to Llama's three matrices, and
@@ -46,8 +48,10 @@ class Choice:
     def describe(self) -> str:
         p = self.placement
         where = lambda offloaded: "host" if offloaded else "device"  # noqa: E731
+        weights = "weights on device" if not p.weights else "weights on host" if not p.weights_gpu else \
+            f"weights_gpu={p.weights_gpu:.2f} (the first layers' weights on device, the others' on host)"
         return (f"offload policy: gpu_batch={self.policy.gpu_batch} num_batches={self.policy.num_batches} "
-                f"(block {self.policy.block}); weights on {where(p.weights)}, KV cache on {where(p.cache)}, "
+                f"(block {self.policy.block}); {weights}, KV cache on {where(p.cache)}, "
                 f"hidden states on {where(p.hidden)}; predicted decode step {self.step_seconds * 1e3:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s")
 
@@ -108,13 +112,14 @@ def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes
     hw = hardware(rates, dtype, device_bytes, host)
     shape = model_shape(config, prompt, generate)
     rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches,
-                          max_block=max_block, kv_to_gpu=True)
+                          max_block=max_block, kv_to_gpu=True, weight_step=1 / config.num_layers)
     if policy is None:
         raise ValueError(f"no placement of the model fits {device_bytes / 2**30:.2f} GiB of device and "
                          f"{host / 2**30:.1f} GiB of host memory")
     p = np.array([[policy.wg, policy.wc, policy.cg, policy.cc, policy.hg, policy.hc]])
     decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p, kv_to_gpu=True)[1][0]
-    placement = Placement(weights=policy.wg < 1, cache=policy.cg < 1, hidden=policy.hg < 1)
+    is_offloaded = policy.wg < 1
+    placement = Placement(is_offloaded, policy.cg < 1, policy.hg < 1, policy.wg if is_offloaded else 0.0)
     return Choice(policy, placement, rate, float(decode) * config.num_layers)
 
 
@@ -127,10 +132,12 @@ class Prediction:
 
 def predict(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
             num_batches: int, prompt: int, generate: int) -> Prediction:
-    """The cost model's times for a policy the executor runs (whole tensors on the host or the device)."""
+    """The cost model's times for a policy the executor runs (the weights' share on the device by
+    whole layers, the cache and hidden states wholly on the host or the device)."""
     hw = hardware(rates, dtype, 0.0, 0.0)
-    off = [placement.weights, placement.cache, placement.hidden]
-    p = np.array([[v for is_off in off for v in ((0.0, 1.0) if is_off else (1.0, 0.0))]])
+    wg = placement.num_resident(config.num_layers) / config.num_layers
+    p = np.array([[wg, 1 - wg] + [v for is_off in (placement.cache, placement.hidden)
+                                  for v in ((0.0, 1.0) if is_off else (1.0, 0.0))]])
     prefill, decode = (float(t[0]) * config.num_layers for t in
                        layer_seconds(model_shape(config, prompt, generate), hw, gpu_batch, num_batches, p, kv_to_gpu=True))
     return Prediction(prefill + (generate - 1) * decode, prefill, decode)

@@ -6,7 +6,8 @@ runs them). With it, through FlexGen's offloading executor (exec/offload.py): `o
 measures the machine and picks the policy (exec/offload_auto.py, printed with its prediction);
 `offload=weights+cache+hidden` (any of the three, or `none`) names what lives on the host.
 `gpu_memory=12GiB` bounds the device pool for auto; `gpu_batch=` and `num_batches=` override the
-policy's block; `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
+policy's block, `weights_gpu=0.4` its share of offloaded weights kept on the device (the first 40%
+of the layers, never moved; core/zigzag.py `Placement`); `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
 as 4-bit codes (FlexGen's group-wise quantization), and `dequant=reference|expand|fused` says how
 they meet the compute (default: Triton's kernels on a GPU, the PyTorch twins elsewhere;
 exec/offload_weights.py, exec/offload_cache.py). These keys are the command's own; the rest of
@@ -17,13 +18,14 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from batchmaker.serving.cli_models import UsageError
 from batchmaker.serving.prompt_file import OutputFile, PromptRecord, finished_ids, read_prompts
 
 log = logging.getLogger("batchmaker")
-GENERATE_KEYS = ("offload", "gpu_memory", "gpu_batch", "num_batches", "compress", "dequant")
+GENERATE_KEYS = ("offload", "gpu_memory", "gpu_batch", "num_batches", "weights_gpu", "compress", "dequant")
 MODEL_KEYS = ("preset", "checkpoint", "seed", "dtype")  # what the offloading path builds the model from
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
 
@@ -47,7 +49,7 @@ def run_generate(args) -> int:
     progress = Progress(len(pending))
     out = OutputFile(args.output)
     try:
-        if own.get("offload", "none") == "none" and not {"gpu_batch", "num_batches", "compress", "dequant"} & set(own):
+        if own.get("offload", "none") == "none" and not set(GENERATE_KEYS[2:]) & set(own):
             _run_engine(name, model_items, args.devices, pending, out, progress)
         else:
             _run_offloaded(name, model_items, args.devices, own, pending, out, progress)
@@ -85,6 +87,15 @@ def _convert(key: str, text: str):
         if text not in ("reference", "expand", "fused"):
             raise UsageError(f"--set dequant={text}: expected reference, expand or fused")
         return text
+    if key == "weights_gpu":
+        try:
+            share = float(text)
+        except ValueError:
+            share = -1.0
+        if not 0.0 <= share <= 1.0:
+            raise UsageError(f"--set weights_gpu={text}: expected a share in [0, 1] (of the layers' weights kept "
+                             "on the device)")
+        return share
     if key == "gpu_memory":
         match = _SIZE.fullmatch(text)
         if not match:
@@ -230,10 +241,13 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         parts = set(offload.split("+")) - {"none"}
         placement = Placement(*(kind in parts for kind in ("weights", "cache", "hidden")))
     try:
+        if "weights_gpu" in own:  # (auto's choice overridden: the weights offloaded, that share kept)
+            placement = replace(placement, weights=placement.weights or offload == "auto",
+                                weights_gpu=own["weights_gpu"])
         config = OffloadConfig(gpu_batch, num_batches, placement, compress=own.get("compress"),
                                dequant=own.get("dequant"))
     except ValueError as e:
-        raise UsageError(f"--set compress, dequant: {e}") from None
+        raise UsageError(f"--set weights_gpu, compress, dequant: {e}") from None
     return OffloadExecutor(lm, device, config)
 
 
