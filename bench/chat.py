@@ -89,6 +89,7 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
     latencies = [done_at[i] - (start + arrivals[i]) for i in range(len(work))]
     trace, runner.trace = runner.trace, None
     row = summarize("batchmaker", rate, work, latencies, end - start)
+    row["window"] = saturated_window(trace, start, arrivals, rate, work, latencies)
     row["engine"] = chat_stateful.engine_delta(before, chat_stateful.engine_counters(engine, gen))
     row["engine"]["extra_tokens"] = row["engine"]["tokens"] - sum(p + o - 1 for p, o in work)  # recomputed
     row["triton_kernels"] = triton_compiles().kernels[compiled:]  # compiled mid-run: the host stalled for each
@@ -97,6 +98,39 @@ def run_batchmaker(engine, work, prompts, rate, seed) -> tuple[dict, list]:
                     "graphed": [int(r.graphed) for r in trace],
                     "ms": [None if r.seconds is None else round(r.seconds * 1e3, 3) for r in trace]}
     return row, trace
+
+
+def saturated_window(trace: list, start: float, arrivals, rate: float, work, latencies=None,
+                     warm: float = 0.25) -> dict:
+    """Output tokens/s while requests kept arriving, the first `warm` of that span left out: from
+    the iterations' sampled tokens and launch times (`IterationRecord.samples`, `.at`). The span ends
+    at the last arrival, or, all at once (rate inf), at the last iteration with a prompt chunk (no
+    request waits after it). It is the throughput at saturation, without the drain at the end where
+    the last few requests decode alone, where the engine fell behind: it sampled under 0.95 of the
+    output tokens of the requests that arrived in the window, and the requests' latency per token
+    grew (the median of the window's last quarter of arrivals over its first quarter's, `growth`,
+    above 1.5: a queue built up) or all came at once."""
+    arrivals = np.asarray(arrivals, dtype=float)
+    if rate == float("inf"):
+        prompt_at = [r.at for r in trace if r.tokens > r.samples]
+        end = max(prompt_at) if prompt_at else start
+    else:
+        end = start + float(arrivals[-1])
+    begin = start + warm * (end - start)
+    tokens = sum(r.samples for r in trace if begin <= r.at < end)
+    outputs = np.array([o for _, o in work], dtype=float)
+    inside = (start + arrivals >= begin) & (start + arrivals < end)
+    achieved = tokens / (end - begin) if end > begin else None
+    offered = float(outputs[inside].sum()) / (end - begin) if end > begin and rate != float("inf") else float("inf")
+    growth = None
+    if latencies is not None and inside.sum() >= 8:
+        norm = (np.asarray(latencies) / outputs)[inside]
+        quarter = len(norm) // 4
+        growth = float(np.median(norm[-quarter:]) / np.median(norm[:quarter]))
+    queued = rate == float("inf") or (growth is not None and growth > 1.5)
+    return {"begin_s": begin - start, "end_s": end - start, "tokens": tokens, "tokens_per_s": achieved,
+            "offered_tokens_per_s": offered, "latency_growth": growth,
+            "saturated": achieved is not None and achieved < 0.95 * offered and queued}
 
 
 def iteration_floor(record, config, params: int, itemsize: int, bandwidth: float, peak: float,

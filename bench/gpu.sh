@@ -46,8 +46,10 @@
 #              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
 #              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
 #     pp (a 2-GPU machine; issue 31): pp-tests then pp-chat: the pipeline-parallel GPU tests
-#              (tests/test_pipeline_parallel_gpu.py), then bench/chat.py all at once at PP 1 and 2
-#              (13B: the issue's PP=2 >= 1.7x one GPU's tokens/s at saturation); ~8 min expected, not yet run
+#              (tests/test_pipeline_parallel_gpu.py), then bench/chat.py at PP 1 and 2, 768 requests offered
+#              at 32/s (PP_RATES, PP_REQUESTS), above both's capacity: the row's `window` is the tokens/s at
+#              saturation (13B: the issue's PP=2 >= 1.7x one GPU's); all at once (rate inf), the drain of
+#              the last long requests, alone on the GPU, took half of PP=2's iterations (2026-11-26)
 #     pp-step  bench/tp_step.py --pp 1 2: a pipeline's decode round at batch 1 and 64
 #     tppp (a 4-GPU machine; issue 31): tppp-tests then tppp-chat: tensor and pipeline parallelism
 #              together, TP=2 x PP=2 (tests/test_tensor_pipeline_gpu.py: bf16 tokens against one GPU, a
@@ -141,7 +143,8 @@ for suite in "$@"; do
                      --batch 1 64 --context 512 --steps 32 ;;
         pp-chat) for pp in 1 2; do
                 step "pp-chat-$pp" timeout 240 python3 bench/chat.py --preset "${PP_PRESET:-llama-2-13b}" \
-                    --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" --pipeline-parallel "$pp"
+                    --systems batchmaker --rates "${PP_RATES:-32}" --requests "${PP_REQUESTS:-768}" --warm-up 16 --steps "" \
+                    --pipeline-parallel "$pp"
             done ;;
         offload|offload-tests|offload-bench|offload-anchor)  # issue 34; `offload` is the three (their limits sum
             # to under the 10-minute command with the setup steps; expected ~8 min on an H100, not run yet)

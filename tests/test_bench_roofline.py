@@ -1,6 +1,7 @@
 """bench/chat.py's roofline of an iteration trace: max(bytes / bandwidth, FLOPs / peak) per
 iteration, and the serial bound (projections' roofline + attention's) that caps the fraction a
 mixed iteration can reach when its kernels run one after another."""
+import numpy as np
 import pytest
 
 from batchmaker.cells.decoder_config import PRESETS, num_parameters
@@ -86,3 +87,26 @@ def test_kernel_table_groups_kernels_by_name():
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99.0}]
     assert kernel_table(events) == [{"name": "gemm", "count": 2, "total_ms": 0.08, "mean_us": 40.0},
                                     {"name": "attn", "count": 1, "total_ms": 0.01, "mean_us": 10.0}]
+
+
+def test_saturated_window_counts_sampled_tokens_while_requests_arrive():
+    def record(tokens, samples, at):
+        return IterationRecord(tokens, 0, samples, True, samples=samples, at=at)
+    start = 100.0
+    # all at once: prompts until t = 8 s, then a drain of lone decodes that the window leaves out
+    trace = [record(512, 4, start + t) for t in range(0, 9)] + [record(1, 1, start + 9 + t / 10) for t in range(50)]
+    work = [(500, 20)] * 10
+    window = chat.saturated_window(trace, start, chat.poisson(10, float("inf"), 0), float("inf"), work)
+    assert window["end_s"] == pytest.approx(8) and window["begin_s"] == pytest.approx(2)
+    assert window["tokens"] == 6 * 4 and window["tokens_per_s"] == pytest.approx(4.0) and window["saturated"]
+    # Poisson: the span ends at the last arrival; 40 requests of 20 tokens in 4 s: 200 offered/s
+    arrivals = np.arange(40) / 10
+    steady = [record(1, 10, start + t / 10) for t in range(200)]  # 100 tokens/s for 20 s
+    work = [(5, 20)] * 40
+    growing = 1.0 + np.arange(40)  # each later request waited longer: a queue
+    window = chat.saturated_window(steady, start, arrivals, 10.0, work, growing)
+    assert window["begin_s"] == pytest.approx(0.975) and window["end_s"] == pytest.approx(3.9)
+    assert window["tokens_per_s"] == pytest.approx(100.0, rel=0.05) and window["latency_growth"] > 1.5
+    assert window["offered_tokens_per_s"] == pytest.approx(29 * 20 / 2.925) and window["saturated"]
+    flat = np.ones(40)  # behind on tokens only because they had not finished yet: not saturated
+    assert not chat.saturated_window(steady, start, arrivals, 10.0, work, flat)["saturated"]
