@@ -19,6 +19,11 @@ class KVSettings:
     max_seqs: int = 256  # sequences running at once on one worker
     num_blocks: int | None = None  # per worker; None: from the memory below
     gpu_fraction: float = 0.9  # CUDA: of the memory free once the weights are placed
+    # CUDA: left free at least (the graphs' pool, an iteration's activations, cuBLAS's workspace and,
+    # with ranks, the communicators' buffers): a fraction alone left 1 GB beside a 70B model's TP=2
+    # shards on 80 GB cards, and capturing a graph ran out of memory (2026-11-26)
+    gpu_headroom: int = 2 << 30
+    gpu_headroom_ranks: int = 2 << 30  # more where the decoder is split over processes (their communicators)
     cpu_bytes: int = 256 << 20  # CPU workers
     reserve: float = 0.1  # of the blocks, kept free for running decodes when new requests join
     # conversations (core/conversations.py): their caches across turns
@@ -36,6 +41,9 @@ class KVSettings:
     prefill_graph_tokens: int = 512
 
     def __post_init__(self):
+        if self.gpu_headroom < 0 or self.gpu_headroom_ranks < 0:
+            raise ValueError(f"gpu_headroom, gpu_headroom_ranks: bytes >= 0 expected, got {self.gpu_headroom!r}, "
+                             f"{self.gpu_headroom_ranks!r}")
         for name in ("reserve", "swap_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -100,7 +108,12 @@ class DecoderCell(Cell):
         per_block = kv_bytes_per_block(self.lm.config, self.block_size, dtype)  # (a rank's kv heads)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.kv.gpu_fraction)
+            headroom = self.kv.gpu_headroom + (self.kv.gpu_headroom_ranks if self.ranks > 1 else 0)
+            budget = min(int(free * self.kv.gpu_fraction), free - headroom)
+            if budget < 2 * per_block:
+                raise MemoryError(f"{free / 2**30:.2f} GiB free on {device} once the weights are placed: no room "
+                                  f"for a KV cache beside {headroom / 2**30:.2f} GiB of headroom (KVSettings "
+                                  f"gpu_headroom, gpu_headroom_ranks; or give num_blocks)")
         else:
             budget = self.kv.cpu_bytes
         return max(2, budget // per_block)

@@ -115,6 +115,34 @@ def test_prefill_graph_tokens_must_be_a_count(value):
         KVSettings(prefill_graph_tokens=value)
 
 
+def test_the_kv_cache_leaves_headroom_on_a_nearly_full_gpu(monkeypatch):
+    """KV blocks on a CUDA device: the fraction of the free memory, but never closer to full than
+    the headroom (more for a decoder split over processes); no room at all is a MemoryError that
+    says what to set. (torch.cuda.mem_get_info stubbed: no GPU here.)"""
+    from batchmaker.cells.decoder_cell import DecoderCell, KVSettings, kv_bytes_per_block
+    from batchmaker.cells.decoder_config import PRESETS
+    from batchmaker.cells.decoder_source import DecoderSource
+    from batchmaker.cells.llama import LlamaLM
+    config = PRESETS["tiny-llama"]
+    per_block = kv_bytes_per_block(config, 16, torch.float32)
+    gib = 1 << 30
+    free = {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * gib))
+
+    def blocks(free_gib, tensor_parallel=1, **kv):
+        free["bytes"] = int(free_gib * gib)
+        cell = DecoderCell(LlamaLM(config), KVSettings(**kv), tensor_parallel, DecoderSource(config))
+        return cell.num_blocks_on(torch.device("cuda", 0))
+    assert blocks(60) == int(60 * gib * 0.9) // per_block  # plenty free: the fraction binds
+    assert blocks(10) == 8 * gib // per_block  # 10 GiB free: 2 GiB left, not 1
+    assert blocks(10, tensor_parallel=2) == 6 * gib // per_block  # the communicators' share too
+    assert blocks(10, gpu_headroom=0, gpu_headroom_ranks=0) == int(10 * gib * 0.9) // per_block
+    with pytest.raises(MemoryError, match="gpu_headroom"):
+        blocks(1.5)
+    with pytest.raises(ValueError, match="gpu_headroom"):
+        KVSettings(gpu_headroom=-1)
+
+
 def test_the_work_lists_of_a_padded_iteration_name_each_row_once(runner):
     """What a graphed mixed iteration hands its attention (`_with_work`): every token's row in
     exactly one item, within the lists' capacity for the shape."""

@@ -256,7 +256,7 @@ def test_a_body_is_captured_when_it_comes_again(monkeypatch):
     graphs.enabled = True
     events = []
 
-    def capture(key, body, pools, warm=False):
+    def capture(key, body, pools, warm=False, strict=False):
         events.append(("capture", key))
         graphs._graphs[key] = (SimpleNamespace(replay=lambda: events.append(("replay", key))), "static", ())
         return True
@@ -309,6 +309,44 @@ def test_which_captures_wait_for_the_device(monkeypatch):
     graphs.run(("k", "type"), body, [pool])
     assert calls == ["body", "sync", "begin", "body", "end", "replay"]
     assert graphs.num_captures == 2
+
+
+def test_a_failed_capture_runs_eagerly_unless_strict(monkeypatch):
+    """A body that fails under capture (here: out of memory) runs eagerly from then on; a strict
+    one (a rank of a split decoder: its graphs pair collectives with the other ranks') raises
+    GraphCaptureError instead, so its iteration fails rather than leave the ranks out of step."""
+    import contextlib
+
+    from batchmaker.exec.graphs import GraphCaptureError, Graphs
+    capturing = []
+
+    class Graph:
+        def capture_begin(self, **kwargs):
+            capturing.append(True)
+
+        def capture_end(self):
+            capturing.clear()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+    def body():
+        if capturing:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return "eager"
+    for strict in (False, True):
+        graphs = Graphs(torch.device("cpu"))
+        graphs.enabled = True
+        assert graphs.run(("k", f"type-{strict}", 8), body, [], strict=strict) == "eager"
+        if not strict:
+            assert graphs.run(("k", "type-False", 8), body, [], strict=strict) == "eager"  # (failed: eager)
+            assert "type-False" in graphs._eager and graphs.run(("k", "type-False", 8), body, []) == "eager"
+            continue
+        with pytest.raises(GraphCaptureError, match="could not capture"):
+            graphs.run(("k", "type-True", 8), body, [], strict=True)
+        assert graphs.num_captures == 0 and not graphs._eager
 
 
 @pytest.mark.gpu

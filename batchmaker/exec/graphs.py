@@ -8,8 +8,11 @@ captures it when it comes again (`capture_after`), and replays it from then on: 
 comes once costs no capture (as torch.compile's CUDA-graph trees warm up before recording). A
 graph bakes in the addresses of the pools it touches: when one moved (it grew), the body runs
 eagerly once more and is captured again. A body that cannot be captured (a host sync inside,
-say) runs eagerly from then on, with one warning. Graphs share one memory pool (they never run
-concurrently: one stream) and are captured on a side stream.
+say) runs eagerly from then on, with one warning; but a `strict` one (a rank of a decoder split
+over processes) raises GraphCaptureError: the ranks capture the same graphs so that their captured
+collectives pair up, and one rank running eagerly where the others replay would leave them waiting
+in collectives nothing pairs with. Graphs share one memory pool (they never run concurrently: one
+stream) and are captured on a side stream.
 
 A new shape's capture does not wait for the device: its eager run is queued on the worker's
 stream, and the host records the graph while the GPU executes that run (a capture launches
@@ -24,6 +27,10 @@ from collections.abc import Callable, Hashable
 import torch
 
 log = logging.getLogger("batchmaker")
+
+
+class GraphCaptureError(RuntimeError):
+    """A strict body (a rank of a split decoder) could not be captured."""
 
 
 CAPTURE_AFTER = 2  # a body is captured at its run number `capture_after` (eager before): a Llama-2-7B
@@ -45,7 +52,7 @@ class Graphs:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
 
-    def run(self, key: Hashable, body: Callable[[], object], pools: list) -> object:
+    def run(self, key: Hashable, body: Callable[[], object], pools: list, strict: bool = False) -> object:
         """The body's outputs: a replay (static outputs, valid until the next replay of `key`),
         or an eager run (this one's work; once captured, the graph serves the next runs)."""
         if not self.enabled or key[1] in self._eager:
@@ -58,12 +65,14 @@ class Graphs:
         out = body()
         runs = self._runs[key] = self._runs.get(key, 0) + 1
         if entry is not None or runs >= self.capture_after:  # (a graph whose pools moved: again at once)
-            self.capture(key, body, pools)
+            self.capture(key, body, pools, strict=strict)
         return out
 
-    def capture(self, key: Hashable, body: Callable[[], object], pools: list, warm: bool = False) -> bool:
+    def capture(self, key: Hashable, body: Callable[[], object], pools: list, warm: bool = False,
+                strict: bool = False) -> bool:
         """(Re-)capture `body` on the pools as they are now; with `warm`, run it once first (at
-        start-up: with every lane padding, it writes only scratch rows). False if it cannot be."""
+        start-up: with every lane padding, it writes only scratch rows). False if it cannot be
+        (`strict`: raises GraphCaptureError instead)."""
         if not self.enabled or key[1] in self._eager:
             return False
         start = time.perf_counter()
@@ -90,6 +99,10 @@ class Graphs:
                     raise
                 graph.capture_end()
         except Exception as e:
+            if strict:
+                self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+                raise GraphCaptureError(f"{key[1]}: a rank of a split decoder could not capture its CUDA graph "
+                                        f"{key[2:]} ({type(e).__name__}: {e})") from e
             log.warning("%s: not captured as a CUDA graph, running eagerly from now on (%s: %s)", key[1],
                         type(e).__name__, e)
             self._eager.add(key[1])  # the cell type: its other keys would fail alike

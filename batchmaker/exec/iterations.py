@@ -52,6 +52,7 @@ class IterationRunner:
         self.config = self.lm.config
         self.device = device
         self.graphs = graphs
+        self.split = module.ranks > 1  # a rank of a split decoder: its graphs must be captured (exec/graphs.py)
         dtype = next(self.lm.parameters()).dtype
         self.exchange = None if self.stage is None else StageExchange(self.stage, self.config.hidden_size, dtype, device)
         self.cache = KVCache(self.config, num_blocks, module.block_size, dtype, device)
@@ -220,7 +221,7 @@ class IterationRunner:
         work = packed.work(sizes)
         key = graph_key(self.cell_type, shape, padded.greedy)
         return self.graphs.run(key, lambda: self._forward(packed.tensors, padded.max_query_len, padded.greedy, None,
-                                                          shape.bound, work, inbox=inbox), [])
+                                                          shape.bound, work, inbox=inbox), [], strict=self.split)
 
     def _work_sizes(self, num_tokens: int, num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
         """The attention's item lists of an iteration of this shape, if its batch may mix decodes
@@ -353,7 +354,7 @@ class IterationRunner:
         """Capture `body` after a warm run; returns its output of that run (a pipeline stage hands
         it on: its neighbours' warm runs wait for it)."""
         out = []
-        self.graphs.capture(key, lambda: out.append(body()) or out[-1], [], warm=True)
+        self.graphs.capture(key, lambda: out.append(body()) or out[-1], [], warm=True, strict=self.split)
         if out or self.exchange is None:
             return out[0] if out else None
         return body()  # (not captured: the cell type runs eagerly; a stage still hands a warm run on)
