@@ -26,7 +26,9 @@
 #     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
 #     http     issue 32 (carry pyzmq in .whl: install() installs .whl/*.whl): a Llama-2-7B-sized random bf16
 #              checkpoint with the tiny tokenizer (bench/tiny_checkpoint.py DIR llama-2-7b), then
-#              bench/http_overhead.py over it: HTTP against ZeroMQ per streamed token at 1, 64, 256 streams
+#              bench/http_overhead.py over it: HTTP against ZeroMQ per streamed token at 1, 64, 256 streams,
+#              the load from 4 processes of its own, through the openai client where .whl/openai holds its
+#              wheels (pydantic, httpx, anyio, typing_extensions...: ahead of the machine's own on the path)
 #     prefix   bench/chat.py --stateful (issue 32): the chat workload sent statelessly with automatic prefix
 #              caching (GPU blocks + host tier) against stateless and the explicit conversations; ~5 min
 #     verify16: the GPU tests of code written without a GPU in the sixteenth session (the 4-bit
@@ -122,8 +124,14 @@ for suite in "$@"; do
                   step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
                   step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;
         http) step http-checkpoint timeout 240 python3 bench/tiny_checkpoint.py /tmp/chat-llama-2-7b llama-2-7b
+              client=(--client aiohttp)  # the openai client where its wheels came along (.whl/openai: bench/README.md)
+              if compgen -G ".whl/openai/*.whl" > /dev/null && python3 -m pip install -q --no-index --no-deps \
+                      --no-compile --target /tmp/site-openai .whl/openai/*.whl; then
+                  export PYTHONPATH="$PYTHONPATH:/tmp/site-openai"; client=(--client openai)
+              fi
               step http-overhead timeout 340 python3 bench/http_overhead.py --checkpoint /tmp/chat-llama-2-7b \
-                  --devices cuda:0 --concurrency 1 64 256 --tokens 256 --num-blocks 4096 --tag llama-2-7b ;;
+                  --devices cuda:0 --concurrency 1 64 256 --tokens 256 --num-blocks 4096 --tag llama-2-7b \
+                  "${client[@]}" --processes 4 ;;
         prefix) step prefix-chat timeout 570 python3 bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16 \
                     --stateful-systems stateless gpu+cpu prefix+cpu --arrival-seconds 45 --warm-fraction 0.5 \
                     --conversation-rates "${PREFIX_RATES:-6}" --compress 10 --kv-gib 40 --host-gib 48 --tier-contexts '' ;;

@@ -7,14 +7,18 @@ text (`prompt`: the engine decodes the text), and HTTP (/v1/completions, server-
 detokenized and cut at stop strings by the front). Measured: the server process's CPU time per
 streamed token (/proc, user + system: what the path costs the server, whatever the client), the
 wall time and tokens/s, and the gaps between a stream's tokens as the client sees them. The load
-generator is this process: a light aiohttp reader (or, `--client openai`, the openai async client).
+generator is this process: a light aiohttp reader (or, `--client openai`, the openai async client);
+with `--processes N`, N processes of their own (started once, each with its own ZeroMQ client and
+event loop), each sending its share of a round's streams at the same signal (the issue's setting:
+the load apart from the server, the openai client as users run it).
 
     python bench/http_overhead.py                         # the tiny checkpoint, CPU (bench/tiny_checkpoint.py)
     python bench/http_overhead.py --checkpoint /models/Llama-2-7b-hf --devices cuda:0 \\
-        --concurrency 1 64 256 --tokens 256 --client openai        # the GPU run
+        --concurrency 1 64 256 --tokens 256 --client openai --processes 4        # the GPU run
 """
 import argparse
 import asyncio
+import multiprocessing
 import os
 import random
 import re
@@ -60,12 +64,12 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def zmq_round(client, concurrency: int, tokens: int, ids: list[int] | None) -> list[list[float]]:
+def zmq_round(client, concurrency: int, tokens: int, ids: list[int] | None, first_seed: int = 0) -> list[list[float]]:
     """Token arrival instants of `concurrency` streams sent at once (`ids` None: the text prompt)."""
     arrivals = [[] for _ in range(concurrency)]
     prompt = {"prompt": PROMPT} if ids is None else {"tokens": ids}
-    futures = [client.submit("llama", {**prompt, "max_new_tokens": tokens, "ignore_eos": True, "seed": i,
-                                       "temperature": 1.0},
+    futures = [client.submit("llama", {**prompt, "max_new_tokens": tokens, "ignore_eos": True,
+                                       "seed": first_seed + i, "temperature": 1.0},
                              on_partial=lambda partial, a=arrivals[i]: a.append(time.perf_counter()))
                for i in range(concurrency)]
     for f in futures:
@@ -73,7 +77,8 @@ def zmq_round(client, concurrency: int, tokens: int, ids: list[int] | None) -> l
     return arrivals
 
 
-async def http_round(url: str, concurrency: int, tokens: int, client_kind: str) -> list[list[float]]:
+async def http_round(url: str, concurrency: int, tokens: int, client_kind: str,
+                     first_seed: int = 0) -> list[list[float]]:
     body = {"model": "llama", "prompt": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 1.0}
     if client_kind == "openai":
         import openai
@@ -81,7 +86,7 @@ async def http_round(url: str, concurrency: int, tokens: int, client_kind: str) 
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
 
         async def one(i: int) -> list[float]:
-            stream = await client.completions.create(**body, seed=i, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(**body, seed=first_seed + i, extra_body={"ignore_eos": True})
             return [time.perf_counter() async for c in stream if c.choices and c.choices[0].text]
         try:
             return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
@@ -91,11 +96,60 @@ async def http_round(url: str, concurrency: int, tokens: int, client_kind: str) 
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         async def one(i: int) -> list[float]:
-            async with session.post(f"{url}/v1/completions", json={**body, "seed": i, "ignore_eos": True}) as reply:
+            async with session.post(f"{url}/v1/completions", json={**body, "seed": first_seed + i,
+                                                                   "ignore_eos": True}) as reply:
                 assert reply.status == 200, await reply.text()
                 return [time.perf_counter() async for line in reply.content
                         if line.startswith(b"data: {") and b'"text":""' not in line]
         return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
+
+
+def generator(pipe, address: str, url: str, client_kind: str, tokens: int, ids: list[int]) -> None:
+    """A load-generator process: runs its share of each round it is sent ((path, streams, first
+    seed); None: stop) and sends back the streams' token arrival instants (time.perf_counter: the
+    system's monotonic clock, comparable across processes)."""
+    from batchmaker.serving.client import Client
+
+    with Client(address, timeout=600) as client:
+        pipe.send("ready")
+        while (work := pipe.recv()) is not None:
+            path, streams, first_seed = work
+            if path == "http":
+                arrivals = asyncio.run(http_round(url, streams, tokens, client_kind, first_seed))
+            else:
+                arrivals = zmq_round(client, streams, tokens, ids if path == "zmq-tokens" else None, first_seed)
+            pipe.send(arrivals)
+
+
+class Generators:
+    """N load-generator processes: a round's streams split among them, sent at once."""
+
+    def __init__(self, n: int, address: str, url: str, client_kind: str, tokens: int, ids: list[int]):
+        context = multiprocessing.get_context("spawn")
+        self.pipes, self.processes = [], []
+        for _ in range(n):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=generator, args=(theirs, address, url, client_kind, tokens, ids),
+                                      daemon=True)
+            process.start()
+            self.pipes.append(mine)
+            self.processes.append(process)
+        for pipe in self.pipes:
+            assert pipe.recv() == "ready"
+
+    def round(self, path: str, concurrency: int) -> list[list[float]]:
+        shares = [concurrency // len(self.pipes) + (i < concurrency % len(self.pipes)) for i in range(len(self.pipes))]
+        busy = [(pipe, share) for pipe, share in zip(self.pipes, shares) if share]
+        first = 0
+        for pipe, share in busy:
+            pipe.send((path, share, first))
+            first += share
+        return [stream for pipe, _ in busy for stream in pipe.recv()]
+
+    def close(self) -> None:
+        for pipe, process in zip(self.pipes, self.processes):
+            pipe.send(None)
+            process.join(30)
 
 
 def measure(path: str, run_round, pid: int, rounds: int, num_tokens: int) -> dict:
@@ -124,6 +178,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--client", choices=["aiohttp", "openai"], default="aiohttp")
+    p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: this one)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
     checkpoint = args.checkpoint or str(save_tiny_chat_model(Path(tempfile.mkdtemp(prefix="tiny-chat-"))))
@@ -131,16 +186,20 @@ def main() -> None:
     from batchmaker.serving.client import Client
 
     proc, address, url = start_server(checkpoint, args.devices, args.num_blocks)
-    runs = []
+    runs, generators = [], None
     try:
         with Client(address, timeout=600) as client:
             ids = _prompt_ids(checkpoint)  # (the ids the text prompt gives: the same work on every path)
+            if args.processes:
+                generators = Generators(args.processes, address, url, args.client, args.tokens, ids)
             idle = cpu_seconds(proc.pid)
             time.sleep(2.0)
             idle_rate = (cpu_seconds(proc.pid) - idle) / 2.0
             rounds_of = {"zmq-tokens": lambda c: (lambda: zmq_round(client, c, args.tokens, ids)),
                          "zmq-text": lambda c: (lambda: zmq_round(client, c, args.tokens, None)),
                          "http": lambda c: (lambda: asyncio.run(http_round(url, c, args.tokens, args.client)))}
+            if generators is not None:
+                rounds_of = {path: lambda c, path=path: (lambda: generators.round(path, c)) for path in PATHS}
             for c in args.concurrency:
                 rounds = max(1, -(-args.min_tokens // (c * args.tokens)))
                 rounds_of["http"](c)()  # warm: the first iterations of a new batch shape
@@ -151,6 +210,8 @@ def main() -> None:
                         print(f"c={c:4d} {path:10s} {run['server_cpu_us_per_token']:8.1f} µs CPU/token "
                               f"{run['tokens_per_s']:9.1f} tok/s  gap p50 {run['gap_p50_ms']:.2f} ms", flush=True)
     finally:
+        if generators is not None:
+            generators.close()
         proc.terminate()
         proc.wait(60)
     summary = _summary(runs, args.concurrency)
@@ -158,6 +219,7 @@ def main() -> None:
         print(row)
     write_results("http-overhead" + (f"-{args.tag}" if args.tag else ""), args.devices.split(",")[0],
                   {"machine": f"{os.cpu_count()} cores ({args.devices}), server and load generator share them",
+                   "load_generator": f"{args.processes} processes" if args.processes else "this process",
                    "checkpoint": args.checkpoint or "bench/tiny_checkpoint.py (2 layers, hidden 64, vocab 480)",
                    "client": args.client, "tokens_per_stream": args.tokens, "server_idle_cpu_s_per_s": idle_rate,
                    "summary": summary, "runs": runs},
