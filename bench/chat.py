@@ -7,8 +7,9 @@ continuous batching and static batching, in one run, with the same random weight
 
 Reports per system and rate: output tokens/s, normalized latency (latency / output tokens) p50/p90,
 and for BatchMaker the roofline of the iterations it ran: sum over iterations of max(bytes read /
-copy bandwidth, FLOPs / matmul peak), bytes = weights + K/V of every context token read, FLOPs =
-2 x parameters x tokens (+ attention), over the wall time; the bound on that fraction for
+copy bandwidth, FLOPs / matmul peak), bytes = weights (an untied embedding table left out: only its
+tokens' rows are read) + K/V of every context token read, FLOPs = 2 x parameters x tokens (the LM head's:
+x sampled tokens; + attention), over the wall time; the bound on that fraction for
 iterations whose projections and attention run one after the other (`roofline_fraction_bound`);
 and where the wall time went (`device`): the iterations' spans on the GPU (events around each),
 graphed and eager apart, each with its roofline over its span, and the fraction the GPU was busy. The decode step alone (one request's
@@ -141,11 +142,22 @@ def iteration_floor(record, config, params: int, itemsize: int, bandwidth: float
     roofline) cannot beat. A mixed iteration (prompt chunks: FLOPs in the GEMMs; decodes: bytes in
     attention) reaches at most roofline / serial of the first."""
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
-    weight_s, gemm_s = params * itemsize / bandwidth, 2 * params * record.tokens / peak
+    head, table = head_parameters(config)
+    samples = record.tokens if record.samples is None else record.samples  # (the LM head's rows)
+    weight_s = (params - table) * itemsize / bandwidth
+    gemm_s = 2 * ((params - head - table) * record.tokens + head * samples) / peak
     kv_s = record.context * kv_per_token / bandwidth
     pairs = record.context if record.pairs is None else record.pairs  # a decode's: its context
     attention_s = 4 * config.num_layers * config.num_heads * config.head_dim * pairs / peak
     return max(weight_s, gemm_s) + max(kv_s, attention_s) if serial else max(weight_s + kv_s, gemm_s + attention_s)
+
+
+def head_parameters(config) -> tuple[int, int]:
+    """(the LM head's parameters, an untied token embedding's): the head is read once an iteration
+    (tied: the embedding's table, counted once) and multiplies only the rows sampled; an untied
+    embedding is neither read whole nor multiplied (a row gathered per token)."""
+    head = config.vocab_size * config.hidden_size
+    return head, 0 if config.tie_word_embeddings else head
 
 
 def roofline(trace: list, config, params: int, itemsize: int, bandwidth: float, peak: float,
@@ -187,13 +199,14 @@ def decode_steps(engine, batch: int, context: int, steps: int, vocab: int) -> fl
 
 # HF transformers -----------------------------------------------------------------------------------
 def hf_model(lm, config):
-    """HF's LlamaForCausalLM sharing our weights (q/k/v and gate/up are views of our fused ones)."""
+    """HF's model of the config's family (LlamaForCausalLM, Qwen2ForCausalLM, ...) sharing our
+    weights (q/k/v and gate/up are views of our fused ones, or whole where HF fuses them too)."""
     import transformers
     from batchmaker.cells.checkpoint import hf_names
     from batchmaker.cells.decoder_config import to_hf
-    hf_config = transformers.LlamaConfig(**to_hf(config))
+    hf_config = transformers.AutoConfig.for_model(**to_hf(config))
     with torch.device("meta"):
-        hf = transformers.LlamaForCausalLM(hf_config)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
     state = {}
     for name, tensor in lm.state_dict().items():
         names = hf_names(config, name)
@@ -201,9 +214,15 @@ def hf_model(lm, config):
             state[hf_name] = part
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, assign=True, strict=False)
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config, device=lm.embed_tokens.weight.device)
-    return hf.to(lm.embed_tokens.weight.device).eval()
+    missing = hf.load_state_dict(state, assign=True, strict=False).missing_keys
+    assert not missing, f"HF parameters without our weights: {missing}"
+    device = lm.embed_tokens.weight.device
+    with torch.device(device):  # (buffers are not in the state dict: made again off the meta device)
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config)
+        if getattr(hf.model.embed_tokens, "embed_scale", None) is not None:  # (Gemma's, in transformers 5)
+            hf.model.embed_tokens.embed_scale = torch.tensor(hf_config.hidden_size ** 0.5)
+    assert not any(b.is_meta for b in hf.buffers()), [n for n, b in hf.named_buffers() if b.is_meta]
+    return hf.to(device).eval()
 
 
 def _split(tensor, names, config):
@@ -335,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     limits = measure_limits(args.device, lm.embed_tokens.weight.dtype)  # (the roofline's: bench/device_limits.py)
     args.bandwidth = (args.bandwidth or limits.copy_bytes_per_s) * ranks  # (summed over the ranks)
     args.peak = (args.peak or limits.matmul_flops_per_s) * ranks
-    floor_s = params * itemsize / args.bandwidth
+    read = params - head_parameters(config)[1]  # the parameters an iteration reads
+    floor_s = read * itemsize / args.bandwidth
     rows, steps, profile = [], [], None
 
     def save() -> None:  # after each system: a run cut short keeps what it measured
@@ -388,8 +408,8 @@ def main(argv: list[str] | None = None) -> None:
                 prefill_iterations = -(-batch * args.step_context // max(1, args.max_tokens - batch))
                 step = decode_steps(engine, batch, args.step_context, 48 + prefill_iterations, config.vocab_size)
                 ctx = args.step_context + 24  # mid-way through the measured steps
-                floor = max((params * itemsize + batch * ctx * 2 * config.num_layers * config.num_kv_heads
-                             * config.head_dim * itemsize) / args.bandwidth, 2 * params * batch / args.peak)
+                floor = max((read * itemsize + batch * ctx * 2 * config.num_layers * config.num_kv_heads
+                             * config.head_dim * itemsize) / args.bandwidth, 2 * read * batch / args.peak)
                 steps.append({"batch": batch, "context": ctx, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
                               "vs_floor": step / floor})
                 print(steps[-1], flush=True)

@@ -24,6 +24,12 @@
 #     decoders the decoder tests (HF references, Triton attention, CUDA-graph decode), bench/attention.py,
 #              and a small bench/chat.py (tiny model) that checks the script end to end
 #     chat     bench/chat.py: Llama-2-7B-sized random bf16, BatchMaker vs HF continuous and static batching
+#     families issue 33: bench/chat.py on each family-sized random bf16 preset (FAMILIES, default qwen2.5-7b
+#              mistral-7b phi-3-mini gemma-2-9b; llama-3-8b too where time allows), BatchMaker only,
+#              FAMILY_REQUESTS (128) all at once after 16 warm-up ones: `roofline_fraction` at saturation and the
+#              batch-1 step against its weight floor (`decode_steps`); each step ~1.5-2 min (build, engine start,
+#              the run; estimated, not run yet), limited to 130 s (Phi-3-mini 110, Gemma-2-9B 170; FAMILY_TIMEOUT
+#              sets all): the four fit one device command
 #     http     issue 32 (carry pyzmq in .whl: install() installs .whl/*.whl): a Llama-2-7B-sized random bf16
 #              checkpoint with the tiny tokenizer (bench/tiny_checkpoint.py DIR llama-2-7b), then
 #              bench/http_overhead.py over it: HTTP against ZeroMQ per streamed token at 1, 64, 256 streams,
@@ -135,6 +141,12 @@ for suite in "$@"; do
         prefix) step prefix-chat timeout 570 python3 bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16 \
                     --stateful-systems stateless gpu+cpu prefix+cpu --arrival-seconds 45 --warm-fraction 0.5 \
                     --conversation-rates "${PREFIX_RATES:-6}" --compress 10 --kv-gib 40 --host-gib 48 --tier-contexts '' ;;
+        families) for preset in ${FAMILIES:-qwen2.5-7b mistral-7b phi-3-mini gemma-2-9b}; do
+                case "$preset" in phi-3-mini) limit=110 ;; gemma-2-9b) limit=170 ;; *) limit=130 ;; esac  # (sum 540 s)
+                step "families-$preset" timeout "${FAMILY_TIMEOUT:-$limit}" python3 bench/chat.py --device cuda:0 \
+                    --preset "$preset" --dtype bf16 --systems batchmaker --rates inf --requests "${FAMILY_REQUESTS:-128}" \
+                    --warm-up 16 --steps 1
+            done ;;
         chat) step chat timeout 590 python3 bench/chat.py --device cuda:0 --preset llama-2-7b --dtype bf16 ${CHAT_ARGS:-} ;;
         tp-tests) step tp-tests timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_one_shot_gpu.py tests/test_tensor_parallel_gpu.py ;;
         tp-step)  # the anchor in the same command, then the engine's step (issue 31)

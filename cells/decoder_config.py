@@ -177,6 +177,25 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama-2-70b": replace(_LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_layers=80,
                            num_heads=64, num_kv_heads=8),
     "opt-13b": _OPT_13B,
+    # The families' sizes (issue 33's chat runs), from each model's published config.json: their shapes, norms'
+    # eps, RoPE bases, token ids and tying. max_positions 4,096 for all (the workload's contexts, as Llama-2-7B's;
+    # the real ones take 8K-128K): Gemma 2's windows of 4,096 then never bind, so that the chat roofline's K/V
+    # term, which counts every context position, is exact; Phi-3-mini-4k's window of 2,047 is left out for the
+    # same reason (its layers attend to every position: more reads than the real model's, never fewer).
+    "qwen2.5-7b": replace(_LLAMA2_7B, model_type="qwen2", qkv_bias=True, vocab_size=152064, hidden_size=3584,
+                          intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, norm_eps=1e-6,
+                          rope_theta=1e6, bos_token_id=151643, eos_token_ids=(151643,)),  # Qwen/Qwen2.5-7B
+    "mistral-7b": replace(_LLAMA2_7B, model_type="mistral", vocab_size=32768, intermediate_size=14336,
+                          num_kv_heads=8, rope_theta=1e6),  # mistralai/Mistral-7B-v0.3 (no sliding window)
+    "phi-3-mini": replace(_LLAMA2_7B, model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                          head_dim=96, eos_token_ids=(32000,)),  # microsoft/Phi-3-mini-4k-instruct (MHA)
+    "gemma-2-9b": replace(_LLAMA2_7B, model_type="gemma2", activation="gelu_pytorch_tanh", vocab_size=256000,
+                          hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16, num_kv_heads=8,
+                          head_dim=256, norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_ids=(1,),
+                          post_norms=True, query_pre_attn_scalar=256, attn_softcap=50.0, final_softcap=30.0,
+                          layer_windows=(4096, 0) * 21),  # google/gemma-2-9b (windows on layers 0, 2, ...)
+    "llama-3-8b": replace(_LLAMA2_7B, vocab_size=128256, intermediate_size=14336, num_kv_heads=8,
+                          rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001,)),  # meta-llama/Meta-Llama-3-8B
     # A CPU benchmark's: big enough that the layers, not the host, take the time
     "small-llama": replace(_LLAMA2_7B, vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=8,
                            num_heads=8, num_kv_heads=8, head_dim=64, max_positions=1024),
@@ -358,16 +377,21 @@ def to_hf(config: DecoderConfig) -> dict:
 
 
 def _llama_like_to_hf(c: DecoderConfig, common: dict) -> dict:
-    """Mistral, Qwen2, Qwen3: their config.json (no sliding window: the engine attends to every position)."""
-    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
-    if c.model_type not in names or c.layer_windows:
-        raise ValueError(f"to_hf writes no {c.model_type} config, nor sliding windows (tests save those from "
-                         f"transformers' own config classes)")
+    """Mistral, Qwen2, Qwen3, Phi-3 (without sliding windows) and Gemma 2: their config.json."""
+    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "gemma2": "Gemma2"}
+    if c.model_type not in names or (c.layer_windows and c.model_type != "gemma2"):
+        raise ValueError(f"to_hf writes no {c.model_type} config, nor sliding windows but Gemma 2's (tests save "
+                         f"those from transformers' own config classes)")
     name = names[c.model_type]
     out = dict(model_type=c.model_type, architectures=[f"{name}ForCausalLM"], **common,
                intermediate_size=c.intermediate_size, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-               rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling_dict,
-               hidden_act=c.activation, sliding_window=None, use_sliding_window=False)
+               rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling_dict)
+    if c.model_type == "gemma2":
+        return dict(out, hidden_activation=c.activation, query_pre_attn_scalar=c.query_pre_attn_scalar,
+                    attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap,
+                    sliding_window=max(c.layer_windows, default=None) or None,
+                    layer_types=[("sliding" if w else "full") + "_attention" for w in c.layer_windows] or None)
+    out.update(hidden_act=c.activation, sliding_window=None, use_sliding_window=False)
     if c.model_type == "qwen3":
         out["attention_bias"] = c.attention_bias
     return out

@@ -18,11 +18,13 @@ def test_serial_bound_of_decode_prefill_and_mixed_iterations():
     def both(trace):
         return (chat.roofline(trace, config, params, 2, 4e12, 8e14),
                 chat.roofline(trace, config, params, 2, 4e12, 8e14, serial=True))
+    table = config.vocab_size * config.hidden_size  # the untied embedding's, and the LM head's
     decode = [IterationRecord(1, 360, 1, True)]  # weights and a little K/V: bound by bytes either way, nothing to add
-    assert both(decode)[0] == pytest.approx((params * 2 + 360 * kv) / 4e12)
+    assert both(decode)[0] == pytest.approx(((params - table) * 2 + 360 * kv) / 4e12)
     assert both(decode)[1] == pytest.approx(both(decode)[0])
-    prefill = [IterationRecord(2048, 0, 1, False)]  # FLOPs only
-    assert both(prefill)[1] == pytest.approx(both(prefill)[0]) == pytest.approx(2 * params * 2048 / 8e14)
+    prefill = [IterationRecord(2048, 0, 1, False, samples=1)]  # FLOPs only
+    assert both(prefill)[1] == pytest.approx(both(prefill)[0]) == \
+        pytest.approx(2 * ((params - 2 * table) * 2048 + table) / 8e14)
     mixed = [IterationRecord(444, 69 * 1100, 69, False)]  # the saturated chat run's mean iteration: GEMM FLOPs and K/V bytes
     ideal, serial = both(mixed)
     assert serial > ideal and 0.7 < ideal / serial < 0.8
@@ -73,10 +75,24 @@ def test_a_prompt_chunk_counts_its_causal_attention_pairs():
     params = num_parameters(config)
     flops_per_pair = 4 * config.num_layers * config.num_heads * config.head_dim
     bare, chunk = IterationRecord(2048, 2048, 1, False), IterationRecord(2048, 2048, 1, False, None, 2048 * 2049 // 2)
-    gemm = 2 * params * 2048 / 8e14
+    gemm = 2 * (params - config.vocab_size * config.hidden_size) * 2048 / 8e14  # (each token sampled: no record says)
     assert chat.iteration_floor(bare, config, params, 2, 4e12, 8e14) == pytest.approx(gemm + 2048 * flops_per_pair / 8e14)
     assert chat.iteration_floor(chunk, config, params, 2, 4e12, 8e14) == \
         pytest.approx(gemm + 2048 * 2049 // 2 * flops_per_pair / 8e14)
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "gemma-2-9b"])
+def test_the_weights_read_count_a_tied_head_once_and_no_untied_embedding(preset):
+    """A decode iteration reads every weight but an untied embedding table (a row per token); a tied
+    one is read once, as the LM head. A prompt chunk multiplies by the head only the rows it samples."""
+    config = PRESETS[preset]
+    params, table = num_parameters(config), config.vocab_size * config.hidden_size
+    layers = params - table * (1 if config.tie_word_embeddings else 2)
+    decode = IterationRecord(1, 0, 1, True, samples=1)
+    assert chat.iteration_floor(decode, config, params, 2, 4e12, 1e30) == pytest.approx((layers + table) * 2 / 4e12)
+    chunk = IterationRecord(512, 0, 1, False, samples=1)
+    assert chat.iteration_floor(chunk, config, params, 2, 1e30, 8e14) == \
+        pytest.approx(2 * (layers * 512 + table) / 8e14)
 
 
 def test_kernel_table_groups_kernels_by_name():

@@ -7,12 +7,13 @@ A sliding window that binds is served on the CPU (the attention twin's) and buil
 Triton kernels take it too: tests/test_attention_window_kernel.py)."""
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from batchmaker.cells.checkpoint import load_checkpoint
-from batchmaker.cells.decoder_config import num_parameters
+from batchmaker.cells.decoder_config import PRESETS, num_parameters
 from batchmaker.registry import build_model
 from helpers import passes_gpu_checks, save_perturbed
 from test_generation import hf_greedy
@@ -66,6 +67,26 @@ def test_served_tokens_equal_transformers(family, tp, tmp_path):
                            "max_new_tokens": rng.randint(1, 10), "ignore_eos": True}) for _ in range(6)]
     got = serve(build_model("llama", checkpoint=str(tmp_path), max_tokens=48, tensor_parallel=tp), requests, seed=1)
     for tokens, (_, inputs) in zip(got, requests):
+        assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "mistral-7b", "phi-3-mini", "gemma-2-9b", "llama-3-8b"])
+def test_family_presets_shrunk_serve_the_tokens_of_transformers(preset, monkeypatch):
+    """A family-sized preset (bench/chat.py's), shrunk to 2 layers, 1/16 of its widths, 256 positions
+    and at most 32,768 tokens but its head size and head counts kept, built as bench/chat.py builds it: served
+    greedy tokens equal transformers' model of its config.json with the same weights (chat.hf_model)."""
+    chat = pytest.importorskip("bench.chat")
+    c = PRESETS[preset]
+    small = replace(c, num_layers=2, vocab_size=min(c.vocab_size, 32768), hidden_size=c.hidden_size // 16,
+                    intermediate_size=c.intermediate_size // 16, layer_windows=c.layer_windows[:2], bos_token_id=1,
+                    eos_token_ids=(2,), max_positions=256)  # (the vocabulary holds Phi-3's pad token, 32,000)
+    monkeypatch.setitem(PRESETS, "shrunk", small)
+    model = build_model("llama", preset="shrunk", dtype="fp32", device="cpu", seed=3, max_tokens=48)
+    hf = chat.hf_model(model.cells["decoder"].lm, small)
+    rng = random.Random(5)
+    requests = [("llama", {"tokens": [rng.randrange(4, 512) for _ in range(rng.randint(1, 40))],
+                           "max_new_tokens": 6, "ignore_eos": True}) for _ in range(4)]
+    for tokens, (_, inputs) in zip(serve(model, requests, seed=1), requests):
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
 
 

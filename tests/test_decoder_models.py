@@ -180,6 +180,24 @@ def test_presets():
         hash(config)
 
 
+FAMILY_SIZES = {"qwen2.5-7b": ("Qwen2ForCausalLM", 7.62e9), "mistral-7b": ("MistralForCausalLM", 7.25e9),
+                "phi-3-mini": ("Phi3ForCausalLM", 3.82e9), "gemma-2-9b": ("Gemma2ForCausalLM", 9.24e9),
+                "llama-3-8b": ("LlamaForCausalLM", 8.03e9)}  # (the published counts)
+
+
+@pytest.mark.parametrize("name", list(FAMILY_SIZES))
+def test_family_presets_count_the_parameters_of_transformers_models(name):
+    """Each family-sized preset's count equals that of transformers' own model of its config.json
+    (built on the meta device: nothing allocated), within 1% of the published count."""
+    config, (architecture, published) = PRESETS[name], FAMILY_SIZES[name]
+    hf_config = transformers.AutoConfig.for_model(**to_hf(config))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert type(hf).__name__ == architecture and config.attention_windows == ()  # (Gemma's 4,096: never binds)
+    assert num_parameters(config) == sum(p.numel() for p in hf.parameters())
+    assert abs(num_parameters(config) / published - 1) < 0.01
+
+
 def test_config_rejects_unsupported():
     with pytest.raises(ValueError, match="yarn"):
         from_hf({**to_hf(TINY_LLAMA), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})

@@ -5,7 +5,8 @@ attention; and the checkpoints built like it: Mistral, Qwen2/3, Phi-3, Gemma 1-3
 yet (head sizes past 256) is refused when the model is built.
 
 Weights: seeded random ones of a named preset (cells/decoder_config.py: the papers' Llama-2-7B,
-Llama-2-13B, OPT-13B, and tiny ones for tests and the demo), or a HF-style checkpoint directory
+Llama-2-13B, OPT-13B, the families' sizes (Qwen2.5-7B, Mistral-7B, Phi-3-mini, Gemma-2-9B,
+Llama-3-8B), and tiny ones for tests and the demo), or a HF-style checkpoint directory
 (`config.json` + `*.safetensors`; with a `tokenizer.json`, requests may send text).
 """
 import torch
