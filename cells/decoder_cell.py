@@ -13,6 +13,16 @@ from batchmaker.cell import Cell
 from batchmaker.signature import Signature, TensorSpec
 
 
+SAMPLING_BYTES_PER_LOGIT = 48  # exec/sampling.py's temporaries a row and vocabulary entry at once: fp32
+# logits, their sorted copy and order (int64), the Gumbel noise's int64 hashes and float64 draws
+
+
+def sampling_bytes(rows: int, vocab: int) -> int:
+    """What sampling `rows` rows over a `vocab` of logits (a rank's) holds at its peak: 2.6 GB for
+    256 rows of Gemma 2's 256,000 (a graph captured per batch size keeps its own in their pool)."""
+    return rows * vocab * SAMPLING_BYTES_PER_LOGIT
+
+
 @dataclass(frozen=True)
 class KVSettings:
     block_size: int = 16  # positions per KV block
@@ -20,8 +30,9 @@ class KVSettings:
     num_blocks: int | None = None  # per worker; None: from the memory below
     gpu_fraction: float = 0.9  # CUDA: of the memory free once the weights are placed
     # CUDA: left free at least (the graphs' pool, an iteration's activations, cuBLAS's workspace and,
-    # with ranks, the communicators' buffers): a fraction alone left 1 GB beside a 70B model's TP=2
-    # shards on 80 GB cards, and capturing a graph ran out of memory (2026-11-26)
+    # with ranks, the communicators' buffers; sampling's, `sampling_bytes`, comes on top): a fraction
+    # alone left 1 GB beside a 70B model's TP=2 shards on 80 GB cards, and capturing a graph ran out
+    # of memory (2026-11-26)
     gpu_headroom: int = 2 << 30
     gpu_headroom_ranks: int = 2 << 30  # more where the decoder is split over processes (their communicators)
     cpu_bytes: int = 256 << 20  # CPU workers
@@ -109,6 +120,7 @@ class DecoderCell(Cell):
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             headroom = self.kv.gpu_headroom + (self.kv.gpu_headroom_ranks if self.ranks > 1 else 0)
+            headroom += sampling_bytes(self.max_seqs, self.lm.config.vocab_size)
             budget = min(int(free * self.kv.gpu_fraction), free - headroom)
             if budget < 2 * per_block:
                 raise MemoryError(f"{free / 2**30:.2f} GiB free on {device} once the weights are placed: no room "

@@ -119,7 +119,7 @@ def test_the_kv_cache_leaves_headroom_on_a_nearly_full_gpu(monkeypatch):
     """KV blocks on a CUDA device: the fraction of the free memory, but never closer to full than
     the headroom (more for a decoder split over processes); no room at all is a MemoryError that
     says what to set. (torch.cuda.mem_get_info stubbed: no GPU here.)"""
-    from batchmaker.cells.decoder_cell import DecoderCell, KVSettings, kv_bytes_per_block
+    from batchmaker.cells.decoder_cell import DecoderCell, KVSettings, kv_bytes_per_block, sampling_bytes
     from batchmaker.cells.decoder_config import PRESETS
     from batchmaker.cells.decoder_source import DecoderSource
     from batchmaker.cells.llama import LlamaLM
@@ -133,10 +133,13 @@ def test_the_kv_cache_leaves_headroom_on_a_nearly_full_gpu(monkeypatch):
         free["bytes"] = int(free_gib * gib)
         cell = DecoderCell(LlamaLM(config), KVSettings(**kv), tensor_parallel, DecoderSource(config))
         return cell.num_blocks_on(torch.device("cuda", 0))
+    sampling = 256 * config.vocab_size * 48  # (KVSettings.max_seqs rows of the vocabulary's logits)
+    assert sampling_bytes(256, config.vocab_size) == sampling
     assert blocks(60) == int(60 * gib * 0.9) // per_block  # plenty free: the fraction binds
-    assert blocks(10) == 8 * gib // per_block  # 10 GiB free: 2 GiB left, not 1
-    assert blocks(10, tensor_parallel=2) == 6 * gib // per_block  # the communicators' share too
+    assert blocks(10) == (8 * gib - sampling) // per_block  # 10 GiB free: 2 GiB and sampling's left, not 1
+    assert blocks(10, tensor_parallel=2) == (6 * gib - sampling) // per_block  # the communicators' share too
     assert blocks(10, gpu_headroom=0, gpu_headroom_ranks=0) == int(10 * gib * 0.9) // per_block
+    assert sampling_bytes(256, 256_000) > 2.4 * gib  # (Gemma 2's vocabulary: why it counts)
     with pytest.raises(MemoryError, match="gpu_headroom"):
         blocks(1.5)
     with pytest.raises(ValueError, match="gpu_headroom"):

@@ -312,7 +312,8 @@ def test_which_captures_wait_for_the_device(monkeypatch):
 
 
 def test_a_failed_capture_runs_eagerly_unless_strict(monkeypatch):
-    """A body that fails under capture (here: out of memory) runs eagerly from then on; a strict
+    """A capture that ran out of memory is tried once more after the allocator's cache went back to
+    the device; a body that fails under capture (here: out of memory) runs eagerly from then on; a strict
     one (a rank of a split decoder: its graphs pair collectives with the other ranks') raises
     GraphCaptureError instead, so its iteration fails rather than leave the ranks out of step."""
     import contextlib
@@ -331,11 +332,19 @@ def test_a_failed_capture_runs_eagerly_unless_strict(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    transient = []  # out of memory only until the cache was emptied
 
     def body():
-        if capturing:
+        if capturing and (not transient or not emptied):
             raise torch.OutOfMemoryError("CUDA out of memory")
         return "eager"
+    graphs = Graphs(torch.device("cpu"))
+    graphs.enabled = True
+    transient.append(True)
+    assert graphs.capture(("k", "type", 8), body, []) and emptied and graphs.num_captures == 1
+    transient.clear()
     for strict in (False, True):
         graphs = Graphs(torch.device("cpu"))
         graphs.enabled = True

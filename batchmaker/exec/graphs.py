@@ -84,20 +84,16 @@ class Graphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(self._stream):
-                if warm:
-                    body()
-                    torch.cuda.current_stream().synchronize()
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    static = body()
-                except Exception:
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()  # leave capture mode; the capture itself has failed
-                    raise
-                graph.capture_end()
+            try:
+                graph, static = self._record(body, warm)
+            except torch.OutOfMemoryError:
+                # the blocks eager runs left cached outside the graphs' pool may be what it lacks:
+                # back to the device with them, and once more on a fresh pool
+                self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                graph, static = self._record(body, warm)
         except Exception as e:
             if strict:
                 self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
@@ -115,6 +111,23 @@ class Graphs:
         self.num_captures += 1
         self.capture_s += time.perf_counter() - start
         return True
+
+    def _record(self, body: Callable[[], object], warm: bool) -> tuple:
+        """A graph of `body` on the side stream and the shared pool, and its static outputs."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            if warm:
+                body()
+                torch.cuda.current_stream().synchronize()
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                static = body()
+            except Exception:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()  # leave capture mode; the capture itself has failed
+                raise
+            graph.capture_end()
+        return graph, static
 
     def drop(self) -> None:
         """Destroy every graph (the device must be done with them): a communicator whose collectives
