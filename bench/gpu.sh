@@ -47,6 +47,17 @@
 #              (.probes/offload_probe.py: copy ../shared/probes there; skipped with a message where
 #              missing) added to the same JSON; PROBE_NEW (default 32) sets the anchor's new tokens;
 #              offload-tests, offload-bench, offload-anchor: each part alone
+#     offload-cap-ours, offload-cap-anchor  issue 34's headline as the issue states it (not run yet), two
+#              device commands: both systems under one process-wide cap of 16 GiB (set_per_process_memory_fraction),
+#              13B bf16, prompt 512, new 32. -ours: bench/offload.py --gpu-cap 16: the search's best block (at most
+#              256 prompts) with the executor's own count of the GPU, then its block-size curve at 1, 4, 16 GPU
+#              batches (estimated from the 2026-11-26 run's times: model 28 s, executor ~10 s, the chosen block
+#              ~80-130 s, the curve ~45-60 s: ~4-5 min of its 400 s limit). -anchor: Accelerate at batches 16 24 32,
+#              each in its own capped process (bench/capped_probe.py) with the weight budget the cap leaves beside
+#              its KV cache, stopping at the first out of memory (~115-140 s a batch from the earlier anchor's
+#              63 s generations and ~30 s start-up: ~6.5 min of its 570 s); it writes our best over Accelerate's
+#              best into the same offload-cap JSON. `offload-cap` is the two in one command (~11 min: over one
+#              device command's 10; run the halves). CAP_ANCHOR_BATCHES sets the anchor's batches
 #     fdpp     split-KV decode with FlashDecoding++'s unified maximum (issue 33; written without a GPU):
 #              its GPU tests (tests/test_unified_max.py), then bench/attention.py --unified-max (exact
 #              against unified decode, batches 1-256 x contexts 256-32K); fdpp-tests, fdpp-ab: each half
@@ -177,6 +188,14 @@ for suite in "$@"; do
             [ "$suite" = offload-tests ] || [ "$suite" = offload-bench ] ||
                 step offload-anchor timeout 225 python3 bench/offload.py "${off[@]}" --anchor .probes/offload_probe.py \
                     --probe-new "${PROBE_NEW:-32}" --probe-timeout 215 ;;
+        offload-cap|offload-cap-ours|offload-cap-anchor)  # issue 34's headline under a 16 GiB cap (two commands)
+            cap=(--preset llama-2-13b --gpu-cap 16 --prompt 512 --new 32)
+            [ "$suite" = offload-cap-anchor ] ||
+                step offload-cap-ours timeout 400 python3 bench/offload.py "${cap[@]}" --batches 256 --curve 1 4 16 \
+                    --other '' --no-compress --dequant-rows
+            [ "$suite" = offload-cap-ours ] ||
+                step offload-cap-anchor timeout 570 python3 bench/offload.py "${cap[@]}" --anchor .probes/offload_probe.py \
+                    --anchor-batches ${CAP_ANCHOR_BATCHES:-16 24 32} --probe-timeout 180 ;;
         fdpp|fdpp-tests|fdpp-ab)  # (the two steps fit one device command's 10 minutes together)
             [ "$suite" = fdpp-ab ] || step fdpp-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                 tests/test_unified_max.py

@@ -20,80 +20,59 @@ model (a 4-bit one is drawn again per share: its codes replace the model's tenso
 `--shares` (bench/gpu.sh passes none, to keep its time limit) the comparison at share 0 is the
 earlier runs' (bench/results/README.md).
 
-The anchor runs in a second command, a process of its own (both build a 26 GB model on the host):
+The anchor runs in a second command, processes of its own (both build a 26 GB model on the host):
 `--anchor PROBE` runs HF Accelerate's probe (../shared/probes/offload_probe.py, copied to .probes/
-for the GPU machine; skipped with a message where missing) at the same budget, batches, prompt and
-new tokens, and adds it to today's record of the device, with our tokens/s over its.
+for the GPU machine; skipped with a message where missing) at the same settings and adds it to
+today's record of the device, with our tokens/s over its (bench/offload_anchor.py).
+
+`--gpu-cap C` (the issue's headline): both sides under one process-wide cap of C GiB on what the
+allocator reserves (weights, KV cache, activations, workspace together), set before anything is
+allocated; our search's budget is the cap, with the executor's own count of the device
+(exec/offload_memory.py); each policy's predicted and measured peaks (allocated, reserved) are
+recorded, and a policy out of memory under the cap is recorded as its failure. Each bf16 row
+gives the policy's bound (the slowest of host link, host memory and GPU, exec/offload_auto.bound)
+and the measured tokens/s over it (the issue: >= 0.7). `--curve NB...` reruns the largest run's
+policy at these numbers of GPU batches per block (FlexGen's block size = gpu batch x num batches;
+its Table 2), everything else the same. The record is offload-cap-*.json; the anchor under the cap
+tries `--anchor-batches` and our best over Accelerate's best is recorded (the issue: >= 10x).
 
     python bench/offload.py --preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32
     python bench/offload.py --preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32 \
         --anchor .probes/offload_probe.py
+    python bench/offload.py --preset llama-2-13b --gpu-cap 16 --batches 256 --curve 1 4 16 --no-compress
+    python bench/offload.py --preset llama-2-13b --gpu-cap 16 --anchor .probes/offload_probe.py --anchor-batches 16 24 32
 """
 import argparse
-import datetime
 import gc
-import json
 import random
-import re
-import shlex
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import common  # noqa: E402
-from bench.common import device_name, write_results  # noqa: E402
-from batchmaker.cells.decoder import INIT_STD, DecoderLM, empty_decoder, materialize  # noqa: E402
+from bench.capped_probe import apply_cap  # noqa: E402
+from bench.common import write_results  # noqa: E402
+from bench.offload_anchor import anchor  # noqa: E402
+from bench.offload_dequant import time_dequant  # noqa: E402
+from bench.offload_model import host_budget, is_cuda, random_model  # noqa: E402
+from batchmaker.cells.decoder import DecoderLM  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.core.zigzag import Placement  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
-from batchmaker.exec.offload_auto import choose, host_bytes, measure, predict  # noqa: E402
+from batchmaker.exec.offload_auto import bound, choose, host_bytes, measure, predict  # noqa: E402
+from batchmaker.exec.offload_memory import CUDA_RESERVE  # noqa: E402
 from batchmaker.exec.offload_weights import default_dequant  # noqa: E402
-from batchmaker.kernels.compress4 import compress, expand, linear4  # noqa: E402
 
 GIB = 1 << 30
 DTYPE = torch.bfloat16
 
 
-def is_cuda(device: str) -> bool:
-    return torch.device(device).type == "cuda"
-
-
 def sync(device: str) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(device)
-
-
-def random_model(config, device: str, seed: int = 0) -> DecoderLM:
-    """The model on the host: normal(0, INIT_STD) weights drawn on the device a tensor at a time,
-    norms at 1 (biases 0). Seconds for 13B, where drawing on the CPU takes minutes. The layers'
-    matrices are views of one pinned allocation beside a GPU (torch's host allocator rounds each
-    pinned allocation up to a power of two: for 13B, 25 GB in one allocation, not 160 that round
-    to 46 GB); the rest is small."""
-    lm = empty_decoder(config)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    is_matrix = {name: name.startswith("layers.") and p.dim() == 2 for name, p in lm.named_parameters()}
-    pool = torch.empty(sum(p.numel() for name, p in lm.named_parameters() if is_matrix[name]), dtype=DTYPE,
-                       pin_memory=is_cuda(device))
-    offset, state = 0, {}
-    for name, p in lm.named_parameters():
-        if is_matrix[name]:
-            host, offset = pool[offset:offset + p.numel()].view(p.shape), offset + p.numel()
-        else:
-            host = torch.empty(p.shape, dtype=DTYPE)
-        module_name, kind = name.rsplit(".", 1)
-        if module_name.endswith("norm"):
-            host.fill_(1.0 if kind == "weight" else 0.0)
-        else:
-            host.copy_(torch.randn(p.shape, generator=generator, device=device, dtype=DTYPE).mul_(INIT_STD))
-        state[name] = host
-    return materialize(lm, state, "cpu")
 
 
 def placement_name(p: Placement) -> str:
@@ -118,34 +97,61 @@ def timed(executor: OffloadExecutor, prompts: list, num_tokens: int):
     return time.perf_counter() - start, tokens, moved
 
 
+def memory(args) -> dict:
+    """How the search and the predictions count memory here: a GPU's reserve held back and its host
+    storage pinned; the weights' host copy (random_model's pool) already taken out of `host_budget`."""
+    cuda = is_cuda(args.device)
+    return {"reserve": CUDA_RESERVE if cuda else 0.0, "pinned": cuda, "host_weights": 0.0}
+
+
+def peaks(executor: OffloadExecutor) -> dict:
+    if not executor.is_cuda:
+        return {"peak_gib": None, "peak_reserved_gib": None}
+    return {"peak_gib": torch.cuda.max_memory_allocated(executor.device) / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(executor.device) / GIB}
+
+
 def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is_compressed: bool) -> dict:
-    """One block of `prompts`: the block, its prefill alone, the prediction, what moved, the peak."""
+    """One block of `prompts`: the block, its prefill alone, the prediction, the bound, what moved, the peaks."""
     c = executor.config
-    executor.generate_block(prompts, 1)  # (warm-up: kernels, cuBLAS, the block's pinned host cache allocated once)
-    if executor.is_cuda:
-        torch.cuda.reset_peak_memory_stats(executor.device)
-    prefill, _, _ = timed(executor, prompts, 1)
-    seconds, tokens, moved = timed(executor, prompts, args.new)
-    block = len(prompts)
-    row = {"gpu_batch": c.gpu_batch, "num_batches": c.num_batches, "block": block,
+    row = {"gpu_batch": c.gpu_batch, "num_batches": c.num_batches, "block": len(prompts),
            "offloaded": placement_name(c.placement), "weights_gpu": c.placement.weights_gpu,
            "resident_layers": executor.num_resident, "compress": c.compress,
-           "dequant": (c.dequant or default_dequant(executor.device)) if c.compress else None,
-           "seconds": seconds, "prefill_seconds": prefill, "step_seconds": (seconds - prefill) / (args.new - 1),
-           "tokens_per_s": block * args.new / seconds,
-           "peak_gib": torch.cuda.max_memory_allocated(executor.device) / GIB if executor.is_cuda else None,
-           "moved_gb": {k: v / 1e9 for k, v in moved.bytes.items()}, "tokens": tokens}
-    if not is_compressed:
-        p = predict(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new)
+           "dequant": (c.dequant or default_dequant(executor.device)) if c.compress else None}
+    if not is_compressed:  # (the cost model's prediction and bound: also for a policy that fails)
+        p = predict(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new, **memory(args))
         row["predicted"] = {"seconds": p.block_seconds, "prefill_seconds": p.prefill_seconds,
-                            "step_seconds": p.step_seconds, "tokens_per_s": c.block * args.new / p.block_seconds}
+                            "step_seconds": p.step_seconds, "tokens_per_s": c.block * args.new / p.block_seconds,
+                            "device_gib": p.footprint.device / GIB, "host_gib": p.footprint.host / GIB}
+        b = bound(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new)
+        row["bound"] = {"tokens_per_s": b.tokens_per_s, "binding": b.binding, "link_seconds": b.link,
+                        "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu}  # ((prefill, decode step))
+    if executor.is_cuda:
+        torch.cuda.reset_peak_memory_stats(executor.device)
+    try:
+        executor.generate_block(prompts, 1)  # (warm-up: kernels, cuBLAS, the block's pinned host cache allocated once)
+        prefill, _, _ = timed(executor, prompts, 1)
+        seconds, tokens, moved = timed(executor, prompts, args.new)
+    except torch.OutOfMemoryError as e:  # (under a cap: this policy's failure, not the run's)
+        row.update(failed="out of memory", message=str(e).splitlines()[0], tokens=None, **peaks(executor))
+        print(f"  out of memory: {row['message']}", flush=True)
+        return row
+    row.update(seconds=seconds, prefill_seconds=prefill, step_seconds=(seconds - prefill) / (args.new - 1),
+               tokens_per_s=len(prompts) * args.new / seconds, **peaks(executor),
+               moved_gb={k: v / 1e9 for k, v in moved.bytes.items()}, tokens=tokens)
+    if not is_compressed:
         row["step_measured_over_predicted"] = row["step_seconds"] / p.step_seconds
         row["step_within_20_percent"] = abs(row["step_measured_over_predicted"] - 1) <= 0.2  # (the issue's bar)
         row["measured_over_predicted"] = seconds / p.block_seconds
+        row["over_bound"] = row["tokens_per_s"] / b.tokens_per_s
+        row["meets_0.7_of_bound"] = row["over_bound"] >= 0.7  # (the issue's bar, for the chosen policy)
     print(f"  {row['tokens_per_s']:8.2f} tokens/s: block {seconds:.2f} s, prefill {prefill:.2f} s, decode step "
           f"{row['step_seconds'] * 1e3:.1f} ms" + (f" (predicted {row['predicted']['step_seconds'] * 1e3:.1f} ms, "
-                                                    f"block {row['predicted']['seconds']:.2f} s)" if "predicted" in row
-                                                    else "") + f", device peak {row['peak_gib'] or 0:.2f} GiB", flush=True)
+                                                    f"{row['predicted']['device_gib']:.2f} GiB; bound "
+                                                    f"{row['bound']['tokens_per_s']:.1f} tokens/s by the "
+                                                    f"{row['bound']['binding']}: {row['over_bound']:.2f} of it)"
+                                                    if "predicted" in row else "")
+          + f", device peak {row['peak_gib'] or 0:.2f} GiB (reserved {row['peak_reserved_gib'] or 0:.2f})", flush=True)
     return row
 
 
@@ -154,91 +160,38 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"tokens": sum(same) / len(same), "whole_prompts": sum(ra == rb for ra, rb in zip(a, b)) / len(a)}
 
 
-def device_ms(fn, device: str, repeats: int = 5) -> float:
-    fn()  # (compile, warm-up)
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def time_dequant(config, rows_list: list[int], device: str) -> dict:
-    """ms per call on one layer's four matrices: expand into a dense buffer then F.linear, or
-    linear4 (the codes expanded tile by tile in registers); the sum over the four per row count."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    shapes = {"qkv": ((config.num_heads + 2 * config.num_kv_heads) * d, h), "o": (h, config.num_heads * d),
-              "gate_up": (2 * i, h), "down": (h, i)}
-    out = {}
-    for rows in rows_list:
-        per = {}
-        for name, (n, k) in shapes.items():
-            c = compress(torch.randn(n, k, device=device, dtype=DTYPE) * INIT_STD, 64, 0)
-            dense, x = torch.empty(n, k, device=device, dtype=DTYPE), torch.randn(rows, k, device=device, dtype=DTYPE)
-            per[name] = {"expand_matmul_ms": device_ms(lambda: F.linear(x, expand(c, dense)), device),
-                         "fused_ms": device_ms(lambda: linear4(x, c), device)}
-        total = {key: sum(v[key] for v in per.values()) for key in ("expand_matmul_ms", "fused_ms")}
-        out[rows] = {"matrices": per, **total, "faster": min(total, key=total.get).removesuffix("_ms")}
-        print(f"  {rows:6d} rows: expand + matmul {total['expand_matmul_ms']:.3f} ms, fused {total['fused_ms']:.3f} ms "
-              "(a layer's four matrices)", flush=True)
-    return out
-
-
-PROBE_LINE = re.compile(r"accelerate offload \S+ gpu (\d+) GiB B=(\d+) prompt (\d+) new (\d+): ([\d.]+) s, "
-                        r"([\d.]+) generated tok/s")
-
-
-def run_probe(path: str, args) -> dict:
-    """HF Accelerate's offload (the anchor) in its own process, or why it did not run."""
-    if not Path(path).is_file():
-        reason = f"{path} missing: copy ../shared/probes/offload_probe.py there to run the anchor"
-        print(f"skipping the Accelerate anchor: {reason}", flush=True)
-        return {"skipped": reason}
-    cmd = [sys.executable, path, "--preset", args.probe_preset, "--gpu-gib", str(round(args.gpu_memory)),
-           "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--new", str(args.probe_new)]
-    print("anchor:", " ".join(cmd), flush=True)
-    try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=args.probe_timeout)
-        output, status = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status = f"timed out after {args.probe_timeout} s"
-    print(output, flush=True)
-    runs = {int(m[2]): {"seconds": float(m[5]), "tokens_per_s": float(m[6]), "prompt": int(m[3]), "new": int(m[4])}
-            for m in PROBE_LINE.finditer(output)}
-    link = re.search(r"host->device GB/s: (\{.*\})", output)
-    return {"command": " ".join(cmd[1:]), "status": status, "batches": runs,
-            "host_to_device_gb_s": link[1] if link else None, "output_tail": output[-2000:]}
-
-
 def plot(record: dict):
     def draw(fig):
-        bars, fit = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+        curve = record.get("curve") or []
+        bars, fit, *grow = fig.subplots(1, 3 if curve else 2, gridspec_kw={"width_ratios": [3, 2, 2][:2 + bool(curve)]})
         systems = [(name, row["tokens_per_s"], "C1" if row["compress"] else "C0")
-                   for name, row in record["systems"].items()]
+                   for name, row in record["systems"].items() if "failed" not in row]
         systems += [(f"accelerate B={b}", row["tokens_per_s"], "C3")
-                    for b, row in record["accelerate"].get("batches", {}).items()]
+                    for b, row in record["accelerate"].get("batches", {}).items() if "tokens_per_s" in row]
         names, values, colors = zip(*systems) if systems else ((), (), ())
         bars.bar(range(len(names)), values, color=colors)
         bars.set_xticks(range(len(names)), names, rotation=35, fontsize=6, ha="right")
         bars.set(ylabel="generated tokens/s", yscale="log", title=record["title"])
         bars.title.set_fontsize(8)
-        rows = [(n, r) for n, r in record["systems"].items() if "predicted" in r]
-        if not rows:
-            return
+        if grow:  # FlexGen's Table 2: tokens/s against the block size
+            ran = [r for r in curve if "tokens_per_s" in r]
+            grow[0].plot([r["block"] for r in ran], [r["tokens_per_s"] for r in ran], "o-", label="measured")
+            grow[0].plot([r["block"] for r in curve], [r["predicted"]["tokens_per_s"] for r in curve], "x--",
+                         label="cost model")
+            grow[0].plot([r["block"] for r in curve], [r["bound"]["tokens_per_s"] for r in curve], ":", label="bound")
+            grow[0].set(xlabel=f"block (gpu batch {curve[0]['gpu_batch']} x num batches)", ylabel="tokens/s",
+                        xscale="log")
+            grow[0].legend(fontsize=6)
+        rows = [(n, r) for n, r in record["systems"].items() if "predicted" in r and "step_seconds" in r]
         for k, (name, row) in enumerate(rows):
-            fit.scatter(row["predicted"]["step_seconds"] * 1e3, row["step_seconds"] * 1e3, color=f"C{k}", label=name)
-        top = max([r["step_seconds"] * 1e3 for _, r in rows] + [r["predicted"]["step_seconds"] * 1e3 for _, r in rows])
-        for scale, style in ((1.0, "-"), (1.2, ":"), (0.8, ":")):
-            fit.plot([0, top * 1.1], [0, top * 1.1 * scale], color="gray", linestyle=style, linewidth=0.8)
-        fit.set(xlabel="predicted decode step (ms)", ylabel="measured decode step (ms)")
-        fit.legend(fontsize=6)
-        fig.set_size_inches(12, 4.5)
+            fit.scatter(row["predicted"]["step_seconds"] * 1e3, row["step_seconds"] * 1e3, color=f"C{k % 10}", label=name)
+        if rows:
+            top = max(max(r["step_seconds"], r["predicted"]["step_seconds"]) * 1e3 for _, r in rows)
+            for scale, style in ((1.0, "-"), (1.2, ":"), (0.8, ":")):
+                fit.plot([0, top * 1.1], [0, top * 1.1 * scale], color="gray", linestyle=style, linewidth=0.8)
+            fit.set(xlabel="predicted decode step (ms)", ylabel="measured decode step (ms)")
+            fit.legend(fontsize=5)
+        fig.set_size_inches(15 if curve else 12, 4.5)
     return draw
 
 
@@ -246,11 +199,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-2-13b")
     ap.add_argument("--gpu-memory", type=float, default=12.0, help="GiB: the device budget of offload=auto")
+    ap.add_argument("--gpu-cap", type=float, default=None, help="GiB: a process-wide cap on the GPU's memory, set "
+                    "before anything is allocated, and the search's budget (both sides; replaces --gpu-memory)")
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 64], help="prompts in a run (the block's bound)")
+    ap.add_argument("--max-batches", type=int, default=64, help="the search's most GPU batches in a block")
+    ap.add_argument("--curve", type=int, nargs="*", default=[],
+                    help="the largest run's policy again at these numbers of GPU batches per block")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--other", default="4x2:weights+cache+hidden",
-                    help="a hand-picked policy: GBSxNB:offloaded[@weights_gpu], e.g. 4x2:weights+cache+hidden@0.3")
+    ap.add_argument("--other", default="4x2:weights+cache+hidden", help="a hand-picked policy: "
+                    "GBSxNB:offloaded[@weights_gpu], e.g. 4x2:weights+cache+hidden@0.3 ('' for none)")
     ap.add_argument("--shares", type=float, nargs="*", default=[],
                     help="the largest run's auto policy again with these weights_gpu (0: every layer streamed)")
     ap.add_argument("--no-compress", action="store_true", help="skip the 4-bit runs")
@@ -258,16 +216,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="what the 4-bit runs compress (kv, both: the policies must keep the cache on the host)")
     ap.add_argument("--dequant-rows", type=int, nargs="*", default=[1, 8, 64, 4096])
     ap.add_argument("--anchor", metavar="PROBE", help="instead: run this Accelerate probe (offload_probe.py) at "
-                    "the same settings and add it to today's record (a process of its own: host memory)")
+                    "the same settings and add it to today's record (processes of their own: host memory)")
+    ap.add_argument("--anchor-batches", type=int, nargs="+", default=[16, 24, 32],
+                    help="under --gpu-cap: the anchor's batches, each in its own process, smallest first")
     ap.add_argument("--probe-preset", default="13b")
     ap.add_argument("--probe-new", type=int, default=None, help="the anchor's new tokens (default: --new)")
-    ap.add_argument("--probe-timeout", type=float, default=300.0)
+    ap.add_argument("--probe-timeout", type=float, default=300.0, help="seconds per anchor process")
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args(argv)
     args.probe_new = args.probe_new or args.new
+    args.record = "offload-cap" if args.gpu_cap else "offload"
+    if args.gpu_cap:
+        args.gpu_memory = args.gpu_cap
     if args.new < 2:
         ap.error("--new must be at least 2 (the decode step is measured from the block minus its prefill)")
     return args
+
+
+def make_prompts(config, count: int, length: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, config.vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def ours(args) -> None:
@@ -276,35 +244,48 @@ def ours(args) -> None:
     device, config = args.device, PRESETS[args.preset]
     if is_cuda(device):
         torch.cuda.set_device(device)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt)] for _ in range(max(args.batches))]
+        if args.gpu_cap:  # (before anything is allocated on the device)
+            apply_cap(args.gpu_cap, torch.device(device).index or 0)
     rates = measure(device, DTYPE)
     print(f"rates: host->device {rates.ctog / 1e9:.1f} GB/s, device->host {rates.gtoc / 1e9:.1f} GB/s, "
-          f"matmul {rates.mm_flops / 1e12:.0f} TFLOP/s, CPU bmm {rates.cpu_flops / 1e9:.1f} GFLOP/s", flush=True)
+          f"matmul {rates.mm_flops / 1e12:.0f} TFLOP/s, CPU bmm {rates.cpu_flops / 1e9:.1f} GFLOP/s, host memory "
+          f"{rates.host_memory / 1e9:.1f} GB/s", flush=True)
     policies = {}  # name -> (gpu_batch, num_batches, placement, prompts in the run)
     choices = {}
+    host = host_budget(config, device)
     for b in args.batches:
-        choice = choose(config, DTYPE, rates, args.gpu_memory * GIB, host_bytes(), args.prompt, args.new,
-                        max_gpu_batch=b, max_batches=b, max_block=b)
+        choice = choose(config, DTYPE, rates, args.gpu_memory * GIB, host, args.prompt, args.new, max_gpu_batch=b,
+                        max_batches=min(b, args.max_batches), max_block=b, **memory(args))
         print(f"B={b}: {choice.describe()}", flush=True)
         choices[f"auto-B{b}"] = {"policy": choice.policy.__dict__, "describe": choice.describe(),
                                  "predicted_step_seconds": choice.step_seconds,
-                                 "predicted_tokens_per_s": choice.tokens_per_s}
-        policies[f"auto-B{b}"] = (choice.policy.gpu_batch, choice.policy.num_batches, choice.placement, b)
-    gbs, nb, chosen, b = policies[f"auto-B{max(args.batches)}"]
+                                 "predicted_tokens_per_s": choice.tokens_per_s,
+                                 "predicted_device_gib": choice.footprint.device / GIB,
+                                 "predicted_host_gib": choice.footprint.host / GIB}
+        policies[f"auto-B{b}"] = (choice.policy.gpu_batch, choice.policy.num_batches, choice.placement,
+                                  choice.policy.block)
+    chosen = f"auto-B{max(args.batches)}"
+    gbs, nb, placement, b = policies[chosen]
     for share in args.shares:
-        if chosen.weights and share != chosen.weights_gpu:
-            policies[f"auto-B{b}-weights_gpu{share:g}"] = (gbs, nb, replace(chosen, weights_gpu=share), b)
-    gbs, nb, placement = parse_policy(args.other)
-    policies[f"other-{gbs}x{nb}-{placement_name(placement)}"] = (gbs, nb, placement, gbs * nb)
+        if placement.weights and share != placement.weights_gpu:
+            policies[f"{chosen}-weights_gpu{share:g}"] = (gbs, nb, replace(placement, weights_gpu=share), b)
+    for n in args.curve:
+        if n != nb:
+            policies[f"curve-nb{n}"] = (gbs, n, placement, gbs * n)
+    if args.other:
+        gbs, nb, placement = parse_policy(args.other)
+        policies[f"other-{gbs}x{nb}-{placement_name(placement)}"] = (gbs, nb, placement, gbs * nb)
+    prompts = make_prompts(config, max(b for *_, b in policies.values()), args.prompt)
     groups = {}  # (the weights' placement) -> the policies that share one host copy of the model
     for name, (_, _, placement, _) in policies.items():
         groups.setdefault((placement.weights, placement.weights_gpu), []).append(name)
-    title = (f"{args.preset} bf16, offload=auto gpu_memory={args.gpu_memory:g}GiB, prompt {args.prompt}, new {args.new}, "
+    budget = f"gpu cap {args.gpu_cap:g}GiB" if args.gpu_cap else f"gpu_memory={args.gpu_memory:g}GiB"
+    title = (f"{args.preset} bf16, offload=auto {budget}, prompt {args.prompt}, new {args.new}, "
              f"{torch.cuda.get_device_name(device) if is_cuda(device) else 'CPU'}")
     record = {"title": title, "preset": args.preset, "dtype": "bfloat16", "prompt": args.prompt, "new": args.new,
-              "gpu_memory_gib": args.gpu_memory, "host_gib": host_bytes() / GIB, "rates": rates.__dict__,
-              "choices": choices, "chosen": f"auto-B{max(args.batches)}", "systems": {}, "accelerate": {}}
+              "gpu_memory_gib": args.gpu_memory, "gpu_cap_gib": args.gpu_cap, "host_gib": host_bytes() / GIB,
+              "host_budget_gib": host / GIB, "rates": rates.__dict__, "choices": choices, "chosen": chosen,
+              "systems": {}, "accelerate": {}}
     tokens = {}
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
         lm = None
@@ -326,7 +307,19 @@ def ours(args) -> None:
     if args.dequant_rows:
         print("4-bit weights: expand + matmul against the fused projection (linear4)", flush=True)
         record["dequant"] = time_dequant(config, args.dequant_rows, device)
-    print(write_results("offload", device, record, plot=plot(record)), flush=True)
+    print(write_results(args.record, device, record, plot=plot(record)), flush=True)
+
+
+def summarize(record: dict) -> None:
+    """The block-size curve (the chosen policy's row among its points) and our best bf16 run."""
+    chosen = record["systems"].get(record["chosen"])
+    points = [row for name, row in record["systems"].items() if name.startswith("curve-")]
+    if points and chosen:
+        record["curve"] = sorted(points + [chosen], key=lambda row: row["num_batches"])
+    ran = {name: row for name, row in record["systems"].items() if "tokens_per_s" in row and not row["compress"]}
+    if ran:
+        name = max(ran, key=lambda n: ran[n]["tokens_per_s"])
+        record["best"] = {"name": name, "tokens_per_s": ran[name]["tokens_per_s"]}
 
 
 def _compresses(placement: Placement, what: str) -> bool:
@@ -351,40 +344,27 @@ def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bo
         print(f"{key}: gpu_batch {gbs} x {nb}, {placement_name(placement)} on the host, {b} prompts", flush=True)
         row = run_policy(executor, prompts[:b], args, config, rates, is_compressed)
         tokens[key] = row.pop("tokens")
-        if is_compressed:
+        if tokens[key] is None:  # (out of memory: what it held goes back before the next policy)
+            gc.collect()
+            torch.cuda.empty_cache()
+        elif is_compressed and tokens.get(name):
             row["agreement_with_bf16"] = agreement(tokens[key], tokens[name])
-        elif "-weights_gpu" in name:  # (the same model at another share: every token the same)
+        elif "-weights_gpu" in name and tokens.get(name.split("-weights_gpu")[0]):  # (another share: the same tokens)
             row["agreement_with_chosen"] = agreement(tokens[key], tokens[name.split("-weights_gpu")[0]])
         record["systems"][key] = row
-        write_results("offload", args.device, record)
+        summarize(record)
+        write_results(args.record, args.device, record)
     del first, executor
     gc.collect()
     if is_cuda(args.device):
         torch.cuda.empty_cache()
 
 
-def anchor(args) -> None:
-    """The Accelerate probe at the run's settings, added to today's record of this device (a
-    record of its own where there is none)."""
-    path = common.RESULTS / f"offload-{device_name(args.device)}-{datetime.date.today().isoformat()}.json"
-    record = json.loads(path.read_text()) if path.exists() else {"title": f"{args.preset}: the anchor alone",
-                                                                  "systems": {}}
-    record["anchor_command"] = "python bench/offload.py " + " ".join(shlex.quote(a) for a in args.argv)
-    record["accelerate"] = run_probe(args.anchor, args)
-    for b, row in record["accelerate"].get("batches", {}).items():
-        mine = record["systems"].get(f"auto-B{b}")
-        if mine:
-            row["ours_over_accelerate"] = mine["tokens_per_s"] / row["tokens_per_s"]
-            print(f"B={b}: ours {mine['tokens_per_s']:.2f} tokens/s, Accelerate {row['tokens_per_s']:.2f}: "
-                  f"{row['ours_over_accelerate']:.1f}x", flush=True)
-    print(write_results("offload", args.device, record, plot=plot(record)), flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.anchor:
-        anchor(args)
+        anchor(args, plot)
     else:
         ours(args)
 

@@ -58,5 +58,9 @@ def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatc
     assert anchor["batches"]["2"]["ours_over_accelerate"] == pytest.approx(systems["auto-B2"]["tokens_per_s"] / 3.0)
 
 
-def test_a_missing_probe_is_skipped_with_its_reason(tmp_path):
-    assert "missing" in offload.run_probe(str(tmp_path / "absent.py"), None)["skipped"]
+def test_a_missing_probe_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    from bench import common
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    offload.main(ARGS + ["--anchor", str(tmp_path / "absent.py")])
+    (path,) = tmp_path.glob("offload-*.json")
+    assert "missing" in json.loads(path.read_text())["accelerate"]["skipped"]

@@ -32,9 +32,10 @@ def test_a_device_that_holds_everything_keeps_everything():
 
 @pytest.mark.parametrize("dtype, offloaded", [(torch.bfloat16, False), (torch.float32, True)])
 def test_weights_that_do_not_fit_go_to_the_host(dtype, offloaded):
-    choice = choose(SMALL, dtype, RATES, 80 * MIB, 64 << 30, prompt=16, generate=16)
+    choice = choose(SMALL, dtype, RATES, 100 * MIB, 64 << 30, prompt=16, generate=16)
     assert choice.placement.weights is offloaded
-    if offloaded:  # (8 layers of 12.6 MB: two buffers leave room for some resident layers in 80 MiB)
+    if offloaded:  # (8 layers of 12.3 MiB, the embedding and head's 16 MiB: two buffers and a batch's working
+        # set leave room for some resident layers in 100 MiB)
         resident = choice.placement.num_resident(SMALL.num_layers)
         assert 0 < resident < SMALL.num_layers and choice.placement.weights_gpu == resident / SMALL.num_layers
         assert f"weights_gpu={choice.placement.weights_gpu:.2f}" in choice.describe()

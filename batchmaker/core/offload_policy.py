@@ -20,8 +20,11 @@ its three batch slots the GPU's working memory). FlexGen splits every layer's te
 executor keeps the first wg x l layers whole on the GPU and streams the others whole (also meant by
 `kv_to_gpu`): the decode chain is linear in wg, so the same per-layer mean, while prefill's max is
 taken of the mean layer (an underestimate where a streamed layer's load outlasts its compute), and
-the two weight buffers hold whole layers (2w, not 2(1 - wg)w, while any layer streams).
+the two weight buffers hold whole layers (2w, not 2(1 - wg)w, while any layer streams). A caller
+that knows its executor's memory better than `peak_bytes` passes the search its own count (`peaks`;
+exec/offload_memory.py); `layer_terms` gives each resource's time, from which a bound is taken.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,11 +73,13 @@ class Policy:
         return self.gpu_batch * self.num_batches
 
 
-def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
-                  kv_to_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc).
-    `kv_to_gpu`: a decode step moves the KV cache that lives off the GPU to it and attends there
-    (exec/offload.py), instead of attending on the CPU where it lives (FlexGen's delegation)."""
+def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
+                kv_to_gpu: bool = False) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Each resource's seconds per layer, (ctog, gtoc, dtoc, ctod, comp) for prefill and for a decode
+    step, for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc): what `layer_seconds` combines, and what
+    a bound takes the slowest of. `kv_to_gpu`: a decode step moves the KV cache that lives off the
+    GPU to it and attends there (exec/offload.py), instead of attending on the CPU where it lives
+    (FlexGen's delegation)."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
     w, h1, s, n, bls = m.layer_bytes, m.hidden, m.prompt, m.generate, gbs * nb
@@ -91,6 +96,15 @@ def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
            (4 * cd * bls * h1 + 2 * hd * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
            bls * w / hw.mm_flops + (kv_mean / hw.bmm_flops if kv_to_gpu else
                                     cg * kv_mean / hw.bmm_flops + (cc + cd) * kv_mean / hw.cpu_flops))
+    return pre, dec
+
+
+def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
+                  kv_to_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc), FlexGen's
+    combination of `layer_terms`: prefill overlaps its chains, decode serialises the load in."""
+    wg = p.T[0]
+    pre, dec = layer_terms(m, hw, gbs, nb, p, kv_to_gpu)
     prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), pre[4])
     decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], dec[4]))
     return np.broadcast_to(prefill, wg.shape), np.broadcast_to(decode, wg.shape)
@@ -128,11 +142,16 @@ def _pairs(step: float) -> np.ndarray:
     return np.array([(a, b) for a in f for b in f if a + b <= 1 + 1e-9])
 
 
+Peaks = Callable[[int, int, np.ndarray], np.ndarray]  # (gbs, nb, placements [P, 6]) -> [P, 3] bytes per tier
+
+
 def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray,
-                   kv_to_gpu: bool = False) -> tuple[float, np.ndarray | None]:
-    """(tokens/s, placement) of the fastest placement of `grid` that fits; (0, None) if none does."""
+                   kv_to_gpu: bool = False, peaks: Peaks | None = None) -> tuple[float, np.ndarray | None]:
+    """(tokens/s, placement) of the fastest placement of `grid` that fits; (0, None) if none does.
+    `peaks`: each tier's peak as the caller's executor counts it (default: `peak_bytes`)."""
     capacity = np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes])
-    fits = (peak_bytes(m, gbs, nb, grid, kv_to_gpu) <= capacity + 1e-6).all(1)
+    peak = peaks(gbs, nb, grid) if peaks is not None else peak_bytes(m, gbs, nb, grid, kv_to_gpu)
+    fits = (peak <= capacity + 1e-6).all(1)
     if not fits.any():
         return 0.0, None
     prefill, decode = layer_seconds(m, hw, gbs, nb, grid[fits], kv_to_gpu)
@@ -152,13 +171,13 @@ def gpu_batch_sizes(limit: int) -> list[int]:
 
 def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int = 64,
            max_batches: int = 64, max_block: int | None = None, kv_to_gpu: bool = False,
-           weight_step: float | None = None) -> tuple[float, Policy | None]:
+           weight_step: float | None = None, peaks: Peaks | None = None) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
     placement fits and tokens/s grows, then look between the last two; the best policy found
     (of policies as fast, the largest block, then the largest GPU batch: the model counts no
     per-batch overhead, and each GPU batch of a block is a slot of its own launches and sync). With
     `max_block`, blocks of at most that many sequences (a run of that many prompts); `kv_to_gpu`:
-    as `layer_seconds`; `weight_step`: as `placements`."""
+    as `layer_seconds`; `weight_step`: as `placements`; `peaks`: as `best_placement`."""
     grid = placements(step, weight_step)
     best_rate, best = 0.0, None
     for gbs in gpu_batch_sizes(min(max_gpu_batch, max_block or max_gpu_batch)):
@@ -166,12 +185,12 @@ def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int =
         rates = {}
         nb = 1
         while nb <= max_batches_here:
-            rates[nb] = best_placement(m, hw, gbs, nb, grid, kv_to_gpu)
+            rates[nb] = best_placement(m, hw, gbs, nb, grid, kv_to_gpu, peaks)
             if rates[nb][1] is None or (nb > 1 and rates[nb][0] <= rates[nb // 2][0]):
                 break
             nb *= 2
         for between in range(max(1, nb // 4) + 1, min(nb, max_batches_here + 1)):  # (between the last doublings)
-            rates.setdefault(between, best_placement(m, hw, gbs, between, grid, kv_to_gpu))
+            rates.setdefault(between, best_placement(m, hw, gbs, between, grid, kv_to_gpu, peaks))
         for nb, (rate, placement) in rates.items():
             tie = best is not None and rate >= best_rate * (1 - 1e-12) and (gbs * nb, gbs) > (best.block, best.gpu_batch)
             if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block, GPU batch)

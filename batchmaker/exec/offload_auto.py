@@ -9,7 +9,11 @@ record: the executor moves a host cache to the device and attends there, which i
 counts, `kv_to_gpu`). The search runs over what the executor places: the weights' share on the
 device by whole layers (fractions k / layers: `Placement.weights_gpu`, resident weights counted
 against the device budget), the KV cache and hidden states wholly on the host or the device
-(fractions 0 or 1; no disk), so a policy maps onto a `Placement` exactly.
+(fractions 0 or 1; no disk), so a policy maps onto a `Placement` exactly. What a policy takes of
+each memory is the executor's own count (exec/offload_memory.py: its buffers, slots, working set
+and reserve, the host's pinned rounding), not FlexGen's formula, so that a budget can be a cap.
+`bound` states the policy's bound: the slowest of the host link, host memory and the GPU, each
+busy for its own share of a step (the cost model's terms, overlapped perfectly).
 
 Adaptations of FlexGen's model (it counts 2-byte values, OPT's two-matrix MLP and one KV head per
 query head): the model is described to it with an MLP width scaled to Llama's three matrices, and
@@ -24,8 +28,9 @@ import numpy as np
 import torch
 
 from batchmaker.cells.decoder_config import DecoderConfig
-from batchmaker.core.offload_policy import Hardware, ModelShape, Policy, layer_seconds, search
+from batchmaker.core.offload_policy import Hardware, ModelShape, Policy, layer_seconds, layer_terms, peak_bytes, search
 from batchmaker.core.zigzag import Placement
+from batchmaker.exec.offload_memory import Footprint, ModelBytes, footprint, peaks
 
 CPU_DEVICE_BYTES = 1 << 30  # the "device" pool's budget on a CPU when none is given
 
@@ -36,6 +41,7 @@ class Rates:
     gtoc: float  # bytes/s device -> host
     mm_flops: float  # the device's matmuls
     cpu_flops: float  # the CPU's batched matmuls (attention)
+    host_memory: float = 0.0  # bytes/s host memory serves (a large copy's reads and writes); 0: unmeasured
 
 
 @dataclass(frozen=True)
@@ -44,16 +50,18 @@ class Choice:
     placement: Placement
     tokens_per_s: float  # predicted
     step_seconds: float  # predicted: one decode step of the whole block (every layer)
+    footprint: Footprint  # predicted: device and host bytes at the block's peak
 
     def describe(self) -> str:
         p = self.placement
-        where = lambda offloaded: "host" if offloaded else "device"  # noqa: E731
+        where = lambda offloaded: "host" if offloaded else "device"
         weights = "weights on device" if not p.weights else "weights on host" if not p.weights_gpu else \
             f"weights_gpu={p.weights_gpu:.2f} (the first layers' weights on device, the others' on host)"
         return (f"offload policy: gpu_batch={self.policy.gpu_batch} num_batches={self.policy.num_batches} "
                 f"(block {self.policy.block}); {weights}, KV cache on {where(p.cache)}, "
                 f"hidden states on {where(p.hidden)}; predicted decode step {self.step_seconds * 1e3:.2f} ms, "
-                f"{self.tokens_per_s:.1f} tokens/s")
+                f"{self.tokens_per_s:.1f} tokens/s, device {self.footprint.device / 2**30:.2f} GiB, "
+                f"host {self.footprint.host / 2**30:.1f} GiB")
 
 
 def _seconds(fn, repeats: int = 3) -> float:
@@ -82,7 +90,9 @@ def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int | 
     mm = 2 * size ** 3 / _seconds(lambda: a @ a)
     q, k = torch.randn(64, 1, 128), torch.randn(64, 128, 512)  # decode attention's shape: one query a row
     cpu = 2 * 64 * 128 * 512 / _seconds(lambda: torch.bmm(q, k))
-    return Rates(ctog, gtoc, mm, cpu)
+    src, dst = torch.empty(8 * copy_bytes, dtype=torch.uint8), torch.empty(8 * copy_bytes, dtype=torch.uint8)
+    memory = 2 * src.numel() / _seconds(lambda: dst.copy_(src))  # (beyond the caches: read and written)
+    return Rates(ctog, gtoc, mm, cpu, memory)
 
 
 def host_bytes() -> float:
@@ -106,13 +116,25 @@ def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float)
 
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
            prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64,
-           max_block: int | None = None) -> Choice:
+           max_block: int | None = None, reserve: float = 0.0, pinned: bool = False,
+           host_weights: float | None = None) -> Choice:
     """The fastest policy the executor runs within `device_bytes` and `host` bytes (and blocks of
-    at most `max_block` sequences)."""
+    at most `max_block` sequences), each counted as exec/offload_memory.py counts the executor's
+    tensors: `reserve` device bytes held back (CUDA_RESERVE on a GPU), host storage `pinned` (a
+    GPU's), `host_weights` the weights' host copy the caller holds (None: the streamed layers)."""
     hw = hardware(rates, dtype, device_bytes, host)
     shape = model_shape(config, prompt, generate)
+    model = ModelBytes.of(config, dtype)
+    units = 16 / torch.finfo(dtype).bits  # (the cost model's 2-byte units)
+
+    def executor_peaks(gbs: int, nb: int, grid: np.ndarray) -> np.ndarray:
+        device, on_host = peaks(model, gbs, nb, prompt, generate, grid[:, 0], grid[:, 2] >= 1, grid[:, 4] >= 1,
+                                reserve, pinned, host_weights)
+        disk = peak_bytes(shape, gbs, nb, grid, kv_to_gpu=True)[:, 2]  # (no disk tier: 0 holds nothing)
+        return np.stack([device * units, on_host * units, disk], axis=1)
+
     rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches,
-                          max_block=max_block, kv_to_gpu=True, weight_step=1 / config.num_layers)
+                          max_block=max_block, kv_to_gpu=True, weight_step=1 / config.num_layers, peaks=executor_peaks)
     if policy is None:
         raise ValueError(f"no placement of the model fits {device_bytes / 2**30:.2f} GiB of device and "
                          f"{host / 2**30:.1f} GiB of host memory")
@@ -120,7 +142,9 @@ def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes
     decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p, kv_to_gpu=True)[1][0]
     is_offloaded = policy.wg < 1
     placement = Placement(is_offloaded, policy.cg < 1, policy.hg < 1, policy.wg if is_offloaded else 0.0)
-    return Choice(policy, placement, rate, float(decode) * config.num_layers)
+    used = footprint(model, policy.gpu_batch, policy.num_batches, prompt, generate, policy.wg, policy.cg >= 1,
+                     policy.hg >= 1, reserve=reserve, pinned=pinned, host_weights=host_weights)
+    return Choice(policy, placement, rate, float(decode) * config.num_layers, used)
 
 
 @dataclass(frozen=True)
@@ -128,16 +152,58 @@ class Prediction:
     block_seconds: float  # the whole block: prefill and every decode step, every layer
     prefill_seconds: float  # step 0 (the prompts), every layer
     step_seconds: float  # one decode step of the block, every layer
+    footprint: Footprint  # device and host bytes at the block's peak (exec/offload_memory.py)
+
+
+def _placement_array(config: DecoderConfig, placement: Placement) -> np.ndarray:
+    """The cost model's (wg, wc, cg, cc, hg, hc) of a placement the executor runs."""
+    wg = placement.num_resident(config.num_layers) / config.num_layers
+    return np.array([[wg, 1 - wg] + [v for is_off in (placement.cache, placement.hidden)
+                                     for v in ((0.0, 1.0) if is_off else (1.0, 0.0))]])
 
 
 def predict(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
-            num_batches: int, prompt: int, generate: int) -> Prediction:
+            num_batches: int, prompt: int, generate: int, reserve: float = 0.0, pinned: bool = False,
+            host_weights: float | None = None) -> Prediction:
     """The cost model's times for a policy the executor runs (the weights' share on the device by
-    whole layers, the cache and hidden states wholly on the host or the device)."""
+    whole layers, the cache and hidden states wholly on the host or the device), and its memory
+    (`reserve`, `pinned`, `host_weights`: as `choose`)."""
     hw = hardware(rates, dtype, 0.0, 0.0)
-    wg = placement.num_resident(config.num_layers) / config.num_layers
-    p = np.array([[wg, 1 - wg] + [v for is_off in (placement.cache, placement.hidden)
-                                  for v in ((0.0, 1.0) if is_off else (1.0, 0.0))]])
+    p = _placement_array(config, placement)
     prefill, decode = (float(t[0]) * config.num_layers for t in
                        layer_seconds(model_shape(config, prompt, generate), hw, gpu_batch, num_batches, p, kv_to_gpu=True))
-    return Prediction(prefill + (generate - 1) * decode, prefill, decode)
+    used = footprint(ModelBytes.of(config, dtype), gpu_batch, num_batches, prompt, generate, p[0, 0],
+                     not placement.cache, not placement.hidden, reserve=reserve, pinned=pinned, host_weights=host_weights)
+    return Prediction(prefill + (generate - 1) * decode, prefill, decode, used)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A policy's bound (seconds of the whole model): each resource busy for its own work alone."""
+    link: tuple[float, float]  # (prefill, decode step): the host link's busier direction
+    host_memory: tuple[float, float]  # every byte crossing the link read from or written to host memory
+    gpu: tuple[float, float]  # the matmuls and attention at the device's measured rates
+    tokens_per_s: float  # the block's tokens over (prefill + (generate - 1) x step), each the slowest resource's
+
+    @property
+    def binding(self) -> str:
+        """Which resource bounds a decode step."""
+        return max(("link", "host_memory", "gpu"), key=lambda name: getattr(self, name)[1])
+
+
+def bound(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
+          num_batches: int, prompt: int, generate: int) -> Bound:
+    """The slowest of the host link, host memory and the GPU for a policy, from the cost model's
+    terms (`layer_terms`); host memory counts only where measured (`Rates.host_memory`)."""
+    hw = hardware(rates, dtype, 0.0, 0.0)
+    units = 16 / torch.finfo(dtype).bits
+    pre, dec = layer_terms(model_shape(config, prompt, generate), hw, gpu_batch, num_batches,
+                           _placement_array(config, placement), kv_to_gpu=True)
+    layers = config.num_layers
+    pre, dec = ([float(np.ravel(term)[0]) * layers for term in terms] for terms in (pre, dec))  # (one policy)
+    link = tuple(max(t[0], t[1]) for t in (pre, dec))
+    moved = tuple(t[0] * hw.ctog + t[1] * hw.gtoc for t in (pre, dec))  # (bytes in the cost model's 2-byte units)
+    memory = tuple(m / (rates.host_memory * units) if rates.host_memory else 0.0 for m in moved)
+    gpu = tuple(t[4] for t in (pre, dec))
+    prefill, step = (max(link[i], memory[i], gpu[i]) for i in (0, 1))
+    return Bound(link, memory, gpu, gpu_batch * num_batches * generate / (prefill + (generate - 1) * step))

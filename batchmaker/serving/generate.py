@@ -219,6 +219,7 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
     from batchmaker.engine_config import choose_cpu_threads
     from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
     from batchmaker.exec.offload_auto import CPU_DEVICE_BYTES, choose, host_bytes, measure
+    from batchmaker.exec.offload_memory import CUDA_RESERVE
 
     if torch.device(device).type == "cpu":  # (torch's threads as the engine picks them for one inline CPU worker)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -228,9 +229,11 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
     if offload == "auto":
         dtype = lm.embed_tokens.weight.dtype
         device_bytes = own.get("gpu_memory") or _device_bytes(device) or CPU_DEVICE_BYTES
+        is_cuda = torch.device(device).type == "cuda"  # (a GPU's workspace held back, its host storage pinned)
         try:
             choice = choose(lm.config, dtype, measure(device, dtype), device_bytes, host_bytes(), prompt, generate,
-                            max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts)
+                            max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts,
+                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda)
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(choice.describe(), file=sys.stderr, flush=True)

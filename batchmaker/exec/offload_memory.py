@@ -1,0 +1,119 @@
+"""What the offloading executor (exec/offload.py) holds on the device and on the host for a policy,
+counted from the tensors it allocates: the search's memory check (exec/offload_auto.py passes it
+to core/offload_policy.search as `peaks`) and the prediction a bench compares with the measured
+peak (issue 34: under a process-wide cap, weights, KV cache, activations and workspace together).
+
+FlexGen's `peak_bytes` counts the weights, the cache, one GPU batch's hidden states and the weight
+buffers; the executor also holds, on the device:
+    rest       the embedding, final norm and head (never offloaded)
+    slots      3 batch buffers of the cache and of the hidden states (x and residual: 2 tensors)
+               for what is offloaded; what is not lives there whole (every batch)
+    working    one GPU batch's compute at its peak: the prompt step's attention in fp32 (scores
+               and their softmax, B x heads x prompt^2 each, beside fp32 copies of q, K, V and the
+               output) or its MLP, over the layer's inputs and the residual stream; or a decode
+               step's fp32 copies of a batch's K and V, where larger (short prompts)
+    reserve    what no policy shapes: cuBLAS workspaces, the caching allocator's 2 MiB rounding and
+               the gap between what is allocated and what it reserves (`CUDA_RESERVE` on a GPU; the
+               cap bounds what it reserves)
+and on the host: the block's cache and hidden states where offloaded, each (layer, batch) tensor
+pinned beside a GPU, which torch's host allocator rounds up to a power of two (so an 89 MB
+tensor takes 128 MB), and the weights' host copy (the streamed share, FlexGen's count, unless the
+caller says what it holds). 4-bit staging (compress=) is not counted: the search does not model
+compression.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchmaker.cells.decoder import empty_decoder
+from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS
+
+CUDA_RESERVE = 1 << 30  # bytes: the measured 13B peaks (allocated) sat within 1% of the count; reserved
+# runs above allocated by the allocator's segments and fragmentation (an estimate, checked by bench/offload.py)
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """A decoder's sizes as the executor sees them (bytes at its dtype)."""
+    num_layers: int
+    layer: int  # one decoder layer's parameters
+    rest: int  # the embedding, final norm and head
+    hidden: int  # H
+    intermediate: int  # I
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+
+    @classmethod
+    def of(cls, config: DecoderConfig, dtype: torch.dtype) -> "ModelBytes":
+        lm = empty_decoder(config)  # (meta tensors: shapes, no memory)
+        itemsize = torch.finfo(dtype).bits // 8
+        layer = sum(t.numel() for t in lm.layers[0].parameters())
+        total = sum(t.numel() for t in lm.parameters())
+        return cls(config.num_layers, layer * itemsize, (total - layer * config.num_layers) * itemsize,
+                   config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                   config.head_dim, itemsize)
+
+    def kv_tensor(self, gpu_batch: int, prompt: int, generate: int) -> int:
+        """One (layer, batch)'s K or V: [prompt + generate - 1, B, Hkv, D]."""
+        return (prompt + generate - 1) * gpu_batch * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def hidden_tensor(self, gpu_batch: int, prompt: int) -> int:
+        """One batch's hidden states between layers: [prompt, 2, B, H] (x and residual)."""
+        return prompt * 2 * gpu_batch * self.hidden * self.itemsize
+
+    def working(self, gpu_batch: int, prompt: int, generate: int) -> int:
+        """One GPU batch's compute at its peak (the larger of the prompt step and a decode step)."""
+        e, n, hq, hkv, d = self.itemsize, gpu_batch * prompt, self.num_heads, self.num_kv_heads, self.head_dim
+        inputs = 5 * n * self.hidden * e  # the inputs' copy (x, residual), the residual stream, two norms' outputs
+        attention = (n * (hq + 2 * hkv) * d * e + n * (hq + hkv) * d * e  # q | k | v, rotated q, k
+                     + 2 * gpu_batch * hkv * prompt * d * 4 + 2 * n * hq * d * 4  # fp32 K, V, q, output
+                     + 2 * gpu_batch * hq * prompt * prompt * 4 + gpu_batch * prompt * prompt)  # scores, softmax, mask
+        mlp = 3 * n * self.intermediate * e + 2 * n * self.hidden * e  # gate | up, act; output, the stacked pair
+        end = prompt + generate - 1
+        decode = 2 * gpu_batch * hkv * end * d * 4 + 3 * gpu_batch * hq * end * 4  # fp32 K, V; scores
+        return max(inputs + max(attention, mlp), decode)
+
+
+def pinned_size(nbytes: int, pinned: bool) -> int:
+    """What the host gives for an allocation of `nbytes`: torch's pinned allocator rounds up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length() if pinned and nbytes else nbytes
+
+
+def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, wg: np.ndarray,
+          cache_on_device: np.ndarray, hidden_on_device: np.ndarray, reserve: float = 0.0, pinned: bool = False,
+          host_weights: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(device, host) bytes [P] for placements given as the weights' share on the device `wg`
+    (whole layers: the first floor(wg x layers)) and whether the cache and hidden states stay
+    there. `host_weights`: the weights' host copy as the caller holds it (None: the streamed layers)."""
+    wg, cache_on, hidden_on = (np.asarray(a, dtype=float) for a in (wg, cache_on_device, hidden_on_device))
+    resident = np.floor(wg * model.num_layers + 1e-6)
+    kv = 2 * model.kv_tensor(gpu_batch, prompt, generate)  # K and V of one (layer, batch)
+    hidden = model.hidden_tensor(gpu_batch, prompt)
+    device = (resident * model.layer + np.where(resident < model.num_layers, WEIGHT_BUFFERS * model.layer, 0)
+              + model.rest + model.working(gpu_batch, prompt, generate) + reserve
+              + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * kv)
+              + np.where(hidden_on > 0, num_batches * hidden, BATCH_BUFFERS * hidden)
+              + num_batches * gpu_batch * (prompt + generate) * 8)  # (prompts and tokens, int64)
+    kv_host = 2 * model.num_layers * num_batches * pinned_size(kv // 2, pinned)
+    weights = (model.num_layers - resident) * model.layer if host_weights is None else np.full_like(wg, host_weights)
+    host = (weights + np.where(cache_on > 0, 0, kv_host)
+            + np.where(hidden_on > 0, 0, num_batches * pinned_size(hidden, pinned)))
+    return device, host
+
+
+@dataclass(frozen=True)
+class Footprint:
+    device: float  # bytes on the device at the block's peak
+    host: float  # bytes of host memory the block and the weights' host copy take
+
+
+def footprint(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, weights_gpu: float,
+              cache_on_device: bool, hidden_on_device: bool, **kwargs) -> Footprint:
+    """`peaks` of one policy."""
+    device, host = peaks(model, gpu_batch, num_batches, prompt, generate, np.array([weights_gpu]),
+                         np.array([float(cache_on_device)]), np.array([float(hidden_on_device)]), **kwargs)
+    return Footprint(float(device[0]), float(host[0]))

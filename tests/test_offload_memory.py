@@ -1,0 +1,96 @@
+"""What the offloading executor holds (exec/offload_memory.py) and the search that counts it
+(exec/offload_auto.choose): the count meets the peaks measured on an H100 for a 13B model; for
+random caps, models and rates the search never picks a policy whose predicted device or host
+bytes exceed what it was given; the executor's count is stricter than FlexGen's formula (fewer
+resident layers under the same budget); pinned host storage is counted as torch rounds it; and
+a policy's bound is never slower than the cost model's prediction, bound by the link where
+compute is free."""
+import math
+import random
+
+import pytest
+import torch
+
+from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.core.offload_policy import search
+from batchmaker.core.zigzag import Placement
+from batchmaker.exec.offload_auto import Rates, bound, choose, hardware, model_shape, predict
+from batchmaker.exec.offload_memory import ModelBytes, footprint, pinned_size
+
+GIB, MIB = 1 << 30, 1 << 20
+H100 = Rates(ctog=53e9, gtoc=52e9, mm_flops=600e12, cpu_flops=116e9, host_memory=60e9)
+
+
+@pytest.mark.parametrize("gpu_batch, num_batches, cache_on, hidden_on, measured_gib", [
+    (8, 1, True, True, 6.51),  # auto-B8 (bench/results/offload-NVIDIA-H100-80GB-HBM3-2026-11-26.json)
+    (64, 1, False, True, 14.76),  # auto-B64
+    (4, 2, False, False, 2.71),  # other-4x2-weights+cache+hidden
+])
+def test_the_count_meets_the_13b_peaks_measured_on_an_h100(gpu_batch, num_batches, cache_on, hidden_on, measured_gib):
+    model = ModelBytes.of(PRESETS["llama-2-13b"], torch.bfloat16)
+    counted = footprint(model, gpu_batch, num_batches, 512, 32, 0.0, cache_on, hidden_on).device / GIB
+    assert counted == pytest.approx(measured_gib, rel=0.03)  # (allocated; the reserve covers the rest)
+
+
+def test_pinned_host_storage_is_counted_as_torch_rounds_it():
+    assert pinned_size(89 * 10**6, pinned=True) == 128 * MIB
+    assert pinned_size(128 * MIB, pinned=True) == 128 * MIB and pinned_size(128 * MIB + 1, pinned=True) == 256 * MIB
+    assert pinned_size(89 * 10**6, pinned=False) == 89 * 10**6 and pinned_size(0, pinned=True) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_search_never_picks_a_policy_over_its_budgets(seed):
+    rng = random.Random(seed)
+    config = PRESETS[rng.choice(["small-llama", "llama-2-7b", "llama-2-13b"])]
+    dtype = rng.choice([torch.bfloat16, torch.float32])
+    weights = ModelBytes.of(config, dtype).layer * config.num_layers
+    cap = rng.uniform(0.05, 1.5) * weights  # (from less than the buffers to more than the whole model)
+    host = rng.uniform(0.5, 4.0) * weights
+    rates = Rates(*(v * rng.uniform(0.2, 5) for v in (53e9, 52e9, 600e12, 116e9, 60e9)))
+    prompt, generate = rng.choice([16, 128, 512]), rng.choice([4, 32])
+    kwargs = {"reserve": rng.choice([0.0, 0.25 * GIB]), "pinned": rng.random() < 0.5,
+              "host_weights": rng.choice([None, 0.0])}
+    try:
+        choice = choose(config, dtype, rates, cap, host, prompt, generate, max_block=rng.choice([None, 64]), **kwargs)
+    except ValueError as e:
+        assert "no placement" in str(e)
+        return
+    p = choice.policy
+    used = predict(config, dtype, rates, choice.placement, p.gpu_batch, p.num_batches, prompt, generate,
+                   **kwargs).footprint
+    assert used == choice.footprint
+    assert used.device <= cap * (1 + 1e-9) and used.host <= host * (1 + 1e-9)
+
+
+def test_the_executors_count_keeps_fewer_layers_than_flexgens_formula():
+    """FlexGen's peak counts no working set, embedding or head: under a 16 GiB cap it would keep more
+    layers on the device than fit (the H100 run of 2026-11-26 peaked 2.8 GiB over its 12 GiB budget)."""
+    config, dtype = PRESETS["llama-2-13b"], torch.bfloat16
+    ours = choose(config, dtype, H100, 16 * GIB, 100 * GIB, 512, 32, max_block=64, reserve=GIB, pinned=True)
+    _, flexgen = search(model_shape(config, 512, 32), hardware(H100, dtype, 16 * GIB, 100 * GIB), step=1.0,
+                        max_block=64, kv_to_gpu=True, weight_step=1 / config.num_layers)
+    assert 0 < ours.placement.weights_gpu < flexgen.wg
+    assert ours.footprint.device <= 16 * GIB
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_bound_is_never_slower_than_the_prediction(seed):
+    rng = random.Random(seed)
+    config, dtype = PRESETS["llama-2-13b"], torch.bfloat16
+    placement = Placement(True, rng.random() < 0.5, rng.random() < 0.5, rng.choice([0.0, 0.25, 0.5]))
+    gbs, nb = rng.choice([1, 4, 16]), rng.choice([1, 4, 16])
+    b = bound(config, dtype, H100, placement, gbs, nb, 512, 32)
+    p = predict(config, dtype, H100, placement, gbs, nb, 512, 32)
+    assert b.tokens_per_s >= gbs * nb * 32 / p.block_seconds * (1 - 1e-9)
+    assert b.binding in ("link", "host_memory", "gpu") and all(math.isfinite(t) for t in b.link + b.gpu)
+
+
+def test_with_compute_free_the_link_bounds_and_host_memory_is_the_links_bytes():
+    free = Rates(ctog=50e9, gtoc=50e9, mm_flops=1e30, cpu_flops=1e30, host_memory=100e9)
+    b = bound(PRESETS["llama-2-13b"], torch.bfloat16, free, Placement(True, True, True), 4, 2, 512, 32)
+    assert b.binding == "link"
+    # (host memory serves both directions' bytes at twice the link's rate: between half the link's time and all of it)
+    assert 0.5 * b.link[1] <= b.host_memory[1] < b.link[1] and b.gpu[1] < 1e-9
+    unmeasured = bound(PRESETS["llama-2-13b"], torch.bfloat16, Rates(50e9, 50e9, 1e30, 1e30), Placement(), 4, 2,
+                       512, 32)
+    assert unmeasured.host_memory == (0.0, 0.0)
