@@ -25,7 +25,8 @@ CAPPED, scores are cap * tanh(s / cap) before the masks (an exp2 and a division 
 scalars behind constexpr flags: without them the arguments are None (no parameter at all) and the
 kernel compiles to the code it had before them (bench/attention_fit.py --against).
 
-`write_kv_kernel` puts the new tokens' K and V into their cache slots (one launch for both).
+`write_kv_kernel` (triton_write_kv.py) puts the new tokens' K and V into their cache slots (one
+launch for both).
 
 Split-KV (flash-decoding): with num_splits > 1, the programs of one tile each take a slice of its
 context and write a normalized partial output and its log-sum-exp. With COMBINE, the last of a
@@ -46,6 +47,7 @@ import triton.language as tl
 
 from batchmaker.kernels.triton_pdl import wait_for_input
 from batchmaker.kernels.triton_unified_max import combine_row, combine_tile, slice_flags
+from batchmaker.kernels.triton_write_kv import write_kv_kernel  # noqa: F401 (launched from here: paged_attention.py)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so keyless rows make no NaNs
@@ -399,23 +401,3 @@ def combine_splits_kernel(
         tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))
     else:
         tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty), mask=offs_d < D)
-
-
-@triton.jit
-def write_kv_kernel(
-    k, v, k_cache, v_cache, slots,  # k, v: [T, Hkv, D]; caches [num_blocks, BLOCK_SIZE, Hkv, D]; slots int64 [T]
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
-    stride_vch, num_kv_heads,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):
-    # grid (T, head blocks): BLOCK_H heads of token t's k and v to the caches' position slots[t]
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, D_PAD)[None, :]
-    mask = (heads < num_kv_heads) & (cols < D)
-    slot = tl.load(slots + t).to(tl.int64)
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    key = tl.load(k + t * stride_kt + heads * stride_kh + cols, mask=mask)
-    tl.store(k_cache + block * stride_kcb + offset * stride_kco + heads * stride_kch + cols, key, mask=mask)
-    value = tl.load(v + t * stride_vt + heads * stride_vh + cols, mask=mask)
-    tl.store(v_cache + block * stride_vcb + offset * stride_vco + heads * stride_vch + cols, value, mask=mask)
