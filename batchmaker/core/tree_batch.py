@@ -40,11 +40,11 @@ class TreeArrays:
         """The trees at `order`, in that order."""
         n = self.num_leaves
         leaf_at = np.cumsum(n) - n
-        return TreeArrays(n[order], self.tokens[_ranges(leaf_at[order], n[order])],
-                          self.children[_ranges(leaf_at[order] - order, n[order] - 1)])
+        return TreeArrays(n[order], self.tokens[ranges(leaf_at[order], n[order])],
+                          self.children[ranges(leaf_at[order] - order, n[order] - 1)])
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """start..start+count-1 for each (start, count), concatenated."""
     ends = np.cumsum(counts)
     return np.repeat(starts - ends + counts, counts) + np.arange(ends[-1] if len(ends) else 0)
@@ -181,8 +181,8 @@ def _shape(tokens: _Tokens) -> tuple[np.ndarray, tuple | None]:
     made[word_at], made[pair_at] = word_at, pair_at
     np.maximum.accumulate(made, out=made)  # "(label T)" is the node of the ")" just before it
     node = np.zeros(len(closes), dtype=np.int64)
-    node[word_at] = _ranges(0 * num_leaves, num_leaves)
-    node[pair_at] = _ranges(num_leaves, num_leaves - 1)
+    node[word_at] = ranges(0 * num_leaves, num_leaves)
+    node[pair_at] = ranges(num_leaves, num_leaves - 1)
     node = node[made]
     children = np.empty((len(pair_at), 2), dtype=np.int64)
     children[:, 0], children[:, 1] = node[left], node[right]
@@ -212,7 +212,7 @@ def _crc32(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarr
     longer = np.searchsorted(-lengths[order], -np.arange(lengths.max(initial=0)))  # [j]: how many are longer than j
     column_at = np.cumsum(longer) - longer
     # byte j of each of the longer[j] longest words, column after column
-    column = buf[starts[order][_ranges(0 * longer, longer)] + np.repeat(np.arange(len(longer)), longer)]
+    column = buf[starts[order][ranges(0 * longer, longer)] + np.repeat(np.arange(len(longer)), longer)]
     crc = np.full(len(order), 0xFFFFFFFF, dtype=np.uint32)
     low, shifted = crc.view(np.uint8)[0 if np.little_endian else 3::4], np.empty_like(crc)  # low: each crc's low byte
     for k, at in zip(longer.tolist(), column_at.tolist()):

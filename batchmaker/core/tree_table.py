@@ -7,71 +7,94 @@ A node's row holds, in its columns:
   UP, SIDE   where the node's parent and sibling are, as offsets from the node (0 for a root: it
              is its own "parent" and "sibling"); a tree's nodes stay next to each other, so a
              compaction moves rows without renumbering anything in them
-  TREE       the node's slot in the tree table
   LEFT       1 for a left child
-  INNER      1 for an internal node
+  TREE       the node's slot in the tree table
   INDEX...   the node's column of its cell type's task index [S, batch] (Layout): the rows it
-             reads (its children's), its token, the rows it writes
-Pool rows are taken when a tree joins, for every node at once: a non-root node keeps rows for
-the outputs its parent reads, a root for the outputs its request gets back; an output no one
-reads is written to its pool's scratch row. So a tree holds pool rows for all its nodes from its
-join to its parent's task (before, they were taken when a node's task was formed: up to ~2x
-fewer rows held at once, for one gather and one allocation more per output and task).
+             reads (its children's), its token, the rows it writes. The leaf's index starts where
+             its writes fall on the internal cell's writes of the same outputs (the TreeLSTM's h
+             and c: one column each for every node, filled by one write at a join).
+Pool rows are taken when a tree joins, for every node at once: a node keeps rows for the outputs
+its parent reads of it, a root for the outputs its request gets back (every node every kept
+output, where every kind writes it and parents read it of both sides); an output no one reads is
+written to its pool's scratch row. So a tree holds pool rows for all its nodes from its join to
+its parent's task (before, they were taken when a node's task was formed: up to ~2x fewer rows
+held at once, for a gather and an allocation more per output and task).
 """
 import numpy as np
 
 from batchmaker.core.rows import RowAllocator
 
-UP, SIDE, TREE, LEFT, INNER = range(5)
-INDEX = 5  # the first row of the task index
+UP, SIDE, LEFT, TREE = range(4)
+INDEX = 4  # the first column of the task index
 
 
 class NodeTable:
     def __init__(self, spec, pools: dict[str, RowAllocator], capacity: int = 1024):
         self.spec, self.pools = spec, pools
         self.layouts = (spec.leaf.layout, spec.internal.layout)  # by kind: LEAF, INTERNAL
-        width = INDEX + max(layout.num_slices for layout in self.layouts)
+        self.starts = (INDEX + _leaf_offset(*self.layouts), INDEX)  # by kind: its index's first column
+        width = max(start + layout.num_slices for start, layout in zip(self.starts, self.layouts))
         self.data = np.zeros((capacity, width), dtype=np.int64)
         self.submitted = np.zeros(capacity, dtype=bool)  # a task holding the node was formed
         self.num_nodes = 0  # the used prefix of the rows
-        self.by_root = tuple(dict.fromkeys(spec.outputs.values()))
         self.kept = spec.kept  # outputs parents read (of a left or a right child) and roots give back
+        self.keeps_all = all(y in spec.left.values() and y in spec.right.values() and
+                             all(y in layout.writes for layout in self.layouts) for y in self.kept)
         # a child's output that its kind never writes is read from row 0 (zeros), and never freed
         self.all_written = all(y in layout.writes for y in self.kept for layout in self.layouts)
         self.children_rows = _by_pool(pools, _distinct_reads(spec))  # what an internal task frees
-        self.root_rows = tuple(_by_pool(pools, {layout.writes[y]: y for y in self.by_root if y in layout.writes})
+        root_keeps = self.kept if self.keeps_all else tuple(dict.fromkeys(spec.outputs.values()))
+        self.root_rows = tuple(_by_pool(pools, {layout.writes[y]: y for y in root_keeps if y in layout.writes})
                                for layout in self.layouts)  # what a root's own task frees, by kind
+        self.sources = [(_source(self.layouts[1], spec, c - self.starts[1]), _source(self.layouts[0], spec, c - self.starts[0]))
+                        for c in range(INDEX, width)]  # index column -> what it holds (internal, leaf)
 
-    def add(self, nodes: np.ndarray, sizes: np.ndarray, trees: np.ndarray) -> tuple[int, np.ndarray]:
+    def index(self, kind: int, rows: np.ndarray) -> np.ndarray:
+        """Gathered rows [n, W] -> their task index [S, n] (contiguous)."""
+        start = self.starts[kind]
+        return rows[:, start:start + self.layouts[kind].num_slices].T.copy()
+
+    def add(self, nodes: np.ndarray, sizes: np.ndarray, trees: np.ndarray) -> np.ndarray:
         """Trees' nodes [N, 3] (token, left, right; children numbered within the tree, -1 for a
-        leaf's), `sizes` nodes per tree, tree slots `trees` -> (the first new id, the new leaves' ids)."""
+        leaf's), `sizes` nodes per tree, tree slots `trees` -> the new nodes' first id."""
         total = len(nodes)
         self._reserve(total)
         base = self.num_nodes
-        cols = np.zeros((self.data.shape[1], total), dtype=np.int64)  # [W, N]: filled a column at a time, then copied in
+        block = self.data[base:base + total]  # [N, W] (a view)
         is_inner = nodes[:, 1] >= 0
-        inner, leaves = np.flatnonzero(is_inner), np.flatnonzero(~is_inner)
-        ends = np.cumsum(sizes)
-        tree_start = np.repeat(ends - sizes, sizes)[inner]
-        left, right = tree_start + nodes[inner, 1], tree_start + nodes[inner, 2]  # within the new rows
-        cols[UP, left], cols[UP, right] = inner - left, inner - right
-        cols[SIDE, left], cols[SIDE, right] = right - left, left - right
-        cols[LEFT, left] = 1
-        cols[INNER, inner] = 1
-        cols[TREE] = np.repeat(trees, sizes)
-        rows = self._take_rows(total, (leaves, inner), (left, right, ends - 1))  # (post-order: a root is last)
-        leaf, internal = self.layouts
-        cols[INDEX + leaf.values[self.spec.token], leaves] = nodes[leaves, 0]
-        for layout, ids in ((leaf, leaves), (internal, inner)):
-            for y, slot in layout.writes.items():
-                cols[INDEX + slot, ids] = rows[y][ids] if y in rows else self.pools[y].scratch_row
-        for side, children in ((self.spec.left, left), (self.spec.right, right)):
-            for x, y in side.items():
-                cols[INDEX + internal.reads[x], inner] = rows[y][children]
-        self.data[base:base + total] = cols.T
+        inner = np.flatnonzero(is_inner)
+        first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # each node's tree's first node (within the new rows)
+        left, right = first + nodes[:, 1], first + nodes[:, 2]  # (a leaf's: garbage, never used)
+        below_left, below_right = left[inner], right[inner]
+        column = np.zeros(total, dtype=np.int64)
+        column[below_left], column[below_right] = inner - below_left, inner - below_right
+        block[:, UP] = column
+        column[below_left], column[below_right] = below_right - below_left, below_left - below_right
+        block[:, SIDE] = column
+        column[:] = 0
+        column[below_left] = 1
+        block[:, LEFT] = column
+        block[:, TREE] = np.repeat(trees, sizes)
+        rows = {y: self.pools[y].alloc_many(total) for y in self.kept} if self.keeps_all else \
+            self._take_rows(total, (np.flatnonzero(~is_inner), inner), (below_left, below_right, np.cumsum(sizes) - 1))
+        values, gathered = {}, {}
+
+        def value(source):
+            what, name, side = source
+            if what == "read":
+                if (name, side) not in gathered:
+                    gathered[name, side] = rows[name][left if side == "left" else right]
+                return gathered[name, side]
+            if what == "write":
+                return rows[name] if name in rows else self.pools[name].scratch_row
+            return nodes[:, 0] if what == "token" else 0
+
+        for c, (of_inner, of_leaf) in enumerate(self.sources, INDEX):
+            a, b = value(of_inner), value(of_leaf)
+            block[:, c] = a if a is b else np.where(is_inner, a, b)
         self.submitted[base:base + total] = False
         self.num_nodes += total
-        return base, base + leaves
+        return base
 
     def _take_rows(self, total: int, by_kind: tuple, by_role: tuple) -> dict[str, np.ndarray]:
         """Each kept output -> [N] rows: taken where a node keeps it (a left child what its parent
@@ -81,16 +104,13 @@ class NodeTable:
         spec, rows = self.spec, {}
         for y in self.kept:
             pool = self.pools[y]
-            kept_by = [y in spec.left.values(), y in spec.right.values(), y in self.by_root]
-            written = [ids for layout, ids in zip(self.layouts, by_kind) if y in layout.writes]
-            if all(kept_by) and len(written) == 2:
-                rows[y] = pool.alloc_many(total)  # every node keeps it (the TreeLSTM's h)
-                continue
+            kept_by = [y in spec.left.values(), y in spec.right.values(), y in spec.outputs.values()]
             rows[y] = out = np.zeros(total, dtype=np.int64)
             keeps, writes = np.zeros(total, dtype=bool), np.zeros(total, dtype=bool)
-            for ids in written:
-                out[ids] = pool.scratch_row
-                writes[ids] = True
+            for layout, ids in zip(self.layouts, by_kind):
+                if y in layout.writes:
+                    out[ids] = pool.scratch_row
+                    writes[ids] = True
             for ids, is_kept in zip(by_role, kept_by):
                 keeps[ids] = is_kept
             at = np.flatnonzero(keeps & writes)
@@ -107,15 +127,15 @@ class NodeTable:
         for pool, slots in self.root_rows[kind]:
             pool.free_many(index[slots][..., lanes].ravel())
 
-    def free_held_rows(self, ids: np.ndarray) -> None:
+    def free_held_rows(self, ids: np.ndarray, is_inner: np.ndarray) -> None:
         """Dropped nodes: give back the rows they still hold (those whose parent, or for a root
         the node itself, has no task yet)."""
-        ids = ids[~self.submitted[ids + self.data[ids, UP]]]
-        internal = self.data[ids, INNER] != 0
-        for kind, of_kind in enumerate((ids[~internal], ids[internal])):
+        held = ~self.submitted[ids + self.data[ids, UP]]
+        ids, is_inner = ids[held], is_inner[held]
+        for kind, of_kind in enumerate((ids[~is_inner], ids[is_inner])):
             for y, slot in self.layouts[kind].writes.items():
                 if y in self.kept:
-                    rows = self.data[of_kind, INDEX + slot]
+                    rows = self.data[of_kind, self.starts[kind] + slot]
                     self.pools[y].free_many(rows[(rows != 0) & (rows != self.pools[y].scratch_row)])
 
     def _reserve(self, more: int) -> None:
@@ -134,6 +154,34 @@ class NodeTable:
         self.data[:m] = self.data.take(kept, axis=0)
         self.submitted[:m] = self.submitted[kept]
         self.num_nodes = m
+
+
+def _leaf_offset(leaf, internal) -> int:
+    """Where the leaf's index starts, from the internal's: where the outputs both write share
+    their columns, if they can (else at the same column)."""
+    shared = [y for y in leaf.writes if y in internal.writes]
+    if shared:
+        offset = internal.writes[shared[0]] - leaf.writes[shared[0]]
+        if offset >= 0 and all(internal.writes[y] - leaf.writes[y] == offset for y in shared):
+            return offset
+    return 0
+
+
+def _source(layout, spec, slot: int) -> tuple:
+    """What a node of this layout holds in its index slot: ("read", output, side) of a child,
+    ("write", output, None), ("token", None, None) or ("zero", None, None)."""
+    for x, s in layout.reads.items():
+        if s == slot and layout is spec.internal.layout:
+            for side, inputs in (("left", spec.left), ("right", spec.right)):
+                if x in inputs:
+                    return "read", inputs[x], side
+    for x, s in layout.values.items():
+        if s == slot and layout is spec.leaf.layout and x == spec.token:
+            return "token", None, None
+    for y, s in layout.writes.items():
+        if s == slot:
+            return "write", y, None
+    return "zero", None, None
 
 
 def _distinct_reads(spec) -> dict[int, str]:

@@ -19,7 +19,8 @@ from batchmaker.core.cell_type import CellType
 from batchmaker.core.chains import Finisher
 from batchmaker.core.rows import RowAllocator
 from batchmaker.core.task import StepTask
-from batchmaker.core.tree_table import INDEX, LEFT, SIDE, TREE, UP, NodeTable
+from batchmaker.core.tree_batch import ranges
+from batchmaker.core.tree_table import LEFT, SIDE, TREE, UP, NodeTable
 from batchmaker.core.waiting import Chunk, Waiting
 from batchmaker.errors import CellError
 
@@ -125,7 +126,8 @@ class TreeGroup:
         self.owner = np.empty(64, dtype=object)  # the tree table: its request,
         self.first_cell = np.zeros(64)  # when its first node joined,
         self.priority = np.zeros(64, dtype=np.int64)  # its request's priority,
-        self.size = np.zeros(64, dtype=np.int64)  # its nodes
+        self.size = np.zeros(64, dtype=np.int64)  # its nodes,
+        self.start = np.zeros(64, dtype=np.int64)  # its first node's id (leaves first: TreeArrays' order)
         self.live = np.zeros(64, dtype=bool)
         self.num_prioritized = 0  # live trees of a priority other than 0
         self._free_trees = list(range(63, -1, -1))
@@ -146,15 +148,16 @@ class TreeGroup:
         self.num_prioritized += int(np.count_nonzero(self.priority[trees]))
         self.size[trees] = sizes
         self.live[trees] = True
-        _, leaves = self.nodes.add(chunk.values.reshape(-1, 3), sizes, trees)
-        self._enqueue(LEAF, leaves)
+        nodes = chunk.values.reshape(-1, 3)
+        self.start[trees] = self.nodes.add(nodes, sizes, trees) + np.cumsum(sizes) - sizes
+        self._enqueue(LEAF, self.start[trees[0]] + np.flatnonzero(nodes[:, 1] < 0))
 
     def _tree_slots(self, n: int) -> np.ndarray:
         while len(self._free_trees) < n:
             cap = len(self.live)
             self._free_trees[:0] = range(2 * cap - 1, cap - 1, -1)
             self.owner = np.concatenate([self.owner, np.empty(cap, dtype=object)])
-            for name in ("first_cell", "priority", "size", "live"):
+            for name in ("first_cell", "priority", "size", "start", "live"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros(cap, dtype=old.dtype)]))
         slots = self._free_trees[len(self._free_trees) - n:]
@@ -162,16 +165,20 @@ class TreeGroup:
         return np.asarray(slots, dtype=np.int64)
 
     def _compact(self) -> None:
-        """Drop the nodes of finished trees; node ids in the ready FIFOs are renumbered."""
-        n = self.nodes.num_nodes
-        kept = np.flatnonzero(self.live[self.nodes.data[:n, TREE]])
-        new_id = np.full(n, -1, dtype=np.int64)
-        new_id[kept] = np.arange(len(kept))
-        self.nodes.compact(kept)
+        """Drop the nodes of finished trees: the live trees' rows, tree by tree, move to the
+        front (a tree's rows hold no node ids, only offsets); ready node ids move with their tree."""
+        trees = np.flatnonzero(self.live)
+        trees = trees[np.argsort(self.start[trees])]
+        sizes = self.size[trees]
+        shift = np.zeros(len(self.live), dtype=np.int64)
+        shift[trees] = np.cumsum(sizes) - sizes - self.start[trees]
+        tree_of = self.nodes.data[:, TREE]
         for fifos in self.fifos:
             for level, queue in fifos.items():
-                ids = new_id[np.concatenate(list(queue))] if queue else np.zeros(0, dtype=np.int64)
-                fifos[level] = deque([ids] if len(ids) else [])
+                ids = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
+                fifos[level] = deque([ids + shift[tree_of[ids]]] if len(ids) else [])
+        self.nodes.compact(ranges(self.start[trees], sizes))
+        self.start[trees] += shift[trees]
         self.num_dead = 0
         self.num_compactions += 1
 
@@ -184,8 +191,9 @@ class TreeGroup:
         nodes = self.nodes
         cell_type = self.spec.internal if kind == INTERNAL else self.spec.leaf
         ids = self._take(kind, cell_type.max_batch)
-        cols = nodes.data.take(ids, axis=0).T  # [W, n] (a view)
-        index = cols[INDEX:INDEX + cell_type.layout.num_slices].copy()  # [S, n]
+        rows = nodes.data.take(ids, axis=0)  # [n, W]
+        index = nodes.index(kind, rows)  # [S, n]
+        cols = rows.T  # [W, n] (a view)
         trees, up = cols[TREE], cols[UP]
         task = StepTask(self, cell_type, self.worker_id, len(ids), index=index, owners=self.owner[trees])
         submitted, siblings = nodes.submitted, ids + cols[SIDE]
@@ -280,5 +288,8 @@ class TreeGroup:
                 kept = ids[~is_dropped[tree_of[ids]]]
                 self.num_ready[kind] -= len(ids) - len(kept)
                 fifos[level] = deque([kept] if len(kept) else [])
-        self.nodes.free_held_rows(np.flatnonzero(is_dropped[tree_of[:self.nodes.num_nodes]]))
-        self._finish_trees(trees[done])
+        dropped, sizes = trees[done], self.size[trees[done]]
+        ids = ranges(self.start[dropped], sizes)
+        is_inner = ranges(0 * sizes, sizes) >= np.repeat((sizes + 1) // 2, sizes)  # (leaves first in each tree)
+        self.nodes.free_held_rows(ids, is_inner)
+        self._finish_trees(dropped)
