@@ -220,10 +220,11 @@ class StructuredModel(Finisher):
         form = self.forms[0]
         high = self.cell_types[form.leaf].cell.signature.inputs[form.token].high
         arrays, ok, bad = parse_trees([f.inputs[form.input] for f in good], high, MAX_DEPTH)
-        position = {id(f): i for i, f in enumerate(futures)}
-        for j, error in bad.items():
-            errors[position[id(good[j])]] = error
-        good = [good[j] for j in ok]
+        if bad:
+            position = {id(f): i for i, f in enumerate(futures)}
+            for j, error in bad.items():
+                errors[position[id(good[j])]] = error
+            good = [good[j] for j in ok]
         if not good:
             return None, []
         n = arrays.num_leaves

@@ -113,10 +113,11 @@ class Forest:
 
 class TreeGroup:
     """The nodes of the trees one worker runs (batchmaker/core/tree_table.py: a row per node,
-    compacted when more than two thirds are dead); a task's plan never keeps node ids past its
+    compacted when four fifths are dead); a task's plan never keeps node ids past its
     formation."""
 
-    min_dead_to_compact = 16384  # (a compaction costs a pass over the node table)
+    min_dead_to_compact = 16384  # (a compaction moves the live trees' rows: at most 1 per 4 dead ones)
+    dead_per_live = 4
 
     def __init__(self, spec: TreeSpec, worker_id: int, pools: dict[str, RowAllocator]):
         self.spec = spec
@@ -139,7 +140,7 @@ class TreeGroup:
     # admission ------------------------------------------------------------------------------
     def join(self, chunk: Chunk) -> None:
         sizes = chunk.lengths  # 2n - 1 nodes per tree
-        if self.num_dead > max(self.min_dead_to_compact, 2 * (self.nodes.num_nodes - self.num_dead)):
+        if self.num_dead > max(self.min_dead_to_compact, self.dead_per_live * (self.nodes.num_nodes - self.num_dead)):
             self._compact()
         trees = self._tree_slots(len(chunk))
         self.owner[trees] = chunk.owners

@@ -4,8 +4,9 @@ word ids, batchmaker/core/tree_batch.py).
 A word of at most 15 bytes is its own key, exactly: its bytes as two little-endian uint64 (read
 at the word's start through an unaligned view of the batch's bytes, bytes past the word masked
 off) with its length in the top byte of the second. Keys live in a direct-mapped table (a slot
-per multiplicative hash of the key; a later word takes a slot from an earlier one), so a batch's
-words are found by three gathers and checked against both keys: ~20 numpy calls whatever their
+per multiplicative hash of the key; a later word takes a slot from an earlier one) of records
+(first key, second key, CRC: one cache line per word looked up), so a batch's words are found by
+one gather of records and checked against both keys: ~20 numpy calls whatever their
 lengths, where the table-driven CRC costs about four per byte position of the longest word. A
 word missed (new, longer than 15 bytes, or evicted) is hashed by zlib one by one, or, when a
 batch has many, by the caller's vectorized CRC, and takes its slot.
@@ -24,11 +25,10 @@ _ODD = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F))
 
 
 class WordCache:
-    def __init__(self, bits: int = 18, max_one_by_one: int = 64):
+    def __init__(self, bits: int = 17, max_one_by_one: int = 64):
         self.shift = np.uint64(64 - bits)  # a slot is the top `bits` bits of the mixed key
-        self.first = np.zeros(1 << bits, dtype=np.uint64)
-        self.second = np.zeros(1 << bits, dtype=np.uint64)  # (0 in an empty slot: a key's length byte is >= 1)
-        self.crc = np.zeros(1 << bits, dtype=np.uint32)
+        # [slot]: (first key, second key, CRC); an empty slot's second key 0 matches no word (length byte >= 1)
+        self.table = np.zeros((1 << bits, 3), dtype=np.uint64)
         self.max_one_by_one = max_one_by_one  # more misses than this: the caller's vectorized CRC
         self.lock = threading.Lock()  # (a slot's three entries change together)
 
@@ -41,14 +41,14 @@ class WordCache:
         second = (u64[starts + 8] & _HIGH[n]) | _LENGTH[n]
         slots = ((first ^ second * _ODD[1]) * _ODD[0] >> self.shift).astype(np.intp)
         with self.lock:
-            hit = (self.first[slots] == first) & (self.second[slots] == second)
-            crc = np.where(hit, self.crc[slots], np.uint32(0))
+            records = self.table.take(slots, axis=0)  # [n, 3]
+            hit = (records[:, 0] == first) & (records[:, 1] == second)
+            crc = np.where(hit, records[:, 2], np.uint64(0)).astype(np.uint32)
             missed = np.flatnonzero(~hit)
             if len(missed):
                 crc[missed] = found = self._hash(data, starts[missed], lengths[missed], missed, hash_many)
-                keyed = lengths[missed] <= MAX_KEYED
-                at = slots[missed][keyed]
-                self.first[at], self.second[at], self.crc[at] = first[missed][keyed], second[missed][keyed], found[keyed]
+                keyed = missed[lengths[missed] <= MAX_KEYED]
+                self.table[slots[keyed]] = np.stack((first[keyed], second[keyed], crc[keyed].astype(np.uint64)), axis=1)
         return crc
 
     def _hash(self, data: bytes, starts: np.ndarray, lengths: np.ndarray, missed: np.ndarray, hash_many) -> np.ndarray:
