@@ -49,10 +49,10 @@ class NodeTable:
         self.sources = [(_source(self.layouts[1], spec, c - self.starts[1]), _source(self.layouts[0], spec, c - self.starts[0]))
                         for c in range(INDEX, width)]  # index column -> what it holds (internal, leaf)
 
-    def index(self, kind: int, rows: np.ndarray) -> np.ndarray:
-        """Gathered rows [n, W] -> their task index [S, n] (contiguous)."""
+    def index(self, kind: int, cols: np.ndarray) -> np.ndarray:
+        """Gathered nodes as columns [W, n] (C-contiguous) -> their task index [S, n] (a contiguous view)."""
         start = self.starts[kind]
-        return rows[:, start:start + self.layouts[kind].num_slices].T.copy()
+        return cols[start:start + self.layouts[kind].num_slices]
 
     def add(self, nodes: np.ndarray, sizes: np.ndarray, trees: np.ndarray) -> np.ndarray:
         """Trees' nodes [N, 3] (token, left, right; children numbered within the tree, -1 for a

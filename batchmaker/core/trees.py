@@ -132,7 +132,6 @@ class TreeGroup:
         self.live = np.zeros(64, dtype=bool)
         self.num_prioritized = 0  # live trees of a priority other than 0
         self._free_trees = list(range(63, -1, -1))
-        self.num_dead = 0  # nodes of finished or dropped trees
         self.num_compactions = 0
         self.fifos = ({}, {})  # kind -> priority -> deque of node-id arrays (only live trees' nodes)
         self.num_ready = [0, 0]
@@ -140,7 +139,8 @@ class TreeGroup:
     # admission ------------------------------------------------------------------------------
     def join(self, chunk: Chunk) -> None:
         sizes = chunk.lengths  # 2n - 1 nodes per tree
-        if self.num_dead > max(self.min_dead_to_compact, self.dead_per_live * (self.nodes.num_nodes - self.num_dead)):
+        num_live = int(self.size[self.live].sum())  # (nodes of finished or dropped trees: the rest)
+        if self.nodes.num_nodes - num_live > max(self.min_dead_to_compact, self.dead_per_live * num_live):
             self._compact()
         trees = self._tree_slots(len(chunk))
         self.owner[trees] = chunk.owners
@@ -180,7 +180,6 @@ class TreeGroup:
                 fifos[level] = deque([ids + shift[tree_of[ids]]] if len(ids) else [])
         self.nodes.compact(ranges(self.start[trees], sizes))
         self.start[trees] += shift[trees]
-        self.num_dead = 0
         self.num_compactions += 1
 
     # forming a task -------------------------------------------------------------------------
@@ -192,15 +191,14 @@ class TreeGroup:
         nodes = self.nodes
         cell_type = self.spec.internal if kind == INTERNAL else self.spec.leaf
         ids = self._take(kind, cell_type.max_batch)
-        rows = nodes.data.take(ids, axis=0)  # [n, W]
-        index = nodes.index(kind, rows)  # [S, n]
-        cols = rows.T  # [W, n] (a view)
+        cols = nodes.data.take(ids, axis=0).T.copy()  # [W, n]: each column of the table contiguous
+        index = nodes.index(kind, cols)  # [S, n] (a view)
         trees, up = cols[TREE], cols[UP]
-        task = StepTask(self, cell_type, self.worker_id, len(ids), index=index, owners=self.owner[trees])
+        task = StepTask(self, cell_type, self.worker_id, len(ids), index=index, owners=self.owner.take(trees))
         submitted, siblings = nodes.submitted, ids + cols[SIDE]
-        before = submitted[siblings]
+        before = submitted.take(siblings)
         submitted[ids] = True
-        releases = np.logical_or(before, np.logical_and(submitted[siblings], cols[LEFT]))  # (never a root)
+        releases = np.logical_or(before, np.logical_and(submitted.take(siblings), cols[LEFT]))  # (never a root)
         ready = (ids + up)[releases]
         if len(ready):
             ready.sort()
@@ -256,8 +254,8 @@ class TreeGroup:
     def _finish_trees(self, trees: np.ndarray) -> None:
         self.live[trees] = False
         self.owner[trees] = None
-        self.num_prioritized -= int(np.count_nonzero(self.priority[trees]))
-        self.num_dead += int(self.size[trees].sum())
+        if self.num_prioritized:
+            self.num_prioritized -= int(np.count_nonzero(self.priority[trees]))
         self._free_trees += trees.tolist()
 
     # completion and dropping ----------------------------------------------------------------
