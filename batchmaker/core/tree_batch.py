@@ -5,15 +5,12 @@ The strings are joined as UTF-8 and split into tokens where brackets and runs of
 depth after each token is a cumulative sum; a string that breaks a rule of the reference is left
 to the one-by-one path (which words the error). The trees are read off the ")"s (a stable sort by
 depth finds each subtree's sibling) and words are hashed by a table-driven CRC-32, equal to
-zlib.crc32, for all words at once, or found among the words seen before (batchmaker/core/word_cache.py).
-`TreeArrays` is the result of either path.
+zlib.crc32, for all words at once. `TreeArrays` is the result of either path.
 """
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
-
-from batchmaker.core.word_cache import WordCache
 
 FIRST_WORD_ID = 3  # ids 0..2 (PAD, BOS, EOS in the other models) are never a word's
 
@@ -201,19 +198,11 @@ def _hashed_words(tokens: _Tokens, words: np.ndarray, vocab: int) -> np.ndarray:
         run_ends = np.flatnonzero(text[:-1] > text[1:]) + 1
         ends = run_ends[np.searchsorted(run_ends, starts, side="right")]
     lengths = ends - starts
-    crc = WORDS.crc32(tokens.data, starts, lengths, lambda at: _crc32_words(tokens.data, buf, starts[at], lengths[at]))
-    return FIRST_WORD_ID + crc.astype(np.int64) % (vocab - FIRST_WORD_ID)
-
-
-WORDS = WordCache()  # (a word's CRC does not depend on the vocabulary)
-
-
-def _crc32_words(data: bytes, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """zlib.crc32 of each data[start:start + length]: vectorized up to _MAX_HASHED bytes, longer one by one."""
+    long = np.flatnonzero(lengths > _MAX_HASHED)
     crc = _crc32(buf, starts, np.where(lengths > _MAX_HASHED, 0, lengths))
-    for i in np.flatnonzero(lengths > _MAX_HASHED).tolist():
-        crc[i] = zlib.crc32(data[starts[i]:starts[i] + lengths[i]])
-    return crc
+    for i in long.tolist():
+        crc[i] = zlib.crc32(tokens.data[starts[i]:ends[i]])
+    return FIRST_WORD_ID + crc.astype(np.int64) % (vocab - FIRST_WORD_ID)
 
 
 def _crc32(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
