@@ -86,7 +86,8 @@ def run(task, kind: int, spec: TreeSpec, pools: dict, memory: dict) -> dict:
             token = int(index[layout.values[spec.token], lane])
             out[lane] = {y: hash((token, y)) for y in layout.writes}
         else:
-            got = tuple(memory[id(pools[{**spec.left, **spec.right}[x]]), int(index[slot, lane])] for x, slot in reads)
+            read_of = {**spec.left, **spec.right}  # input -> the child output it reads
+            got = tuple(memory[id(pools[read_of[x]]), int(index[slot, lane])] for x, slot in reads)
             out[lane] = {y: hash((got, y)) for y in layout.writes}
     for lane, values in out.items():
         for y, slot in layout.writes.items():

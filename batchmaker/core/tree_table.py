@@ -46,7 +46,7 @@ class NodeTable:
         root_keeps = self.kept if self.keeps_all else tuple(dict.fromkeys(spec.outputs.values()))
         self.root_rows = tuple(_by_pool(pools, {layout.writes[y]: y for y in root_keeps if y in layout.writes})
                                for layout in self.layouts)  # what a root's own task frees, by kind
-        self.sources = [(_source(self.layouts[1], spec, c - self.starts[1]), _source(self.layouts[0], spec, c - self.starts[0]))
+        self.sources = [tuple(_source(self.layouts[kind], spec, c - self.starts[kind]) for kind in (1, 0))
                         for c in range(INDEX, width)]  # index column -> what it holds (internal, leaf)
 
     def index(self, kind: int, cols: np.ndarray) -> np.ndarray:
