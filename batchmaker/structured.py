@@ -220,20 +220,20 @@ class StructuredModel(Finisher):
         form = self.forms[0]
         high = self.cell_types[form.leaf].cell.signature.inputs[form.token].high
         arrays, ok, bad = parse_trees([f.inputs[form.input] for f in good], high, MAX_DEPTH)
-        position = {id(f): i for i, f in enumerate(futures)}
-        for j, error in bad.items():
-            errors[position[id(good[j])]] = error
-        good = [good[j] for j in ok]
+        if bad:
+            position = {id(f): i for i, f in enumerate(futures)}
+            for j, error in bad.items():
+                errors[position[id(good[j])]] = error
+            good = [good[j] for j in ok]
         if not good:
             return None, []
         n = arrays.num_leaves
         sizes = 2 * n - 1
-        offsets = np.cumsum(sizes) - sizes
-        nodes = np.full((int(sizes.sum()), 3), -1, dtype=np.int64)
-        leaf_at = np.repeat(offsets, n) + _within(n)
-        nodes[leaf_at, 0] = arrays.tokens
-        inner_at = np.repeat(offsets + n, n - 1) + _within(n - 1)
-        nodes[inner_at, 1:] = arrays.children
+        nodes = np.full((len(arrays.tokens) + len(arrays.children), 3), -1, dtype=np.int64)
+        # tree t starts at (leaves before it) + (internal nodes before it): its leaves follow, then its internal nodes
+        leaves_through, inner_through = np.cumsum(n), np.cumsum(n - 1)
+        nodes[np.arange(len(arrays.tokens)) + np.repeat(inner_through - n + 1, n), 0] = arrays.tokens
+        nodes[np.arange(len(arrays.children)) + np.repeat(leaves_through, n - 1), 1:] = arrays.children
         owners = np.fromiter(good, dtype=object, count=len(good))
         return Chunk.of(owners, {"leaves": n}, nodes, sizes), good
 
@@ -264,8 +264,3 @@ def _subsets(items: list) -> list[tuple]:
         subsets += [(*s, item) for s in subsets]
     return subsets
 
-
-def _within(counts: np.ndarray) -> np.ndarray:
-    """0..c-1 for each count c, concatenated."""
-    total = int(counts.sum())
-    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)

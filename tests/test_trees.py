@@ -322,3 +322,16 @@ def test_a_tree_task_never_writes_a_row_it_reads(monkeypatch):
         for f in futures:
             f.result(30)
     assert len(seen) > 20 and not any(seen)
+
+
+def test_batch_crc32_equals_zlib_at_every_length():
+    """The tree parser's CRC-32 of many words at once (a byte table per distance from the word's
+    end, XOR-reduced per word) against zlib, at every length it takes, NULs and high bytes included."""
+    from batchmaker.core.tree_batch import _MAX_HASHED, _crc32
+
+    rng = random.Random(7)
+    words = [bytes(rng.randrange(256) for _ in range(n)) for n in range(_MAX_HASHED + 1) for _ in range(20)]
+    rng.shuffle(words)
+    lengths = np.array([len(w) for w in words], dtype=np.int64)
+    got = _crc32(np.frombuffer(b"".join(words), dtype=np.uint8), np.cumsum(lengths) - lengths, lengths)
+    assert got.tolist() == [zlib.crc32(w) for w in words]

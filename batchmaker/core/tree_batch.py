@@ -4,8 +4,9 @@ path, batchmaker/core/tree_input.py, which keeps the one-by-one path and the ref
 The strings are joined as UTF-8 and split into tokens where brackets and runs of text start; the
 depth after each token is a cumulative sum; a string that breaks a rule of the reference is left
 to the one-by-one path (which words the error). The trees are read off the ")"s (a stable sort by
-depth finds each subtree's sibling) and words are hashed by a table-driven CRC-32, equal to
-zlib.crc32, for all words at once. `TreeArrays` is the result of either path.
+depth finds each subtree's sibling) and words are hashed by CRC-32, equal to zlib.crc32, for all
+words at once (a table gather per byte, an XOR-reduce per word: the register is linear).
+`TreeArrays` is the result of either path.
 """
 import zlib
 from dataclasses import dataclass
@@ -40,11 +41,11 @@ class TreeArrays:
         """The trees at `order`, in that order."""
         n = self.num_leaves
         leaf_at = np.cumsum(n) - n
-        return TreeArrays(n[order], self.tokens[_ranges(leaf_at[order], n[order])],
-                          self.children[_ranges(leaf_at[order] - order, n[order] - 1)])
+        return TreeArrays(n[order], self.tokens[ranges(leaf_at[order], n[order])],
+                          self.children[ranges(leaf_at[order] - order, n[order] - 1)])
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """start..start+count-1 for each (start, count), concatenated."""
     ends = np.cumsum(counts)
     return np.repeat(starts - ends + counts, counts) + np.arange(ends[-1] if len(ends) else 0)
@@ -53,7 +54,7 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 _OPEN, _CLOSE = ord("("), ord(")")
 IS_SPACE = np.zeros(256, dtype=bool)  # per byte: is it one _tokens splits on
 IS_SPACE[list(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")] = True
-_MAX_HASHED = 64  # longer words are hashed one by one (zlib), not one numpy pass per byte
+_MAX_HASHED = 64  # longer words are hashed one by one (zlib): the tables below stop there
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +182,8 @@ def _shape(tokens: _Tokens) -> tuple[np.ndarray, tuple | None]:
     made[word_at], made[pair_at] = word_at, pair_at
     np.maximum.accumulate(made, out=made)  # "(label T)" is the node of the ")" just before it
     node = np.zeros(len(closes), dtype=np.int64)
-    node[word_at] = _ranges(0 * num_leaves, num_leaves)
-    node[pair_at] = _ranges(num_leaves, num_leaves - 1)
+    node[word_at] = ranges(0 * num_leaves, num_leaves)
+    node[pair_at] = ranges(num_leaves, num_leaves - 1)
     node = node[made]
     children = np.empty((len(pair_at), 2), dtype=np.int64)
     children[:, 0], children[:, 1] = node[left], node[right]
@@ -206,28 +207,36 @@ def _hashed_words(tokens: _Tokens, words: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def _crc32(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """zlib.crc32 of each buf[start:start + length], table-driven: one numpy pass per byte
-    position j, over the words longer than j."""
-    order = np.argsort(-lengths.astype(np.int16), kind="stable")  # the longest first
-    longer = np.searchsorted(-lengths[order], -np.arange(lengths.max(initial=0)))  # [j]: how many are longer than j
-    column_at = np.cumsum(longer) - longer
-    # byte j of each of the longer[j] longest words, column after column
-    column = buf[starts[order][_ranges(0 * longer, longer)] + np.repeat(np.arange(len(longer)), longer)]
-    crc = np.full(len(order), 0xFFFFFFFF, dtype=np.uint32)
-    low, shifted = crc.view(np.uint8)[0 if np.little_endian else 3::4], np.empty_like(crc)  # low: each crc's low byte
-    for k, at in zip(longer.tolist(), column_at.tolist()):
-        np.right_shift(crc[:k], 8, out=shifted[:k])
-        np.bitwise_xor(_CRC_TABLE[low[:k] ^ column[at:at + k]], shifted[:k], out=crc[:k])
-    hashed = np.empty_like(crc)
-    hashed[order] = ~crc
-    return hashed
+    """zlib.crc32 of each buf[start:start + length] (length <= _MAX_HASHED), for all words in a
+    few numpy calls, whatever their lengths. CRC-32's register is linear over GF(2) in its
+    initial value and its bytes, so a word's register is the XOR, over its bytes, of what each
+    byte alone leaves in a zero register followed by the zero bytes that come after it in the
+    word (`_BYTE_AT_END[k * 256 + byte]`), XOR what the all-ones initial register becomes after
+    as many zero bytes as the word has (`_ONES_AFTER[n]`): a gather per byte, and each word's
+    XOR from one prefix XOR over all bytes (before: a numpy pass per byte position)."""
+    ends = np.cumsum(lengths)  # in the flat list of every word's bytes
+    flat = np.arange(ends[-1] if len(ends) else 0)
+    at = flat + np.repeat(starts - ends + lengths, lengths)  # each byte's position in buf
+    after = np.repeat(ends - 1, lengths) - flat  # bytes after it in its word
+    prefix = np.zeros(len(flat) + 1, dtype=np.uint32)  # [i]: XOR of the first i contributions
+    np.bitwise_xor.accumulate(_BYTE_AT_END.take(after * 256 + buf.take(at)), out=prefix[1:])
+    return ~(prefix.take(ends) ^ prefix.take(ends - lengths) ^ _ONES_AFTER.take(lengths))
 
 
-def _crc_table() -> np.ndarray:
+def _crc_tables() -> tuple[np.ndarray, np.ndarray]:
+    """From the byte table of reflected CRC-32 (zlib's): [k * 256 + byte]: a zero register after
+    the byte and k zero bytes; [n]: the all-ones register after n zero bytes."""
     table = np.arange(256, dtype=np.uint32)
     for _ in range(8):
         table = np.where(table & 1, (table >> 1) ^ np.uint32(0xEDB88320), table >> 1)
-    return table
+    step = lambda r: table[r & 0xFF] ^ (r >> 8)  # one zero byte
+    at_end = [table]
+    for _ in range(_MAX_HASHED):
+        at_end.append(step(at_end[-1]))
+    ones = [np.uint32(0xFFFFFFFF)]
+    for _ in range(_MAX_HASHED + 1):
+        ones.append(step(np.array(ones[-1], dtype=np.uint32)))
+    return np.concatenate(at_end), np.array(ones, dtype=np.uint32)
 
 
-_CRC_TABLE = _crc_table()
+_BYTE_AT_END, _ONES_AFTER = _crc_tables()

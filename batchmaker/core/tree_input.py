@@ -15,7 +15,7 @@ so ids 0..2 (PAD, BOS, EOS in the other models) are never produced by a word.
 `parse_tree` gives a `Tree` (an int for a leaf, a (left, right) pair otherwise): the reference.
 `parse_trees` gives a whole admission batch as `TreeArrays`, for the engine and the baselines.
 The bracket strings of a batch go to arrays all at once, by numpy over their bytes (words hashed
-by a table-driven CRC-32: batchmaker/core/tree_batch.py); a few trees, and strings the batch rejects, one by one in one pass
+by CRC-32 for all words at once: batchmaker/core/tree_batch.py); a few trees, and strings the batch rejects, one by one in one pass
 over their tokens; a string rejected there goes to the reference, which words the error. All
 follow the reference's rules (tested against it).
 """

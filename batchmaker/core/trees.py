@@ -2,11 +2,12 @@
 
 Trees wait whole, as parsed arrays (batchmaker/core/tree_input.TreeArrays), until a worker's
 leaf task needs more leaves; then all their nodes join that worker's `TreeGroup` (a tree never
-moves: its internal nodes read their children's rows in place). A node is ready when its
-children are submitted (tasks on one worker run in order), so each task releases its parents
-with one numpy pass; leaves and internal nodes wait in FIFOs per request priority. A task's
-index comes straight from the node arrays; the rows of children are freed once their parent is
-submitted, a root's outputs are copied to the host in its own task's launch.
+moves: its internal nodes read their children's rows in place), each node's task index column
+written then (batchmaker/core/tree_table.py). A node is ready when its children are submitted
+(tasks on one worker run in order), so each task releases its parents with a few numpy passes;
+leaves and internal nodes wait in FIFOs per request priority. A task's index is one gather of
+its nodes' rows; the rows of children are freed once their parent is submitted, a root's
+outputs are copied to the host in its own task's launch.
 """
 import time
 from collections import deque
@@ -18,6 +19,8 @@ from batchmaker.core.cell_type import CellType
 from batchmaker.core.chains import Finisher
 from batchmaker.core.rows import RowAllocator
 from batchmaker.core.task import StepTask
+from batchmaker.core.tree_batch import ranges
+from batchmaker.core.tree_table import LEFT, SIDE, TREE, UP, NodeTable
 from batchmaker.core.waiting import Chunk, Waiting
 from batchmaker.errors import CellError
 
@@ -109,169 +112,106 @@ class Forest:
 
 
 class TreeGroup:
-    """The nodes of the trees one worker runs. Node arrays grow by doubling and are compacted
-    when more than two thirds are dead; a task's plan never keeps node ids past its formation."""
+    """The nodes of the trees one worker runs (batchmaker/core/tree_table.py: a row per node,
+    compacted when four fifths are dead); a task's plan never keeps node ids past its
+    formation."""
 
-    min_dead_to_compact = 16384  # (a compaction costs a pass over every node array)
+    min_dead_to_compact = 16384  # (a compaction moves the live trees' rows: at most 1 per 4 dead ones)
+    dead_per_live = 4
 
     def __init__(self, spec: TreeSpec, worker_id: int, pools: dict[str, RowAllocator]):
         self.spec = spec
         self.worker_id = worker_id
         self.pools = pools
-        self.num_nodes = 0  # used prefix of the node arrays
-        cap = 1024
-        self.token = np.zeros(cap, dtype=np.int64)
-        self.left = np.full(cap, -1, dtype=np.int64)
-        self.right = np.full(cap, -1, dtype=np.int64)
-        self.parent = np.full(cap, -1, dtype=np.int64)
-        self.pending = np.zeros(cap, dtype=np.int64)  # children not yet submitted
-        self.tree = np.zeros(cap, dtype=np.int64)  # index into the tree table
-        self.ready = np.zeros(cap, dtype=bool)  # in a ready FIFO
-        self.rows = {out: np.zeros(cap, dtype=np.int64) for out in spec.kept}  # 0: none held
+        self.nodes = NodeTable(spec, pools)
         self.owner = np.empty(64, dtype=object)  # the tree table: its request,
         self.first_cell = np.zeros(64)  # when its first node joined,
         self.priority = np.zeros(64, dtype=np.int64)  # its request's priority,
-        self.size = np.zeros(64, dtype=np.int64)  # its nodes
+        self.size = np.zeros(64, dtype=np.int64)  # its nodes,
+        self.start = np.zeros(64, dtype=np.int64)  # its first node's id (leaves first: TreeArrays' order)
         self.live = np.zeros(64, dtype=bool)
         self.num_prioritized = 0  # live trees of a priority other than 0
         self._free_trees = list(range(63, -1, -1))
-        self.num_dead = 0  # nodes of finished or dropped trees
         self.num_compactions = 0
-        self.fifos = ({}, {})  # kind -> priority -> deque of node-id arrays
+        self.fifos = ({}, {})  # kind -> priority -> deque of node-id arrays (only live trees' nodes)
         self.num_ready = [0, 0]
 
     # admission ------------------------------------------------------------------------------
     def join(self, chunk: Chunk) -> None:
-        n_trees = len(chunk)
         sizes = chunk.lengths  # 2n - 1 nodes per tree
-        total = int(sizes.sum())
-        self._reserve_nodes(total)
-        trees = self._tree_slots(n_trees)
+        num_live = int(self.size[self.live].sum())  # (nodes of finished or dropped trees: the rest)
+        if self.nodes.num_nodes - num_live > max(self.min_dead_to_compact, self.dead_per_live * num_live):
+            self._compact()
+        trees = self._tree_slots(len(chunk))
         self.owner[trees] = chunk.owners
         self.first_cell[trees] = time.perf_counter()
         self.priority[trees] = chunk.columns["priority"]
         self.num_prioritized += int(np.count_nonzero(self.priority[trees]))
         self.size[trees] = sizes
         self.live[trees] = True
-        at = slice(self.num_nodes, self.num_nodes + total)  # the new nodes' ids
-        nodes = chunk.values.reshape(-1, 3)  # (token, left, right); children as numbers within the tree, else -1
-        internal = nodes[:, 1] >= 0
-        inner = self.num_nodes + np.flatnonzero(internal)
-        leaves = self.num_nodes + np.flatnonzero(~internal)
-        base = np.repeat(self.num_nodes + np.cumsum(sizes) - sizes, sizes)[internal]  # the tree's first node id
-        self.token[at] = nodes[:, 0]
-        self.token[inner] = 0
-        self.left[at] = self.right[at] = self.parent[at] = -1
-        self.left[inner] = left = base + nodes[internal, 1]
-        self.right[inner] = right = base + nodes[internal, 2]
-        self.parent[left] = self.parent[right] = inner
-        self.pending[at] = 0
-        self.pending[inner] = 2
-        self.ready[at] = False  # (past a compaction's end: a dropped node's flag)
-        self.tree[at] = np.repeat(trees, sizes)
-        for out in self.spec.kept:
-            self.rows[out][at] = 0
-        self.num_nodes += total
-        self._enqueue(LEAF, leaves)
+        nodes = chunk.values.reshape(-1, 3)
+        self.start[trees] = self.nodes.add(nodes, sizes, trees) + np.cumsum(sizes) - sizes
+        self._enqueue(LEAF, self.start[trees[0]] + np.flatnonzero(nodes[:, 1] < 0))
 
     def _tree_slots(self, n: int) -> np.ndarray:
         while len(self._free_trees) < n:
             cap = len(self.live)
             self._free_trees[:0] = range(2 * cap - 1, cap - 1, -1)
             self.owner = np.concatenate([self.owner, np.empty(cap, dtype=object)])
-            for name in ("first_cell", "priority", "size", "live"):
+            for name in ("first_cell", "priority", "size", "start", "live"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros(cap, dtype=old.dtype)]))
         slots = self._free_trees[len(self._free_trees) - n:]
         del self._free_trees[len(self._free_trees) - n:]
         return np.asarray(slots, dtype=np.int64)
 
-    def _reserve_nodes(self, more: int) -> None:
-        if self.num_dead > max(self.min_dead_to_compact, 2 * (self.num_nodes - self.num_dead)):
-            self._compact()
-        need = self.num_nodes + more
-        if need <= len(self.token):
-            return
-        cap = max(need, 2 * len(self.token))
-        used = self.num_nodes  # (what lies past it is set by the join that uses it)
-        for name in ("token", "left", "right", "parent", "pending", "tree", "ready"):
-            old = getattr(self, name)
-            grown = np.empty(cap, dtype=old.dtype)
-            grown[:used] = old[:used]
-            setattr(self, name, grown)
-        for out, old in self.rows.items():
-            grown = np.empty(cap, dtype=np.int64)
-            grown[:used] = old[:used]
-            self.rows[out] = grown
-
     def _compact(self) -> None:
-        """Drop the nodes of finished trees: renumber the live ones and what refers to them (a
-        live tree's nodes refer to its own nodes only). One pass finds the kept ids; every array
-        is then gathered by them (a boolean mask per array would find them again each time)."""
-        n = self.num_nodes
-        kept = np.flatnonzero(self.live[self.tree[:n]])
-        m = len(kept)
-        new_id = np.empty(n, dtype=np.int64)
-        new_id[kept] = np.arange(m)
-        for name in ("token", "pending", "tree", "ready"):
-            arr = getattr(self, name)
-            arr[:m] = arr.take(kept)
-        for name in ("left", "right", "parent"):
-            arr = getattr(self, name)
-            refs = arr.take(kept)
-            arr[:m] = np.where(refs >= 0, new_id.take(np.maximum(refs, 0)), -1)
-        for arr in self.rows.values():
-            arr[:m] = arr.take(kept)
-        is_kept = np.zeros(n, dtype=bool)
-        is_kept[kept] = True
+        """Drop the nodes of finished trees: the live trees' rows, tree by tree, move to the
+        front (a tree's rows hold no node ids, only offsets); ready node ids move with their tree."""
+        trees = np.flatnonzero(self.live)
+        trees = trees[np.argsort(self.start[trees])]
+        sizes = self.size[trees]
+        shift = np.zeros(len(self.live), dtype=np.int64)
+        shift[trees] = np.cumsum(sizes) - sizes - self.start[trees]
+        tree_of = self.nodes.data[:, TREE]
         for fifos in self.fifos:
             for level, queue in fifos.items():
                 ids = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
-                ids = ids[is_kept[ids]]
-                fifos[level] = deque([new_id[ids]] if len(ids) else [])
-        self.num_nodes = m
-        self.num_dead = 0
+                fifos[level] = deque([ids + shift[tree_of[ids]]] if len(ids) else [])
+        self.nodes.compact(ranges(self.start[trees], sizes))
+        self.start[trees] += shift[trees]
         self.num_compactions += 1
 
     # forming a task -------------------------------------------------------------------------
     def form(self, kind: int) -> StepTask:
-        spec = self.spec
-        cell_type = spec.internal if kind == INTERNAL else spec.leaf
+        """A task of up to max_batch ready nodes of `kind`: their rows gathered (the index is
+        columns of them), then the parents that this task makes ready (a node is ready once
+        both its children are in formed tasks; a parent whose children are both in this task is
+        released by its left child only)."""
+        nodes = self.nodes
+        cell_type = self.spec.internal if kind == INTERNAL else self.spec.leaf
         ids = self._take(kind, cell_type.max_batch)
-        n, layout = len(ids), cell_type.layout
-        index = np.zeros((layout.num_slices, n), dtype=np.int64)
-        if kind == LEAF:
-            index[layout.values[spec.token]] = self.token[ids]
-        else:
-            for side, children in ((spec.left, self.left[ids]), (spec.right, self.right[ids])):
-                for name, out in side.items():
-                    index[layout.reads[name]] = self.rows[out][children]
-        for out, slot in layout.writes.items():
-            if out in self.rows:
-                self.rows[out][ids] = rows = self.pools[out].alloc_many(n)
-                index[slot] = rows
-            else:
-                index[slot] = self.pools[out].scratch_row  # an output no one reads
-        trees = self.tree[ids]
-        task = StepTask(self, cell_type, self.worker_id, n, index=index, owners=self.owner[trees])
-        if kind == INTERNAL:
-            self._free_rows(np.concatenate([self.left[ids], self.right[ids]]))
-        parents = self.parent[ids]
-        is_root = parents < 0
-        parents = parents[~is_root]
-        np.subtract.at(self.pending, parents, 1)
-        ready = parents[self.pending[parents] == 0]  # twice if both children are in this task
-        if len(ready) > 1:
-            ready.sort()
-            ready = ready[np.concatenate(([True], ready[1:] != ready[:-1]))]
+        cols = nodes.data.take(ids, axis=0).T.copy()  # [W, n]: each column of the table contiguous
+        index = nodes.index(kind, cols)  # [S, n] (a view)
+        trees, up = cols[TREE], cols[UP]
+        task = StepTask(self, cell_type, self.worker_id, len(ids), index=index, owners=self.owner.take(trees))
+        submitted, siblings = nodes.submitted, ids + cols[SIDE]
+        before = submitted.take(siblings)
+        submitted[ids] = True
+        releases = np.logical_or(before, np.logical_and(submitted.take(siblings), cols[LEFT]))  # (never a root)
+        ready = (ids + up)[releases]
         if len(ready):
+            ready.sort()
             self._enqueue(INTERNAL, ready)
-        if is_root.any():
+        if kind == INTERNAL:
+            nodes.free_children_rows(index)
+        is_root = up == 0
+        if np.count_nonzero(is_root):
             lanes = np.flatnonzero(is_root)
-            task.fetch = {out: lanes for out in spec.outputs.values()}
+            task.fetch = {out: lanes for out in self.spec.outputs.values()}
             finished = trees[lanes]
             task.info = (self.owner[finished], self.first_cell[finished])
-            self._free_rows(ids[lanes])
+            nodes.free_root_rows(kind, index, lanes)
             self._finish_trees(finished)
         return task
 
@@ -281,7 +221,6 @@ class TreeGroup:
         for level, queue in list(fifos.items()):
             while queue and want:
                 ids = queue.popleft()
-                ids = ids[self.ready[ids]]  # nodes of dropped trees were un-readied
                 if len(ids) > want:
                     queue.appendleft(ids[want:])
                     ids = ids[:want]
@@ -292,7 +231,6 @@ class TreeGroup:
             if not want:
                 break
         ids = np.concatenate(parts) if len(parts) != 1 else parts[0]
-        self.ready[ids] = False
         self.num_ready[kind] -= len(ids)
         return ids
 
@@ -300,7 +238,7 @@ class TreeGroup:
         """Nodes of live trees become ready (all at priority 0 while no live tree has another)."""
         fifos = self.fifos[kind]
         if self.num_prioritized:
-            priorities = self.priority[self.tree[ids]]
+            priorities = self.priority[self.nodes.data[ids, TREE]]
             levels = [int(priorities[0])] if (priorities == priorities[0]).all() else np.unique(priorities).tolist()
         else:
             priorities, levels = None, [0]
@@ -311,20 +249,13 @@ class TreeGroup:
                 self.fifos = tuple(dict(sorted(f.items(), reverse=True)) if f is fifos else f for f in self.fifos)
                 fifos = self.fifos[kind]
             fifos[level].append(part)
-        self.ready[ids] = True
         self.num_ready[kind] += len(ids)
-
-    def _free_rows(self, ids: np.ndarray) -> None:
-        for out, rows in self.rows.items():
-            held = rows[ids]
-            self.pools[out].free_many(held[held != 0])
-            rows[ids] = 0
 
     def _finish_trees(self, trees: np.ndarray) -> None:
         self.live[trees] = False
         self.owner[trees] = None
-        self.num_prioritized -= int(np.count_nonzero(self.priority[trees]))
-        self.num_dead += int(self.size[trees].sum())
+        if self.num_prioritized:
+            self.num_prioritized -= int(np.count_nonzero(self.priority[trees]))
         self._free_trees += trees.tolist()
 
     # completion and dropping ----------------------------------------------------------------
@@ -339,18 +270,25 @@ class TreeGroup:
             finisher.resolve(owners, {key: task.fetched[out] for key, out in self.spec.outputs.items()}, first_cell)
 
     def purge(self) -> None:
-        """Drop the trees whose future is done (cancelled, expired, failed): free their rows."""
+        """Drop the trees whose future is done (cancelled, expired, failed): their ready nodes
+        leave the FIFOs, their rows are freed."""
         trees = np.flatnonzero(self.live)
         if not len(trees):
             return
         done = np.fromiter((o._done for o in self.owner[trees]), dtype=bool, count=len(trees))
         if not done.any():
             return
-        dropped = np.isin(self.tree[:self.num_nodes], trees[done]) & self.live[self.tree[:self.num_nodes]]
-        ids = np.flatnonzero(dropped)
-        for kind in (LEAF, INTERNAL):
-            is_kind = (self.left[ids] >= 0) if kind == INTERNAL else (self.left[ids] < 0)
-            self.num_ready[kind] -= int(np.count_nonzero(self.ready[ids] & is_kind))
-        self.ready[ids] = False
-        self._free_rows(ids)
-        self._finish_trees(trees[done])
+        is_dropped = np.zeros(len(self.live), dtype=bool)
+        is_dropped[trees[done]] = True
+        tree_of = self.nodes.data[:, TREE]
+        for kind, fifos in enumerate(self.fifos):
+            for level, queue in fifos.items():
+                ids = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
+                kept = ids[~is_dropped[tree_of[ids]]]
+                self.num_ready[kind] -= len(ids) - len(kept)
+                fifos[level] = deque([kept] if len(kept) else [])
+        dropped, sizes = trees[done], self.size[trees[done]]
+        ids = ranges(self.start[dropped], sizes)
+        is_inner = ranges(0 * sizes, sizes) >= np.repeat((sizes + 1) // 2, sizes)  # (leaves first in each tree)
+        self.nodes.free_held_rows(ids, is_inner)
+        self._finish_trees(dropped)
