@@ -25,7 +25,9 @@ attention: two operations of the schedule instead of one compute).
 
 Staging: one pinned q | k | v [B, Hq + 2 Hkv, D] and one output [B, Hq, D] per block, reused by
 every (layer, batch): the next `store_qkv` waits for the stream, so the previous output's copy has
-left the buffer before the CPU writes it again.
+left the buffer before the CPU writes it again; and the fp32 K and V the CPU attends over, one
+workspace each [B, Hkv, S, D] (FlexGen keeps fp32 workspaces too: the CPU's half-precision
+matmuls are slow), reused by every (layer, batch).
 """
 import torch
 from torch import Tensor
@@ -44,6 +46,8 @@ class CpuAttention:
         self.qkv = torch.empty(rows, sum(self.sizes), c.head_dim, dtype=x.dtype, pin_memory=x.is_cuda)
         self.out = torch.empty(rows, c.num_heads, c.head_dim, dtype=x.dtype, pin_memory=x.is_cuda)
         self.batches = [BatchPrompts(b.tokens.cpu(), b.pads.cpu(), b.last) for b in batches]  # (masks on the CPU)
+        columns = run.cache[0][0][0].shape[0]  # S
+        self.workspace = tuple(torch.empty(rows, c.num_kv_heads, columns, c.head_dim) for _ in range(2))  # fp32
         self.stream = torch.cuda.Stream(x.device) if x.is_cuda else None
         self.pending: tuple[Tensor, Tensor, Tensor] | None = None  # the layer's q, k, v (device)
         self.result: Tensor | None = None  # the output, on the device
@@ -72,7 +76,7 @@ class CpuAttention:
     def cpu_attend(self, op: Op) -> None:
         k_cache, v_cache = self.run.cache[op.layer][op.batch]  # (host tensors)
         attend = BatchAttend(k_cache, v_cache, self.batches[op.batch], op.step, self.config.attention_scale,
-                             self.config.attn_softcap)
+                             self.config.attn_softcap, self.workspace)
         self.out.copy_(attend(op.layer, *self.qkv.split(self.sizes, dim=1)))
 
     def load_attention(self, op: Op) -> None:
