@@ -22,7 +22,8 @@ earlier runs' (bench/results/README.md). A host cache is attended in decode step
 move or on the CPU where it lives (FlexGen's delegation, `Placement.cpu_attention`): the search
 picks by prediction, `--cpu-attention on|off` forces it, and `--flip-attention` reruns the largest
 run's policy with the other way (the A/B; its tokens' agreement with the chosen policy's recorded);
-`--other` takes `+cpu_attention` among what is offloaded.
+`--other` takes `+cpu_attention` among what is offloaded (without `--gpu-cap`, an A/B run's record is
+offload-attention-*.json, beside the day's offload-*.json).
 
 The anchor runs in a second command, processes of its own (both build a 26 GB model on the host):
 `--anchor PROBE` runs HF Accelerate's probe (../shared/probes/offload_probe.py, copied to .probes/
@@ -220,7 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args(argv)
     args.probe_new = args.probe_new or args.new
-    args.record = "offload-cap" if args.gpu_cap else "offload"
+    args.record = "offload-cap" if args.gpu_cap else "offload-attention" if args.flip_attention else "offload"
     if args.gpu_cap:
         args.gpu_memory = args.gpu_cap
     if args.new < 2:

@@ -103,7 +103,7 @@ def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, k
     with `cpu_attention` too, the executor delegates as FlexGen does, moving q, k, v and the output."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
-    w, h1, s, n, bls = m.layer_bytes, m.hidden, m.prompt, m.generate, gbs * nb
+    w, h1, s, bls = m.layer_bytes, m.hidden, m.prompt, gbs * nb
     kv_mean = mean_kv_bytes(m, bls)
     pre = (((wc + wd) * w + 2 * (hc + hd) * s * h1 * bls) / hw.ctog,
            (4 * (cc + cd) * (s + 1) * h1 * bls + 2 * (hc + hd) * s * h1 * bls) / hw.gtoc,

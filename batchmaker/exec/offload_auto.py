@@ -1,4 +1,4 @@
-"""`offload=auto`: the machine's rates measured at start-up (a fraction of a second), FlexGen's
+"""`offload=auto`: the machine's rates measured at start-up (about a second), FlexGen's
 cost model and policy search (core/offload_policy.py) over what the executor runs, and the chosen
 policy with its predicted step time, as one line to print.
 
