@@ -234,10 +234,12 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         dtype = lm.embed_tokens.weight.dtype
         device_bytes = own.get("gpu_memory") or _device_bytes(device) or CPU_DEVICE_BYTES
         is_cuda = torch.device(device).type == "cuda"  # (a GPU's workspace held back, its host storage pinned)
+        dense_cache = own.get("compress") not in ("kv", "both")  # (the CPU attends over a dense host cache only)
         try:
             choice = choose(lm.config, dtype, measure(device, dtype), device_bytes, host_bytes(), prompt, generate,
                             max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts,
-                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda)
+                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda,
+                            cpu_attention=None if dense_cache else False)
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(choice.describe(), file=sys.stderr, flush=True)
