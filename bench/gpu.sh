@@ -46,7 +46,13 @@
 #              hand-picked policy, 4-bit weights; then, in a process of its own, the Accelerate anchor
 #              (.probes/offload_probe.py: copy ../shared/probes there; skipped with a message where
 #              missing) added to the same JSON; PROBE_NEW (default 32) sets the anchor's new tokens;
-#              offload-tests, offload-bench, offload-anchor: each part alone
+#              offload-tests, offload-bench, offload-anchor: each part alone. The default lets the search pick
+#              how a host cache is attended in decode steps (on the GPU after a move, or on the CPU where it
+#              lives: Placement.cpu_attention, printed in the policy line); `offload-attention` is the A/B
+#              (not run yet; ~3-4 min estimated from the 2026-11-26 B=64 block of 35 s): bench/offload.py at 64
+#              prompts, the chosen policy then the same with the attention the other way (--flip-attention),
+#              each against its prediction, into offload-attention-*.json; by hand, --cpu-attention on|off forces
+#              the search's option and --other GBSxNB:weights+cache+cpu_attention names one
 #     offload-cap-ours, offload-cap-anchor  issue 34's headline as the issue states it (not run yet), two
 #              device commands: both systems under one process-wide cap of 16 GiB (set_per_process_memory_fraction),
 #              13B bf16, prompt 512, new 32. -ours: bench/offload.py --gpu-cap 16: the search's best block (at most
@@ -188,6 +194,9 @@ for suite in "$@"; do
             [ "$suite" = offload-tests ] || [ "$suite" = offload-bench ] ||
                 step offload-anchor timeout 225 python3 bench/offload.py "${off[@]}" --anchor .probes/offload_probe.py \
                     --probe-new "${PROBE_NEW:-32}" --probe-timeout 215 ;;
+        offload-attention)  # issue 34: the chosen B=64 policy, its host cache attended both ways (one process)
+            step offload-attention timeout 400 python3 bench/offload.py --preset llama-2-13b --gpu-memory 12 \
+                --batches 64 --prompt 512 --new 32 --flip-attention --other '' --no-compress --dequant-rows ;;
         offload-cap|offload-cap-ours|offload-cap-anchor)  # issue 34's headline under a 16 GiB cap (two commands)
             cap=(--preset llama-2-13b --gpu-cap 16 --prompt 512 --new 32)
             [ "$suite" = offload-cap-anchor ] ||

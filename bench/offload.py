@@ -18,7 +18,12 @@ The record is rewritten after each policy (a run cut short keeps what it measure
 keep the same layers on the GPU share one executor; in bf16 every executor takes the same host
 model (a 4-bit one is drawn again per share: its codes replace the model's tensors). Without
 `--shares` (bench/gpu.sh passes none, to keep its time limit) the comparison at share 0 is the
-earlier runs' (bench/results/README.md).
+earlier runs' (bench/results/README.md). A host cache is attended in decode steps on the GPU after a
+move or on the CPU where it lives (FlexGen's delegation, `Placement.cpu_attention`): the search
+picks by prediction, `--cpu-attention on|off` forces it, and `--flip-attention` reruns the largest
+run's policy with the other way (the A/B; its tokens' agreement with the chosen policy's recorded);
+`--other` takes `+cpu_attention` among what is offloaded (without `--gpu-cap`, an A/B run's record is
+offload-attention-*.json, beside the day's offload-*.json).
 
 The anchor runs in a second command, processes of its own (both build a 26 GB model on the host):
 `--anchor PROBE` runs HF Accelerate's probe (../shared/probes/offload_probe.py, copied to .probes/
@@ -58,9 +63,9 @@ from bench.common import write_results  # noqa: E402
 from bench.offload_anchor import anchor  # noqa: E402
 from bench.offload_dequant import time_dequant  # noqa: E402
 from bench.offload_model import host_budget, is_cuda, random_model  # noqa: E402
+from bench.offload_names import compresses, parse_policy, placement_name, variant_of  # noqa: E402
 from batchmaker.cells.decoder import DecoderLM  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
-from batchmaker.core.zigzag import Placement  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
 from batchmaker.exec.offload_auto import bound, choose, host_bytes, measure, predict  # noqa: E402
 from batchmaker.exec.offload_memory import CUDA_RESERVE  # noqa: E402
@@ -73,21 +78,6 @@ DTYPE = torch.bfloat16
 def sync(device: str) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(device)
-
-
-def placement_name(p: Placement) -> str:
-    """What lives on the host, and the share of the layers' weights kept on the GPU where some is."""
-    offloaded = "+".join(k for k, on in (("weights", p.weights), ("cache", p.cache), ("hidden", p.hidden)) if on)
-    return (offloaded or "none") + (f"@{p.weights_gpu:.2f}" if p.weights_gpu else "")
-
-
-def parse_policy(text: str) -> tuple[int, int, Placement]:
-    """'4x2:weights+cache+hidden[@0.4]' -> (gpu_batch, num_batches, placement with that weights_gpu)."""
-    shape, _, where = text.partition(":")
-    where, _, share = where.partition("@")
-    gbs, nb = (int(v) for v in shape.split("x"))
-    parts = set(where.split("+"))
-    return gbs, nb, Placement("weights" in parts, "cache" in parts, "hidden" in parts, float(share or 0))
 
 
 def timed(executor: OffloadExecutor, prompts: list, num_tokens: int):
@@ -116,6 +106,7 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
     c = executor.config
     row = {"gpu_batch": c.gpu_batch, "num_batches": c.num_batches, "block": len(prompts),
            "offloaded": placement_name(c.placement), "weights_gpu": c.placement.weights_gpu,
+           "cpu_attention": c.placement.cpu_attention,
            "resident_layers": executor.num_resident, "compress": c.compress,
            "dequant": (c.dequant or default_dequant(executor.device)) if c.compress else None}
     if not is_compressed:  # (the cost model's prediction and bound: also for a policy that fails)
@@ -125,7 +116,8 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
                             "device_gib": p.footprint.device / GIB, "host_gib": p.footprint.host / GIB}
         b = bound(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new)
         row["bound"] = {"tokens_per_s": b.tokens_per_s, "binding": b.binding, "link_seconds": b.link,
-                        "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu}  # ((prefill, decode step))
+                        "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu, "cpu_seconds": b.cpu}  # ((prefill,
+        # decode step))
     if executor.is_cuda:
         torch.cuda.reset_peak_memory_stats(executor.device)
     try:
@@ -211,6 +203,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "GBSxNB:offloaded[@weights_gpu], e.g. 4x2:weights+cache+hidden@0.3 ('' for none)")
     ap.add_argument("--shares", type=float, nargs="*", default=[],
                     help="the largest run's auto policy again with these weights_gpu (0: every layer streamed)")
+    ap.add_argument("--cpu-attention", choices=("auto", "on", "off"), default="auto", help="a host cache's decode "
+                    "attention: on the CPU (on), on the GPU after a move (off), or as the search predicts faster")
+    ap.add_argument("--flip-attention", action="store_true", help="the largest run's policy again with its host "
+                    "cache's attention the other way (an A/B beside it)")
     ap.add_argument("--no-compress", action="store_true", help="skip the 4-bit runs")
     ap.add_argument("--compress", choices=("weights", "kv", "both"), default="weights",
                     help="what the 4-bit runs compress (kv, both: the policies must keep the cache on the host)")
@@ -225,7 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args(argv)
     args.probe_new = args.probe_new or args.new
-    args.record = "offload-cap" if args.gpu_cap else "offload"
+    args.record = "offload-cap" if args.gpu_cap else "offload-attention" if args.flip_attention else "offload"
     if args.gpu_cap:
         args.gpu_memory = args.gpu_cap
     if args.new < 2:
@@ -248,14 +244,15 @@ def ours(args) -> None:
             apply_cap(args.gpu_cap, torch.device(device).index or 0)
     rates = measure(device, DTYPE)
     print(f"rates: host->device {rates.ctog / 1e9:.1f} GB/s, device->host {rates.gtoc / 1e9:.1f} GB/s, "
-          f"matmul {rates.mm_flops / 1e12:.0f} TFLOP/s, CPU bmm {rates.cpu_flops / 1e9:.1f} GFLOP/s, host memory "
-          f"{rates.host_memory / 1e9:.1f} GB/s", flush=True)
+          f"matmul {rates.mm_flops / 1e12:.0f} TFLOP/s, CPU attention {rates.cpu_flops / 1e9:.1f} GFLOP/s "
+          f"({rates.cpu_threads} threads), host memory {rates.host_memory / 1e9:.1f} GB/s", flush=True)
     policies = {}  # name -> (gpu_batch, num_batches, placement, prompts in the run)
     choices = {}
     host = host_budget(config, device)
     for b in args.batches:
         choice = choose(config, DTYPE, rates, args.gpu_memory * GIB, host, args.prompt, args.new, max_gpu_batch=b,
-                        max_batches=min(b, args.max_batches), max_block=b, **memory(args))
+                        max_batches=min(b, args.max_batches), max_block=b, **memory(args),
+                        cpu_attention={"auto": None, "on": True, "off": False}[args.cpu_attention])
         print(f"B={b}: {choice.describe()}", flush=True)
         choices[f"auto-B{b}"] = {"policy": choice.policy.__dict__, "describe": choice.describe(),
                                  "predicted_step_seconds": choice.step_seconds,
@@ -269,6 +266,9 @@ def ours(args) -> None:
     for share in args.shares:
         if placement.weights and share != placement.weights_gpu:
             policies[f"{chosen}-weights_gpu{share:g}"] = (gbs, nb, replace(placement, weights_gpu=share), b)
+    if args.flip_attention and placement.cache:
+        flipped = replace(placement, cpu_attention=not placement.cpu_attention)
+        policies[f"{chosen}-cpu_attention-{'on' if flipped.cpu_attention else 'off'}"] = (gbs, nb, flipped, b)
     for n in args.curve:
         if n != nb:
             policies[f"curve-nb{n}"] = (gbs, n, placement, gbs * n)
@@ -290,8 +290,8 @@ def ours(args) -> None:
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
         lm = None
         for names in groups.values():
-            runs = [n for n in names if not is_compressed or n.startswith("auto-B") and "weights_gpu" not in n]
-            for name in [n for n in runs if is_compressed and not _compresses(policies[n][2], args.compress)]:
+            runs = [n for n in names if not is_compressed or n.startswith("auto-B") and not variant_of(n)]
+            for name in [n for n in runs if is_compressed and not compresses(policies[n][2], args.compress)]:
                 print(f"{name}: keeps what --compress {args.compress} compresses on the device, no 4-bit run",
                       flush=True)
                 runs.remove(name)
@@ -322,11 +322,6 @@ def summarize(record: dict) -> None:
         record["best"] = {"name": name, "tokens_per_s": ran[name]["tokens_per_s"]}
 
 
-def _compresses(placement: Placement, what: str) -> bool:
-    """Whether the executor takes `compress=what` with `placement` (it compresses what is offloaded)."""
-    return (what == "kv" or placement.weights) and (what == "weights" or placement.cache)
-
-
 def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bool, prompts: list, args, config,
               rates, record: dict, tokens: dict) -> None:
     """Policies that keep the same layers' weights on the GPU, one executor over the host model `lm`
@@ -349,8 +344,8 @@ def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bo
             torch.cuda.empty_cache()
         elif is_compressed and tokens.get(name):
             row["agreement_with_bf16"] = agreement(tokens[key], tokens[name])
-        elif "-weights_gpu" in name and tokens.get(name.split("-weights_gpu")[0]):  # (another share: the same tokens)
-            row["agreement_with_chosen"] = agreement(tokens[key], tokens[name.split("-weights_gpu")[0]])
+        elif variant_of(name) and tokens.get(variant_of(name)):  # (another share: the same tokens; the attention: ~)
+            row["agreement_with_chosen"] = agreement(tokens[key], tokens[variant_of(name)])
         record["systems"][key] = row
         summarize(record)
         write_results(args.record, args.device, record)

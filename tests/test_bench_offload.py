@@ -2,7 +2,9 @@
 a stand-in for the Accelerate probe): every policy's row carries its measurement, its share of
 resident layers and, without compression, the cost model's prediction; the chosen policy rerun
 with every layer streamed moves more weight bytes and is predicted slower; the 4-bit rows their agreement with bf16; the anchor's
-lines are parsed, and a missing probe is skipped with a reason."""
+lines are parsed, and a missing probe is skipped with a reason. The attention A/B: with the CPU's
+attention forced on, the chosen policy's host cache is attended on the CPU, and `--flip-attention`
+reruns it with the cache moved to the device instead, the same tokens (both exact on the CPU)."""
 import json
 
 import pytest
@@ -56,6 +58,31 @@ def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatc
     anchor = record["accelerate"]
     assert anchor["status"] == 0 and anchor["batches"]["2"]["tokens_per_s"] == 3.0
     assert anchor["batches"]["2"]["ours_over_accelerate"] == pytest.approx(systems["auto-B2"]["tokens_per_s"] / 3.0)
+
+
+def test_the_attention_ab_runs_the_chosen_policy_both_ways(tmp_path, monkeypatch):
+    from bench import common
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    args = ARGS[:ARGS.index("--gpu-memory")] + ["--gpu-memory", "0.02"] + ARGS[ARGS.index("--gpu-memory") + 2:]
+    offload.main(args + ["--cpu-attention", "on", "--flip-attention", "--no-compress", "--dequant-rows", "--other", ""])
+    (path,) = tmp_path.glob("offload-*.json")
+    systems = json.loads(path.read_text())["systems"]
+    assert set(systems) == {"auto-B2", "auto-B2-cpu_attention-off"}  # (20 MiB: the cache goes to the host)
+    on, off = systems["auto-B2"], systems["auto-B2-cpu_attention-off"]
+    assert on["cpu_attention"] and not off["cpu_attention"] and "cache" in on["offloaded"]
+    assert on["moved_gb"]["attention"] > 0 and off["moved_gb"]["attention"] == 0
+    assert on["moved_gb"]["cache"] < off["moved_gb"]["cache"]  # (the prompt's columns stored, nothing loaded)
+    assert off["agreement_with_chosen"]["tokens"] == 1.0
+    assert on["bound"]["cpu_seconds"][1] > 0 == off["bound"]["cpu_seconds"][1]
+
+
+def test_policy_names_carry_the_attention():
+    from bench.offload_names import compresses, parse_policy, placement_name, variant_of
+    gbs, nb, placement = parse_policy("4x2:weights+cache+hidden+cpu_attention@0.5")
+    assert (gbs, nb) == (4, 2) and placement.cpu_attention and placement.weights_gpu == 0.5
+    assert placement_name(placement) == "weights+cache+hidden+cpu_attention@0.50"
+    assert compresses(placement, "weights") and not compresses(placement, "kv")
+    assert variant_of("auto-B64-cpu_attention-off") == "auto-B64" and variant_of("auto-B64") is None
 
 
 def test_a_missing_probe_is_skipped_with_its_reason(tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
 """`batchmaker generate` (serving/generate.py): prompts from a JSON-lines file, one line per
 finished prompt; a run stopped early (--max-prompts, or killed mid-line) and resumed writes every
 id exactly once, with the tokens of one uninterrupted run; the offloading executor and the engine
-give the same tokens (with a share of the weights kept on the device too); a bad input line is one
-error naming it."""
+give the same tokens (with a share of the weights kept on the device too, and with the CPU attending
+over the host cache); a bad input line is one error naming it."""
 import json
 import random
 from pathlib import Path
@@ -64,6 +64,12 @@ def test_a_run_stopped_and_resumed_writes_every_id_once_with_the_same_tokens(tmp
     assert results(tmp_path / "out.jsonl") == whole
 
 
+def test_the_cpus_attention_gives_the_same_results(tmp_path, whole):
+    cpu_attention = ["--set", "offload=weights+cache+hidden+cpu_attention"] + OFFLOAD[2:]
+    assert generate(tmp_path, "cpu.jsonl", *cpu_attention) == 0
+    assert results(tmp_path / "cpu.jsonl") == whole
+
+
 def test_auto_prints_its_policy(tmp_path, whole, capsys):
     assert generate(tmp_path, "auto.jsonl", "--set", "llama.offload=auto", "--set", "gpu_memory=64MiB") == 0
     assert "offload policy: gpu_batch=" in capsys.readouterr().err
@@ -105,7 +111,8 @@ def test_bad_settings_are_usage_errors(tmp_path, capsys):
                              ("gpu_batch=0", "integer >= 1"), ("compress=cache", "expected weights, kv or both"),
                              ("dequant=fast", "expected reference, expand or fused"),
                              ("dequant=expand", "with compress='weights'"), ("weights_gpu=1.5", "share in [0, 1]"),
-                             ("weights_gpu=0.5", "every layer's weights there already")):
+                             ("weights_gpu=0.5", "every layer's weights there already"),
+                             ("offload=weights+cpu_attention", "add cache")):
         assert generate(tmp_path, "out.jsonl", "--set", setting) == 2
         assert message in capsys.readouterr().err
 

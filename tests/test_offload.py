@@ -5,7 +5,9 @@ several block shapes and every placement, prompts of different lengths left-padd
 it carries out exactly the zig-zag schedule's operations, a layer's weights cross once per step
 of the block; a share of resident layers (`weights_gpu`, dense or 4-bit) changes no token and
 only the streamed layers cross; and no compute reads a buffer the schedule is done with (each one is filled with
-NaN then), a check that does catch a schedule missing one load."""
+NaN then), a check that does catch a schedule missing one load. With `cpu_attention` (decode attention
+on the CPU over the host cache) the tokens are the same, fp32 and bf16, and a decode step moves q, k,
+v and the output, never the cache."""
 import itertools
 import random
 from dataclasses import replace
@@ -21,11 +23,12 @@ from batchmaker.core.zigzag import Placement, zigzag
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
 from batchmaker.kernels.compress4 import compress, decompress
 
-PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)]
+PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)] + \
+    [Placement(weights, True, hidden, cpu_attention=True) for weights, hidden in itertools.product((True, False), repeat=2)]
 
 
 def placement_id(p: Placement) -> str:
-    return f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}"
+    return f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}" + ("-cpu" if p.cpu_attention else "")
 
 
 def resident_greedy(lm, prompt: list[int], n: int) -> list[int]:
@@ -81,7 +84,13 @@ def test_it_carries_out_the_zigzag_operations(placement):
     rows, width, heads = 3 * 2, 5, config.num_kv_heads * config.head_dim
     cache_out = config.num_layers * rows * (width + 4) * heads * 2 * 4  # each column stored once (K and V, fp32)
     cache_in = config.num_layers * rows * sum(width + s - 1 for s in range(1, 5)) * heads * 2 * 4
+    if placement.cpu_attention:  # (the prompt's columns stored; each decode step's q, k, v down and output up)
+        assert moved.bytes["cache"] == config.num_layers * rows * width * heads * 2 * 4
+        per_token = (2 * config.num_heads + 2 * config.num_kv_heads) * config.head_dim * 4
+        assert moved.bytes["attention"] == config.num_layers * rows * 4 * per_token
+        return
     assert moved.bytes["cache"] == (cache_out + cache_in if placement.cache else 0)
+    assert moved.bytes["attention"] == 0
 
 
 @pytest.mark.parametrize("placement", [Placement(True, True, True), Placement(True, False, False)], ids=placement_id)
@@ -135,6 +144,37 @@ def test_a_share_of_resident_layers_gives_the_resident_models_tokens(preset, sha
     assert moved.bytes["weights"] == 5 * streamed * sum(kept)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_attention_gives_the_resident_models_tokens_in_bf16(seed):
+    """Random block shapes and placements: the CPU attends over the host cache with the device path's
+    math, so the bf16 tokens are those of the same bf16 model with everything on the device."""
+    rng = random.Random(seed)
+    config = replace(PRESETS[rng.choice(["tiny-llama", "tiny-opt"])], num_layers=3)
+    prompts = random_prompts([rng.randint(1, 9) for _ in range(rng.randint(1, 8))], config.vocab_size, seed=seed)
+    gpu_batch, num_batches = rng.randint(1, 4), rng.randint(1, 3)
+    resident = OffloadExecutor(build_decoder(config, seed=3, dtype=torch.bfloat16), "cpu",
+                               OffloadConfig(gpu_batch, num_batches, Placement(False, False, False)))
+    placement = Placement(rng.random() < 0.5, True, rng.random() < 0.5, cpu_attention=True)
+    if placement.weights:
+        placement = replace(placement, weights_gpu=rng.choice([0.0, 0.4, 1.0]))
+    executor = OffloadExecutor(build_decoder(config, seed=3, dtype=torch.bfloat16), "cpu",
+                               OffloadConfig(gpu_batch, num_batches, placement, check_buffers=True))
+    assert executor.generate(prompts, 5) == resident.generate(prompts, 5)
+
+
+def test_a_schedule_missing_an_attention_operation_is_refused(monkeypatch):
+    config = PRESETS["tiny-llama"]
+
+    def missing_one(*args, **kwargs):
+        ops = zigzag(*args, **kwargs)
+        ops.remove(next(op for op in ops if op.kind == "cpu_attend"))
+        return ops
+    monkeypatch.setattr(offload, "zigzag", missing_one)
+    executor = OffloadExecutor(build_decoder(config), "cpu", OffloadConfig(2, 1, Placement(cpu_attention=True)))
+    with pytest.raises(AssertionError, match="cpu_attend"):
+        executor.generate([[1, 2], [3]], 3)
+
+
 def test_a_schedule_missing_a_load_is_caught_by_the_nan_check(monkeypatch):
     """One layer, one batch a block: the buffer a load would fill still holds what it would bring
     (each step reuses it), so a missing load goes unseen unless the buffer is poisoned once stored."""
@@ -183,6 +223,8 @@ def test_bad_inputs_are_refused():
         OffloadConfig(compress="cache")
     with pytest.raises(ValueError, match="keeps them on the device"):
         OffloadConfig(placement=Placement(False, True, True), compress="weights")
+    with pytest.raises(ValueError, match="dense host cache"):
+        OffloadConfig(placement=Placement(cpu_attention=True), compress="kv")
     with pytest.raises(ValueError, match="keeps the weights where they are"):
         executor.with_block(2, 2, Placement(True, True, True, weights_gpu=0.5))
     with pytest.raises(ValueError, match="Gemma"):

@@ -2,9 +2,12 @@
 policy chosen keeps everything on a device that holds it, moves the weights to the host when they
 do not fit, keeping as many whole layers on the device as the budget holds beside the buffers
 (`weights_gpu`), counts the model's dtype (a budget that holds bf16 weights but not fp32 ones), and
-is said in one line with its prediction, which falls as the share grows."""
+is said in one line with its prediction, which falls as the share grows. A host cache's decode
+attention goes to the CPU where the link is slow beside the CPU and host memory, not where the CPU
+is slow; the line says which, forcing either way is honoured, and `predict` agrees with the choice."""
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,3 +68,27 @@ def test_the_predicted_step_falls_as_the_share_of_resident_layers_grows():
     assert all(a > b for a, b in itertools.pairwise(steps))
     same = predict(SMALL, torch.float32, RATES, Placement(True, True, True, 0.3), 4, 2, prompt=16, generate=16)
     assert same.step_seconds == pytest.approx(steps[1])  # (0.3 of 8 layers: 2 of them, as 0.25)
+
+
+LLAMA_13B = PRESETS["llama-2-13b"]
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("rates, on_cpu", [
+    (Rates(ctog=4e9, gtoc=4e9, mm_flops=300e12, cpu_flops=200e9, host_memory=100e9), True),  # (a slow link)
+    (Rates(ctog=4e9, gtoc=4e9, mm_flops=300e12, cpu_flops=1e9, host_memory=100e9), False),  # (a slow CPU)
+])
+def test_the_cpus_attention_is_chosen_where_it_is_predicted_faster(rates, on_cpu):
+    choice = choose(LLAMA_13B, torch.bfloat16, rates, 16 * GIB, 400 * GIB, prompt=512, generate=32, max_block=64)
+    assert choice.placement.cache and choice.placement.cpu_attention is on_cpu
+    assert ("decode attention on the CPU" if on_cpu else "moved to the device to attend") in choice.describe()
+    p = choice.policy
+    predicted = predict(LLAMA_13B, torch.bfloat16, rates, choice.placement, p.gpu_batch, p.num_batches, 512, 32)
+    assert predicted.step_seconds == pytest.approx(choice.step_seconds)
+    flipped = replace(choice.placement, cpu_attention=not on_cpu)
+    other = predict(LLAMA_13B, torch.bfloat16, rates, flipped, p.gpu_batch, p.num_batches, 512, 32)
+    assert other.step_seconds > predicted.step_seconds
+    for forced in (False, True):
+        chosen = choose(LLAMA_13B, torch.bfloat16, rates, 16 * GIB, 400 * GIB, prompt=512, generate=32, max_block=64,
+                        cpu_attention=forced)
+        assert chosen.placement.cpu_attention is (forced and chosen.placement.cache)

@@ -4,7 +4,8 @@ random caps, models and rates the search never picks a policy whose predicted de
 bytes exceed what it was given; the executor's count is stricter than FlexGen's formula (fewer
 resident layers under the same budget); pinned host storage is counted as torch rounds it; and
 a policy's bound is never slower than the cost model's prediction, bound by the link where
-compute is free."""
+compute is free; with the CPU's attention the device holds the prompt's columns in its slots and no
+decode step's fp32 cache, the host the CPU's working set."""
 import math
 import random
 
@@ -77,7 +78,8 @@ def test_the_executors_count_keeps_fewer_layers_than_flexgens_formula():
 def test_a_bound_is_never_slower_than_the_prediction(seed):
     rng = random.Random(seed)
     config, dtype = PRESETS["llama-2-13b"], torch.bfloat16
-    placement = Placement(True, rng.random() < 0.5, rng.random() < 0.5, rng.choice([0.0, 0.25, 0.5]))
+    cache = rng.random() < 0.5
+    placement = Placement(True, cache, rng.random() < 0.5, rng.choice([0.0, 0.25, 0.5]), cache and rng.random() < 0.5)
     gbs, nb = rng.choice([1, 4, 16]), rng.choice([1, 4, 16])
     b = bound(config, dtype, H100, placement, gbs, nb, 512, 32)
     p = predict(config, dtype, H100, placement, gbs, nb, 512, 32)
@@ -94,3 +96,19 @@ def test_with_compute_free_the_link_bounds_and_host_memory_is_the_links_bytes():
     unmeasured = bound(PRESETS["llama-2-13b"], torch.bfloat16, Rates(50e9, 50e9, 1e30, 1e30), Placement(), 4, 2,
                        512, 32)
     assert unmeasured.host_memory == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("prompt, generate", [(1, 512), (512, 32)])
+def test_with_the_cpus_attention_the_slots_hold_the_prompt_and_the_host_the_working_set(prompt, generate):
+    model = ModelBytes.of(PRESETS["llama-2-13b"], torch.bfloat16)
+    gbs, nb = 8, 2
+    moved, on_cpu = (footprint(model, gbs, nb, prompt, generate, 0.0, False, False, pinned=True, cpu_attention=ca)
+                     for ca in (False, True))
+    slots = 3 * 2 * (model.kv_tensor(gbs, prompt, generate) - model.kv_tensor(gbs, prompt, 1))  # (decode columns)
+    working = model.working(gbs, prompt, generate) - model.working(gbs, prompt, generate, decode_attends=False)
+    assert moved.device - on_cpu.device == slots + working
+    assert (working > 0) is (prompt == 1)  # (a short prompt's decode attention was the device's peak)
+    assert on_cpu.host - moved.host == model.decode_attention(gbs, prompt, generate) + sum(
+        pinned_size(n, True) for n in model.attention_staging(gbs))
+    kept = footprint(model, gbs, nb, prompt, generate, 0.0, True, False, cpu_attention=True)  # (a cache on the device)
+    assert kept == footprint(model, gbs, nb, prompt, generate, 0.0, True, False)

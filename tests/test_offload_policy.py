@@ -4,12 +4,16 @@ same grid finds; what it picks fits every tier; a GPU that holds everything keep
 a faster host link never makes the best policy slower; with the executor's whole layers
 (`kv_to_gpu`) and the weights' share on a finer grid, the search still finds what trying every
 policy finds, a budget between no layer and every layer picks a share in between, and the
-predicted link bytes fall as the share grows."""
+predicted link bytes fall as the share grows. With the CPU's attention over a host cache
+(`cpu_attention`): a decode step moves q, k, v and the output instead of the cache, the CPU's time
+is its flops or the cache's bytes at host memory's rate, whichever is longer, the slots hold the
+prompt's columns; the search tries both ways, equals trying every policy both ways, and picks the
+CPU's where the link is slow beside host memory and the CPU, not where the CPU is slow."""
 import numpy as np
 import pytest
 
 from batchmaker.core.offload_policy import (Hardware, ModelShape, best_placement, gpu_batch_sizes, layer_seconds,
-                                            peak_bytes, placements, search)
+                                            layer_terms, peak_bytes, placements, search)
 
 GB = 1e9
 T4 = Hardware(ctog=12.89 * GB, gtoc=4.82 * GB, dtoc=0.473 * GB, ctod=0.746 * GB, mm_flops=4.3e12, bmm_flops=0.079e12,
@@ -118,3 +122,53 @@ def test_the_predicted_link_bytes_fall_as_the_weight_share_grows():
     gpu = peak_bytes(m, gbs, nb, p, kv_to_gpu=True)[:, 0]
     buffers = np.where(shares < 1, 2 * m.layer_bytes, 0.0)
     assert np.diff(gpu - shares * m.layer_bytes * m.layers - buffers) == pytest.approx(0.0)
+
+
+def test_the_cpus_attention_moves_q_k_v_and_the_output_and_takes_the_cpus_time():
+    p = np.array([[0.0, 1.0, 0.0, 1.0, 1.0, 0.0]])  # weights and cache on the CPU, activations on the GPU
+    m, gbs, nb = OPT_6B, 4, 2
+    bls, h1 = gbs * nb, m.hidden
+    kv_mean = 4 * bls * (m.prompt + m.generate / 2) * h1
+    for cpu_memory, cpu_seconds in ((0.0, kv_mean / T4.cpu_flops), (1e9, kv_mean / 1e9)):  # (flops; host memory binds)
+        hw = Hardware(**{**T4.__dict__, "cpu_memory": cpu_memory})
+        _, dec = layer_terms(m, hw, gbs, nb, p, kv_to_gpu=True, cpu_attention=True)
+        assert dec[0][0] == pytest.approx((m.layer_bytes + 2 * h1 * bls) / hw.ctog)  # (weights in, the output up)
+        assert dec[1][0] == pytest.approx(6 * h1 * bls / hw.gtoc)  # (q, k, v down)
+        assert dec[4][0] == pytest.approx(bls * m.layer_bytes / hw.mm_flops) and dec[5][0] == pytest.approx(cpu_seconds)
+        decode = layer_seconds(m, hw, gbs, nb, p, kv_to_gpu=True, cpu_attention=True)[1][0]
+        assert decode == pytest.approx(dec[0][0] + max(dec[1][0], dec[4][0] + cpu_seconds))  # (GPU, then CPU)
+    moved = peak_bytes(m, gbs, nb, p, kv_to_gpu=True)[0, 0] - peak_bytes(m, gbs, nb, p, kv_to_gpu=True,
+                                                                        cpu_attention=True)[0, 0]
+    assert moved == pytest.approx(3 * 4 * m.generate * h1 * gbs)  # (the slots hold the prompt's columns only)
+    on_gpu = np.array([[0.0, 1.0, 1.0, 0.0, 1.0, 0.0]])  # (a cache on the GPU: the same either way)
+    assert layer_seconds(m, T4, gbs, nb, on_gpu, True, True)[1] == pytest.approx(layer_seconds(m, T4, gbs, nb, on_gpu,
+                                                                                               True)[1])
+
+
+MODEL_13B = ModelShape(layers=40, hidden=5120, intermediate=20480, prompt=512, generate=32)
+
+
+def executor_hardware(**rates) -> Hardware:
+    """A GPU that holds half the 13B model's weights: the cache must live on the CPU."""
+    weights = MODEL_13B.layer_bytes * MODEL_13B.layers
+    return Hardware(**{**T4.__dict__, "gpu_bytes": 0.5 * weights, "cpu_bytes": 1e13, "dtoc": 0.0, "ctod": 0.0,
+                       "disk_bytes": 0.0, "mm_flops": 300e12, "bmm_flops": 300e12, **rates})
+
+
+@pytest.mark.parametrize("link, cpu_flops, cpu_memory, on_cpu", [
+    (4e9, 200e9, 100e9, True),  # (a slow link beside a fast CPU and host memory: attend where the cache is)
+    (4e9, 200e9, 2e9, False),  # (host memory slower than the link)
+    (4e9, 1e9, 100e9, False),  # (a slow CPU)
+    (50e9, 20e9, 100e9, False),  # (a fast link)
+])
+def test_the_search_attends_on_the_cpu_where_that_is_faster(link, cpu_flops, cpu_memory, on_cpu):
+    hw = executor_hardware(ctog=link, gtoc=link, cpu_flops=cpu_flops, cpu_memory=cpu_memory)
+    kwargs = {"step": 1.0, "max_gpu_batch": 16, "max_batches": 8, "kv_to_gpu": True, "weight_step": 0.1}
+    rate, policy = search(MODEL_13B, hw, **kwargs, cpu_attention=(False, True))
+    assert policy.cc == 1.0 and policy.cpu_attention is on_cpu
+    grid = placements(1.0, weight_step=0.1)
+    want = max(best_placement(MODEL_13B, hw, gbs, nb, grid, True, None, option)[0] for option in (False, True)
+               for gbs in gpu_batch_sizes(16) for nb in range(1, 9))
+    assert rate == pytest.approx(want, rel=1e-9)  # (the search equals trying every policy both ways)
+    alone = [search(MODEL_13B, hw, **kwargs, cpu_attention=(option,))[0] for option in (False, True)]
+    assert rate == pytest.approx(max(alone)) and (alone[1] > alone[0]) is on_cpu

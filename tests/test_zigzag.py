@@ -3,13 +3,16 @@ buffer holds: for random shapes and placements, every compute finds its layer's 
 batch's cache and hidden states on the device, loaded in an earlier slot; nothing is loaded over
 data not yet stored or still in use in the same slot; every output reaches the host; and a
 streamed layer's weights cross once per step of the block, not once per batch, while the layers
-a share `weights_gpu` keeps on the device never cross."""
+a share `weights_gpu` keeps on the device never cross. With `cpu_attention`, no decode step moves a
+cache, and each decode compute's q, k, v reach the host, the CPU attends over host columns every
+earlier step wrote (the prompt's stored, the decode steps' written there by the CPU) and the output
+reaches the device before the layer resumes: nothing is read before it is written."""
 import itertools
 import random
 
 import pytest
 
-from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Placement, zigzag
+from batchmaker.core.zigzag import ATTENTION_OPS, BATCH_BUFFERS, WEIGHT_BUFFERS, Placement, zigzag
 
 
 class FakeDevice:
@@ -20,6 +23,7 @@ class FakeDevice:
         self.host = {"cache": set(), "hidden": set()}  # tags stored off the device
         self.computed = []
         self.weight_loads = 0
+        self.attention = dict.fromkeys(("device_qkv", "host_qkv", "host_out", "device_out"))  # the tag each holds
 
     def run(self, ops) -> None:
         window = []
@@ -39,8 +43,11 @@ class FakeDevice:
         weight_in_use = {self.weights.index((op.step, op.layer)) for op in computes
                          if self.streams(op.layer) and (op.step, op.layer) in self.weights}
         updates = []
-        for op in ops:
+        for op in ops:  # (the attention operations, ordered by events inside their compute, act at once)
             updates += getattr(self, op.kind)(op, busy, weight_in_use)
+        for op in computes:
+            if self.placement.attends_on_cpu(op.step):  # (the layer resumed with its own output)
+                assert self.attention["device_out"] == (op.step, op.layer, op.batch), f"{op}: no output"
         for apply in updates:
             apply()
 
@@ -51,8 +58,11 @@ class FakeDevice:
     def compute(self, op, busy, weight_in_use):
         tag = (op.step, op.layer, op.batch)
         assert not self.streams(op.layer) or (op.step, op.layer) in self.weights, f"{tag}: its weights are absent"
+        on_cpu = self.placement.attends_on_cpu(op.step)
+        if on_cpu:
+            self.attention["device_qkv"] = tag
         for kind in ("cache", "hidden"):
-            if not getattr(self.placement, kind):
+            if not getattr(self.placement, kind) or kind == "cache" and on_cpu:  # (no cache slot used)
                 continue
             held = self.buffers[kind][op.slot]
             if kind == "hidden" or op.step > 0:
@@ -61,7 +71,26 @@ class FakeDevice:
                 assert held is None or held[1] != "out", f"compute {tag} overwrites unsaved {kind} {held}"
         self.computed.append(tag)
         return [lambda k=kind: self.buffers[k].__setitem__(op.slot, (tag, "out"))
-                for kind in ("cache", "hidden") if getattr(self.placement, kind)]
+                for kind in ("cache", "hidden") if getattr(self.placement, kind) and not (kind == "cache" and on_cpu)]
+
+    def _attention(self, op, reads: str, writes: str):
+        tag = (op.step, op.layer, op.batch)
+        assert self.placement.attends_on_cpu(op.step), f"{op.kind} {tag} without cpu attention"
+        assert self.attention[reads] == tag, f"{op.kind} {tag}: {reads} holds {self.attention[reads]}"
+        self.attention[writes] = tag
+        return []
+
+    def store_qkv(self, op, busy, weight_in_use):
+        return self._attention(op, "device_qkv", "host_qkv")
+
+    def cpu_attend(self, op, busy, weight_in_use):
+        earlier = {(s, op.layer, op.batch) for s in range(op.step)}
+        assert earlier <= self.host["cache"], f"cpu_attend {op}: host columns missing {earlier - self.host['cache']}"
+        self.host["cache"].add((op.step, op.layer, op.batch))  # (the CPU writes the step's k, v there)
+        return self._attention(op, "host_qkv", "host_out")
+
+    def load_attention(self, op, busy, weight_in_use):
+        return self._attention(op, "host_out", "device_out")
 
     def load_weights(self, op, busy, weight_in_use):
         assert self.streams(op.layer), f"weights of resident layer {op.layer} loaded"
@@ -78,6 +107,7 @@ class FakeDevice:
         return [lambda: self.buffers[kind].__setitem__(op.slot, (tag, "in"))]
 
     def load_cache(self, op, busy, weight_in_use):
+        assert self.placement.moves_cache(op.step), f"load_cache {op}: the CPU attends over it"
         return self._load("cache", op, busy, (op.step - 1, op.layer, op.batch))
 
     def load_hidden(self, op, busy, weight_in_use):
@@ -93,6 +123,7 @@ class FakeDevice:
         return [lambda: self.host[kind].add(tag), lambda: self.buffers[kind].__setitem__(op.slot, (tag, "stored"))]
 
     def store_cache(self, op, busy, weight_in_use):
+        assert self.placement.moves_cache(op.step), f"store_cache {op}: the CPU wrote it"
         return self._store("cache", op)
 
     def store_hidden(self, op, busy, weight_in_use):
@@ -105,12 +136,15 @@ CASES = [(1, 1, 1), (1, 3, 2), (2, 1, 3), (3, 2, 2), (2, 3, 4)] + \
 
 
 PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)] + \
-    [Placement(True, cache, hidden, share) for share in (0.3, 0.5, 1.0) for cache, hidden in ((True, True), (False, True))]
+    [Placement(True, cache, hidden, share) for share in (0.3, 0.5, 1.0) for cache, hidden in ((True, True), (False, True))] + \
+    [Placement(weights, True, hidden, share, cpu_attention=True) for weights, hidden, share in
+     ((True, True, 0.0), (True, False, 0.0), (False, True, 0.0), (False, False, 0.0), (True, True, 0.5))]
 
 
 @pytest.mark.parametrize("layers, batches, tokens", CASES)
 @pytest.mark.parametrize("placement", PLACEMENTS,
-                         ids=lambda p: f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}g{p.weights_gpu}")
+                         ids=lambda p: f"w{int(p.weights)}c{int(p.cache)}h{int(p.hidden)}g{p.weights_gpu}"
+                                       + ("-cpu" if p.cpu_attention else ""))
 def test_the_schedule_keeps_every_dependency_on_a_fake_device(layers, batches, tokens, placement):
     device = FakeDevice(layers, placement)
     device.run(zigzag(layers, batches, tokens, placement))
@@ -121,6 +155,12 @@ def test_the_schedule_keeps_every_dependency_on_a_fake_device(layers, batches, t
     for kind in ("cache", "hidden"):
         if getattr(placement, kind):
             assert device.host[kind] == set(walk)  # (every output reached the host)
+    kinds = [op.kind for op in zigzag(layers, batches, tokens, placement)]
+    decode_computes = len(walk) - layers * batches
+    for kind in ATTENTION_OPS:  # (one of each per decode compute with cpu_attention; none without)
+        assert kinds.count(kind) == (decode_computes if placement.cpu_attention else 0)
+    if placement.cpu_attention:  # (a decode step moves no cache: only the prompt step's is stored)
+        assert kinds.count("load_cache") == 0 and kinds.count("store_cache") == layers * batches
 
 
 def test_a_share_keeps_the_first_layers_whole_and_at_most_that_share():
@@ -132,6 +172,20 @@ def test_a_share_keeps_the_first_layers_whole_and_at_most_that_share():
         Placement(weights_gpu=1.5)
     with pytest.raises(ValueError, match="already"):
         Placement(False, True, True, weights_gpu=0.5)
+
+
+def test_cpu_attention_needs_a_host_cache():
+    with pytest.raises(ValueError, match="cpu_attention"):
+        Placement(True, False, True, cpu_attention=True)
+    assert Placement(cpu_attention=True).moves_cache(0) and not Placement(cpu_attention=True).moves_cache(1)
+
+
+def test_the_fake_device_catches_an_attention_operation_out_of_order():
+    ops = zigzag(2, 2, 3, Placement(cpu_attention=True))
+    at = next(i for i, op in enumerate(ops) if op.kind == "cpu_attend")
+    ops[at], ops[at + 1] = ops[at + 1], ops[at]  # (the output loaded before the CPU wrote it)
+    with pytest.raises(AssertionError, match="load_attention"):
+        FakeDevice(2, Placement(cpu_attention=True)).run(ops)
 
 
 def test_a_block_needs_layers_batches_and_tokens():

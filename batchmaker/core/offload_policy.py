@@ -20,8 +20,15 @@ its three batch slots the GPU's working memory). FlexGen splits every layer's te
 executor keeps the first wg x l layers whole on the GPU and streams the others whole (also meant by
 `kv_to_gpu`): the decode chain is linear in wg, so the same per-layer mean, while prefill's max is
 taken of the mean layer (an underestimate where a streamed layer's load outlasts its compute), and
-the two weight buffers hold whole layers (2w, not 2(1 - wg)w, while any layer streams). A caller
-that knows its executor's memory better than `peak_bytes` passes the search its own count (`peaks`;
+the two weight buffers hold whole layers (2w, not 2(1 - wg)w, while any layer streams). With
+`cpu_attention` too, the executor attends on the CPU over the host cache in decode steps as FlexGen
+does (`Placement.cpu_attention`): no cache on the link, q, k, v down (3 h1 per token) and the output
+up (h1) instead, the CPU's attention beside the GPU's compute, and slots that hold the prompt's
+columns only; `search` tries both (`cpu_attention=(False, True)`) and the policy says which won.
+The CPU's attention takes the longer of its flops at the CPU's measured attention rate (FlexGen's
+term) and the cache's bytes at host memory's rate (`cpu_memory`, where measured); it runs after the
+GPU's part and before the rest (a sum, A.3's and the executor's). A caller that knows its
+executor's memory better than `peak_bytes` passes the search its own count (`peaks`;
 exec/offload_memory.py); `layer_terms` gives each resource's time, from which a bound is taken.
 """
 from collections.abc import Callable
@@ -55,6 +62,7 @@ class Hardware:
     gpu_bytes: float
     cpu_bytes: float
     disk_bytes: float = 0.0
+    cpu_memory: float = 0.0  # bytes/s host memory serves the CPU's attention (0: unmeasured, no term)
 
 
 @dataclass(frozen=True)
@@ -67,54 +75,72 @@ class Policy:
     cc: float
     hg: float
     hc: float
+    cpu_attention: bool = False  # a cache off the GPU is attended on the CPU in decode steps (with kv_to_gpu)
 
     @property
     def block(self) -> int:
         return self.gpu_batch * self.num_batches
 
 
-def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
-                kv_to_gpu: bool = False) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """Each resource's seconds per layer, (ctog, gtoc, dtoc, ctod, comp) for prefill and for a decode
-    step, for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc): what `layer_seconds` combines, and what
-    a bound takes the slowest of. `kv_to_gpu`: a decode step moves the KV cache that lives off the
-    GPU to it and attends there (exec/offload.py), instead of attending on the CPU where it lives
-    (FlexGen's delegation)."""
+def mean_kv_bytes(m: ModelShape, bls: int) -> float:
+    """One layer's K and V of a block, at the mean decode step (FlexGen's 4 bls (s + n/2) h1)."""
+    return 4 * bls * (m.prompt + m.generate / 2) * m.hidden
+
+
+def cpu_attention_seconds(kv_bytes, hw: Hardware):
+    """The CPU's attention over `kv_bytes` of cache: its flops (numerically the bytes: 2 per value
+    of K and of V) at the CPU's rate, or the bytes read at host memory's, whichever is longer."""
+    return np.maximum(kv_bytes / hw.cpu_flops, kv_bytes / hw.cpu_memory if hw.cpu_memory else 0.0)
+
+
+def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False,
+                cpu_attention: bool = False) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Each resource's seconds per layer, (ctog, gtoc, dtoc, ctod, comp, cpu) for prefill and for a
+    decode step, for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc): comp the GPU's, cpu the CPU's
+    attention; what `layer_seconds` combines, and what a bound takes the slowest of. `kv_to_gpu`: the
+    executor's model, whose decode step moves the KV cache that lives off the GPU to it and attends
+    there (exec/offload.py), instead of attending on the CPU where it lives (FlexGen's delegation);
+    with `cpu_attention` too, the executor delegates as FlexGen does, moving q, k, v and the output."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
-    w, h1, s, n, bls = m.layer_bytes, m.hidden, m.prompt, m.generate, gbs * nb
-    kv_mean = 4 * bls * (s + n / 2) * h1
+    w, h1, s, bls = m.layer_bytes, m.hidden, m.prompt, gbs * nb
+    kv_mean = mean_kv_bytes(m, bls)
     pre = (((wc + wd) * w + 2 * (hc + hd) * s * h1 * bls) / hw.ctog,
            (4 * (cc + cd) * (s + 1) * h1 * bls + 2 * (hc + hd) * s * h1 * bls) / hw.gtoc,
            (wd * w + 2 * hd * s * h1 * bls) / hw.dtoc if hw.dtoc else np.where(wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * (s + 1) * h1 + 2 * hd * s * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
-           bls * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate) / hw.mm_flops + 4 * bls * s ** 2 * h1 / hw.bmm_flops)
-    kv_moved = (cc + cd) * kv_mean if kv_to_gpu else 0.0  # (the cache read in, every decode step)
-    dec = (((wc + wd) * w + 2 * (hc + hd) * h1 * bls + kv_moved) / hw.ctog,
-           2 * (hc + hd) * h1 * bls / hw.gtoc,
+           bls * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate) / hw.mm_flops + 4 * bls * s ** 2 * h1 / hw.bmm_flops,
+           np.zeros_like(wg))  # (the prompt step attends on the GPU)
+    on_gpu = kv_to_gpu and not cpu_attention  # (a host cache's decode attention: moved to the GPU, or on the CPU)
+    kv_moved = (cc + cd) * kv_mean if on_gpu else 0.0  # (the cache read in, every decode step)
+    qkv, out = ((cc + cd) * 6 * h1 * bls, (cc + cd) * 2 * h1 * bls) if kv_to_gpu and cpu_attention else (0.0, 0.0)
+    dec = (((wc + wd) * w + 2 * (hc + hd) * h1 * bls + kv_moved + out) / hw.ctog,
+           (2 * (hc + hd) * h1 * bls + qkv) / hw.gtoc,
            (4 * cd * kv_mean + wd * w + 2 * hd * h1 * bls) / hw.dtoc if hw.dtoc else np.where(cd + wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * h1 + 2 * hd * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
-           bls * w / hw.mm_flops + (kv_mean / hw.bmm_flops if kv_to_gpu else
-                                    cg * kv_mean / hw.bmm_flops + (cc + cd) * kv_mean / hw.cpu_flops))
+           bls * w / hw.mm_flops + (kv_mean if on_gpu else cg * kv_mean) / hw.bmm_flops,
+           np.zeros_like(wg) if on_gpu else (cc + cd) * cpu_attention_seconds(kv_mean, hw))
     return pre, dec
 
 
-def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray,
-                  kv_to_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False,
+                  cpu_attention: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc), FlexGen's
-    combination of `layer_terms`: prefill overlaps its chains, decode serialises the load in."""
+    combination of `layer_terms`: prefill overlaps its chains, decode serialises the load in; the
+    GPU's compute and the CPU's attention add up."""
     wg = p.T[0]
-    pre, dec = layer_terms(m, hw, gbs, nb, p, kv_to_gpu)
-    prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), pre[4])
-    decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], dec[4]))
+    pre, dec = layer_terms(m, hw, gbs, nb, p, kv_to_gpu, cpu_attention)
+    prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), pre[4] + pre[5])
+    decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], dec[4] + dec[5]))
     return np.broadcast_to(prefill, wg.shape), np.broadcast_to(decode, wg.shape)
 
 
-def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False) -> np.ndarray:
+def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False,
+               cpu_attention: bool = False) -> np.ndarray:
     """[P, 3]: each tier's peak (GPU, CPU, disk): what lives there, plus the GPU's working set
     (two layers' weight buffers for what is not resident, one GPU batch's activations; with
     `kv_to_gpu`, two whole layers' buffers while any layer streams, and three GPU batches' cache
-    slots of one layer for a cache that is not resident)."""
+    slots of one layer for a cache that is not resident: of the prompt's columns with `cpu_attention`)."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
     weights = m.layer_bytes * m.layers
@@ -123,7 +149,8 @@ def peak_bytes(m: ModelShape, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool 
     buffers = np.where(wg < 1, 2.0, 0.0) if kv_to_gpu else 2 * (1 - wg)  # (layers' worth: whole ones, or shares)
     gpu = wg * weights + cg * kv + hg * act + buffers * m.layer_bytes + 2 * m.hidden * gbs * m.prompt
     if kv_to_gpu:
-        gpu = gpu + np.where(cg < 1, 3 * 4 * (m.prompt + m.generate) * m.hidden * gbs, 0.0)
+        columns = m.prompt if cpu_attention else m.prompt + m.generate
+        gpu = gpu + np.where(cg < 1, 3 * 4 * columns * m.hidden * gbs, 0.0)
     return np.stack([gpu, wc * weights + cc * kv + hc * act, wd * weights + cd * kv + hd * act], axis=1)
 
 
@@ -142,19 +169,21 @@ def _pairs(step: float) -> np.ndarray:
     return np.array([(a, b) for a in f for b in f if a + b <= 1 + 1e-9])
 
 
-Peaks = Callable[[int, int, np.ndarray], np.ndarray]  # (gbs, nb, placements [P, 6]) -> [P, 3] bytes per tier
+Peaks = Callable[[int, int, np.ndarray, bool], np.ndarray]  # (gbs, nb, placements [P, 6], cpu_attention) ->
+# [P, 3] bytes per tier
 
 
-def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray,
-                   kv_to_gpu: bool = False, peaks: Peaks | None = None) -> tuple[float, np.ndarray | None]:
+def best_placement(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray, kv_to_gpu: bool = False,
+                   peaks: Peaks | None = None, cpu_attention: bool = False) -> tuple[float, np.ndarray | None]:
     """(tokens/s, placement) of the fastest placement of `grid` that fits; (0, None) if none does.
     `peaks`: each tier's peak as the caller's executor counts it (default: `peak_bytes`)."""
     capacity = np.array([hw.gpu_bytes, hw.cpu_bytes, hw.disk_bytes])
-    peak = peaks(gbs, nb, grid) if peaks is not None else peak_bytes(m, gbs, nb, grid, kv_to_gpu)
+    peak = peaks(gbs, nb, grid, cpu_attention) if peaks is not None else \
+        peak_bytes(m, gbs, nb, grid, kv_to_gpu, cpu_attention)
     fits = (peak <= capacity + 1e-6).all(1)
     if not fits.any():
         return 0.0, None
-    prefill, decode = layer_seconds(m, hw, gbs, nb, grid[fits], kv_to_gpu)
+    prefill, decode = layer_seconds(m, hw, gbs, nb, grid[fits], kv_to_gpu, cpu_attention)
     rate = gbs * nb * m.generate / (m.layers * (prefill + (m.generate - 1) * decode))
     best = int(np.argmax(rate))
     return float(rate[best]), grid[fits][best]
@@ -171,13 +200,15 @@ def gpu_batch_sizes(limit: int) -> list[int]:
 
 def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int = 64,
            max_batches: int = 64, max_block: int | None = None, kv_to_gpu: bool = False,
-           weight_step: float | None = None, peaks: Peaks | None = None) -> tuple[float, Policy | None]:
+           weight_step: float | None = None, peaks: Peaks | None = None,
+           cpu_attention: tuple[bool, ...] = (False,)) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
     placement fits and tokens/s grows, then look between the last two; the best policy found
     (of policies as fast, the largest block, then the largest GPU batch: the model counts no
     per-batch overhead, and each GPU batch of a block is a slot of its own launches and sync). With
     `max_block`, blocks of at most that many sequences (a run of that many prompts); `kv_to_gpu`:
-    as `layer_seconds`; `weight_step`: as `placements`; `peaks`: as `best_placement`."""
+    as `layer_seconds`; `weight_step`: as `placements`; `peaks`: as `best_placement`;
+    `cpu_attention`: the options tried for each block (with `kv_to_gpu`), the first of those as fast kept."""
     grid = placements(step, weight_step)
     best_rate, best = 0.0, None
     for gbs in gpu_batch_sizes(min(max_gpu_batch, max_block or max_gpu_batch)):
@@ -185,14 +216,26 @@ def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int =
         rates = {}
         nb = 1
         while nb <= max_batches_here:
-            rates[nb] = best_placement(m, hw, gbs, nb, grid, kv_to_gpu, peaks)
+            rates[nb] = _best_option(m, hw, gbs, nb, grid, kv_to_gpu, peaks, cpu_attention)
             if rates[nb][1] is None or (nb > 1 and rates[nb][0] <= rates[nb // 2][0]):
                 break
             nb *= 2
         for between in range(max(1, nb // 4) + 1, min(nb, max_batches_here + 1)):  # (between the last doublings)
-            rates.setdefault(between, best_placement(m, hw, gbs, between, grid, kv_to_gpu, peaks))
-        for nb, (rate, placement) in rates.items():
+            rates.setdefault(between, _best_option(m, hw, gbs, between, grid, kv_to_gpu, peaks, cpu_attention))
+        for nb, (rate, placement, on_cpu) in rates.items():
             tie = best is not None and rate >= best_rate * (1 - 1e-12) and (gbs * nb, gbs) > (best.block, best.gpu_batch)
             if placement is not None and (rate > best_rate * (1 + 1e-12) or tie):  # (ties: the larger block, GPU batch)
-                best_rate, best = rate, Policy(gbs, nb, *map(float, placement))
+                best_rate, best = rate, Policy(gbs, nb, *map(float, placement), cpu_attention=on_cpu)
     return best_rate, best
+
+
+def _best_option(m: ModelShape, hw: Hardware, gbs: int, nb: int, grid: np.ndarray, kv_to_gpu: bool,
+                 peaks: Peaks | None, options: tuple[bool, ...]) -> tuple[float, np.ndarray | None, bool]:
+    """`best_placement` under each cpu_attention option: (tokens/s, placement, option) of the fastest,
+    the first option of those as fast (a cache on the GPU is as fast under either: no delegation)."""
+    best = (0.0, None, options[0])
+    for on_cpu in options:
+        rate, placement = best_placement(m, hw, gbs, nb, grid, kv_to_gpu, peaks, on_cpu)
+        if placement is not None and (best[1] is None or rate > best[0] * (1 + 1e-12)):
+            best = (rate, placement, on_cpu)
+    return best

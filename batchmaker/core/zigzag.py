@@ -23,6 +23,17 @@ Which moves exist depends on the placement: weights that stay on the device are 
 (`Placement.weights`, or the layers `Placement.weights_gpu` keeps resident), nor a cache or hidden
 states that stay there. A streamed layer's load is issued one place of the walk ahead, whatever
 comes before it: where that is a resident layer, no weight buffer is in use in that slot.
+
+With `Placement.cpu_attention` (FlexGen's delegation, §4.2; its code's `cpu_cache_compute`) a
+decode step's attention over a host cache runs on the CPU, where the cache lives: no decode step
+loads or stores a cache (the prompt step computes on the device and stores the prompt's columns
+as before), and a decode slot's compute hands its attention over in three operations, in order,
+inside that compute (the layer's forward waits for the third):
+
+        compute(step, layer, batch)        the layer on the device, up to q, k, v
+        store_qkv(step, layer, batch)      q, k, v to the host
+        cpu_attend(step, layer, batch)     the CPU writes k, v into the host cache and attends over it
+        load_attention(step, layer, batch) the output to the device (the forward resumes: o_proj, MLP)
 """
 import math
 from dataclasses import dataclass
@@ -43,6 +54,8 @@ class Placement:
     cache: bool = True
     hidden: bool = True
     weights_gpu: float = 0.0
+    cpu_attention: bool = False  # decode steps attend on the CPU over the host cache (FlexGen's
+    # cpu_cache_compute) instead of moving it to the device
 
     def __post_init__(self):
         if not 0.0 <= self.weights_gpu <= 1.0:
@@ -50,6 +63,8 @@ class Placement:
         if self.weights_gpu > 0 and not self.weights:
             raise ValueError("weights_gpu is the share of offloaded weights kept on the device: the placement keeps "
                              "every layer's weights there already")
+        if self.cpu_attention and not self.cache:
+            raise ValueError("cpu_attention attends over a cache on the host: the placement keeps it on the device")
 
     def num_resident(self, num_layers: int) -> int:
         """How many layers (the first ones) keep their weights on the device."""
@@ -61,12 +76,21 @@ class Placement:
         """Whether `layer`'s weights cross the link each step."""
         return layer >= self.num_resident(num_layers)
 
+    def moves_cache(self, step: int) -> bool:
+        """Whether step `step`'s cache crosses the link (a decode step's stays on the host with cpu_attention)."""
+        return self.cache and not (self.cpu_attention and step > 0)
+
+    def attends_on_cpu(self, step: int) -> bool:
+        return self.cpu_attention and step > 0
+
 
 WEIGHT_BUFFERS, BATCH_BUFFERS = 2, 3
+ATTENTION_OPS = ("store_qkv", "cpu_attend", "load_attention")  # inside a decode compute, with cpu_attention
 
 
 class Op(NamedTuple):
-    kind: str  # load_weights, load_cache, store_cache, load_hidden, store_hidden, compute, sync
+    kind: str  # load_weights, load_cache, store_cache, load_hidden, store_hidden, compute, sync; with
+    # cpu_attention also store_qkv, cpu_attend, load_attention (ATTENTION_OPS)
     step: int = -1
     layer: int = -1
     batch: int = -1
@@ -93,7 +117,7 @@ def zigzag(num_layers: int, num_batches: int, num_tokens: int, placement: Placem
             for batch in range(num_batches):
                 ops += _slot(step, layer, batch, num_batches, num_layers, nxt, placement)
             ops += _window([_op(kind, step, layer, num_batches - 1) for kind, on in
-                            (("store_cache", placement.cache), ("store_hidden", placement.hidden)) if on])
+                            (("store_cache", placement.moves_cache(step)), ("store_hidden", placement.hidden)) if on])
             if nxt is not None:
                 ops += _window(_first_batch_in(nxt, placement))
     return ops
@@ -104,18 +128,19 @@ def _slot(step: int, layer: int, batch: int, num_batches: int, num_layers: int, 
     """One slot: compute (step, layer, batch) beside the six moves."""
     loads_next = nxt is not None and batch == 0 and placement.streams(nxt[1], num_layers)
     moves = [("load_weights", loads_next, *(nxt or (0, 0)), -1),
-             ("load_cache", placement.cache and batch + 1 < num_batches and step > 0, step, layer, batch + 1),
-             ("store_cache", placement.cache and batch > 0, step, layer, batch - 1),
+             ("load_cache", placement.moves_cache(step) and batch + 1 < num_batches and step > 0, step, layer, batch + 1),
+             ("store_cache", placement.moves_cache(step) and batch > 0, step, layer, batch - 1),
              ("load_hidden", placement.hidden and batch + 1 < num_batches, step, layer, batch + 1),
              ("store_hidden", placement.hidden and batch > 0, step, layer, batch - 1)]
     ops = [_op(kind, s, layer_, b, num_layers) for kind, on, s, layer_, b in moves if on]
-    return _window(ops + [_op("compute", step, layer, batch)])  # (the prompt step reads no cache: none loaded)
+    computes = ("compute",) + (ATTENTION_OPS if placement.attends_on_cpu(step) else ())
+    return _window(ops + [_op(kind, step, layer, batch) for kind in computes])  # (the prompt step reads no cache)
 
 
 def _first_batch_in(at: tuple[int, int], placement: Placement) -> list[Op]:
     """Before a layer's first slot: its batch 0's cache (past the prompt step) and hidden states."""
     step, layer = at
-    return [_op(kind, step, layer, 0) for kind, on in (("load_cache", placement.cache and step > 0),
+    return [_op(kind, step, layer, 0) for kind, on in (("load_cache", placement.moves_cache(step) and step > 0),
                                                        ("load_hidden", placement.hidden)) if on]
 
 

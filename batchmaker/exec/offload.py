@@ -12,6 +12,9 @@ the loads and stores run on two side streams beside the compute on the current o
 closed by events the host waits on (the schedule's `sync`); on a CPU device the moves run in
 order between separate tensors, so the schedule's loads and stores really move the data its
 computes read.
+With `Placement.cpu_attention` a decode step's attention over the host cache runs on the CPU
+instead (exec/offload_attention.py): the schedule moves no cache in decode steps, q, k, v go to
+the host and the output comes back, inside the compute.
 
 Prompts of a batch are left-padded (exec/offload_block.py). A block runs as many steps as its
 largest count for all its prompts (FlexGen's fixed length) and returns each prompt's own count;
@@ -28,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder import DecoderLM
-from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
+from batchmaker.core.zigzag import ATTENTION_OPS, BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
 from batchmaker.exec import offload_cache
+from batchmaker.exec.offload_attention import CpuAttention
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
 from batchmaker.exec.offload_weights import DEQUANTS, GROUP, HostWeights, default_dequant, layer_tensors
 from batchmaker.kernels.compress4 import Compressed, compress, decompress
@@ -56,6 +60,8 @@ class OffloadConfig:
             raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
         if self.compresses_cache and not self.placement.cache:
             raise ValueError("compress='kv' compresses the host's KV cache: the placement keeps it on the device")
+        if self.compresses_cache and self.placement.cpu_attention:
+            raise ValueError("cpu_attention attends over a dense host cache: not with compress='kv' or 'both'")
         if self.dequant is not None and (self.dequant not in DEQUANTS or not self.compress):
             raise ValueError(f"dequant={self.dequant!r}: one of {', '.join(DEQUANTS)}, with compress='weights', "
                              "'kv' or 'both'")
@@ -75,8 +81,9 @@ class OffloadConfig:
 
 @dataclass
 class Moved:
-    """Bytes each kind of move carried, and the operations carried out, in order."""
-    bytes: dict = field(default_factory=lambda: {"weights": 0, "cache": 0, "hidden": 0})
+    """Bytes each kind of move carried ("attention": q, k, v down and the output up, with
+    cpu_attention), and the operations carried out, in the order they were issued."""
+    bytes: dict = field(default_factory=lambda: {"weights": 0, "cache": 0, "hidden": 0, "attention": 0})
     ops: list = field(default_factory=list)
 
 
@@ -143,8 +150,7 @@ class OffloadExecutor:
         batches[-1] = batches[-1] + [batches[-1][0]] * (gbs - len(batches[-1]))
         width, last = max(map(len, prompts)), self.lm.config.max_positions - 1
         run = BlockRun(self, [BatchPrompts.of(b, width, last, self.device) for b in batches], steps)
-        for op in zigzag(self.num_layers, len(batches), steps, self.config.placement):
-            run.do(op)
+        run.carry_out(zigzag(self.num_layers, len(batches), steps, self.config.placement))
         tokens = run.tokens.cpu()  # [num_batches, B, steps]: the block's one sync
         return [row[:n] for row, n in zip(tokens.flatten(0, 1).tolist(), counts)], run.moved
 
@@ -172,6 +178,8 @@ class BlockRun:
         c, device = executor.lm.config, executor.device
         rows, width = batches[0].tokens.shape
         cache_shape = (width + num_tokens - 1, rows, c.num_kv_heads, c.head_dim)
+        slot_shape = (width, *cache_shape[1:]) if self.placement.cpu_attention else cache_shape  # (the prompt's
+        # columns: no decode step brings the cache to the device)
         hidden_shape = (width, 2, rows, c.hidden_size)
         place = self.placement
         # host storage of what is offloaded, device storage of what is not (per batch)
@@ -180,12 +188,14 @@ class BlockRun:
         self.cache_staging = [self._codes(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
             if self.is_compressed else None
         self.hidden = [self._empty(hidden_shape, on_host=place.hidden) for _ in batches]
-        self.cache_slots = [self._kv(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] if place.cache else None
+        self.cache_slots = [self._kv(slot_shape, on_host=False) for _ in range(BATCH_BUFFERS)] if place.cache else None
         self.hidden_slots = [self._empty(hidden_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
             if place.hidden else None
         self.tokens = torch.zeros(len(batches), rows, num_tokens, dtype=torch.long, device=device)
         self.events: list = []  # what the next sync waits on (CUDA)
         self.poison: list[Tensor] = []  # what the next sync fills with NaN (check_buffers)
+        self.cpu_attention = CpuAttention(self, batches) if place.cpu_attention else None
+        self.schedule = iter(())  # the operations not yet carried out (carry_out)
         for b, batch in enumerate(batches):  # the prompts' embeddings: "given" at (step 0, layer 0)
             embedded = executor.lm.embed(batch.tokens.t().flatten(), batch.positions(0))
             self.hidden[b][:, 0].copy_(embedded.view(width, rows, -1))
@@ -206,9 +216,22 @@ class BlockRun:
         return tuple(offload_cache.empty_codes(shape, x.dtype, device, pin) for _ in range(2))
 
     # the operations ---------------------------------------------------------------------------
+    def carry_out(self, ops: list[Op]) -> None:
+        self.schedule = iter(ops)
+        for op in self.schedule:
+            self.do(op)
+
     def do(self, op: Op) -> None:
-        getattr(self, op.kind)(op)
         self.moved.ops.append(op)
+        getattr(self.cpu_attention if op.kind in ATTENTION_OPS else self, op.kind)(op)
+
+    def next_op(self, kind: str, compute: Op) -> Op:
+        """The schedule's next operation, which a compute carries out inside itself: it must be
+        `kind` of the compute's (step, layer, batch)."""
+        op = next(self.schedule, None)
+        want = (kind, compute.step, compute.layer, compute.batch)
+        assert op is not None and op[:4] == want, f"{compute} carries out {kind} next; the schedule has {op}"
+        return op
 
     def load_weights(self, op: Op) -> None:
         with self._stream("in"):  # (the host keeps the streamed layers only, from num_resident on)
@@ -234,7 +257,7 @@ class BlockRun:
                     self.moved.bytes["cache"] += offload_cache.store(dst, src, start, end, self.x.is_reference)
             else:
                 self._copy(dst[start:end], src[start:end], "out", "cache")
-        self._poison_after_sync(*self.cache_slots[op.slot])
+        self.poison_after_sync(*self.cache_slots[op.slot])
 
     def load_hidden(self, op: Op) -> None:
         n = self.batches[op.batch].columns(op.step)
@@ -243,7 +266,7 @@ class BlockRun:
     def store_hidden(self, op: Op) -> None:
         n = self._hidden_out(op.step, op.layer, op.batch)
         self._copy(self.hidden[op.batch][:n], self.hidden_slots[op.slot][:n], "out", "hidden")
-        self._poison_after_sync(self.hidden_slots[op.slot])
+        self.poison_after_sync(self.hidden_slots[op.slot])
 
     def compute(self, op: Op) -> None:
         step, layer, b = op.step, op.layer, op.batch
@@ -251,8 +274,11 @@ class BlockRun:
         streams = self.placement.streams(layer, x.num_layers)
         module = x.weight_buffers[(step * x.num_layers + layer) % WEIGHT_BUFFERS] if streams else x.resident[layer]
         hidden = (self.hidden_slots[op.slot] if self.placement.hidden else self.hidden[b])[:batch.columns(step)]
-        k_cache, v_cache = self.cache_slots[op.slot] if self.placement.cache else self.cache[layer][b]
-        attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap)
+        if self.placement.attends_on_cpu(step):
+            attend = self.cpu_attention.attend(op)
+        else:
+            k_cache, v_cache = self.cache_slots[op.slot] if self.placement.cache else self.cache[layer][b]
+            attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap)
         positions = batch.positions(step)
         inputs = hidden.transpose(0, 1).flatten(1, 2)  # [2, L*B, H]
         out, residual = module(inputs[0], None if layer == 0 else inputs[1], lm.rotary(positions), attend)
@@ -265,7 +291,7 @@ class BlockRun:
         if step + 1 < self.num_tokens:  # the next step's input: the token's embedding
             hidden[:1, 0].copy_(lm.embed(token, batch.positions(step + 1)).unsqueeze(0))
         if self.x.config.check_buffers and streams and b == len(self.batches) - 1:
-            self._poison_after_sync(*layer_tensors(module))
+            self.poison_after_sync(*layer_tensors(module))
 
     def sync(self, op: Op) -> None:
         if self.x.is_cuda:  # (the compute of this slot, on the current stream)
@@ -291,7 +317,8 @@ class BlockRun:
         """A side stream's context on CUDA, closed by an event the next `sync` waits on."""
         return _SideStream(self, name) if self.x.is_cuda else contextlib.nullcontext()
 
-    def _poison_after_sync(self, *tensors: Tensor) -> None:
+    def poison_after_sync(self, *tensors: Tensor) -> None:
+        """With check_buffers: `tensors` filled with NaN at the next sync (the schedule is done with them)."""
         if self.x.config.check_buffers:
             self.poison += tensors
 

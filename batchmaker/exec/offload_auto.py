@@ -1,19 +1,24 @@
-"""`offload=auto`: the machine's rates measured at start-up (a fraction of a second), FlexGen's
+"""`offload=auto`: the machine's rates measured at start-up (about a second), FlexGen's
 cost model and policy search (core/offload_policy.py) over what the executor runs, and the chosen
 policy with its predicted step time, as one line to print.
 
 What is measured (`measure`): the copy rate host -> device and back (pinned host memory beside a
 GPU; on a CPU, between two CPU tensors, the executor's two pools), the device's matmul rate at
-the model's dtype, and the CPU's batched matmul rate (FlexGen's CPU attention term, kept in the
-record: the executor moves a host cache to the device and attends there, which is what the search
-counts, `kv_to_gpu`). The search runs over what the executor places: the weights' share on the
+the model's dtype, host memory's rate (a large copy), and the executor's own CPU attention
+(exec/offload_block.BatchAttend over a host cache in the model's dtype, one decode step, on torch's
+intra-op threads: FlexGen's CPU attention term, an effective rate that includes the fp32 copies).
+A cache on the host is attended in decode steps either on the device after a move (`kv_to_gpu`)
+or on the CPU where it lives (`Placement.cpu_attention`): the search tries both for each block and
+keeps the faster by prediction. The search runs over what the executor places: the weights' share on the
 device by whole layers (fractions k / layers: `Placement.weights_gpu`, resident weights counted
 against the device budget), the KV cache and hidden states wholly on the host or the device
 (fractions 0 or 1; no disk), so a policy maps onto a `Placement` exactly. What a policy takes of
 each memory is the executor's own count (exec/offload_memory.py: its buffers, slots, working set
 and reserve, the host's pinned rounding), not FlexGen's formula, so that a budget can be a cap.
-`bound` states the policy's bound: the slowest of the host link, host memory and the GPU, each
-busy for its own share of a step (the cost model's terms, overlapped perfectly).
+`bound` states the policy's bound: the slowest of the host link, host memory, the GPU and (with
+cpu_attention) the CPU, each busy for its own share of a step (the cost model's terms, overlapped
+perfectly; the executor runs the CPU's attention and the GPU's compute one after the other, which
+the prediction counts).
 
 Adaptations of FlexGen's model (it counts 2-byte values, OPT's two-matrix MLP and one KV head per
 query head): the model is described to it with an MLP width scaled to Llama's three matrices, and
@@ -28,8 +33,10 @@ import numpy as np
 import torch
 
 from batchmaker.cells.decoder_config import DecoderConfig
-from batchmaker.core.offload_policy import Hardware, ModelShape, Policy, layer_seconds, layer_terms, peak_bytes, search
+from batchmaker.core.offload_policy import (Hardware, ModelShape, Policy, layer_seconds, layer_terms, mean_kv_bytes,
+                                            peak_bytes, search)
 from batchmaker.core.zigzag import Placement
+from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
 from batchmaker.exec.offload_memory import Footprint, ModelBytes, footprint, peaks
 
 CPU_DEVICE_BYTES = 1 << 30  # the "device" pool's budget on a CPU when none is given
@@ -40,8 +47,9 @@ class Rates:
     ctog: float  # bytes/s host -> device
     gtoc: float  # bytes/s device -> host
     mm_flops: float  # the device's matmuls
-    cpu_flops: float  # the CPU's batched matmuls (attention)
+    cpu_flops: float  # the CPU's decode attention (the executor's, in the model's dtype: an effective rate)
     host_memory: float = 0.0  # bytes/s host memory serves (a large copy's reads and writes); 0: unmeasured
+    cpu_threads: int = 0  # torch's intra-op threads the CPU's rates were measured on (0: not said)
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,10 @@ class Choice:
         where = lambda offloaded: "host" if offloaded else "device"
         weights = "weights on device" if not p.weights else "weights on host" if not p.weights_gpu else \
             f"weights_gpu={p.weights_gpu:.2f} (the first layers' weights on device, the others' on host)"
+        cache = "KV cache on device" if not p.cache else \
+            f"KV cache on host ({'decode attention on the CPU' if p.cpu_attention else 'moved to the device to attend'})"
         return (f"offload policy: gpu_batch={self.policy.gpu_batch} num_batches={self.policy.num_batches} "
-                f"(block {self.policy.block}); {weights}, KV cache on {where(p.cache)}, "
+                f"(block {self.policy.block}); {weights}, {cache}, "
                 f"hidden states on {where(p.hidden)}; predicted decode step {self.step_seconds * 1e3:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s, device {self.footprint.device / 2**30:.2f} GiB, "
                 f"host {self.footprint.host / 2**30:.1f} GiB")
@@ -88,11 +98,22 @@ def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int | 
     gtoc = copy_bytes / _seconds(lambda: host.copy_(dev, non_blocking=True))
     a = torch.randn(size, size, dtype=dtype, device=device)
     mm = 2 * size ** 3 / _seconds(lambda: a @ a)
-    q, k = torch.randn(64, 1, 128), torch.randn(64, 128, 512)  # decode attention's shape: one query a row
-    cpu = 2 * 64 * 128 * 512 / _seconds(lambda: torch.bmm(q, k))
     src, dst = torch.empty(8 * copy_bytes, dtype=torch.uint8), torch.empty(8 * copy_bytes, dtype=torch.uint8)
     memory = 2 * src.numel() / _seconds(lambda: dst.copy_(src))  # (beyond the caches: read and written)
-    return Rates(ctog, gtoc, mm, cpu, memory)
+    return Rates(ctog, gtoc, mm, cpu_attention_flops(dtype, 2 * copy_bytes), memory, torch.get_num_threads())
+
+
+def cpu_attention_flops(dtype: torch.dtype, kv_bytes: int, rows: int = 8, heads: int = 8, head_dim: int = 128) -> float:
+    """flop/s of the executor's CPU attention: one decode step of `rows` sequences over a host cache
+    of `kv_bytes` (K and V, one query head a KV head: FlexGen's count)."""
+    itemsize = torch.finfo(dtype).bits // 8
+    end = max(16, kv_bytes // (2 * rows * heads * head_dim * itemsize))  # the columns attended
+    k_cache, v_cache = (torch.empty(end, rows, heads, head_dim, dtype=dtype).normal_() for _ in range(2))
+    batch = BatchPrompts(torch.zeros(rows, end - 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long), end)
+    q, k, v = (torch.randn(rows, heads, head_dim).to(dtype) for _ in range(3))
+    workspace = tuple(torch.empty(rows, heads, end, head_dim) for _ in range(2))  # (fp32, as the executor's)
+    attend = BatchAttend(k_cache, v_cache, batch, 1, head_dim ** -0.5, None, workspace)  # (step 1 writes column end - 1)
+    return 4 * rows * heads * end * head_dim / _seconds(lambda: attend(0, q, k, v))
 
 
 def host_bytes() -> float:
@@ -111,39 +132,45 @@ def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float)
     units = 16 / torch.finfo(dtype).bits
     return Hardware(ctog=rates.ctog * units, gtoc=rates.gtoc * units, dtoc=0.0, ctod=0.0, mm_flops=rates.mm_flops,
                     bmm_flops=rates.mm_flops, cpu_flops=rates.cpu_flops, gpu_bytes=device_bytes * units,
-                    cpu_bytes=host * units, disk_bytes=0.0)
+                    cpu_bytes=host * units, disk_bytes=0.0, cpu_memory=rates.host_memory * units)
 
 
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
            prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64,
            max_block: int | None = None, reserve: float = 0.0, pinned: bool = False,
-           host_weights: float | None = None) -> Choice:
+           host_weights: float | None = None, cpu_attention: bool | None = None) -> Choice:
     """The fastest policy the executor runs within `device_bytes` and `host` bytes (and blocks of
     at most `max_block` sequences), each counted as exec/offload_memory.py counts the executor's
     tensors: `reserve` device bytes held back (CUDA_RESERVE on a GPU), host storage `pinned` (a
-    GPU's), `host_weights` the weights' host copy the caller holds (None: the streamed layers)."""
+    GPU's), `host_weights` the weights' host copy the caller holds (None: the streamed layers).
+    `cpu_attention`: how a host cache is attended in decode steps (None: the search picks, per block)."""
     hw = hardware(rates, dtype, device_bytes, host)
     shape = model_shape(config, prompt, generate)
     model = ModelBytes.of(config, dtype)
     units = 16 / torch.finfo(dtype).bits  # (the cost model's 2-byte units)
 
-    def executor_peaks(gbs: int, nb: int, grid: np.ndarray) -> np.ndarray:
+    def executor_peaks(gbs: int, nb: int, grid: np.ndarray, on_cpu: bool) -> np.ndarray:
         device, on_host = peaks(model, gbs, nb, prompt, generate, grid[:, 0], grid[:, 2] >= 1, grid[:, 4] >= 1,
-                                reserve, pinned, host_weights)
+                                reserve, pinned, host_weights, cpu_attention=on_cpu)
         disk = peak_bytes(shape, gbs, nb, grid, kv_to_gpu=True)[:, 2]  # (no disk tier: 0 holds nothing)
         return np.stack([device * units, on_host * units, disk], axis=1)
 
+    options = (False, True) if cpu_attention is None else (cpu_attention,)
     rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches,
-                          max_block=max_block, kv_to_gpu=True, weight_step=1 / config.num_layers, peaks=executor_peaks)
+                          max_block=max_block, kv_to_gpu=True, weight_step=1 / config.num_layers, peaks=executor_peaks,
+                          cpu_attention=options)
     if policy is None:
         raise ValueError(f"no placement of the model fits {device_bytes / 2**30:.2f} GiB of device and "
                          f"{host / 2**30:.1f} GiB of host memory")
     p = np.array([[policy.wg, policy.wc, policy.cg, policy.cc, policy.hg, policy.hc]])
-    decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p, kv_to_gpu=True)[1][0]
+    decode = layer_seconds(shape, hw, policy.gpu_batch, policy.num_batches, p, kv_to_gpu=True,
+                           cpu_attention=policy.cpu_attention)[1][0]
     is_offloaded = policy.wg < 1
-    placement = Placement(is_offloaded, policy.cg < 1, policy.hg < 1, policy.wg if is_offloaded else 0.0)
+    placement = Placement(is_offloaded, policy.cg < 1, policy.hg < 1, policy.wg if is_offloaded else 0.0,
+                          cpu_attention=policy.cpu_attention and policy.cg < 1)
     used = footprint(model, policy.gpu_batch, policy.num_batches, prompt, generate, policy.wg, policy.cg >= 1,
-                     policy.hg >= 1, reserve=reserve, pinned=pinned, host_weights=host_weights)
+                     policy.hg >= 1, reserve=reserve, pinned=pinned, host_weights=host_weights,
+                     cpu_attention=placement.cpu_attention)
     return Choice(policy, placement, rate, float(decode) * config.num_layers, used)
 
 
@@ -171,9 +198,11 @@ def predict(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: 
     hw = hardware(rates, dtype, 0.0, 0.0)
     p = _placement_array(config, placement)
     prefill, decode = (float(t[0]) * config.num_layers for t in
-                       layer_seconds(model_shape(config, prompt, generate), hw, gpu_batch, num_batches, p, kv_to_gpu=True))
+                       layer_seconds(model_shape(config, prompt, generate), hw, gpu_batch, num_batches, p, kv_to_gpu=True,
+                                     cpu_attention=placement.cpu_attention))
     used = footprint(ModelBytes.of(config, dtype), gpu_batch, num_batches, prompt, generate, p[0, 0],
-                     not placement.cache, not placement.hidden, reserve=reserve, pinned=pinned, host_weights=host_weights)
+                     not placement.cache, not placement.hidden, reserve=reserve, pinned=pinned, host_weights=host_weights,
+                     cpu_attention=placement.cpu_attention)
     return Prediction(prefill + (generate - 1) * decode, prefill, decode, used)
 
 
@@ -181,29 +210,34 @@ def predict(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: 
 class Bound:
     """A policy's bound (seconds of the whole model): each resource busy for its own work alone."""
     link: tuple[float, float]  # (prefill, decode step): the host link's busier direction
-    host_memory: tuple[float, float]  # every byte crossing the link read from or written to host memory
+    host_memory: tuple[float, float]  # every byte crossing the link, and the cache the CPU attends over, at
+    # host memory's rate
     gpu: tuple[float, float]  # the matmuls and attention at the device's measured rates
     tokens_per_s: float  # the block's tokens over (prefill + (generate - 1) x step), each the slowest resource's
+    cpu: tuple[float, float] = (0.0, 0.0)  # the CPU's attention (cpu_attention)
 
     @property
     def binding(self) -> str:
         """Which resource bounds a decode step."""
-        return max(("link", "host_memory", "gpu"), key=lambda name: getattr(self, name)[1])
+        return max(("link", "host_memory", "gpu", "cpu"), key=lambda name: getattr(self, name)[1])
 
 
 def bound(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
           num_batches: int, prompt: int, generate: int) -> Bound:
-    """The slowest of the host link, host memory and the GPU for a policy, from the cost model's
-    terms (`layer_terms`); host memory counts only where measured (`Rates.host_memory`)."""
+    """The slowest of the host link, host memory, the GPU and the CPU (its attention) for a policy,
+    from the cost model's terms (`layer_terms`); host memory counts only where measured
+    (`Rates.host_memory`)."""
     hw = hardware(rates, dtype, 0.0, 0.0)
     units = 16 / torch.finfo(dtype).bits
-    pre, dec = layer_terms(model_shape(config, prompt, generate), hw, gpu_batch, num_batches,
-                           _placement_array(config, placement), kv_to_gpu=True)
+    shape = model_shape(config, prompt, generate)
+    pre, dec = layer_terms(shape, hw, gpu_batch, num_batches, _placement_array(config, placement), kv_to_gpu=True,
+                           cpu_attention=placement.cpu_attention)
     layers = config.num_layers
     pre, dec = ([float(np.ravel(term)[0]) * layers for term in terms] for terms in (pre, dec))  # (one policy)
     link = tuple(max(t[0], t[1]) for t in (pre, dec))
-    moved = tuple(t[0] * hw.ctog + t[1] * hw.gtoc for t in (pre, dec))  # (bytes in the cost model's 2-byte units)
+    read = layers * mean_kv_bytes(shape, gpu_batch * num_batches) if placement.cpu_attention else 0.0  # (by the CPU)
+    moved = (pre[0] * hw.ctog + pre[1] * hw.gtoc, dec[0] * hw.ctog + dec[1] * hw.gtoc + read)  # (2-byte units)
     memory = tuple(m / (rates.host_memory * units) if rates.host_memory else 0.0 for m in moved)
-    gpu = tuple(t[4] for t in (pre, dec))
-    prefill, step = (max(link[i], memory[i], gpu[i]) for i in (0, 1))
-    return Bound(link, memory, gpu, gpu_batch * num_batches * generate / (prefill + (generate - 1) * step))
+    gpu, cpu = tuple(t[4] for t in (pre, dec)), tuple(t[5] for t in (pre, dec))
+    prefill, step = (max(link[i], memory[i], gpu[i], cpu[i]) for i in (0, 1))
+    return Bound(link, memory, gpu, gpu_batch * num_batches * generate / (prefill + (generate - 1) * step), cpu)

@@ -50,28 +50,45 @@ class BatchPrompts:
         return (columns[:, None] - self.pads[None, :]).clamp(0, self.last).flatten()
 
 
+def fp32_heads(cache: Tensor, workspace: Tensor | None = None) -> Tensor:
+    """[S, B, Hkv, D] -> [B, Hkv, S, D] in fp32, converted and transposed in one pass, into the first
+    S columns of `workspace` [B, Hkv, >= S, D] where given (each (b, h) a contiguous [S, D])."""
+    heads = cache.permute(1, 2, 0, 3)
+    if workspace is None:
+        return torch.empty(heads.shape, dtype=torch.float32, device=cache.device).copy_(heads)
+    return workspace[:, :, :heads.shape[2]].copy_(heads)
+
+
 class BatchAttend:
     """An `Attend` (cells/decoder.py) for one step of one batch: writes the step's k, v into the
-    batch's cache at its columns, then attends over columns [0, end) in fp32."""
+    batch's cache at its columns, then attends over columns [0, end) in fp32. The same on the
+    device and, over the host cache, on the CPU (`Placement.cpu_attention`: exec/offload_attention.py),
+    which passes fp32 `workspace`s for K and V [B, Hkv, S, D] kept across calls (the host's allocator
+    maps fresh pages for a large tensor each time: faulting them in took longer than the attention)."""
 
     def __init__(self, k_cache: Tensor, v_cache: Tensor, batch: BatchPrompts, step: int, scale: float,
-                 softcap: float | None):
+                 softcap: float | None, workspace: tuple[Tensor, Tensor] | None = None):
         self.k_cache, self.v_cache, self.batch, self.scale, self.softcap = k_cache, v_cache, batch, scale, softcap
+        self.workspace = workspace or (None, None)
         self.start, self.columns = batch.start(step), batch.columns(step)
 
     def __call__(self, layer_index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q [L*B, Hq, D], k, v [L*B, Hkv, D] (column-major tokens)
         num_rows, (num_kv_heads, head_dim) = self.batch.pads.shape[0], k.shape[1:]
-        start, end = self.start, self.start + self.columns
-        self.k_cache[start:end] = k.view(self.columns, num_rows, num_kv_heads, head_dim)
-        self.v_cache[start:end] = v.view(self.columns, num_rows, num_kv_heads, head_dim)
-        keys = self.k_cache[:end].float().permute(1, 2, 0, 3).unsqueeze(2)  # [B, Hkv, 1, end, D]
-        values = self.v_cache[:end].float().permute(1, 2, 0, 3).unsqueeze(2)
+        start, end, columns = self.start, self.start + self.columns, self.columns
+        self.k_cache[start:end] = k.view(columns, num_rows, num_kv_heads, head_dim)
+        self.v_cache[start:end] = v.view(columns, num_rows, num_kv_heads, head_dim)
+        keys, values = (fp32_heads(c[:end], w) for c, w in zip((self.k_cache, self.v_cache), self.workspace))  # [B,
+        # Hkv, end, D]
         group = q.shape[1] // num_kv_heads
-        qh = q.float().view(self.columns, num_rows, num_kv_heads, group, head_dim).permute(1, 2, 3, 0, 4)  # [B, Hkv, G, L, D]
-        scores = capped(qh @ keys.transpose(-1, -2) * self.scale, self.softcap)  # [B, Hkv, G, L, end]
+        qh = q.float().view(columns, num_rows, num_kv_heads, group, head_dim).permute(1, 2, 3, 0, 4)  # [B, Hkv, G, L, D]
+        qh = qh.reshape(num_rows, num_kv_heads, group * columns, head_dim)  # (a KV head's queries as rows: K is
+        # read once per KV head, not expanded G times)
+        scores = capped(qh @ keys.transpose(-1, -2) * self.scale, self.softcap)  # [B, Hkv, G*L, end]
+        scores = scores.view(num_rows, num_kv_heads, group, columns, end)
         scores.masked_fill_(~self.visible(end)[:, None, None], float("-inf"))
-        out = scores.softmax(-1) @ values  # [B, Hkv, G, L, D]
+        out = scores.softmax(-1).view(num_rows, num_kv_heads, group * columns, end) @ values  # [B, Hkv, G*L, D]
+        out = out.view(num_rows, num_kv_heads, group, columns, head_dim)
         return out.permute(3, 0, 1, 2, 4).reshape(q.shape).to(q.dtype)
 
     def visible(self, end: int) -> Tensor:

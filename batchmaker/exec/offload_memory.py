@@ -7,18 +7,21 @@ FlexGen's `peak_bytes` counts the weights, the cache, one GPU batch's hidden sta
 buffers; the executor also holds, on the device:
     rest       the embedding, final norm and head (never offloaded)
     slots      3 batch buffers of the cache and of the hidden states (x and residual: 2 tensors)
-               for what is offloaded; what is not lives there whole (every batch)
+               for what is offloaded (with `cpu_attention`, a cache slot holds the prompt's columns
+               only: no decode step brings the cache there); what is not lives there whole (every batch)
     working    one GPU batch's compute at its peak: the prompt step's attention in fp32 (scores
                and their softmax, B x heads x prompt^2 each, beside fp32 copies of q, K, V and the
                output) or its MLP, over the layer's inputs and the residual stream; or a decode
-               step's fp32 copies of a batch's K and V, where larger (short prompts)
+               step's fp32 copies of a batch's K and V, where larger (short prompts), unless the CPU
+               attends (`cpu_attention` over a host cache: the decode step's attention is the host's)
     reserve    what no policy shapes: cuBLAS workspaces, the caching allocator's 2 MiB rounding and
                the gap between what is allocated and what it reserves (`CUDA_RESERVE` on a GPU; the
                cap bounds what it reserves)
 and on the host: the block's cache and hidden states where offloaded, each (layer, batch) tensor
 pinned beside a GPU, which torch's host allocator rounds up to a power of two (so an 89 MB
-tensor takes 128 MB), and the weights' host copy (the streamed share, FlexGen's count, unless the
-caller says what it holds). 4-bit staging (compress=) is not counted: the search does not model
+tensor takes 128 MB), the weights' host copy (the streamed share, FlexGen's count, unless the
+caller says what it holds), and with `cpu_attention` the CPU's decode working set (a batch's fp32
+K, V and scores) and the pinned q | k | v and output staging (exec/offload_attention.py). 4-bit staging (compress=) is not counted: the search does not model
 compression.
 """
 from dataclasses import dataclass
@@ -65,17 +68,27 @@ class ModelBytes:
         """One batch's hidden states between layers: [prompt, 2, B, H] (x and residual)."""
         return prompt * 2 * gpu_batch * self.hidden * self.itemsize
 
-    def working(self, gpu_batch: int, prompt: int, generate: int) -> int:
-        """One GPU batch's compute at its peak (the larger of the prompt step and a decode step)."""
+    def working(self, gpu_batch: int, prompt: int, generate: int, decode_attends: bool = True) -> int:
+        """One GPU batch's compute at its peak (the larger of the prompt step and a decode step's
+        attention, where the device attends in decode steps: `decode_attends`)."""
         e, n, hq, hkv, d = self.itemsize, gpu_batch * prompt, self.num_heads, self.num_kv_heads, self.head_dim
         inputs = 5 * n * self.hidden * e  # the inputs' copy (x, residual), the residual stream, two norms' outputs
         attention = (n * (hq + 2 * hkv) * d * e + n * (hq + hkv) * d * e  # q | k | v, rotated q, k
                      + 2 * gpu_batch * hkv * prompt * d * 4 + 2 * n * hq * d * 4  # fp32 K, V, q, output
                      + 2 * gpu_batch * hq * prompt * prompt * 4 + gpu_batch * prompt * prompt)  # scores, softmax, mask
         mlp = 3 * n * self.intermediate * e + 2 * n * self.hidden * e  # gate | up, act; output, the stacked pair
-        end = prompt + generate - 1
-        decode = 2 * gpu_batch * hkv * end * d * 4 + 3 * gpu_batch * hq * end * 4  # fp32 K, V; scores
-        return max(inputs + max(attention, mlp), decode)
+        return max(inputs + max(attention, mlp), self.decode_attention(gpu_batch, prompt, generate) if decode_attends
+                   else 0)
+
+    def decode_attention(self, gpu_batch: int, prompt: int, generate: int) -> int:
+        """A decode step's attention over a batch's whole cache: fp32 K, V and scores."""
+        end, hq, hkv, d = prompt + generate - 1, self.num_heads, self.num_kv_heads, self.head_dim
+        return 2 * gpu_batch * hkv * end * d * 4 + 3 * gpu_batch * hq * end * 4
+
+    def attention_staging(self, gpu_batch: int) -> tuple[int, int]:
+        """The pinned q | k | v and output of one batch's decode step (cpu_attention)."""
+        per_head = gpu_batch * self.head_dim * self.itemsize
+        return (self.num_heads + 2 * self.num_kv_heads) * per_head, self.num_heads * per_head
 
 
 def pinned_size(nbytes: int, pinned: bool) -> int:
@@ -85,22 +98,29 @@ def pinned_size(nbytes: int, pinned: bool) -> int:
 
 def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, wg: np.ndarray,
           cache_on_device: np.ndarray, hidden_on_device: np.ndarray, reserve: float = 0.0, pinned: bool = False,
-          host_weights: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+          host_weights: float | None = None, cpu_attention: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(device, host) bytes [P] for placements given as the weights' share on the device `wg`
     (whole layers: the first floor(wg x layers)) and whether the cache and hidden states stay
-    there. `host_weights`: the weights' host copy as the caller holds it (None: the streamed layers)."""
+    there. `host_weights`: the weights' host copy as the caller holds it (None: the streamed layers);
+    `cpu_attention`: a host cache is attended on the CPU in decode steps (`Placement.cpu_attention`)."""
     wg, cache_on, hidden_on = (np.asarray(a, dtype=float) for a in (wg, cache_on_device, hidden_on_device))
     resident = np.floor(wg * model.num_layers + 1e-6)
     kv = 2 * model.kv_tensor(gpu_batch, prompt, generate)  # K and V of one (layer, batch)
+    slot = 2 * model.kv_tensor(gpu_batch, prompt, 1) if cpu_attention else kv  # (the prompt's columns)
     hidden = model.hidden_tensor(gpu_batch, prompt)
+    on_cpu = (cache_on == 0) & cpu_attention  # (the CPU attends in decode steps)
+    working = np.where(on_cpu, model.working(gpu_batch, prompt, generate, decode_attends=False),
+                       model.working(gpu_batch, prompt, generate))
     device = (resident * model.layer + np.where(resident < model.num_layers, WEIGHT_BUFFERS * model.layer, 0)
-              + model.rest + model.working(gpu_batch, prompt, generate) + reserve
-              + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * kv)
+              + model.rest + working + reserve
+              + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * slot)
               + np.where(hidden_on > 0, num_batches * hidden, BATCH_BUFFERS * hidden)
               + num_batches * gpu_batch * (prompt + generate) * 8)  # (prompts and tokens, int64)
     kv_host = 2 * model.num_layers * num_batches * pinned_size(kv // 2, pinned)
     weights = (model.num_layers - resident) * model.layer if host_weights is None else np.full_like(wg, host_weights)
-    host = (weights + np.where(cache_on > 0, 0, kv_host)
+    cpu_working = model.decode_attention(gpu_batch, prompt, generate) + sum(
+        pinned_size(n, pinned) for n in model.attention_staging(gpu_batch))
+    host = (weights + np.where(cache_on > 0, 0, kv_host) + np.where(on_cpu, cpu_working, 0)
             + np.where(hidden_on > 0, 0, num_batches * pinned_size(hidden, pinned)))
     return device, host
 
@@ -112,7 +132,7 @@ class Footprint:
 
 
 def footprint(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, weights_gpu: float,
-              cache_on_device: bool, hidden_on_device: bool, **kwargs) -> Footprint:
+              cache_on_device: bool, hidden_on_device: bool, **kwargs) -> Footprint:  # (kwargs: as `peaks`)
     """`peaks` of one policy."""
     device, host = peaks(model, gpu_batch, num_batches, prompt, generate, np.array([weights_gpu]),
                          np.array([float(cache_on_device)]), np.array([float(hidden_on_device)]), **kwargs)

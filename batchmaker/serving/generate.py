@@ -4,7 +4,8 @@ JSON-lines file of results (serving/prompt_file.py), resumable, with progress on
 Without `--set offload=...` the prompts run through the engine (cellular batching, as `serve`
 runs them). With it, through FlexGen's offloading executor (exec/offload.py): `offload=auto`
 measures the machine and picks the policy (exec/offload_auto.py, printed with its prediction);
-`offload=weights+cache+hidden` (any of the three, or `none`) names what lives on the host.
+`offload=weights+cache+hidden` (any of the three, or `none`) names what lives on the host, and
+`+cpu_attention` (with the cache) attends over the host cache on the CPU in decode steps.
 `gpu_memory=12GiB` bounds the device pool for auto; `gpu_batch=` and `num_batches=` override the
 policy's block, `weights_gpu=0.4` its share of offloaded weights kept on the device (the first 40%
 of the layers, never moved; core/zigzag.py `Placement`); `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
@@ -75,8 +76,11 @@ def split_settings(items: list[str], name: str) -> tuple[dict, list[str]]:
 def _convert(key: str, text: str):
     if key == "offload":
         parts = set(text.split("+"))
-        if text not in ("auto", "none") and not parts <= {"weights", "cache", "hidden"}:
-            raise UsageError(f"--set offload={text}: expected auto, none, or weights, cache, hidden joined by +")
+        if text not in ("auto", "none") and not parts <= {"weights", "cache", "hidden", "cpu_attention"}:
+            raise UsageError(f"--set offload={text}: expected auto, none, or weights, cache, hidden (and "
+                             "cpu_attention) joined by +")
+        if "cpu_attention" in parts and "cache" not in parts:
+            raise UsageError(f"--set offload={text}: cpu_attention attends over the cache on the host: add cache")
         return text
     if key == "compress":
         if text not in ("weights", "kv", "both"):
@@ -230,10 +234,12 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         dtype = lm.embed_tokens.weight.dtype
         device_bytes = own.get("gpu_memory") or _device_bytes(device) or CPU_DEVICE_BYTES
         is_cuda = torch.device(device).type == "cuda"  # (a GPU's workspace held back, its host storage pinned)
+        dense_cache = own.get("compress") not in ("kv", "both")  # (the CPU attends over a dense host cache only)
         try:
             choice = choose(lm.config, dtype, measure(device, dtype), device_bytes, host_bytes(), prompt, generate,
                             max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts,
-                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda)
+                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda,
+                            cpu_attention=None if dense_cache else False)
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(choice.describe(), file=sys.stderr, flush=True)
@@ -242,7 +248,8 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         num_batches = own.get("num_batches", choice.policy.num_batches)
     else:
         parts = set(offload.split("+")) - {"none"}
-        placement = Placement(*(kind in parts for kind in ("weights", "cache", "hidden")))
+        placement = Placement(*(kind in parts for kind in ("weights", "cache", "hidden")),
+                              cpu_attention="cpu_attention" in parts)
     try:
         if "weights_gpu" in own:  # (auto's choice overridden: the weights offloaded, that share kept)
             placement = replace(placement, weights=placement.weights or offload == "auto",
