@@ -37,6 +37,9 @@
 #              wheels (pydantic, httpx, anyio, typing_extensions...: ahead of the machine's own on the path)
 #     prefix   bench/chat.py --stateful (issue 32): the chat workload sent statelessly with automatic prefix
 #              caching (GPU blocks + host tier) against stateless and the explicit conversations; ~5 min
+#     verify18: the eighteenth session's GPU code not yet run (one GPU, ~7 min expected): the offloading GPU
+#              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
+#              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
 #     verify16: the GPU tests of code written without a GPU in the sixteenth session (the 4-bit
 #              kernels, head sizes, windows and soft caps, Gemma 2, offloading, the one-shot
 #              all-reduce's int64 flags and self-test)
@@ -112,7 +115,9 @@ REPLICA_COUNTS=$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= 
 replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
 TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
+[[ " $* " == *" verify18 "* ]] && FAMILIES=${FAMILIES:-qwen2.5-7b gemma-2-9b mistral-7b}
 set -- $(for suite in "$@"; do case "$suite" in pp) echo pp-tests pp-chat ;; tppp) echo tppp-tests tppp-chat ;;
+                                                  verify18) echo offload-tests families ;;
                                                   *) echo "$suite" ;; esac; done)
 for suite in "$@"; do
     case "$suite" in
