@@ -51,6 +51,7 @@ class Graphs:
         self._runs: dict[Hashable, int] = {}  # key -> eager runs so far, until it is captured
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
+        self._tainted = False  # a failed capture did not leave capture mode: its pool is not reused
 
     def run(self, key: Hashable, body: Callable[[], object], pools: list, strict: bool = False) -> object:
         """The body's outputs: a replay (static outputs, valid until the next replay of `key`),
@@ -89,8 +90,11 @@ class Graphs:
                 graph, static = self._record(body, warm)
             except torch.OutOfMemoryError:
                 # the blocks eager runs left cached outside the graphs' pool may be what it lacks:
-                # back to the device with them, and once more on a fresh pool
-                self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+                # back to the device with them, and once more (on the same pool where its capture
+                # ended cleanly: graphs in several pools cannot share their memory)
+                if self._tainted:
+                    self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+                    self._tainted = False
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
                 graph, static = self._record(body, warm)
@@ -123,8 +127,10 @@ class Graphs:
             try:
                 static = body()
             except Exception:
+                self._tainted = True  # (until capture mode is left: the allocator may still record into the pool)
                 with contextlib.suppress(Exception):
                     graph.capture_end()  # leave capture mode; the capture itself has failed
+                    self._tainted = False
                 raise
             graph.capture_end()
         return graph, static
