@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["llama-2-7b"], choices=sorted(PRESETS))
     ap.add_argument("--tensor-parallel", type=int, default=1, help="rank 0's shards of a split over this many GPUs")
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--rows", type=int, nargs="+", default=None, help="default: 2 4 8 16 32 64 128 (--route: 8 16 32 64)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None,
+                    help="default: 2 4 8 16 32 64 128 (--route: 8 16 32 64)")
     ap.add_argument("--route", action="store_true", help="the start-up router's picks against the sweep's")
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args()

@@ -234,7 +234,7 @@ def _measured(shapes: dict, keys: list[Key], device: torch.device, timer: Timer,
         for key in keys:
             if key in routes:
                 continue
-            if time.perf_counter() - start > BUDGET_S:  # (the rest: static, measured at a later start)
+            if measured and time.perf_counter() - start > BUDGET_S:  # (the rest: static, measured at a later start)
                 routes[key] = static_route(*key[:3])
                 continue
             routes[key] = measured[key] = measure(shapes[key[:2]], key[2], timer)[0]
