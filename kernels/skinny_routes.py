@@ -12,8 +12,9 @@ layers' own weights (enough of them to stream past L2), the median of a few repl
 fastest (cuBLAS on ties). Winners are cached on disk (`cache_path`: one JSON whose entries are keyed
 by device name and torch's and Triton's versions), so later starts skip the sweep.
 
-    BATCHMAKER_SKINNY=measure    # the default: measure what the cache lacks
-    BATCHMAKER_SKINNY=static     # the static table (skinny.CONFIGS, skinny.default_config)
+    BATCHMAKER_SKINNY=measure    # measure what the cache lacks
+    BATCHMAKER_SKINNY=static     # the default until a GPU run has checked the router against the sweep
+                                 # (bench/gpu.sh skinny-route): the static table (skinny.CONFIGS, default_config)
     BATCHMAKER_SKINNY=off        # cuBLAS for every projection of the model
     BATCHMAKER_CACHE_DIR=DIR     # the cache's folder (default ~/.cache/batchmaker)
 
@@ -191,10 +192,10 @@ def _route_of(value: dict | None) -> Route:
 def settle_routes(lm: nn.Module, device: torch.device, mode: str | None = None, timer: Timer = time_in_graph,
                   path: Path | None = None) -> dict[Key, Route]:
     """Install the routes of `lm`'s projections on `device` into skinny.ROUTES, by `mode` (MODES;
-    None: BATCHMAKER_SKINNY, default measure), and return them: measured where the cache at `path`
+    None: BATCHMAKER_SKINNY, default static), and return them: measured where the cache at `path`
     (default `cache_path()`) lacks them, in at most about BUDGET_S, and cached. On a CPU or where the
     kernels cannot run: nothing measured, nothing installed ({})."""
-    mode = mode or os.environ.get("BATCHMAKER_SKINNY", "measure")
+    mode = mode or os.environ.get("BATCHMAKER_SKINNY", "static")
     if mode not in MODES:
         raise ValueError(f"BATCHMAKER_SKINNY={mode!r}: one of {', '.join(MODES)} expected")
     with torch.inference_mode():  # (the weights are parameters: can_skinny refuses products autograd records)

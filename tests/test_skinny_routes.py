@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 def fresh_routes(monkeypatch, tmp_path):
     monkeypatch.setattr(skinny, "ROUTES", {})
     monkeypatch.setenv("BATCHMAKER_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("BATCHMAKER_SKINNY", raising=False)
+    monkeypatch.setenv("BATCHMAKER_SKINNY", "measure")  # (the router under test; the default is test_the_switch's)
 
 
 class FakeTimer:
@@ -156,8 +156,10 @@ def test_the_switch(monkeypatch):
     with pytest.raises(ValueError, match="measure, static, off"):
         skinny_routes.settle_routes(lm, CPU, timer=never)
     monkeypatch.delenv("BATCHMAKER_SKINNY")
+    assert skinny_routes.settle_routes(lm, CPU, timer=never) == static  # the default (until a GPU run checks the router)
+    monkeypatch.setenv("BATCHMAKER_SKINNY", "measure")
     timer = FakeTimer({})
-    skinny_routes.settle_routes(lm, CPU, timer=timer)  # the default: measure
+    skinny_routes.settle_routes(lm, CPU, timer=timer)
     assert timer.calls
     assert skinny_routes.settle_routes(lm, CPU, mode="off", timer=never) == off  # (the argument over the variable)
 
