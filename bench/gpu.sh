@@ -70,6 +70,12 @@
 #     fdpp     split-KV decode with FlashDecoding++'s unified maximum (issue 33; written without a GPU):
 #              its GPU tests (tests/test_unified_max.py), then bench/attention.py --unified-max (exact
 #              against unified decode, batches 1-256 x contexts 256-32K); fdpp-tests, fdpp-ab: each half
+#     skinny-route issue 33 (written without a GPU): the few-token projections' GPU tests (skinny kernel, FlashDecoding++'s
+#              flat GEMM, the start-up router: tests/test_skinny.py, test_flat_gemm.py, test_skinny_routes.py), then
+#              bench/skinny.py --route over SKINNY_PRESETS (default llama-2-7b qwen2.5-7b mistral-7b phi-3-mini
+#              gemma-2-9b: 18 shapes x rows 8-64, 26 configs each): the router's pick against the exhaustive sweep
+#              (`router_over_best`), into skinny-route-*.json; ~4-5 min on an H100 (estimated from ~90 kernel compiles
+#              and ~2,500 graph timings; not run yet)
 #     tp-tests, tp-step, tp-chat (a multi-GPU machine; issue 31): the tensor-parallel GPU tests; the
 #              plain-PyTorch anchor (.probes/tp_probe.py: copy ../shared/probes there and carry it)
 #              then bench/tp_step.py at TP 1 and $TP; bench/chat.py all at once at TP 1 and $TP
@@ -215,6 +221,10 @@ for suite in "$@"; do
                 tests/test_unified_max.py
             [ "$suite" = fdpp-tests ] || step fdpp-ab timeout 320 python3 bench/attention.py --unified-max --out \
                 "bench/results/attention-fdpp-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+        skinny-route) step skinny-route-tests timeout 150 env BATCHMAKER_SKINNY=measure python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                          tests/test_skinny.py tests/test_flat_gemm.py tests/test_skinny_routes.py
+                      step skinny-route timeout 420 python3 bench/skinny.py --route \
+                          --presets ${SKINNY_PRESETS:-llama-2-7b qwen2.5-7b mistral-7b phi-3-mini gemma-2-9b} ;;
         tppp-tests) step tppp-tests timeout 300 python3 -m pytest -q -s -p no:cacheprovider -rf tests/test_tensor_pipeline_gpu.py ;;
         tppp-chat) step tppp-chat timeout 300 python3 bench/chat.py --preset "${TPPP_PRESET:-llama-2-13b}" \
                        --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" \

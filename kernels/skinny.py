@@ -8,6 +8,10 @@ more rows than MAX_ROWS keep cuBLAS.
     out = project(layer, x)              # layer(x) for an nn.Linear, through the kernel where it applies
 
 `reference_linear` (F.linear) is its twin: what runs on the CPU and wherever `can_skinny` says no.
+Which kernel runs a product is a route: `ROUTES`, measured at engine start-up for the model's own
+shapes on the device at hand (kernels/skinny_routes.py: this kernel's configs, FlashDecoding++'s flat
+GEMM's, kernels/flat_gemm.py, or cuBLAS); shapes it holds no route for take the static table
+`CONFIGS` (one H200's sweep of Llama-2-7B) or `default_config`.
 Numerics: fp32 accumulation over K in tiles, rounded once, like cuBLAS without split-K; outputs may
 differ from cuBLAS's in the last bit. At one accumulator height (`block_rows`) a row's output does not
 depend on the batch's other rows (on an H200 heights of 64 use other tensor-core instructions than
@@ -16,10 +20,12 @@ depend on the batch's other rows (on an H200 heights of 64 use other tensor-core
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchmaker.kernels.cell_launch import (KernelUnavailableError, has_sm90, is_interpreting, load_kernels,
                                              pdl_options)
+from batchmaker.kernels.flat_gemm import FlatConfig, flat_linear, token_tile
 from batchmaker.kernels.fused_decoder import HAS_TRITON
 from batchmaker.kernels.gemv import reference_linear  # (the twin: F.linear, as one token's)
 
@@ -53,6 +59,18 @@ CONFIGS: dict[tuple[int, int, int], SkinnyConfig | None] = {
 }
 
 
+Route = SkinnyConfig | FlatConfig | None  # None: cuBLAS (F.linear)
+# (n_out, k_in, row bucket, dtype, device index) -> route, measured at start-up (skinny_routes.settle_routes)
+ROUTES: dict[tuple[int, int, int, torch.dtype, int], Route] = {}
+_UNROUTED = object()
+
+
+def row_bucket(m_rows: int) -> int:
+    """The rows a route is measured at: M rounded up to a power of two, at least 8 (the flat GEMM's
+    least token tile; the skinny kernel pads 8 to 16)."""
+    return token_tile(m_rows)
+
+
 def block_rows(m_rows: int) -> int:
     """The accumulator's rows: M rounded up to a power of two, at least 16 (tl.dot's minimum)."""
     return max(16, 1 << (m_rows - 1).bit_length())
@@ -84,15 +102,28 @@ def can_skinny(x: Tensor, weight: Tensor) -> bool:
 
 
 def project(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x), through `skinny_linear` where the kernel takes it (an nn.Linear without bias,
-    `can_skinny`): the models' projections call this, so a decode iteration of a few tokens reads
-    each weight once. Another module (the offloader's 4-bit `Linear4`) is called as it is."""
+    """layer(x), by its route (`ROUTES`, else the static table) where the kernels take it (an
+    nn.Linear without bias, `can_skinny`): the models' projections call this, so a decode iteration
+    of a few tokens reads each weight once. Another module (the offloader's 4-bit `Linear4`) is
+    called as it is."""
     if isinstance(layer, nn.Linear) and layer.bias is None and can_skinny(x, layer.weight):
         n_out, k_in = layer.weight.shape
-        config = pick_config(n_out, k_in, block_rows(x.shape[0]))
-        if config is not None:
-            return skinny_linear(x, layer.weight, config=config)
+        m_rows = x.shape[0]
+        route = ROUTES.get((n_out, k_in, row_bucket(m_rows), x.dtype, x.get_device()), _UNROUTED)
+        if route is _UNROUTED:
+            route = pick_config(n_out, k_in, block_rows(m_rows))
+        if route is not None:
+            return routed_linear(x, layer.weight, route)
     return layer(x)
+
+
+def routed_linear(x: Tensor, weight: Tensor, route: Route, pdl: bool = True) -> Tensor:
+    """x W^T by `route`: the skinny kernel, the flat GEMM, or cuBLAS (None)."""
+    if route is None:
+        return F.linear(x, weight)
+    if type(route) is FlatConfig:
+        return flat_linear(x, weight, config=route, pdl=pdl)
+    return skinny_linear(x, weight, config=route, pdl=pdl)
 
 
 def skinny_linear(x: Tensor, weight: Tensor, *, pdl: bool = True, config: SkinnyConfig | None = None) -> Tensor:
@@ -121,5 +152,5 @@ def _load_kernels():
     return load_kernels("triton_skinny", "the skinny kernel", "reference_linear")
 
 
-__all__ = ["MAX_ROWS", "CONFIGS", "SkinnyConfig", "block_rows", "can_skinny", "default_config", "pick_config",
-           "project", "reference_linear", "skinny_linear"]
+__all__ = ["MAX_ROWS", "CONFIGS", "ROUTES", "Route", "SkinnyConfig", "block_rows", "can_skinny", "default_config",
+           "pick_config", "project", "reference_linear", "routed_linear", "row_bucket", "skinny_linear"]

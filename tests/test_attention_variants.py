@@ -95,7 +95,7 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
                                    attn_softcap=softcap)
     runner = types.SimpleNamespace(cache=types.SimpleNamespace(k=k[None], v=k[None]), max_blocks=max_blocks,
                                    config=config, module=types.SimpleNamespace(block_size=block, calibration_prompts=[]),
-                                   unified_max=None)
+                                   unified_max=None, lm=torch.nn.Module(), device=torch.device("cpu"))  # (no routes)
     IterationRunner.compile_kernels(runner)
     width = max_blocks * block
     wanted, served = set(), set()

@@ -168,7 +168,7 @@ def test_a_runner_calibrates_at_start_and_compiles_with_phi(monkeypatch):
     k = torch.zeros(1, 2, 16, lm.config.num_kv_heads, lm.config.head_dim)
     module = types.SimpleNamespace(ranks=1, calibration_prompts=prompts, block_size=16)
     runner = types.SimpleNamespace(lm=lm, module=module, unified_max=None, config=lm.config, max_blocks=4,
-                                   cache=types.SimpleNamespace(k=k, v=k))
+                                   cache=types.SimpleNamespace(k=k, v=k), device=torch.device("cpu"))
     runner.calibrate_unified_max = lambda p: IterationRunner.calibrate_unified_max(runner, p)
     IterationRunner.compile_kernels(runner)
     assert runner.unified_max is not None and runner.unified_max == calibrate_lm(lm, prompts)

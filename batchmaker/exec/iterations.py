@@ -39,6 +39,7 @@ from batchmaker.exec.stage_exchange import StageExchange
 from batchmaker.exec.staging import Landing
 from batchmaker.kernels import attention_work
 from batchmaker.kernels.attention_variants import compile_variants
+from batchmaker.kernels.skinny_routes import settle_routes
 
 
 class IterationRunner:
@@ -65,6 +66,7 @@ class IterationRunner:
         self.kernels = kernels
         self.attention = kernels.paged_attention if cuda else kernels.reference_paged_attention
         self.unified_max: float | None = None  # split decode's phi once calibrated (calibrate_unified_max)
+        self.routes: dict | None = None  # the projections' kernels once settled (compile_kernels; {}: none to route)
         self.shapes = GraphShapes(cell_type.batch_sizes, module.max_seqs, module.kv.prefill_graph_tokens,
                                   kernels.SHORT_CONTEXT_LEN, self.max_blocks * module.block_size, graphs.enabled)
         self.stream = None  # the CUDA worker's stream
@@ -319,7 +321,10 @@ class IterationRunner:
         (kernels/attention_variants.py; CUDA workers call it at start, graphs or not). Contexts
         reach the block table's width (an unbounded launch's bound), a block past max_positions; with
         the layers' sliding windows and soft cap, where the model has them, and the calibrated
-        unified maximum's split decodes, calibrated first from the cell's calibration prompts."""
+        unified maximum's split decodes, calibrated first from the cell's calibration prompts. First
+        the few-token projections' routes, measured on this device (kernels/skinny_routes.py): before
+        any graph is captured, since graphs bake them in."""
+        self.routes = settle_routes(self.lm, self.device)
         if self.module.calibration_prompts:
             self.calibrate_unified_max(self.module.calibration_prompts)
         compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,
@@ -339,6 +344,7 @@ class IterationRunner:
         """Capture the decode graphs of every bucket now (padded sequences only touch scratch)."""
         if not self.shapes.enabled:
             return
+        assert self.routes is not None, "the projections' routes settle before graphs capture them (compile_kernels)"
         for bucket in self.shapes.decode_buckets:
             packed = self._packer(bucket, bucket, bucket, graphed=True)
             alone = pad_alone(GraphShape(bucket, bucket, None, True), self.scratch_slot, self.module.block_size,
