@@ -88,7 +88,7 @@ class _Brackets:
         starts = np.cumsum(sizes + 1) - sizes
         buf = np.frombuffer(data, dtype=np.uint8)
         bracket = (buf == _OPEN) | (buf == _CLOSE)
-        if (buf < 31).any():  # control bytes: some are spaces, some text
+        if buf.min() < 31:  # control bytes: some are spaces, some text
             text = ~(IS_SPACE[buf] | bracket)
         else:  # text is above b" " (and _SEP below it)
             text = (buf > 32) ^ bracket
@@ -96,18 +96,20 @@ class _Brackets:
         is_token[1:] |= text[1:] > text[:-1]  # (data starts with _SEP: no run starts at 0)
         token_pos = np.flatnonzero(is_token)
         kind = buf[token_pos]
-        bracket_at = np.flatnonzero((kind == _OPEN) | (kind == _CLOSE))
+        bracket_at = np.flatnonzero(kind - np.uint8(_OPEN) < 2)  # "(" or ")"
         is_open = kind[bracket_at] == _OPEN
         closes = np.flatnonzero(~is_open)
         depth = closes - np.arange(1, 2 * len(closes), 2)  # opens through it, less closes through it
         return _Brackets(data, starts, starts + sizes, token_pos, bracket_at, is_open, closes, depth)
 
+    def roots(self, max_depth: int) -> np.ndarray | None:
+        """Each tree's last ")" (as an index into closes), if every string follows the rules of
+        parse_bracketed ("(" label, then a word or subtrees, then ")"; one tree; at most max_depth
+        deep) but "at most two subtrees in a bracket" (_shape checks that); else None."""
+        return self._roots_if_all_follow_rules(max_depth)
+
     def broken(self, max_depth: int) -> np.ndarray:
-        """[num_strings] bool: the strings that break a rule of parse_bracketed ("(" label, then a
-        word or subtrees, then ")"; one tree; at most max_depth deep), but "at most two subtrees in
-        a bracket" (_shape checks that)."""
-        if self._all_follow_rules(max_depth):
-            return np.zeros(len(self.starts), dtype=bool)
+        """[num_strings] bool: the strings that break a rule (of those roots() checks)."""
         broken = self._broken_strings(max_depth)
         return broken if broken.any() else np.ones(len(broken), dtype=bool)  # (not reached: all to the one-by-one path)
 
@@ -119,22 +121,25 @@ class _Brackets:
         allowed *= o[:-1]
         return allowed.astype(np.int64)
 
-    def _all_follow_rules(self, max_depth: int) -> bool:
+    def _roots_if_all_follow_rules(self, max_depth: int) -> np.ndarray | None:
         """Each string is spaces, one tree, spaces: between brackets lie the runs allowed and none
         lie outside them; depth is 0 after one ")" per string, its last bracket, and within
         0..max_depth (its extremes are next to a ")"); tree t begins and ends in string t."""
         at, closes, depth, starts = self.bracket_at, self.closes, self.depth, self.starts
         if not len(closes):
-            return not len(starts)
-        roots = closes[depth == 0]
-        if not (len(roots) == len(starts) and roots[-1] == len(at) - 1 and at[0] == 0
+            return None if len(starts) else np.zeros(0, dtype=np.int64)
+        roots = np.flatnonzero(depth == 0)
+        last = closes[roots]  # each tree's last bracket
+        if not (len(roots) == len(starts) and last[-1] == len(at) - 1 and at[0] == 0
                 and at[-1] == len(self.token_pos) - 1 and depth.min() >= 0 and depth.max() < max_depth):
-            return False
-        first = np.append(0, roots[:-1] + 1)  # each tree's first bracket
+            return None
+        first = np.append(0, last[:-1] + 1)  # each tree's first bracket
         runs = np.subtract(at[1:], at[:-1])
         runs -= 1
-        return (np.array_equal(runs, self._runs_allowed())
-                and (self.token_pos[at[first]] >= starts).all() and (self.token_pos[at[roots]] < self.ends).all())
+        if (np.array_equal(runs, self._runs_allowed())
+                and (self.token_pos[at[first]] >= starts).all() and (self.token_pos[at[last]] < self.ends).all()):
+            return roots
+        return None
 
     def _broken_strings(self, max_depth: int) -> np.ndarray:
         """broken() string by string: a run is wrong before its string's first bracket or past
@@ -176,9 +181,11 @@ def parse_brackets(texts: list[str], vocab: int, max_depth: int) -> tuple[TreeAr
     (the arrays of those that follow the rules, their positions in `texts`). A batch with
     strings that break one is parsed again without them."""
     brackets = _Brackets.of(texts)
-    broken = brackets.broken(max_depth)
-    if not broken.any():
-        broken, shape = _shape(brackets, max_depth)
+    roots = brackets.roots(max_depth)
+    if roots is None:
+        broken = brackets.broken(max_depth)
+    else:
+        broken, shape = _shape(brackets, roots, max_depth)
     if broken.any():
         kept = np.flatnonzero(~broken).tolist()
         arrays, parsed = parse_brackets([texts[i] for i in kept], vocab, max_depth) if kept else (_NO_TREES, [])
@@ -191,7 +198,7 @@ def parse_brackets(texts: list[str], vocab: int, max_depth: int) -> tuple[TreeAr
 _NO_TREES = TreeArrays(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.int64))
 
 
-def _shape(brackets: _Brackets, max_depth: int) -> tuple[np.ndarray, tuple | None]:
+def _shape(brackets: _Brackets, roots: np.ndarray, max_depth: int) -> tuple[np.ndarray, tuple | None]:
     """The trees of strings that passed broken(), read off their ")"s -> ([num_strings] bool: a
     bracket holds three subtrees or more, (num_leaves, children as in TreeArrays, each word's
     first and past-the-end byte) or None if any does). A ")" after "(" closes a leaf; one after
@@ -217,7 +224,7 @@ def _shape(brackets: _Brackets, max_depth: int) -> tuple[np.ndarray, tuple | Non
         no_string[np.searchsorted(brackets.starts, wide_at, side="right") - 1] = True
         return no_string, None
     word_at = np.flatnonzero(holds_word)
-    num_leaves = np.searchsorted(word_at, np.flatnonzero(depth == 0), side="right")  # through each tree, then
+    num_leaves = np.searchsorted(word_at, roots, side="right")  # through each tree, then
     num_leaves[1:] -= num_leaves[:-1].copy()
     node = np.zeros(len(closes), dtype=np.int64)  # each ")"'s node, numbered as in TreeArrays
     leaves_before = np.cumsum(num_leaves) - num_leaves
