@@ -102,32 +102,30 @@ class _Brackets:
         depth = closes - np.arange(1, 2 * len(closes), 2)  # opens through it, less closes through it
         return _Brackets(data, starts, starts + sizes, token_pos, bracket_at, is_open, closes, depth)
 
-    def roots(self, max_depth: int) -> np.ndarray | None:
-        """Each tree's last ")" (as an index into closes), if every string follows the rules of
-        parse_bracketed ("(" label, then a word or subtrees, then ")"; one tree; at most max_depth
-        deep) but "at most two subtrees in a bracket" (_shape checks that); else None."""
-        return self._roots_if_all_follow_rules(max_depth)
-
     def broken(self, max_depth: int) -> np.ndarray:
         """[num_strings] bool: the strings that break a rule (of those roots() checks)."""
         broken = self._broken_strings(max_depth)
         return broken if broken.any() else np.ones(len(broken), dtype=bool)  # (not reached: all to the one-by-one path)
 
     def _runs_allowed(self) -> np.ndarray:
-        """[num_brackets - 1] int8: the runs of text allowed between each bracket and the next: a
+        """[num_brackets - 1] int64: the runs of text allowed between each bracket and the next: a
         label between "(" and "(", a label and a word between "(" and ")", none after ")"."""
         o = self.is_open.view(np.int8)
         allowed = np.int8(2) - o[1:]
         allowed *= o[:-1]
         return allowed.astype(np.int64)
 
-    def _roots_if_all_follow_rules(self, max_depth: int) -> np.ndarray | None:
-        """Each string is spaces, one tree, spaces: between brackets lie the runs allowed and none
-        lie outside them; depth is 0 after one ")" per string, its last bracket, and within
-        0..max_depth (its extremes are next to a ")"); tree t begins and ends in string t."""
+    def roots(self, max_depth: int) -> np.ndarray | None:
+        """Each tree's last ")" (an index into closes) if every string follows the rules of
+        parse_bracketed ("(" label, then a word or subtrees, then ")"; one tree; at most max_depth
+        deep) but "at most two subtrees in a bracket" (_shape checks that); else None. Checked for
+        the batch at once: each string is spaces, one tree, spaces, when between brackets lie the
+        runs allowed and none lie outside them, depth is 0 after one ")" per string, its last
+        bracket, and within 0..max_depth (its extremes are next to a ")"), and tree t begins and
+        ends in string t."""
         at, closes, depth, starts = self.bracket_at, self.closes, self.depth, self.starts
         if not len(closes):
-            return None if len(starts) else np.zeros(0, dtype=np.int64)
+            return None
         roots = np.flatnonzero(depth == 0)
         last = closes[roots]  # each tree's last bracket
         if not (len(roots) == len(starts) and last[-1] == len(at) - 1 and at[0] == 0
@@ -180,6 +178,8 @@ def parse_brackets(texts: list[str], vocab: int, max_depth: int) -> tuple[TreeAr
     """parse_bracketed's rules applied to all `texts` at once, with numpy over their bytes ->
     (the arrays of those that follow the rules, their positions in `texts`). A batch with
     strings that break one is parsed again without them."""
+    if not texts:
+        return _NO_TREES, []
     brackets = _Brackets.of(texts)
     roots = brackets.roots(max_depth)
     if roots is None:
@@ -188,7 +188,7 @@ def parse_brackets(texts: list[str], vocab: int, max_depth: int) -> tuple[TreeAr
         broken, shape = _shape(brackets, roots, max_depth)
     if broken.any():
         kept = np.flatnonzero(~broken).tolist()
-        arrays, parsed = parse_brackets([texts[i] for i in kept], vocab, max_depth) if kept else (_NO_TREES, [])
+        arrays, parsed = parse_brackets([texts[i] for i in kept], vocab, max_depth)
         return arrays, [kept[j] for j in parsed]
     num_leaves, children, word_starts, word_ends = shape
     return TreeArrays(num_leaves, _hashed_words(brackets.data, word_starts, word_ends, vocab), children), \
@@ -227,9 +227,10 @@ def _shape(brackets: _Brackets, roots: np.ndarray, max_depth: int) -> tuple[np.n
     num_leaves = np.searchsorted(word_at, roots, side="right")  # through each tree, then
     num_leaves[1:] -= num_leaves[:-1].copy()
     node = np.zeros(len(closes), dtype=np.int64)  # each ")"'s node, numbered as in TreeArrays
-    leaves_before = np.cumsum(num_leaves) - num_leaves
+    leaves_before = np.cumsum(num_leaves) - num_leaves  # tree t's internal nodes: n_t + (pairs before it in t)
+    pairs_before = leaves_before - np.arange(len(num_leaves))
     node[word_at] = np.arange(len(word_at)) - np.repeat(leaves_before, num_leaves)
-    node[pair_at] = np.arange(len(pair_at)) - np.repeat(leaves_before - np.arange(len(num_leaves)) - num_leaves, num_leaves - 1)
+    node[pair_at] = np.arange(len(pair_at)) - np.repeat(pairs_before - num_leaves, num_leaves - 1)
     if len(word_at) + len(pair_at) < len(closes):  # "(label T)" is the node of the ")" just before it
         made = np.zeros(len(closes), dtype=np.int64)
         made[word_at], made[pair_at] = word_at, pair_at
@@ -243,7 +244,8 @@ def _shape(brackets: _Brackets, roots: np.ndarray, max_depth: int) -> tuple[np.n
 def _hashed_words(data: bytes, starts: np.ndarray, ends: np.ndarray, vocab: int) -> np.ndarray:
     """word_id of the words at data[start:end] (ends: the ")" after each), all at once."""
     buf = np.frombuffer(data, dtype=np.uint8)
-    if not (buf.take(ends - 1) > 32).all() and IS_SPACE[buf[ends - 1]].any():  # "(label word )": a word ends where its run of text does
+    if not (buf.take(ends - 1) > 32).all() and IS_SPACE[buf[ends - 1]].any():  # "(label word )": a word
+        # ends where its run of text does
         text = ~(IS_SPACE[buf] | (buf == _OPEN) | (buf == _CLOSE))
         run_ends = np.flatnonzero(text[:-1] > text[1:]) + 1
         ends = run_ends[np.searchsorted(run_ends, starts, side="right")]

@@ -162,7 +162,8 @@ def parse_trees(values: list, vocab: int, max_depth: int = MAX_DEPTH) -> tuple[T
         texts = [i for i, value in enumerate(values) if isinstance(value, str)]
     if len(texts) < _MIN_BATCH:
         return _parse_each(values, vocab, max_depth)
-    batch, parsed = parse_brackets(values if len(texts) == len(values) else [values[i] for i in texts], vocab, max_depth)
+    strings = values if len(texts) == len(values) else [values[i] for i in texts]
+    batch, parsed = parse_brackets(strings, vocab, max_depth)
     if len(parsed) == len(values):
         return batch, parsed, {}
     good = [texts[j] for j in parsed]
