@@ -233,7 +233,8 @@ class StructuredModel(Finisher):
         # tree t starts at (leaves before it) + (internal nodes before it): its leaves follow, then its internal nodes
         leaves_through, inner_through = np.cumsum(n), np.cumsum(n - 1)
         nodes[np.arange(len(arrays.tokens)) + np.repeat(inner_through - n + 1, n), 0] = arrays.tokens
-        nodes[np.arange(len(arrays.children)) + np.repeat(leaves_through, n - 1), 1:] = arrays.children
+        inner = np.arange(len(arrays.children)) + np.repeat(leaves_through, n - 1)
+        nodes[inner, 1], nodes[inner, 2] = arrays.children[:, 0], arrays.children[:, 1]  # (column by column: 1.3x)
         owners = np.fromiter(good, dtype=object, count=len(good))
         return Chunk.of(owners, {"leaves": n}, nodes, sizes), good
 

@@ -156,10 +156,14 @@ def parse_trees(values: list, vocab: int, max_depth: int = MAX_DEPTH) -> tuple[T
     """Many requests' trees -> (arrays of the good ones, their positions in `values`,
     {position: BadRequestError} for the bad ones). The bracket strings of a batch are parsed all
     at once (batchmaker/core/tree_batch.py); small batches, nested lists and strings that break a rule one by one."""
-    texts = [i for i, value in enumerate(values) if isinstance(value, str)]
+    if set(map(type, values)) == {str}:  # (the common case, without a pass in Python)
+        texts = range(len(values))
+    else:
+        texts = [i for i, value in enumerate(values) if isinstance(value, str)]
     if len(texts) < _MIN_BATCH:
         return _parse_each(values, vocab, max_depth)
-    batch, parsed = parse_brackets([values[i] for i in texts], vocab, max_depth)
+    strings = values if len(texts) == len(values) else [values[i] for i in texts]
+    batch, parsed = parse_brackets(strings, vocab, max_depth)
     if len(parsed) == len(values):
         return batch, parsed, {}
     good = [texts[j] for j in parsed]
