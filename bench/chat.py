@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import chat_stateful  # noqa: E402
 from bench.common import triton_compiles, write_results  # noqa: E402
-from bench.chat_roofline import (device_time, head_parameters, iteration_floor, roofline,  # noqa: E402,F401
+from bench.chat_roofline import (device_time, head_parameters, iteration_floor, roofline,  # noqa: E402
                                  saturated_window)
 from bench.device_limits import measure as measure_limits  # noqa: E402
 from bench.turn_profile import profile_window  # noqa: E402

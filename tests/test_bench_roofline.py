@@ -1,4 +1,4 @@
-"""bench/chat.py's roofline of an iteration trace: max(bytes / bandwidth, FLOPs / peak) per
+"""bench/chat.py's roofline of an iteration trace (bench/chat_roofline.py): max(bytes / bandwidth, FLOPs / peak) per
 iteration, and the serial bound (projections' roofline + attention's) that caps the fraction a
 mixed iteration can reach when its kernels run one after another."""
 import numpy as np
@@ -8,6 +8,7 @@ from batchmaker.cells.decoder_config import PRESETS, num_parameters
 from batchmaker.exec.iterations import IterationRecord
 
 chat = pytest.importorskip("bench.chat")
+from bench import chat_roofline  # noqa: E402 (after the skip: bench/ needs numpy, torch)
 
 
 def test_serial_bound_of_decode_prefill_and_mixed_iterations():
@@ -16,8 +17,8 @@ def test_serial_bound_of_decode_prefill_and_mixed_iterations():
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bytes per context token (bf16)
 
     def both(trace):
-        return (chat.roofline(trace, config, params, 2, 4e12, 8e14),
-                chat.roofline(trace, config, params, 2, 4e12, 8e14, serial=True))
+        return (chat_roofline.roofline(trace, config, params, 2, 4e12, 8e14),
+                chat_roofline.roofline(trace, config, params, 2, 4e12, 8e14, serial=True))
     table = config.vocab_size * config.hidden_size  # the untied embedding's, and the LM head's
     decode = [IterationRecord(1, 360, 1, True)]  # weights and a little K/V: bound by bytes either way, nothing to add
     assert both(decode)[0] == pytest.approx(((params - table) * 2 + 360 * kv) / 4e12)
@@ -35,11 +36,11 @@ def test_device_time_splits_graphed_from_eager_iterations():
     trace = [IterationRecord(1, 100, 1, True, 0.004), IterationRecord(1, 100, 1, True, 0.006),
              IterationRecord(500, 9000, 20, False, 0.030), IterationRecord(16, 10, 2, True, None)]  # (unfinished)
     floors = {1: 0.003, 500: 0.020}
-    split = chat.device_time(trace, wall_s=0.080, floor=lambda r: floors[r.tokens])
+    split = chat_roofline.device_time(trace, wall_s=0.080, floor=lambda r: floors[r.tokens])
     assert split["busy_s"] == pytest.approx(0.040) and split["busy_fraction"] == pytest.approx(0.5)
     assert split["graphed"]["iterations"] == 2 and split["graphed"]["roofline_of_busy"] == pytest.approx(0.6)
     assert split["eager"]["roofline_of_busy"] == pytest.approx(2 / 3) and split["eager"]["mean_tokens"] == 500
-    assert chat.device_time([], 1.0, floor=None)["eager"]["roofline_of_busy"] is None
+    assert chat_roofline.device_time([], 1.0, floor=None)["eager"]["roofline_of_busy"] is None
 
 
 def test_a_cpu_smoke_run_of_the_chat_benchmark_reports_device_time(tmp_path, monkeypatch):
@@ -76,8 +77,8 @@ def test_a_prompt_chunk_counts_its_causal_attention_pairs():
     flops_per_pair = 4 * config.num_layers * config.num_heads * config.head_dim
     bare, chunk = IterationRecord(2048, 2048, 1, False), IterationRecord(2048, 2048, 1, False, None, 2048 * 2049 // 2)
     gemm = 2 * (params - config.vocab_size * config.hidden_size) * 2048 / 8e14  # (each token sampled: no record says)
-    assert chat.iteration_floor(bare, config, params, 2, 4e12, 8e14) == pytest.approx(gemm + 2048 * flops_per_pair / 8e14)
-    assert chat.iteration_floor(chunk, config, params, 2, 4e12, 8e14) == \
+    assert chat_roofline.iteration_floor(bare, config, params, 2, 4e12, 8e14) == pytest.approx(gemm + 2048 * flops_per_pair / 8e14)
+    assert chat_roofline.iteration_floor(chunk, config, params, 2, 4e12, 8e14) == \
         pytest.approx(gemm + 2048 * 2049 // 2 * flops_per_pair / 8e14)
 
 
@@ -89,9 +90,9 @@ def test_the_weights_read_count_a_tied_head_once_and_no_untied_embedding(preset)
     params, table = num_parameters(config), config.vocab_size * config.hidden_size
     layers = params - table * (1 if config.tie_word_embeddings else 2)
     decode = IterationRecord(1, 0, 1, True, samples=1)
-    assert chat.iteration_floor(decode, config, params, 2, 4e12, 1e30) == pytest.approx((layers + table) * 2 / 4e12)
+    assert chat_roofline.iteration_floor(decode, config, params, 2, 4e12, 1e30) == pytest.approx((layers + table) * 2 / 4e12)
     chunk = IterationRecord(512, 0, 1, False, samples=1)
-    assert chat.iteration_floor(chunk, config, params, 2, 1e30, 8e14) == \
+    assert chat_roofline.iteration_floor(chunk, config, params, 2, 1e30, 8e14) == \
         pytest.approx(2 * (layers * 512 + table) / 8e14)
 
 
@@ -112,7 +113,7 @@ def test_saturated_window_counts_sampled_tokens_while_requests_arrive():
     # all at once: prompts until t = 8 s, then a drain of lone decodes that the window leaves out
     trace = [record(512, 4, start + t) for t in range(0, 9)] + [record(1, 1, start + 9 + t / 10) for t in range(50)]
     work = [(500, 20)] * 10
-    window = chat.saturated_window(trace, start, chat.poisson(10, float("inf"), 0), float("inf"), work)
+    window = chat_roofline.saturated_window(trace, start, chat.poisson(10, float("inf"), 0), float("inf"), work)
     assert window["end_s"] == pytest.approx(8) and window["begin_s"] == pytest.approx(2)
     assert window["tokens"] == 6 * 4 and window["tokens_per_s"] == pytest.approx(4.0) and window["saturated"]
     # Poisson: the span ends at the last arrival; 40 requests of 20 tokens in 4 s: 200 offered/s
@@ -120,9 +121,9 @@ def test_saturated_window_counts_sampled_tokens_while_requests_arrive():
     steady = [record(1, 10, start + t / 10) for t in range(200)]  # 100 tokens/s for 20 s
     work = [(5, 20)] * 40
     growing = 1.0 + np.arange(40)  # each later request waited longer: a queue
-    window = chat.saturated_window(steady, start, arrivals, 10.0, work, growing)
+    window = chat_roofline.saturated_window(steady, start, arrivals, 10.0, work, growing)
     assert window["begin_s"] == pytest.approx(0.975) and window["end_s"] == pytest.approx(3.9)
     assert window["tokens_per_s"] == pytest.approx(100.0, rel=0.05) and window["latency_growth"] > 1.5
     assert window["offered_tokens_per_s"] == pytest.approx(29 * 20 / 2.925) and window["saturated"]
     flat = np.ones(40)  # behind on tokens only because they had not finished yet: not saturated
-    assert not chat.saturated_window(steady, start, arrivals, 10.0, work, flat)["saturated"]
+    assert not chat_roofline.saturated_window(steady, start, arrivals, 10.0, work, flat)["saturated"]
