@@ -10,17 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from batchmaker.cell import Cell
+from batchmaker.exec.sampling import sampling_bytes
 from batchmaker.signature import Signature, TensorSpec
-
-
-SAMPLING_BYTES_PER_LOGIT = 48  # exec/sampling.py's temporaries a row and vocabulary entry at once: fp32
-# logits, their sorted copy and order (int64), the Gumbel noise's int64 hashes and float64 draws
-
-
-def sampling_bytes(rows: int, vocab: int) -> int:
-    """What sampling `rows` rows over a `vocab` of logits (a rank's) holds at its peak: 2.6 GB for
-    256 rows of Gemma 2's 256,000 (a graph captured per batch size keeps its own in their pool)."""
-    return rows * vocab * SAMPLING_BYTES_PER_LOGIT
 
 
 @dataclass(frozen=True)

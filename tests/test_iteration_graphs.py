@@ -139,7 +139,7 @@ def test_the_kv_cache_leaves_headroom_on_a_nearly_full_gpu(monkeypatch):
     assert blocks(10) == (8 * gib - sampling) // per_block  # 10 GiB free: 2 GiB and sampling's left, not 1
     assert blocks(10, tensor_parallel=2) == (6 * gib - sampling) // per_block  # the communicators' share too
     assert blocks(10, gpu_headroom=0, gpu_headroom_ranks=0) == int(10 * gib * 0.9) // per_block
-    assert sampling_bytes(256, 256_000) > 2.4 * gib  # (Gemma 2's vocabulary: why it counts)
+    assert 0.4 * gib < sampling_bytes(256, 256_000) < 0.6 * gib  # (Gemma 2's vocabulary: one chunk of rows)
     with pytest.raises(MemoryError, match="gpu_headroom"):
         blocks(1.5)
     with pytest.raises(ValueError, match="gpu_headroom"):

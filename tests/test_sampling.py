@@ -46,3 +46,33 @@ def test_greedy_rows_take_the_argmax_and_noise_is_a_function_of_seed_and_counter
     b = gumbel(seeds.flip(0), counters.flip(0), 50).flip(0)  # the same rows in another batch order
     assert torch.equal(a, b)
     assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+
+
+def test_chunked_rows_sample_and_score_as_all_rows_at_once():
+    """sample_rows: the LM head and the sampler over chunks of rows give the tokens and
+    log-probabilities of one pass over every row (per-row seeds: chunking changes no draw); a
+    chunk's rows stay under the memory bound, and a large vocabulary gets small chunks."""
+    from batchmaker.exec.sampling import CHUNK_BYTES, SAMPLING_BYTES_PER_LOGIT, chunk_rows, log_probabilities, \
+        sample_rows, sampling_bytes
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(11, 8), torch.randn(50, 8)
+    rows = torch.tensor([10, 0, 3, 3, 7, 1, 9])
+    n = len(rows)
+    t = {"temperature": torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 2.0]),
+         "top_k": torch.tensor([0, 0, 5, 0, 0, 3, 0]), "top_p": torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 0.95]),
+         "seeds": torch.arange(n) * 104729 + 11, "counters": torch.arange(n) + 3}
+    head = lambda h: h @ weight.T  # noqa: E731
+    logits = head(hidden[rows])
+    whole = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"])
+    scores = log_probabilities(logits, whole, 4)
+    for step in (1, 2, 3, 7, 100):
+        assert torch.equal(sample_rows(head, hidden, rows, t, step, greedy_only=False), whole)
+        chosen, got = sample_rows(head, hidden, rows, t, step, greedy_only=False, logprobs=4)
+        assert torch.equal(chosen, whole)
+        for a, b in zip(got, scores):
+            assert torch.allclose(a, b) if a.is_floating_point() else torch.equal(a, b)
+    greedy = sample_rows(head, hidden, rows, t, 2, greedy_only=True)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert chunk_rows(256_000) * 256_000 * SAMPLING_BYTES_PER_LOGIT <= CHUNK_BYTES
+    assert chunk_rows(32_000) >= 256 and chunk_rows(256_000) < 64  # (Llama-2's whole batch in one chunk)
+    assert sampling_bytes(256, 256_000) <= CHUNK_BYTES < 256 * 256_000 * SAMPLING_BYTES_PER_LOGIT

@@ -34,7 +34,7 @@ from batchmaker.exec.kv_cache import KVCache
 from batchmaker.cells.pipeline import PendingTokens
 from batchmaker.exec.kv_swap import HostTier
 from batchmaker.exec.tensor_group import RankFailure
-from batchmaker.exec.sampling import log_probabilities, sample
+from batchmaker.exec.sampling import chunk_rows, sample_rows
 from batchmaker.exec.stage_exchange import StageExchange
 from batchmaker.exec.staging import Landing
 from batchmaker.kernels import attention_work
@@ -61,6 +61,7 @@ class IterationRunner:
         self.scratch_slot = module.max_seqs  # padded sequences' last token lives here
         self.last_token = torch.zeros(module.max_seqs + 1, dtype=torch.int64, device=device)
         self.scale = self.config.attention_scale
+        self.sample_chunk = chunk_rows(module.config.vocab_size)  # (the whole vocabulary: the same on every rank)
         self.group = self.config.num_heads // self.config.num_kv_heads
         cuda = device.type == "cuda"
         self.kernels = kernels
@@ -123,10 +124,9 @@ class IterationRunner:
             hidden = self.stage.run(self.lm, tokens, t["positions"], attend, inbox)
             if not self.stage.last:
                 return hidden
-        logits = self.lm.head(hidden.index_select(0, t["sample_token"]))
-        chosen = sample(logits, t["temperature"], t["top_k"], t["top_p"], t["seeds"], t["counters"], greedy_only)
-        self.last_token.index_copy_(0, t["sample_slots"], chosen)
-        return chosen if logprobs < 0 else (chosen, log_probabilities(logits, chosen, logprobs))
+        out = sample_rows(self.lm.head, hidden, t["sample_token"], t, self.sample_chunk, greedy_only, logprobs)
+        self.last_token.index_copy_(0, t["sample_slots"], out if logprobs < 0 else out[0])
+        return out
 
     def _record(self, task: IterationTask) -> "IterationRecord | None":
         if self.trace is None:

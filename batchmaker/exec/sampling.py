@@ -10,6 +10,43 @@ continues exactly as it would have. No host sync and fixed shapes: it runs insid
 import torch
 
 _MASK = 0xFFFFFFFF
+SAMPLING_BYTES_PER_LOGIT = 48  # `sample`'s temporaries a row and vocabulary entry at once: fp32 logits,
+# their sorted copy and order (int64), the Gumbel noise's int64 hashes and float64 draws
+CHUNK_BYTES = 512 << 20  # rows are sampled in chunks whose temporaries stay under this: a whole Gemma 2
+# batch at once (256 rows of 256,000) held 3.1 GB, and each CUDA graph's batch size its own blocks of
+# the graphs' pool: captures ran out of memory beside a KV cache that left 6 GB (H100, 2026-11-26)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows one chunk samples at once (Llama's 32,000: 349; Qwen2's 152,064: 73; Gemma's 256,000: 43)."""
+    return max(8, CHUNK_BYTES // (vocab * SAMPLING_BYTES_PER_LOGIT))
+
+
+def sampling_bytes(rows: int, vocab: int) -> int:
+    """What sampling `rows` rows over a `vocab` of logits holds at its peak (one chunk's temporaries)."""
+    return min(rows, chunk_rows(vocab)) * vocab * SAMPLING_BYTES_PER_LOGIT
+
+
+def sample_rows(head, hidden: torch.Tensor, rows: torch.Tensor, t: dict, step: int, greedy_only: bool,
+                logprobs: int = -1):
+    """The next tokens [N] of `hidden`'s rows `rows` [N] through the LM head `head`, `step` rows at a
+    time (`chunk_rows` of the whole vocabulary; fixed shapes, so it runs inside CUDA graphs); `t`: the
+    rows' temperature, top_k, top_p, seeds and counters; with `logprobs` >= 0, also their
+    `log_probabilities` (concatenated over the chunks)."""
+    n = rows.shape[0]
+    parts = []
+    for begin in range(0, max(n, 1), step):
+        end = min(n, begin + step)
+        logits = head(hidden.index_select(0, rows[begin:end]))
+        chosen = sample(logits, t["temperature"][begin:end], t["top_k"][begin:end], t["top_p"][begin:end],
+                        t["seeds"][begin:end], t["counters"][begin:end], greedy_only)
+        parts.append((chosen, log_probabilities(logits, chosen, logprobs)) if logprobs >= 0 else (chosen,))
+    if len(parts) == 1:
+        return parts[0][0] if logprobs < 0 else parts[0]
+    chosen = torch.cat([part[0] for part in parts])
+    if logprobs < 0:
+        return chosen
+    return chosen, tuple(torch.cat([part[1][i] for part in parts]) for i in range(3))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
