@@ -11,7 +11,8 @@
   (`DecoderConfig.layer_windows`) attend to its positions only; in Gemma 3 they rotate with their
   own RoPE base (`local_rope_theta`, unscaled), the others with rope_theta and rope_scaling. The
   windows and the score cap are the caller's `attend`'s (kernels/paged_attention.py `PagedAttend`,
-  or the dense path's); everything here is PyTorch (the fused CUDA kernels are Llama's).
+  or the dense path's). On CUDA the norms (with the residual adds before them) and GeGLU are one
+  Triton launch each (kernels/fused_decoder.py: 54 kernels a layer before, H100 2026-11-26).
 """
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, rms_normalized
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.cells.llama import GatedMLP, Rotary, rope_inv_freq
+from batchmaker.kernels.fused_decoder import add_rms_norm, can_fuse, rms_norm, silu_mul
 from batchmaker.kernels.skinny import project
 
 
@@ -34,15 +36,29 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if can_fuse(x):  # (one kernel instead of ~10 elementwise launches)
+            return rms_norm(x, self.weight, self.eps, one_plus=True)
         return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, self(x + residual)), in one kernel on CUDA."""
+        if can_fuse(x):
+            return add_rms_norm(x, residual, self.weight, self.eps, one_plus=True)
+        total = x + residual
+        return total, self(total)
 
 
 class GeGLU(GatedMLP):
     """down(gelu_tanh(gate(x)) * up(x)), with gate and up fused into one projection."""
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)  # [T, I] each
-        out = project(self.down_proj, F.gelu(gate, approximate="tanh") * up)
+        gate_up = project(self.gate_up_proj, x)  # [T, 2I]
+        if can_fuse(gate_up):
+            act = silu_mul(gate_up, gelu=True)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        out = project(self.down_proj, act)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -59,12 +75,12 @@ class GemmaLayer(DecoderLayer):
             self.post_mlp_norm = GemmaRMSNorm(c.hidden_size, c.norm_eps)
 
     def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
-        residual = x if residual is None else x + residual
-        mixed = self.attn(self.attn_norm(residual), rotate, attend)
+        residual, normed = (x, self.attn_norm(x)) if residual is None else self.attn_norm.add_forward(x, residual)
+        mixed = self.attn(normed, rotate, attend)
         if hasattr(self, "post_attn_norm"):
             mixed = self.post_attn_norm(mixed)
-        residual = residual + mixed
-        out = self.mlp(self.mlp_norm(residual))
+        residual, normed = self.mlp_norm.add_forward(mixed, residual)
+        out = self.mlp(normed)
         if hasattr(self, "post_mlp_norm"):
             out = self.post_mlp_norm(out)
         return out, residual

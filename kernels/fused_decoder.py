@@ -1,5 +1,5 @@
 """The Llama layer's small steps as one Triton launch each: RMSNorm (optionally fused with the
-residual add before it), rotate-half RoPE of q and k together (optionally writing k and v into the
+residual add before it; Gemma's (1 + w) form too), rotate-half RoPE of q and k together (optionally writing k and v into the
 paged KV cache in the same launch) and SiLU(gate) x up. Each `reference_*` twin is the pure-PyTorch
 code the model runs on the CPU and wherever the kernels are unavailable.
 
@@ -8,6 +8,7 @@ code the model runs on the CPU and wherever the kernels are unavailable.
     q, k = rope(q, k, cos, sin)                        # q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2]
     q = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)  # rotated k and v go to the caches
     out = silu_mul(gate_up)                            # gate_up [T, 2I] -> silu(gate) * up [T, I]
+    out = silu_mul(gate_up, gelu=True)                 # gelu_tanh(gate) * up (Gemma's GeGLU)
 
 Numerics: rms_norm matches HF (normalize in fp32, round to x's dtype, times the weight, rounded once:
 a product of two bf16/fp16 values is exact in fp32, so this is the reference's rounding); only the
@@ -38,16 +39,19 @@ def can_fuse(x: Tensor) -> bool:
     return x.is_cuda and HAS_TRITON
 
 
-def reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def reference_rms_norm(x: Tensor, weight: Tensor, eps: float, one_plus: bool = False) -> Tensor:
+    """Llama's: weight * (x / rms(x)) rounded to x's dtype first; `one_plus` (Gemma's): (x / rms(x))
+    * (1 + weight) in float32, rounded to x's dtype once."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return (x * (1.0 + weight.float())).to(dtype) if one_plus else weight * x.to(dtype)
 
 
-def reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           one_plus: bool = False) -> tuple[Tensor, Tensor]:
     total = x + residual
-    return total, reference_rms_norm(total, weight, eps)
+    return total, reference_rms_norm(total, weight, eps, one_plus)
 
 
 def rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -73,15 +77,22 @@ def reference_silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """The kernel twin of `reference_rms_norm`: x [..., H], weight [H] -> [..., H] of their promoted dtype."""
-    return _launch_rms_norm(x, None, weight, eps)[1]
+def reference_gelu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, one_plus: bool = False) -> Tensor:
+    """The kernel twin of `reference_rms_norm`: x [..., H], weight [H] -> [..., H] of their promoted
+    dtype (`one_plus`: of x's)."""
+    return _launch_rms_norm(x, None, weight, eps, one_plus)[1]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                 one_plus: bool = False) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_add_rms_norm`: (x + residual, rms_norm(x + residual)) in one pass."""
     assert residual.shape == x.shape and residual.dtype == x.dtype, (x.shape, x.dtype, residual.shape, residual.dtype)
-    return _launch_rms_norm(x, residual, weight, eps)
+    return _launch_rms_norm(x, residual, weight, eps, one_plus)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,8 +115,9 @@ def rope_write_kv(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_c
     return _launch_rope(q, k, _unit_last_stride(v), cos, sin, k_cache, v_cache, slots)
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """The kernel twin of `reference_silu_mul`: gate_up [..., 2I] -> [..., I] in one pass."""
+def silu_mul(gate_up: Tensor, gelu: bool = False) -> Tensor:
+    """The kernel twin of `reference_silu_mul` (`gelu`: of `reference_gelu_mul`): gate_up [..., 2I]
+    -> [..., I] in one pass."""
     _require_kernels(gate_up)
     shape, inter = gate_up.shape, gate_up.shape[-1] // 2
     x = _unit_last_stride(gate_up.reshape(-1, 2 * inter))
@@ -113,7 +125,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if x.shape[0] > 0 and inter > 0:
         block = min(SILU_BLOCK, _next_power_of_2(inter))
         _load_kernels().silu_mul_kernel[(x.shape[0], -(-inter // block))](
-            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_options(x, PDL))
+            x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, GELU=gelu, **pdl_options(x, PDL))
     return out.view(*shape[:-1], inter)
 
 
@@ -146,7 +158,8 @@ def _launch_rope(q: Tensor, k: Tensor, v: Tensor | None, cos: Tensor, sin: Tenso
     return q_out
 
 
-def _launch_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _launch_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+                     one_plus: bool = False) -> tuple[Tensor, Tensor]:
     # -> (x + residual, or x without one; the normalized rows)
     _require_kernels(x)
     shape, hidden = x.shape, x.shape[-1]
@@ -155,12 +168,13 @@ def _launch_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: fl
     x = _unit_last_stride(x.reshape(-1, hidden))
     residual = _unit_last_stride(residual.reshape(-1, hidden)) if has_residual else x  # unread without one
     total = torch.empty_like(x) if has_residual else x  # unwritten without one
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype if one_plus else torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)
     if x.shape[0] > 0:
         block = _next_power_of_2(hidden)
         _load_kernels().rms_norm_kernel[(x.shape[0],)](
             x, residual, weight.contiguous(), out, total, x.stride(0), residual.stride(0), out.stride(0),
-            total.stride(0), hidden, eps, HAS_RESIDUAL=has_residual, BLOCK=block,
+            total.stride(0), hidden, eps, HAS_RESIDUAL=has_residual, BLOCK=block, ONE_PLUS=one_plus,
             num_warps=min(max(block // 512, 1), 16), **pdl_options(x, PDL))
     return total.view(shape), out.view(shape)
 

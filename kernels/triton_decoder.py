@@ -21,8 +21,10 @@ from batchmaker.kernels.triton_pdl import wait_for_input
 
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s,
-                    hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # one program per row: [hidden] -> out = weight * (x / rms(x)), x = x + residual first if given
+                    hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                    ONE_PLUS: tl.constexpr = False):
+    # one program per row: [hidden] -> out = weight * (x / rms(x)), x = x + residual first if given;
+    # ONE_PLUS (Gemma): out = (x / rms(x)) * (1 + weight), all in fp32, rounded once
     wait_for_input(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -34,9 +36,12 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x,
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    y = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight (HF)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    if ONE_PLUS:
+        out = xf * inv_rms * (1.0 + w)
+    else:
+        out = w * (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight (HF)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -94,14 +99,21 @@ def rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, s
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                    GELU: tl.constexpr = False):
     # grid (T, cdiv(inter, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, inter + j] (x: gate | up), the
-    # SiLU rounded to the output dtype before the product, as F.silu(gate) * up rounds
+    # SiLU rounded to the output dtype before the product, as F.silu(gate) * up rounds; GELU: the
+    # tanh-approximated GELU instead (Gemma's GeGLU), tanh(z) as 1 - 2 / (exp(2z) + 1)
     wait_for_input(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if GELU:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (x + 0.044715 x^3)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)

@@ -15,9 +15,9 @@ import torch
 from batchmaker.cells import llama
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
-from batchmaker.kernels.fused_decoder import (add_rms_norm, reference_add_rms_norm, reference_rms_norm,
-                                              reference_rope, reference_rope_write_kv, reference_silu_mul,
-                                              rms_norm, rope, rope_write_kv, silu_mul)
+from batchmaker.kernels.fused_decoder import (add_rms_norm, reference_add_rms_norm, reference_gelu_mul,
+                                              reference_rms_norm, reference_rope, reference_rope_write_kv,
+                                              reference_silu_mul, rms_norm, rope, rope_write_kv, silu_mul)
 from batchmaker.kernels.paged_attention import PagedAttend, reference_paged_attention, write_kv
 from helpers import interpreter, needs_gpu, run_interpreted
 
@@ -67,6 +67,14 @@ def check_norms(num_tokens, hidden, dtype, device, seed=0):
     ref_total, ref_out = reference_add_rms_norm(x, residual, weight, 1e-6)
     torch.testing.assert_close(total, ref_total, rtol=0, atol=0)  # the sum is rounded exactly as x + residual
     torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol)
+    gemma_weight = weight - 1  # (Gemma stores w where the norm multiplies by 1 + w)
+    got = rms_norm(x, gemma_weight, 1e-6, one_plus=True)
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got, reference_rms_norm(x, gemma_weight, 1e-6, one_plus=True), rtol=rtol, atol=atol)
+    total, out = add_rms_norm(x, residual, gemma_weight, 1e-6, one_plus=True)
+    ref_total, ref_out = reference_add_rms_norm(x, residual, gemma_weight, 1e-6, one_plus=True)
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=rtol, atol=atol)
 
 
 def check_rope(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, device, seed=0):
@@ -101,6 +109,7 @@ def check_silu_mul(num_tokens, inter, dtype, device, seed=0):
     gate_up = (torch.randn(num_tokens, 2 * inter, generator=g) * 4).to(device, dtype)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(silu_mul(gate_up), reference_silu_mul(gate_up), rtol=rtol, atol=atol)
+    torch.testing.assert_close(silu_mul(gate_up, gelu=True), reference_gelu_mul(gate_up), rtol=rtol, atol=atol)
 
 
 # CPU: the twins are the code the model ran before the kernels ----------------------------------
@@ -119,6 +128,10 @@ def test_reference_twins_are_hf_numerics():
     assert out_k.shape == k.shape
     gate_up = torch.randn(4, 2 * 24).bfloat16()
     assert torch.equal(reference_silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :24]) * gate_up[:, 24:])
+    gelu = torch.nn.functional.gelu(gate_up[:, :24], approximate="tanh") * gate_up[:, 24:]
+    assert torch.equal(reference_gelu_mul(gate_up), gelu)
+    gemma = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(x.dtype)
+    assert torch.equal(reference_rms_norm(x, weight, 1e-6, one_plus=True), gemma)  # (HF's Gemma2RMSNorm)
 
 
 def test_rope_write_kv_twin_is_rope_then_write_kv():
@@ -154,6 +167,20 @@ def test_kernels_in_the_interpreter():
     check_rope_write_kv(5, 8, 2, 32, 1, torch.float32, "cpu", seed=1)  # one position per block
     for num_tokens, inter in ((1, 24), (3, 1500)):  # (1500: two programs a row, the second masked)
         check_silu_mul(num_tokens, inter, torch.float32, "cpu")
+
+
+def test_gemma_runs_the_twins_on_the_cpu():
+    """Gemma's norms (with the residual add) and GeGLU on the CPU: the reference forms, which the
+    kernels' checks above compare against (HF's Gemma 2 numerics)."""
+    from batchmaker.cells.gemma import GemmaRMSNorm
+    x, residual = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    norm = GemmaRMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 0.5)
+    norm = norm.bfloat16()
+    assert torch.equal(norm(x), reference_rms_norm(x, norm.weight, 1e-6, one_plus=True))
+    total, out = norm.add_forward(x, residual)
+    assert torch.equal(total, x + residual) and torch.equal(out, norm(x + residual))
 
 
 def test_the_interpreter_in_a_subprocess():
