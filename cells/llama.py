@@ -75,8 +75,8 @@ class LlamaLayer(DecoderLayer):
     def __init__(self, config: DecoderConfig, layer_index: int):
         super().__init__(RMSNorm(config.hidden_size, config.norm_eps), Attention(config, layer_index),
                          RMSNorm(config.hidden_size, config.norm_eps), GatedMLP(config))
-        # (the one-token kernels take no biases and no norms of q and k)
-        self.has_bias = config.has_qkv_bias or config.has_mlp_bias or config.qk_norm
+        # (the one-token kernels take a bias on q | k | v only (Qwen2), and no norms of q and k)
+        self.has_bias = config.has_attention_bias or config.has_mlp_bias or config.qk_norm
         self.one_token: OneTokenConfig | None = None if self.has_bias else OneTokenConfig()
 
     def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
@@ -89,10 +89,12 @@ class LlamaLayer(DecoderLayer):
                 gemv.qkv_takes_rope(qkv_weight, attn.head_dim):  # RoPE and the K/V write inside the projection
             target = gemv.RopeTarget(rotate.cos, rotate.sin, *attend.kv_cache(attn.layer_index), attn.num_heads,
                                      attn.num_kv_heads)
-            residual, q = gemv.norm_qkv_rope(x, residual, self.attn_norm.weight, eps, qkv_weight, target, pdl=pdl)
+            residual, q = gemv.norm_qkv_rope(x, residual, self.attn_norm.weight, eps, qkv_weight, target,
+                                             attn.qkv_proj.bias, pdl=pdl)
             mixed = attend.attend_cached(attn.layer_index, q.view(1, attn.num_heads, attn.head_dim)).view(1, -1)
         else:
-            residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight, pdl=pdl)
+            residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight, attn.qkv_proj.bias,
+                                             pdl=pdl)
             mixed = attn.mix(qkv, rotate, attend)
         out = reduced(attn, gemv.linear(mixed, attn.o_proj.weight, pdl=pdl))
         residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight,

@@ -6,8 +6,9 @@ batch-1 decode step of a Llama layer in four of them, each reading its weight on
     out = linear(x, weight)                                             # W x
     total, q = norm_qkv_rope(x, residual, norm_weight, eps, weight, target)  # + RoPE, k and v to the KV cache
 
-x, residual [1, K] (residual may be None: then total is x), weight [N, K] (an nn.Linear's, no
-bias; gate_up's is [2I, K], gate | up). Each `reference_*` twin is the model's PyTorch code for
+x, residual [1, K] (residual may be None: then total is x), weight [N, K] (an nn.Linear's; gate_up's
+is [2I, K], gate | up); `norm_linear` and `norm_qkv_rope` also take the projection's bias [N]
+(Qwen2's q | k | v), added before the output's one rounding. Each `reference_*` twin is the model's PyTorch code for
 the same step (kernels/fused_decoder.py's twins and F.linear), what runs on the CPU and wherever
 `can_gemv` says no.
 
@@ -83,11 +84,11 @@ def reference_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def reference_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
-                          weight: Tensor) -> tuple[Tensor, Tensor]:
+                          weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if residual is None:
-        return x, F.linear(reference_rms_norm(x, norm_weight, eps), weight)
+        return x, F.linear(reference_rms_norm(x, norm_weight, eps), weight, bias)
     total, normed = reference_add_rms_norm(x, residual, norm_weight, eps)
-    return total, F.linear(normed, weight)
+    return total, F.linear(normed, weight, bias)
 
 
 def reference_norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
@@ -123,8 +124,8 @@ def can_rope(n_out: int, head_dim: int, block_n: int) -> bool:
 
 
 def reference_norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                            target: RopeTarget) -> tuple[Tensor, Tensor]:
-    total, qkv = reference_norm_linear(x, residual, norm_weight, eps, weight)
+                            target: RopeTarget, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    total, qkv = reference_norm_linear(x, residual, norm_weight, eps, weight, bias)
     d, hq, hkv = target.head_dim, target.num_q_heads, target.num_kv_heads
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     q = reference_rope_write_kv(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), target.cos, target.sin,
@@ -138,10 +139,10 @@ def linear(x: Tensor, weight: Tensor, *, pdl: bool = True) -> Tensor:
     return _launch(x, None, None, 0.0, weight, silu=False, pdl=pdl)[1]
 
 
-def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
-                pdl: bool = True) -> tuple[Tensor, Tensor]:
-    """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual)) in one launch."""
-    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl)
+def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                bias: Tensor | None = None, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
+    """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual) (+ bias)) in one launch."""
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, bias=bias)
 
 
 def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
@@ -151,13 +152,13 @@ def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: f
 
 
 def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                  target: RopeTarget, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
+                  target: RopeTarget, bias: Tensor | None = None, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_qkv_rope`: (x + residual, q [1, Hq D] rotated) in one launch
     that also writes k rotated and v to the caches (`qkv_takes_rope` says where it applies)."""
     assert target.cos.shape == target.sin.shape == (1, target.head_dim // 2) and target.slots.shape == (1,)
     assert target.k_cache.stride(3) == target.v_cache.stride(3) == 1 and target.k_cache.dtype == x.dtype
     target = replace(target, cos=target.cos.contiguous(), sin=target.sin.contiguous())
-    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, rope=target)
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, rope=target, bias=bias)
 
 
 def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
@@ -167,13 +168,14 @@ def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
-            silu: bool, pdl: bool, rope: RopeTarget | None = None) -> tuple[Tensor, Tensor]:
+            silu: bool, pdl: bool, rope: RopeTarget | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if not (x.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"the gemv kernels run on CUDA tensors, got {x.device}; use the reference_* twins")
     k_in = x.shape[-1]
     n_out = weight.shape[0] // 2 if silu else weight.shape[0]
     assert x.shape == (1, k_in) and weight.shape[1] == k_in and weight.stride(1) == 1, (x.shape, weight.shape)
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
+    assert bias is None or (not silu and bias.shape == (weight.shape[0],)), (silu, None if bias is None else bias.shape)
     config = pick_config(n_out, k_in, silu)
     rows = 2 * n_out if silu else n_out  # with SILU, pairs of gate and up rows
     assert rows % config.block_n == 0 and (not silu or config.block_n % 2 == 0), (n_out, config)
@@ -194,7 +196,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
     _load_kernels().gemv_kernel[(rows // config.block_n,)](
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
-        n_out, k_in, weight.stride(0), eps, *rope_args, NORM=norm, RESIDUAL=has_residual, SILU=silu,
+        n_out, k_in, weight.stride(0), eps, *rope_args, x if bias is None else bias.contiguous(),
+        NORM=norm, RESIDUAL=has_residual, SILU=silu, BIAS=bias is not None,
         ROPE=rope is not None, DOT=config.dot, EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -189,14 +189,15 @@ def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, st
 @triton.jit
 def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
                 cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
-                stride_vh, num_q_heads, num_kv_heads,
+                stride_vh, num_q_heads, num_kv_heads, b_ptr,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
                 PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
     # outputs a program;
-    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches
+    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
+    # BIAS: b[n] added to each row's sum in fp32 before its one rounding (cuBLAS's bias epilogue; Qwen2's q | k | v)
     pid = tl.program_id(0)
     rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
     if DOT:
@@ -205,6 +206,8 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     else:
         out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
                                   NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+    if BIAS:
+        out += tl.load(b_ptr + rows).to(tl.float32)
     if ROPE:
         _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)

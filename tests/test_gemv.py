@@ -6,6 +6,8 @@ model's one-token forward through them gives the logits of the unfused path.
     python -m pytest -q tests/test_gemv.py          # CPU (+ the interpreter, when triton is installed)
     python -m pytest -q -m gpu tests/test_gemv.py   # the kernels on a CUDA device
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -31,9 +33,10 @@ def check(n_out, k_in, dtype, device, seed=0, pdl=True):
     rtol, atol = TOLERANCE[dtype]
     x, residual, norm_weight, weight = case(n_out, k_in, False, dtype, device, seed)
     torch.testing.assert_close(gemv.linear(x, weight, pdl=pdl), gemv.reference_linear(x, weight), rtol=rtol, atol=atol)
-    for res in (None, residual):
-        total, out = gemv.norm_linear(x, res, norm_weight, 1e-5, weight, pdl=pdl)
-        want_total, want = gemv.reference_norm_linear(x, res, norm_weight, 1e-5, weight)
+    bias = torch.randn(n_out, generator=torch.Generator().manual_seed(seed + 7)).to(device, dtype)
+    for res, b in ((None, None), (residual, None), (residual, bias), (None, bias)):  # (bias: Qwen2's q | k | v)
+        total, out = gemv.norm_linear(x, res, norm_weight, 1e-5, weight, b, pdl=pdl)
+        want_total, want = gemv.reference_norm_linear(x, res, norm_weight, 1e-5, weight, b)
         assert torch.equal(total, want_total)  # the residual sum is exact (one rounding, as x + residual)
         torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
     x, residual, norm_weight, weight = case(n_out, k_in, True, dtype, device, seed + 1)
@@ -57,10 +60,12 @@ def check_rope(num_q_heads, num_kv_heads, head_dim, k_in, dtype, device, seed=0,
     def target(k_cache, v_cache):
         return gemv.RopeTarget(angles.cos().to(device, dtype), angles.sin().to(device, dtype), k_cache, v_cache, slot,
                                num_q_heads, num_kv_heads)
-    for res in (None, residual):
+    bias = torch.randn(n_out, generator=g).to(device, dtype)
+    for res, b in ((None, None), (residual, None), (residual, bias)):
         k_cache, v_cache, want_k, want_v = (c.clone() for c in caches * 2)
-        total, q = gemv.norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(k_cache, v_cache), pdl=pdl)
-        want_total, want_q = gemv.reference_norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(want_k, want_v))
+        total, q = gemv.norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(k_cache, v_cache), b, pdl=pdl)
+        want_total, want_q = gemv.reference_norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(want_k, want_v),
+                                                          b)
         assert torch.equal(total, want_total) and q.shape == (1, num_q_heads * head_dim)
         torch.testing.assert_close(q, want_q, rtol=rtol, atol=atol)
         for got, want, before in ((k_cache, want_k, caches[0]), (v_cache, want_v, caches[1])):
@@ -113,6 +118,9 @@ def test_kernels_in_the_interpreter(monkeypatch):
     # the whole one-token forward (fp32; can_gemv takes CPU tensors here), RoPE inside q | k | v
     monkeypatch.setattr(gemv, "can_gemv", lambda x, weight: x.shape[0] == 1)
     compare_paged_forwards(build_decoder(PRESETS["tiny-llama"], seed=0), "cpu", 1e-4)
+    biased = build_decoder(replace(PRESETS["tiny-llama"], qkv_bias=True), seed=0)  # (Qwen2: q | k | v biases)
+    assert all(layer.one_token is not None and layer.attn.qkv_proj.bias.abs().min() > 0 for layer in biased.layers)
+    compare_paged_forwards(biased, "cpu", 1e-4)
     weight = torch.empty(12288, 4096, device="meta")  # Llama-2-7B's q | k | v: 8 rows (4 pairs) a program
     assert gemv.qkv_takes_rope(weight, 128) and not gemv.qkv_takes_rope(weight, 4)  # (a head narrower than 8 rows)
 
@@ -187,8 +195,8 @@ def test_kernels_replay_in_a_cuda_graph(pdl, dot, monkeypatch):
             assert torch.equal(got, expected)
 
 
-def tiny_llama(dtype):
-    model = build_decoder(PRESETS["tiny-llama"], seed=0, dtype=dtype, device="cuda")
+def tiny_llama(dtype, qkv_bias=False):
+    model = build_decoder(replace(PRESETS["tiny-llama"], qkv_bias=qkv_bias), seed=0, dtype=dtype, device="cuda")
     g = torch.Generator(device="cpu").manual_seed(1)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):  # weights other than 1, so that the norms' weights count
@@ -244,5 +252,6 @@ def compare_paged_forwards(model, device, tolerance) -> None:
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
-def test_one_token_forward_over_a_paged_cache(dtype):
-    compare_paged_forwards(tiny_llama(dtype), "cuda", LOGIT_TOLERANCE[dtype])
+@pytest.mark.parametrize("qkv_bias", (False, True))
+def test_one_token_forward_over_a_paged_cache(dtype, qkv_bias):
+    compare_paged_forwards(tiny_llama(dtype, qkv_bias), "cuda", LOGIT_TOLERANCE[dtype])
