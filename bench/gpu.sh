@@ -221,7 +221,7 @@ for suite in "$@"; do
                 tests/test_unified_max.py
             [ "$suite" = fdpp-tests ] || step fdpp-ab timeout 320 python3 bench/attention.py --unified-max --out \
                 "bench/results/attention-fdpp-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
-        skinny-route) step skinny-route-tests timeout 150 env BATCHMAKER_SKINNY=measure python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+        skinny-route) step skinny-route-tests timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                           tests/test_skinny.py tests/test_flat_gemm.py tests/test_skinny_routes.py
                       step skinny-route timeout 420 python3 bench/skinny.py --route \
                           --presets ${SKINNY_PRESETS:-llama-2-7b qwen2.5-7b mistral-7b phi-3-mini gemma-2-9b} ;;

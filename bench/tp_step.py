@@ -21,7 +21,6 @@ sequence through every stage once: B tokens), against one GPU's floor of the who
 """
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -104,10 +103,10 @@ def run_degree(args, tp: int, bandwidth: float, all_reduce: str) -> list[dict]:
     from batchmaker import Engine, EngineConfig
     from batchmaker.exec.one_shot import SIZES
     from batchmaker.registry import build_model
-    os.environ["BATCHMAKER_ONE_SHOT"] = "0" if all_reduce == "nccl" else "1"  # (the ranks' processes inherit it)
     start = time.perf_counter()
     model = build_model("llama", preset=args.preset, dtype="bfloat16", device="cuda:0", tensor_parallel=tp,
-                        max_seqs=max(args.batch), max_tokens=args.max_tokens, max_new_tokens=args.steps)
+                        max_seqs=max(args.batch), max_tokens=args.max_tokens, max_new_tokens=args.steps,
+                        one_shot=all_reduce != "nccl")
     engine = Engine([model], EngineConfig(devices=("cuda:0",))).start(thread=False)
     print(f"TP={tp} ({all_reduce}): built and started in {time.perf_counter() - start:.1f} s", flush=True)
     rows = []

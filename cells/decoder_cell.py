@@ -14,6 +14,9 @@ from batchmaker.exec.sampling import sampling_bytes
 from batchmaker.signature import Signature, TensorSpec
 
 
+SKINNY_MODES = ("measure", "static", "off")  # (kernels/skinny_routes.py)
+
+
 @dataclass(frozen=True)
 class KVSettings:
     block_size: int = 16  # positions per KV block
@@ -41,6 +44,10 @@ class KVSettings:
     # launches take the host ~2x the GPU's time (H200, Llama-2-7B: a layer over 64 tokens 354 us of host, 158 us
     # of GPU, bench/launch_costs.py); each new shape is captured the second time it comes (exec/graphs.py)
     prefill_graph_tokens: int = 512
+    # CUDA kernels: how few-token projections pick theirs (kernels/skinny_routes.py): "static" (the table
+    # measured on an H200), "measure" (on the device at hand at start-up, cached) or "off" (cuBLAS)
+    skinny_routes: str = "static"
+    one_shot: bool = True  # split decoders: the one-shot all-reduce where it wins (exec/one_shot.py); False: NCCL
 
     def __post_init__(self):
         if self.gpu_headroom < 0 or self.gpu_headroom_ranks < 0:
@@ -50,6 +57,8 @@ class KVSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}: expected a fraction of the blocks in [0, 1), got {value!r}")
+        if self.skinny_routes not in SKINNY_MODES:
+            raise ValueError(f"skinny_routes: one of {', '.join(SKINNY_MODES)} expected, got {self.skinny_routes!r}")
         if isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int) or \
                 self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens: expected a count of tokens >= 0, got {self.prefill_graph_tokens!r}")

@@ -12,14 +12,11 @@ layers' own weights (enough of them to stream past L2), the median of a few repl
 fastest (cuBLAS on ties). Winners are cached on disk (`cache_path`: one JSON whose entries are keyed
 by device name and torch's and Triton's versions), so later starts skip the sweep.
 
-    BATCHMAKER_SKINNY=measure    # measure what the cache lacks
-    BATCHMAKER_SKINNY=static     # the default until a GPU run has checked the router against the sweep
-                                 # (bench/gpu.sh skinny-route): the static table (skinny.CONFIGS, default_config)
-    BATCHMAKER_SKINNY=off        # cuBLAS for every projection of the model
-    BATCHMAKER_CACHE_DIR=DIR     # the cache's folder (default ~/.cache/batchmaker)
-
-(Environment switches, as BATCHMAKER_ONE_SHOT: a tensor-parallel rank's process inherits them.)
-Nothing is measured on the CPU, where projections are F.linear, nor where the kernels cannot run
+The mode is the decoder's `KVSettings.skinny_routes` (`--set llama.skinny_routes=measure`):
+"measure" measures what the cache lacks; "static", the default until a GPU run has checked the
+router against the sweep (bench/gpu.sh skinny-route), takes the static table (skinny.CONFIGS,
+default_config); "off" gives cuBLAS every projection. BATCHMAKER_CACHE_DIR=DIR names the cache's
+folder (default ~/.cache/batchmaker). Nothing is measured on the CPU, where projections are F.linear, nor where the kernels cannot run
 (`skinny.can_skinny`: Hopper, 16-bit weights).
 """
 import contextlib
@@ -189,15 +186,14 @@ def _route_of(value: dict | None) -> Route:
     return kind(value["block_n"], value["block_k"], value["num_warps"], value["num_stages"])
 
 
-def settle_routes(lm: nn.Module, device: torch.device, mode: str | None = None, timer: Timer = time_in_graph,
+def settle_routes(lm: nn.Module, device: torch.device, mode: str = "static", timer: Timer = time_in_graph,
                   path: Path | None = None) -> dict[Key, Route]:
-    """Install the routes of `lm`'s projections on `device` into skinny.ROUTES, by `mode` (MODES;
-    None: BATCHMAKER_SKINNY, default static), and return them: measured where the cache at `path`
+    """Install the routes of `lm`'s projections on `device` into skinny.ROUTES, by `mode` (MODES),
+    and return them: measured where the cache at `path`
     (default `cache_path()`) lacks them, in at most about BUDGET_S, and cached. On a CPU or where the
     kernels cannot run: nothing measured, nothing installed ({})."""
-    mode = mode or os.environ.get("BATCHMAKER_SKINNY", "static")
     if mode not in MODES:
-        raise ValueError(f"BATCHMAKER_SKINNY={mode!r}: one of {', '.join(MODES)} expected")
+        raise ValueError(f"skinny routes {mode!r}: one of {', '.join(MODES)} expected")
     with torch.inference_mode():  # (the weights are parameters: can_skinny refuses products autograd records)
         shapes = projection_weights(lm)
         if not shapes or not skinny.can_skinny(torch.empty(2, 16, dtype=next(iter(shapes.values()))[0].dtype,
@@ -220,7 +216,7 @@ def _settle(shapes: dict, device: torch.device, mode: str, timer: Timer, path: P
     index = device.index if device.index is not None else torch.cuda.current_device() if cuda else -1
     skinny.ROUTES.update({(n, k, bucket, dtype, index): route for (n, k, bucket, _), route in routes.items()})
     kinds = [("cuBLAS" if r is None else "flat" if type(r) is FlatConfig else "skinny") for r in routes.values()]
-    log.info("skinny routes on %s (BATCHMAKER_SKINNY=%s): %d (shape, rows) settled in %.2f s: %s", device, mode,
+    log.info("skinny routes on %s (%s): %d (shape, rows) settled in %.2f s: %s", device, mode,
              len(routes), time.perf_counter() - start, ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds))))
     return routes
 

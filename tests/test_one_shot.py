@@ -48,12 +48,11 @@ def test_one_failing_rank_turns_it_off_on_every_rank_and_closes_the_rest():
     assert results[0][1].closed and results[2][1].closed
 
 
-def test_off_for_cpu_groups_single_ranks_and_when_asked(monkeypatch):
+def test_off_for_cpu_groups_single_ranks_and_when_asked():
     store = dist.HashStore()
     assert one_shot.join(store, 0, 2, torch.device("cpu"), None, torch.float32) is None
     assert one_shot.join(store, 0, 1, torch.device("cuda", 0), None, torch.bfloat16) is None
-    monkeypatch.setenv("BATCHMAKER_ONE_SHOT", "0")
-    assert one_shot.join(store, 0, 2, torch.device("cuda", 0), None, torch.bfloat16) is None
+    assert one_shot.join(store, 0, 2, torch.device("cuda", 0), None, torch.bfloat16, enabled=False) is None
 
 
 def test_a_message_takes_the_way_that_won_at_the_next_measured_size():

@@ -1,5 +1,5 @@
 """The few-token projections' routes (kernels/skinny_routes.py): chosen by timing on the device at
-hand (a fake timer here), cached by device name and versions, switched by BATCHMAKER_SKINNY, never
+hand (a fake timer here), cached by device name and versions, switched by KVSettings.skinny_routes, never
 measured on the CPU, installed before any CUDA graph is captured, and what `project` runs.
 
     python -m pytest -q tests/test_skinny_routes.py
@@ -29,7 +29,6 @@ CPU = torch.device("cpu")
 def fresh_routes(monkeypatch, tmp_path):
     monkeypatch.setattr(skinny, "ROUTES", {})
     monkeypatch.setenv("BATCHMAKER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("BATCHMAKER_SKINNY", "measure")  # (the router under test; the default is test_the_switch's)
 
 
 class FakeTimer:
@@ -103,14 +102,14 @@ def test_the_model_s_projections_by_shape():
 
 
 def test_nothing_is_measured_on_the_cpu():
-    assert skinny_routes.settle_routes(tiny_lm(), CPU, timer=never) == {} and skinny.ROUTES == {}
+    assert skinny_routes.settle_routes(tiny_lm(), CPU, "measure", timer=never) == {} and skinny.ROUTES == {}
 
 
 def test_measured_routes_are_installed_cached_and_reused(monkeypatch, tmp_path):
     routable(monkeypatch)
     lm = tiny_lm()
     timer = FakeTimer({FLAT: 1.0})
-    routes = skinny_routes.settle_routes(lm, CPU, timer=timer)
+    routes = skinny_routes.settle_routes(lm, CPU, "measure", timer=timer)
     shapes = skinny_routes.projection_weights(lm)
     assert len(routes) == len(shapes) * len(skinny_routes.ROW_BUCKETS) == len(skinny.ROUTES)
     for (n, k, bucket, dtype), route in routes.items():
@@ -118,7 +117,7 @@ def test_measured_routes_are_installed_cached_and_reused(monkeypatch, tmp_path):
         assert route == (FLAT if FLAT in skinny_routes.candidates(n, k, bucket) else None), (n, k, bucket)
     assert len(timer.calls) > len(routes)
     skinny.ROUTES.clear()
-    assert skinny_routes.settle_routes(lm, CPU, timer=never) == routes  # the cache: nothing measured again
+    assert skinny_routes.settle_routes(lm, CPU, "measure", timer=never) == routes  # the cache: nothing measured again
     assert len(skinny.ROUTES) == len(routes)
     path = skinny_routes.cache_path()
     assert path.parent == tmp_path and list(json.loads(path.read_text())) == [skinny_routes.cache_entry("cpu")]
@@ -144,31 +143,31 @@ def test_the_cache_is_keyed_by_device_and_versions(monkeypatch, tmp_path):
 
 
 def test_the_switch(monkeypatch):
+    """The mode: KVSettings.skinny_routes (static by default, until a GPU run checks the router), an
+    unknown one refused when the settings are made."""
+    from batchmaker.cells.decoder_cell import KVSettings
     routable(monkeypatch)
     lm = tiny_lm()
-    monkeypatch.setenv("BATCHMAKER_SKINNY", "off")
-    off = skinny_routes.settle_routes(lm, CPU, timer=never)
+    off = skinny_routes.settle_routes(lm, CPU, "off", timer=never)
     assert off and all(route is None for route in off.values())  # cuBLAS everywhere
-    monkeypatch.setenv("BATCHMAKER_SKINNY", "static")
-    static = skinny_routes.settle_routes(lm, CPU, timer=never)
+    static = skinny_routes.settle_routes(lm, CPU, "static", timer=never)
     assert static == {key: skinny.pick_config(n, k, max(16, bucket)) for key in off for n, k, bucket, _ in [key]}
-    monkeypatch.setenv("BATCHMAKER_SKINNY", "fast")
     with pytest.raises(ValueError, match="measure, static, off"):
-        skinny_routes.settle_routes(lm, CPU, timer=never)
-    monkeypatch.delenv("BATCHMAKER_SKINNY")
-    assert skinny_routes.settle_routes(lm, CPU, timer=never) == static  # the default (until a GPU run checks the router)
-    monkeypatch.setenv("BATCHMAKER_SKINNY", "measure")
+        skinny_routes.settle_routes(lm, CPU, "fast", timer=never)
+    assert skinny_routes.settle_routes(lm, CPU, timer=never) == static  # the default
     timer = FakeTimer({})
-    skinny_routes.settle_routes(lm, CPU, timer=timer)
+    skinny_routes.settle_routes(lm, CPU, "measure", timer=timer)
     assert timer.calls
-    assert skinny_routes.settle_routes(lm, CPU, mode="off", timer=never) == off  # (the argument over the variable)
+    assert KVSettings().skinny_routes == "static" and KVSettings(skinny_routes="measure").skinny_routes == "measure"
+    with pytest.raises(ValueError, match="skinny_routes"):
+        KVSettings(skinny_routes="fast")
 
 
 def test_measuring_stops_at_its_budget(monkeypatch):
     routable(monkeypatch)
     monkeypatch.setattr(skinny_routes, "BUDGET_S", 0.0)
     timer = FakeTimer({})
-    routes = skinny_routes.settle_routes(tiny_lm(), CPU, timer=timer)
+    routes = skinny_routes.settle_routes(tiny_lm(), CPU, "measure", timer=timer)
     first = next(iter(routes))  # one (shape, bucket) measured (each start makes progress), the rest static
     assert len(timer.calls) == len(skinny_routes.candidates(*first[:3]))
     assert all(route == skinny_routes.static_route(*key[:3]) for key, route in routes.items() if key != first)
@@ -194,12 +193,13 @@ def test_project_runs_the_installed_route(monkeypatch):
 def test_routes_settle_before_graphs_are_captured(monkeypatch):
     """A GPU rank starts (exec/tensor_rank.py; exec/worker.py CUDAWorker alike): compile_kernels,
     which settles the routes first, then the graphs' capture; warm_up refuses to capture before."""
+    from batchmaker.cells.decoder_cell import KVSettings
     order = []
-    monkeypatch.setattr(iterations, "settle_routes", lambda lm, device: order.append("routes") or {})
+    monkeypatch.setattr(iterations, "settle_routes", lambda lm, device, mode: order.append("routes") or {})
     monkeypatch.setattr(iterations, "compile_variants", lambda *args: order.append("attention"))
     k = torch.zeros(1, 2, 16, 2, 16)
     runner = types.SimpleNamespace(lm=tiny_lm(), device=CPU, module=types.SimpleNamespace(
-        ranks=1, calibration_prompts=[], block_size=16), config=types.SimpleNamespace(
+        ranks=1, calibration_prompts=[], block_size=16, kv=KVSettings()), config=types.SimpleNamespace(
         num_heads=2, max_positions=64, attention_windows=(), attn_softcap=None), max_blocks=4,
         cache=types.SimpleNamespace(k=k, v=k), unified_max=None, routes=None)
     runner.warm_up = lambda: order.append("graphs")
@@ -223,9 +223,9 @@ def test_routes_measured_on_the_gpu():
     """tiny-llama in bf16 on the GPU: every (shape, bucket) measured with CUDA graphs, the winners
     installed; a forward of 2-64 tokens through them equals cuBLAS's; the next start reads the cache."""
     lm = build_decoder(PRESETS["tiny-llama"], seed=0, dtype=torch.bfloat16, device="cuda")
-    routes = skinny_routes.settle_routes(lm, torch.device("cuda"))
+    routes = skinny_routes.settle_routes(lm, torch.device("cuda"), "measure")
     assert len(routes) == 4 * len(skinny_routes.ROW_BUCKETS)
-    assert skinny_routes.settle_routes(lm, torch.device("cuda"), timer=never) == routes
+    assert skinny_routes.settle_routes(lm, torch.device("cuda"), "measure", timer=never) == routes
     for length in (2, 9, 16, 40, 64):
         tokens = torch.randint(0, lm.config.vocab_size, (length,), device="cuda")
         with torch.no_grad():

@@ -99,7 +99,7 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
                 max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
                 chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
                 swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                prefix_caching: bool = False) -> Model:
+                prefix_caching: bool = False, skinny_routes: str = "static", one_shot: bool = True) -> Model:
     """max_tokens: the token budget of one iteration (prompt chunks and decodes together); by
     default 2,048 on a GPU (Llama-2-7B chat on an H200: 2,034 tok/s against 1,505 at 512, in one
     lease) and 256 on a CPU. Conversations (core/conversations.py): host_bytes, the host tier of
@@ -116,12 +116,14 @@ def llama_model(preset: str = "tiny-llama", checkpoint: str | None = None, seed:
     request without a conversation keeps its context like one, and a later request whose prompt
     continues it exactly (a client resending its history)
     takes it; a prompt's leading whole blocks that any request computed before are read, not
-    computed (a shared system prompt's)."""
+    computed (a shared system prompt's). skinny_routes: how few-token projections pick their kernel on a
+    GPU: "static" (a table measured on an H200), "measure" (on the device at start-up, cached) or "off"
+    (cuBLAS); one_shot: a split decoder's one-shot all-reduce where it wins (False: NCCL only)."""
     return decoder_model("llama", "llama", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
                               conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold,
-                              prefix_caching=prefix_caching),
+                              prefix_caching=prefix_caching, skinny_routes=skinny_routes, one_shot=one_shot),
                          tensor_parallel, pipeline_parallel)
 
 
@@ -132,10 +134,10 @@ def opt_model(preset: str = "tiny-opt", checkpoint: str | None = None, seed: int
               max_new_tokens: int = 64, host_bytes: int | None = None, eviction: str = "value",
               chunk_tokens: int = 32, conversation_ttl: float = 3600.0, reserve: float = 0.1,
               swap_threshold: float = 0.25, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-              prefix_caching: bool = False) -> Model:
+              prefix_caching: bool = False, skinny_routes: str = "static", one_shot: bool = True) -> Model:
     return decoder_model("opt", "opt", preset, checkpoint, seed, dtype, device, max_tokens, max_seqs,
                          block_size, num_blocks, max_new_tokens,
                          dict(host_bytes=host_bytes, eviction=eviction, chunk_tokens=chunk_tokens,
                               conversation_ttl=conversation_ttl, reserve=reserve, swap_threshold=swap_threshold,
-                              prefix_caching=prefix_caching),
+                              prefix_caching=prefix_caching, skinny_routes=skinny_routes, one_shot=one_shot),
                          tensor_parallel, pipeline_parallel)

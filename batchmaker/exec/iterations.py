@@ -324,7 +324,7 @@ class IterationRunner:
         unified maximum's split decodes, calibrated first from the cell's calibration prompts. First
         the few-token projections' routes, measured on this device (kernels/skinny_routes.py): before
         any graph is captured, since graphs bake them in."""
-        self.routes = settle_routes(self.lm, self.device)
+        self.routes = settle_routes(self.lm, self.device, self.module.kv.skinny_routes)
         if self.module.calibration_prompts:
             self.calibrate_unified_max(self.module.calibration_prompts)
         compile_variants(self.cache.k[0], self.cache.v[0], self.config.num_heads, self.max_blocks,

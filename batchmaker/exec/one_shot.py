@@ -12,7 +12,6 @@ one-shot at 64 and 256 KB).
 """
 import bisect
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -130,12 +129,12 @@ def agree(store, rank: int, size: int, build):
     return built
 
 
-def join(store, rank: int, size: int, device: torch.device, group, dtype: torch.dtype):
+def join(store, rank: int, size: int, device: torch.device, group, dtype: torch.dtype, enabled: bool = True):
     """This rank's OneShot for `group`, or None where it cannot run (a CPU group, ranks on several
-    hosts, more than 32 ranks, BATCHMAKER_ONE_SHOT=0), fails its self-test on any rank, or never
+    hosts, more than 32 ranks, not `enabled`: KVSettings.one_shot), fails its self-test on any rank, or never
     wins; every rank of the group gets the same answer."""
     if (device.type != "cuda" or not 2 <= size <= FLAG_BYTES // 8
-            or os.environ.get("BATCHMAKER_ONE_SHOT", "1") == "0"):
+            or not enabled):
         return None
     store = dist.PrefixStore("batchmaker-one-shot", store)
     if not one_host(store, rank, size):

@@ -92,7 +92,7 @@ def process_group(store, rank: int, size: int, device: torch.device):
     return group
 
 
-def connect(lm, store, rank: int, size: int, device: torch.device) -> list:
+def connect(lm, store, rank: int, size: int, device: torch.device, one_shot_allowed: bool = True) -> list:
     """Join this rank's part to its group (every rank calls it, in the same order): the process
     group of all the ranks (a tensor-parallel shard's collectives; a pipeline's sends and
     receives); with both, its stage's own group of its shards (their collectives); for a
@@ -119,7 +119,8 @@ def connect(lm, store, rank: int, size: int, device: torch.device) -> list:
     if lm.tp is not None:
         dtype = next(lm.parameters()).dtype
         with torch.cuda.device(device) if device.type == "cuda" else _nothing():
-            lm.tp.one_shot = one_shot.join(shards_store, lm.tp.rank, lm.tp.size, device, lm.tp.group, dtype)
+            lm.tp.one_shot = one_shot.join(shards_store, lm.tp.rank, lm.tp.size, device, lm.tp.group, dtype,
+                                           one_shot_allowed)
     return groups(lm)
 
 
@@ -160,7 +161,7 @@ class TensorGroup:
         try:
             launch = launched()
             store = self._join(launch, spec) if launch is not None else self._start(spec)
-            self.groups = connect(self.lm, store, 0, self.size, self.device)
+            self.groups = connect(self.lm, store, 0, self.size, self.device, cell.kv.one_shot)
         except BaseException:
             self.close()
             raise

@@ -34,7 +34,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
     cell = DecoderCell(lm, spec.kv, spec.parallel[0], spec.source, spec.parallel[1])
     cell_type = CellType(spec.name, cell, 0, spec.batch_sizes)
     runner = IterationRunner(cell_type, cell, device, Graphs(device, enabled=spec.graphs), spec.num_blocks)
-    connect(lm, store, spec.rank, spec.size, device)
+    connect(lm, store, spec.rank, spec.size, device, spec.kv.one_shot)
     stopped = False
     try:
         with torch.inference_mode():
