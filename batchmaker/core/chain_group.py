@@ -56,8 +56,11 @@ class ChainGroup:
         self.num_values = 0
         self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
         self.num_stepping = 0  # requests with steps left (kept in step: the scheduler reads it often)
-        self._free_slots = list(range(cap - 1, -1, -1))
+        self._free_slots = np.arange(cap - 1, -1, -1, dtype=np.int64)  # a stack: [:num_free], the top at the end
+        self._num_free = cap
         self._next_serial = 1
+        self._kept, self._record = kept, tuple(stage.collect.values())
+        self._step_ix = np.arange(64)[:, None]  # [j, 1]: a round's step numbers (grown for longer rounds)
         # where things go in a task's index, and each kept output's pool
         # (slices where the positions are consecutive, as they usually are: views, not fancy indexing)
         self._write_slots = _positions([layout.writes[o] for o in kept])
@@ -66,30 +69,39 @@ class ChainGroup:
         self._value_slots = [layout.values[x] for x in stage.step_inputs]
         self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
                                         + [layout.values[n] for n in stage.start])
+        # slices no other write of _index fills at every step: non-carried reads, values that are
+        # not step inputs (a start value is written at step 0 only)
+        self._zero_slices = [i for x, i in layout.reads.items() if x not in stage.carry] + \
+                            [i for x, i in layout.values.items() if x not in stage.step_inputs]
         self._kept_ix = np.arange(len(kept))[None, :, None]
         self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
         self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
         self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
+        self._pad = np.zeros((layout.num_slices, 1), dtype=np.int64)  # a lane past its last step: reads 0, writes scratch
+        for o, slot in layout.writes.items():
+            self._pad[slot] = pools[o].scratch_row
         by_pool: dict[int, list] = {}
         for o, out in enumerate(kept):
             by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
         self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
-        by_pool = {}  # carried inputs' rows (I) by the pool of the output they read
-        for c, out in enumerate(stage.carry.values()):
-            by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(c)
-        self._init_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
+        by_pool = {}  # rows (I) of carried inputs that start from the previous stage, by the pool of the output they read
+        for c, (name, out) in enumerate(stage.carry.items()):
+            if name in stage.init:
+                by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(c)
+        self._init_groups = [(pool, _positions(ix)) for pool, ix in by_pool.values()]
+        self._init_rows = [(c, "init:" + name) for c, name in enumerate(stage.carry) if name in stage.init]
 
     @property
     def num_live(self) -> int:
-        return len(self.serial) - len(self._free_slots)
+        return len(self.serial) - self._num_free
 
     # forming a round ------------------------------------------------------------------------
     def form(self, queues: tuple[Waiting, ...], max_steps: int) -> RoundTask | None:
         for queue in queues:
-            if self._free_slots and len(queue):
-                chunk = queue.take(len(self._free_slots))
+            if self._num_free and len(queue):
+                chunk = queue.take(self._num_free)
                 if chunk is not None and len(chunk):
-                    self._join(chunk)
+                    self._join(chunk, max_steps)
         if not self.num_stepping:
             return None
         stage = self.stage
@@ -103,8 +115,7 @@ class ChainGroup:
         num_active = len(lanes) - np.cumsum(np.bincount(steps, minlength=k)[:k])  # lanes stepping at step j
         task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
                          num_active=num_active, last=steps - 1,
-                         carry=stage.carry, saved=stage.kept, record=tuple(stage.collect.values()),
-                         owners=self.owner[lanes])
+                         carry=stage.carry, saved=self._kept, record=self._record, owners=self.owner[lanes])
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
             self._free_init(lanes[pos0 == 0])
         if stage.is_decode:
@@ -123,7 +134,11 @@ class ChainGroup:
         by their steps) are fixed up after, a slice per step."""
         stage, layout = self.stage, self.stage.cell_type.layout
         b = len(lanes)
-        index = np.zeros((k, layout.num_slices, b), dtype=np.int64)
+        if k > len(self._step_ix):
+            self._step_ix = np.arange(k)[:, None]
+        index = np.empty((k, layout.num_slices, b), dtype=np.int64)  # every slice is written below
+        for slot in self._zero_slices:
+            index[:, slot] = 0
         # R[pos0 & 1] and R[1 - (pos0 & 1)] at the lanes, as flat takes (a fancy index over the
         # last axis of R is several times slower)
         rows = self._row_at[:, None] + lanes[None, :]  # [O, B]: R[0, o, lane] in the flat R
@@ -134,29 +149,28 @@ class ChainGroup:
         index[1::2, self._write_slots] = at_odd
         for slot, scratch in self._other_writes:
             index[:, slot] = scratch
-        if stage.carry:
-            carried = self._carried
-            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[carried])
-            index[1::2, self._read_slots] = at_even[carried]
-            index[2::2, self._read_slots] = at_odd[carried]
+        if stage.carry:  # a step reads the rows the step before wrote; a chain's first step its I rows
+            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[self._carried])
+            if k > 1:
+                index[1:, self._read_slots] = index[:-1, self._write_slots][:, self._carried]
         if stage.step_inputs:  # host values per step (tokens)
-            at = self.base[lanes] + pos0 + np.arange(k)[:, None]  # [k, B]; past a chain's end: clipped, padded below
+            at = (self.base[lanes] + pos0) + self._step_ix[:k]  # [k, B]; past a chain's end: clipped, padded below
             for values, slot in zip(self.values[:, :self.num_values], self._value_slots):
                 values.take(at, mode="clip", out=index[:, slot])
         for name, value in stage.start.items():  # decode: the first step's token
             index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
-        for j in np.flatnonzero(num_active < b).tolist():  # lanes past their last step: a suffix at step j
-            a = int(num_active[j])
-            index[j, self._write_slots, a:] = self._scratch[0]
-            index[j, self._padded_reads, a:] = 0
+        pad = self._pad
+        for j, a in enumerate(num_active.tolist()):  # lanes past their last step: a suffix at step j
+            if a < b:
+                index[j, :, a:] = pad
         return index
 
-    def _join(self, chunk: Chunk) -> None:
+    def _join(self, chunk: Chunk, max_steps: int) -> None:
         n, stage = len(chunk), self.stage
         if stage.step_inputs:
             self._append_values(np.flatnonzero(self.serial > 0), chunk)
-        slots = np.array(self._free_slots[len(self._free_slots) - n:][::-1], dtype=np.int64)
-        del self._free_slots[len(self._free_slots) - n:]
+        self._num_free -= n
+        slots = self._free_slots[self._num_free:self._num_free + n][::-1].copy()
         self.serial[slots] = np.arange(self._next_serial, self._next_serial + n)
         self._next_serial += n
         self.owner[slots] = chunk.owners
@@ -173,16 +187,17 @@ class ChainGroup:
         self.streams[slots] = chunk.columns["streams"]
         for pool, ix in self._pool_groups:
             self.R[:, ix[:, None], slots[None, :]] = pool.alloc_many(2 * len(ix) * n).reshape(2, len(ix), n)
-        for c, name in enumerate(stage.carry):
-            self.I[c, slots] = chunk.columns.get("init:" + name, 0)
+        for c, column in self._init_rows:  # (other carried inputs' I rows stay 0)
+            self.I[c, slots] = chunk.columns[column]
         if stage.step_inputs:
             self.base[slots] = self._next_base
-        longest = int(self.length[slots].max())
-        for out, buf in self.collected.items():
-            if buf.shape[1] < longest:
-                grown = np.zeros((len(buf), longest), dtype=np.int64)
-                grown[:, :buf.shape[1]] = buf
-                self.collected[out] = grown
+        if self.collected:  # room for a round's values past a row's length (its completion writes whole rounds)
+            width = int(self.length[slots].max()) + max_steps
+            for out, buf in self.collected.items():
+                if buf.shape[1] < width:
+                    grown = np.zeros((len(buf), width), dtype=np.int64)
+                    grown[:, :buf.shape[1]] = buf
+                    self.collected[out] = grown
 
     def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
         """The joining chains' step values after those of the `others` (the live chains). Once the
@@ -253,22 +268,30 @@ class ChainGroup:
     def _complete_decode(self, task: RoundTask, lanes: "_DecodeLanes") -> None:
         stage, k = self.stage, task.num_steps
         current = self.serial[lanes.slots] == lanes.serials  # not dropped or refilled since
-        j = np.arange(k)[:, None]
-        active = (j < lanes.steps[None, :]) & current[None, :]
         out, value = stage.stop
-        hit = (task.recorded[out] == value) & active
-        stopped = hit.any(axis=0)
-        produced = np.where(stopped, hit.argmax(axis=0) + 1, lanes.steps)  # values kept this round
-        keep = active & (j < produced[None, :])
-        at_slot = np.broadcast_to(lanes.slots[None, :], keep.shape)[keep]
-        at_pos = (lanes.pos0[None, :] + j)[keep]
-        for o in stage.collect.values():
-            self.collected[o][at_slot, at_pos] = task.recorded[o][keep]
+        hit = task.recorded[out] == value  # [k, B]
+        stop_at = np.where(hit.any(axis=0), hit.argmax(axis=0), k)  # each lane's first stop value (k: none)
+        stopped = stop_at < lanes.steps  # (a hit past a lane's last step is padding's)
+        produced = np.minimum(stop_at + 1, lanes.steps)  # values kept this round
+        if current.all():  # (the usual case) a whole round into the rows: what lies past a lane's
+            # values lands past its length or after its stop value, and is never read
+            width = next(iter(self.collected.values())).shape[1]
+            at = (lanes.slots * width + lanes.pos0) + self._step_ix[:k]  # [k, B] in the flat rows
+            for o in stage.collect.values():
+                self.collected[o].reshape(-1)[at] = task.recorded[o]
+        else:  # only the current lanes' values, up to their stop
+            j = self._step_ix[:k]
+            keep = (j < produced[None, :]) & current[None, :]
+            at_slot = np.broadcast_to(lanes.slots[None, :], keep.shape)[keep]
+            at_pos = (lanes.pos0[None, :] + j)[keep]
+            for o in stage.collect.values():
+                self.collected[o][at_slot, at_pos] = task.recorded[o][keep]
         ends = lanes.pos0 + produced
-        for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():  # once per round
-            slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
-            stage.finisher.stream(self.owner[slot], {key: self.collected[o][slot, a:b].tolist()
-                                                     for key, o in stage.collect.items()})
+        if self.streams.any():  # (streams of freed slots are cleared) once per round
+            for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():
+                slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
+                stage.finisher.stream(self.owner[slot], {key: self.collected[o][slot, a:b].tolist()
+                                                         for key, o in stage.collect.items()})
         done = current & (stopped | (ends >= self.length[lanes.slots]))
         if done.any():
             slots, ends = lanes.slots[done], ends[done]
@@ -295,7 +318,8 @@ class ChainGroup:
 
     def _drop(self, slots: np.ndarray) -> None:
         """Free the slots and every row they hold (later launches run after those in flight)."""
-        self._free_init(slots)
+        if self._init_groups:  # (a lane frees its I rows at its first round: only those not started hold any)
+            self._free_init(slots[self.pos[slots] == 0])
         self.num_stepping -= int(np.count_nonzero(self.pos[slots] < self.length[slots]))
         for pool, ix in self._pool_groups:
             pool.free_many(self.R[:, ix[:, None], slots[None, :]].ravel())
@@ -304,9 +328,9 @@ class ChainGroup:
     def _free_init(self, slots: np.ndarray) -> None:
         if not len(slots):
             return
+        rows = self.I[:, slots]  # [C, n]
         for pool, ix in self._init_groups:
-            rows = self.I[ix[:, None], slots[None, :]].ravel()
-            pool.free_many(rows[rows != 0])
+            pool.free_many(rows[ix].ravel())
         self.I[:, slots] = 0
 
     def _release(self, slots: np.ndarray) -> None:
@@ -314,7 +338,9 @@ class ChainGroup:
         self.owner[slots] = None
         self.length[slots] = 0
         self.pos[slots] = 0
-        self._free_slots += slots.tolist()
+        self.streams[slots] = False
+        self._free_slots[self._num_free:self._num_free + len(slots)] = slots
+        self._num_free += len(slots)
 
 
 def _positions(positions: list[int]) -> slice | list[int]:
