@@ -59,7 +59,8 @@ class ChainGroup:
         self._free_slots = np.arange(cap - 1, -1, -1, dtype=np.int64)  # a stack: [:num_free], the top at the end
         self._num_free = cap
         self._next_serial = 1
-        self._kept, self._record = kept, tuple(stage.collect.values())
+        self._record = tuple(stage.collect.values())
+        self._saved = None  # stage.kept, once the next stage is linked (at the first round: see _link)
         self._step_ix = np.arange(64)[:, None]  # [j, 1]: a round's step numbers (grown for longer rounds)
         # where things go in a task's index, and each kept output's pool
         # (slices where the positions are consecutive, as they usually are: views, not fancy indexing)
@@ -83,7 +84,10 @@ class ChainGroup:
         by_pool: dict[int, list] = {}
         for o, out in enumerate(kept):
             by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
-        self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
+        # R[:, ix, slots]: a pool's outputs as a slice where consecutive (one fancy index), else a column
+        self._pool_groups = [(pool, _axis_index(ix)) for pool, ix in by_pool.values()]
+        self._kept_groups = [(pool, ix) for pool, ix in by_pool.values()]
+        self._kept_names = kept
         by_pool = {}  # rows (I) of carried inputs that start from the previous stage, by the pool of the output they read
         for c, (name, out) in enumerate(stage.carry.items()):
             if name in stage.init:
@@ -115,7 +119,8 @@ class ChainGroup:
         num_active = len(lanes) - np.cumsum(np.bincount(steps, minlength=k)[:k])  # lanes stepping at step j
         task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
                          num_active=num_active, last=steps - 1,
-                         carry=stage.carry, saved=self._kept, record=self._record, owners=self.owner[lanes])
+                         carry=stage.carry, saved=self._saved or self._link(), record=self._record,
+                         owners=self.owner[lanes])
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
             self._free_init(lanes[pos0 == 0])
         if stage.is_decode:
@@ -126,6 +131,15 @@ class ChainGroup:
         if len(ending) and not stage.is_decode:
             self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (pos0[ending] + steps[ending] - 1) & 1)
         return task
+
+    def _link(self) -> tuple[str, ...]:
+        """What depends on the next stage (linked after this group was made): the outputs a round
+        saves, and per pool which final rows a chain's end frees (those not handed on)."""
+        stage, kept = self.stage, self._kept_names
+        handed = set(stage.next.stage.init.values()) if stage.next is not None else set()
+        self._end_groups = [(pool, ix, [o for o in ix if kept[o] not in handed]) for pool, ix in self._kept_groups]
+        self._saved = stage.kept
+        return self._saved
 
     def _index(self, lanes: np.ndarray, pos0: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
         """[k, num_slices, B]. A lane's parity alternates, so its writes alternate between two rows
@@ -150,9 +164,10 @@ class ChainGroup:
         for slot, scratch in self._other_writes:
             index[:, slot] = scratch
         if stage.carry:  # a step reads the rows the step before wrote; a chain's first step its I rows
-            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[self._carried])
-            if k > 1:
-                index[1:, self._read_slots] = index[:-1, self._write_slots][:, self._carried]
+            carried = self._carried
+            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[carried])
+            index[1::2, self._read_slots] = at_even[carried]
+            index[2::2, self._read_slots] = at_odd[carried]
         if stage.step_inputs:  # host values per step (tokens)
             at = (self.base[lanes] + pos0) + self._step_ix[:k]  # [k, B]; past a chain's end: clipped, padded below
             for values, slot in zip(self.values[:, :self.num_values], self._value_slots):
@@ -186,7 +201,7 @@ class ChainGroup:
         self.first_cell[slots] = np.where(np.isnan(first), time.perf_counter(), first)
         self.streams[slots] = chunk.columns["streams"]
         for pool, ix in self._pool_groups:
-            self.R[:, ix[:, None], slots[None, :]] = pool.alloc_many(2 * len(ix) * n).reshape(2, len(ix), n)
+            self.R[:, ix, slots] = pool.alloc_many(2 * _num(ix) * n).reshape(2, -1, n)
         for c, column in self._init_rows:  # (other carried inputs' I rows stay 0)
             self.I[c, slots] = chunk.columns[column]
         if stage.step_inputs:
@@ -229,21 +244,20 @@ class ChainGroup:
         outputs = self._kept_ix[0]  # [O, 1]
         final = rows[final_parity[None, :], outputs, e]  # [O, E]
         spare = rows[1 - final_parity[None, :], outputs, e]
-        handed = np.zeros(len(kept), dtype=bool)
         if stage.next is not None:
             columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
                        "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
             for name, out in stage.next.stage.init.items():
                 columns["init:" + name] = final[kept.index(out)]
-                handed[kept.index(out)] = True
             stage.next.add(self.priority[slots], Chunk.of(self.owner[slots], columns), self.worker_id)
-            task.info = _Ending(self.owner[slots], self.first_cell[slots], handed_on=True)
+            task.info = _HANDED_ON
         else:
             task.fetch = {out: final[kept.index(out)] for out in stage.outputs.values()}
             task.info = _Ending(self.owner[slots], self.first_cell[slots])
-        for pool, ix in self._pool_groups:
+        for pool, ix, unhanded in self._end_groups:
             pool.free_many(spare[ix].ravel())
-            pool.free_many(final[ix[~handed[ix]]].ravel())
+            if unhanded:
+                pool.free_many(final[unhanded].ravel())
         self._release(slots)
 
     # completion -----------------------------------------------------------------------------
@@ -269,8 +283,10 @@ class ChainGroup:
         stage, k = self.stage, task.num_steps
         current = self.serial[lanes.slots] == lanes.serials  # not dropped or refilled since
         out, value = stage.stop
-        hit = task.recorded[out] == value  # [k, B]
-        stop_at = np.where(hit.any(axis=0), hit.argmax(axis=0), k)  # each lane's first stop value (k: none)
+        hit = np.empty((k + 1, task.batch), dtype=bool)  # [k + 1, B]: the last row a sentinel
+        np.equal(task.recorded[out], value, out=hit[:k])
+        hit[k] = True
+        stop_at = hit.argmax(axis=0)  # each lane's first stop value (k: none)
         stopped = stop_at < lanes.steps  # (a hit past a lane's last step is padding's)
         produced = np.minimum(stop_at + 1, lanes.steps)  # values kept this round
         if current.all():  # (the usual case) a whole round into the rows: what lies past a lane's
@@ -322,7 +338,7 @@ class ChainGroup:
             self._free_init(slots[self.pos[slots] == 0])
         self.num_stepping -= int(np.count_nonzero(self.pos[slots] < self.length[slots]))
         for pool, ix in self._pool_groups:
-            pool.free_many(self.R[:, ix[:, None], slots[None, :]].ravel())
+            pool.free_many(self.R[:, ix, slots].ravel())
         self._release(slots)
 
     def _free_init(self, slots: np.ndarray) -> None:
@@ -341,6 +357,17 @@ class ChainGroup:
         self.streams[slots] = False
         self._free_slots[self._num_free:self._num_free + len(slots)] = slots
         self._num_free += len(slots)
+
+
+def _axis_index(positions: list[int]) -> slice | np.ndarray:
+    """Positions on an axis before the last one: a slice if consecutive, else a column [n, 1]
+    (which broadcasts against the last axis' index)."""
+    at = _positions(positions)
+    return at if isinstance(at, slice) else np.array(at, dtype=np.int64)[:, None]
+
+
+def _num(positions: slice | np.ndarray) -> int:
+    return positions.stop - positions.start if isinstance(positions, slice) else len(positions)
 
 
 def _positions(positions: list[int]) -> slice | list[int]:
@@ -367,3 +394,6 @@ class _Ending:
     owners: np.ndarray
     first_cell: np.ndarray
     handed_on: bool = False  # to the next stage (then nothing to resolve here)
+
+
+_HANDED_ON = _Ending(None, None, handed_on=True)
