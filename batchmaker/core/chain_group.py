@@ -62,6 +62,7 @@ class ChainGroup:
         self._record = tuple(stage.collect.values())
         self._saved = None  # stage.kept, once the next stage is linked (at the first round: see _link)
         self._step_ix = np.arange(64)[:, None]  # [j, 1]: a round's step numbers (grown for longer rounds)
+        self._below: dict[tuple, np.ndarray] = {}  # (k, dtype) -> _short_below
         # where things go in a task's index, and each kept output's pool
         # (slices where the positions are consecutive, as they usually are: views, not fancy indexing)
         self._write_slots = _positions([layout.writes[o] for o in kept])
@@ -74,7 +75,6 @@ class ChainGroup:
         # not step inputs (a start value is written at step 0 only)
         self._zero_slices = [i for x, i in layout.reads.items() if x not in stage.carry] + \
                             [i for x, i in layout.values.items() if x not in stage.step_inputs]
-        self._kept_ix = np.arange(len(kept))[None, :, None]
         self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
         self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
         self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
@@ -109,28 +109,37 @@ class ChainGroup:
         if not self.num_stepping:
             return None
         stage = self.stage
-        stepping = np.flatnonzero(self.pos < self.length)  # (free slots have length 0)
-        left = self.length[stepping] - self.pos[stepping]
+        left = self.length - self.pos  # [cap]: steps left (0: a free slot, or a decode waiting for its round)
         k = int(min(max_steps, left.max()))
         short = (k - np.minimum(left, k)).astype(np.int8 if k < 128 else np.int64)  # steps short of k (int8: a radix sort)
-        order = np.argsort(short, kind="stable")  # lanes stepping at step j are a prefix
-        lanes, steps = stepping[order], k - short[order].astype(np.int64)
+        lanes = np.argsort(short, kind="stable")[:self.num_stepping]  # lanes stepping at step j are a prefix
+        short = short[lanes]
+        num_active = np.searchsorted(short, self._short_below(k, short.dtype), side="right")  # lanes stepping at step j
+        steps = k - short.astype(np.int64)
         pos0 = self.pos[lanes]
-        num_active = len(lanes) - np.cumsum(np.bincount(steps, minlength=k)[:k])  # lanes stepping at step j
-        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
+        first = pos0 == 0  # lanes at their chain's first step
+        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, first, num_active, k),
                          num_active=num_active, last=steps - 1,
                          carry=stage.carry, saved=self._saved or self._link(), record=self._record,
                          owners=self.owner[lanes])
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
-            self._free_init(lanes[pos0 == 0])
+            self._free_init(lanes[first])
         if stage.is_decode:
             task.info = _DecodeLanes(lanes, self.serial[lanes], pos0, steps)
-        self.pos[lanes] = pos0 + steps
-        ending = np.flatnonzero(pos0 + steps >= self.length[lanes])
+        end = pos0 + steps
+        self.pos[lanes] = end
+        ending = np.flatnonzero(end >= self.length[lanes])
         self.num_stepping -= len(ending)
         if len(ending) and not stage.is_decode:
-            self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (pos0[ending] + steps[ending] - 1) & 1)
+            self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (end[ending] - 1) & 1)
         return task
+
+    def _short_below(self, k: int, dtype) -> np.ndarray:
+        """[k]: k - 1 - j for step j (a lane steps at step j if its steps short of k are at most that)."""
+        below = self._below.get((k, dtype))
+        if below is None:
+            below = self._below[(k, dtype)] = np.arange(k - 1, -1, -1).astype(dtype)
+        return below
 
     def _link(self) -> tuple[str, ...]:
         """What depends on the next stage (linked after this group was made): the outputs a round
@@ -141,7 +150,7 @@ class ChainGroup:
         self._saved = stage.kept
         return self._saved
 
-    def _index(self, lanes: np.ndarray, pos0: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
+    def _index(self, lanes: np.ndarray, pos0: np.ndarray, first: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
         """[k, num_slices, B]. A lane's parity alternates, so its writes alternate between two rows
         (`at_even`, `at_odd` steps of the round) and its reads are the previous step's writes:
         a few slice copies, not a pass per step. Lanes past their last step (a suffix: lanes are sorted
@@ -165,7 +174,7 @@ class ChainGroup:
             index[:, slot] = scratch
         if stage.carry:  # a step reads the rows the step before wrote; a chain's first step its I rows
             carried = self._carried
-            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[carried])
+            index[0, self._read_slots] = np.where(first, self.I.take(lanes, axis=1), at_odd[carried])
             index[1::2, self._read_slots] = at_even[carried]
             index[2::2, self._read_slots] = at_odd[carried]
         if stage.step_inputs:  # host values per step (tokens)
@@ -173,7 +182,7 @@ class ChainGroup:
             for values, slot in zip(self.values[:, :self.num_values], self._value_slots):
                 values.take(at, mode="clip", out=index[:, slot])
         for name, value in stage.start.items():  # decode: the first step's token
-            index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
+            index[0, layout.values[name]] = np.where(first, value, 0)
         pad = self._pad
         for j, a in enumerate(num_active.tolist()):  # lanes past their last step: a suffix at step j
             if a < b:
@@ -198,7 +207,7 @@ class ChainGroup:
         self.num_stepping += n
         self.priority[slots] = chunk.columns["priority"]
         first = chunk.columns["first_cell"]
-        self.first_cell[slots] = np.where(np.isnan(first), time.perf_counter(), first)
+        self.first_cell[slots] = np.fmin(first, time.perf_counter())  # (NaN: not started; fmin takes the number)
         self.streams[slots] = chunk.columns["streams"]
         for pool, ix in self._pool_groups:
             self.R[:, ix, slots] = pool.alloc_many(2 * _num(ix) * n).reshape(2, -1, n)
@@ -239,11 +248,9 @@ class ChainGroup:
     def _end_chains(self, task: RoundTask, slots: np.ndarray, rows: np.ndarray, final_parity: np.ndarray) -> None:
         """Chains whose last step is in this round: their final rows go to the next stage or to
         the host; their other rows are freed (later launches run after this one)."""
-        stage, kept = self.stage, self.stage.kept
-        e = np.arange(len(slots))[None, :]
-        outputs = self._kept_ix[0]  # [O, 1]
-        final = rows[final_parity[None, :], outputs, e]  # [O, E]
-        spare = rows[1 - final_parity[None, :], outputs, e]
+        stage, kept = self.stage, self._kept_names
+        final = np.where(final_parity, rows[1], rows[0])  # [O, E]
+        spare = np.where(final_parity, rows[0], rows[1])
         if stage.next is not None:
             columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
                        "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
