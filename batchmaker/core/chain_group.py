@@ -11,6 +11,11 @@ the same worker) or fetched to the host in the same launch, so the next stage ma
 very next round. A decode loop's end (its `stop` value) is learned when a round completes, from
 the values it recorded: one numpy pass over [k, batch]. Rounds formed meanwhile carry the lane
 along and their results for it are dropped (a slot's serial tells a new occupant from an old one).
+
+A slot's R rows outlive its occupant: the next one to join reuses them (launches run in the order
+they were formed, so its writes come after every write of the one before), and they go back to
+their pools when the group empties. Joins and ends thus allocate and free rows only for the rows a
+chain hands on to the next stage.
 """
 import time
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ class ChainGroup:
         self.first_cell = np.zeros(cap)
         self.streams = np.zeros(cap, dtype=bool)
         self.R = np.zeros((2, len(kept), cap), dtype=np.int64)
+        self.holds = np.zeros(cap, dtype=bool)  # the slot holds its R rows (kept across occupants until the group empties)
         self.I = np.zeros((len(stage.carry), cap), dtype=np.int64)
         self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
         self.values = np.zeros((len(stage.step_inputs), 4096), dtype=np.int64)  # [input, :num_values] in use
@@ -143,10 +149,11 @@ class ChainGroup:
 
     def _link(self) -> tuple[str, ...]:
         """What depends on the next stage (linked after this group was made): the outputs a round
-        saves, and per pool which final rows a chain's end frees (those not handed on)."""
+        saves, and per pool the kept outputs whose final rows a chain's end hands on."""
         stage, kept = self.stage, self._kept_names
         handed = set(stage.next.stage.init.values()) if stage.next is not None else set()
-        self._end_groups = [(pool, ix, [o for o in ix if kept[o] not in handed]) for pool, ix in self._kept_groups]
+        self._end_groups = [(pool, np.array([o for o in ix if kept[o] in handed], dtype=np.int64)[:, None])
+                            for pool, ix in self._kept_groups]
         self._saved = stage.kept
         return self._saved
 
@@ -209,8 +216,11 @@ class ChainGroup:
         first = chunk.columns["first_cell"]
         self.first_cell[slots] = np.fmin(first, time.perf_counter())  # (NaN: not started; fmin takes the number)
         self.streams[slots] = chunk.columns["streams"]
-        for pool, ix in self._pool_groups:
-            self.R[:, ix, slots] = pool.alloc_many(2 * _num(ix) * n).reshape(2, -1, n)
+        new = slots[~self.holds[slots]]  # (the others' rows served the slot's previous occupant)
+        if len(new):
+            for pool, ix in self._pool_groups:
+                self.R[:, ix, new] = pool.alloc_many(2 * _num(ix) * len(new)).reshape(2, -1, len(new))
+            self.holds[new] = True
         for c, column in self._init_rows:  # (other carried inputs' I rows stay 0)
             self.I[c, slots] = chunk.columns[column]
         if stage.step_inputs:
@@ -246,11 +256,10 @@ class ChainGroup:
         self.num_values += n
 
     def _end_chains(self, task: RoundTask, slots: np.ndarray, rows: np.ndarray, final_parity: np.ndarray) -> None:
-        """Chains whose last step is in this round: their final rows go to the next stage or to
-        the host; their other rows are freed (later launches run after this one)."""
+        """Chains whose last step is in this round: their final rows go to the next stage (their
+        slots get new ones in their place) or to the host (read by this launch; the slots keep them)."""
         stage, kept = self.stage, self._kept_names
         final = np.where(final_parity, rows[1], rows[0])  # [O, E]
-        spare = np.where(final_parity, rows[0], rows[1])
         if stage.next is not None:
             columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
                        "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
@@ -261,10 +270,10 @@ class ChainGroup:
         else:
             task.fetch = {out: final[kept.index(out)] for out in stage.outputs.values()}
             task.info = _Ending(self.owner[slots], self.first_cell[slots])
-        for pool, ix, unhanded in self._end_groups:
-            pool.free_many(spare[ix].ravel())
-            if unhanded:
-                pool.free_many(final[unhanded].ravel())
+        for pool, handed in self._end_groups:
+            if len(handed):
+                self.R[final_parity[None, :], handed, slots[None, :]] = pool.alloc_many(len(handed) * len(slots)).reshape(
+                    len(handed), len(slots))
         self._release(slots)
 
     # completion -----------------------------------------------------------------------------
@@ -340,12 +349,10 @@ class ChainGroup:
                 self.pools[out].free_many(rows[rows != 0])
 
     def _drop(self, slots: np.ndarray) -> None:
-        """Free the slots and every row they hold (later launches run after those in flight)."""
+        """Free the slots and the I rows they hold (their R rows stay for the next occupants)."""
         if self._init_groups:  # (a lane frees its I rows at its first round: only those not started hold any)
             self._free_init(slots[self.pos[slots] == 0])
         self.num_stepping -= int(np.count_nonzero(self.pos[slots] < self.length[slots]))
-        for pool, ix in self._pool_groups:
-            pool.free_many(self.R[:, ix, slots].ravel())
         self._release(slots)
 
     def _free_init(self, slots: np.ndarray) -> None:
@@ -364,6 +371,11 @@ class ChainGroup:
         self.streams[slots] = False
         self._free_slots[self._num_free:self._num_free + len(slots)] = slots
         self._num_free += len(slots)
+        if self._num_free == len(self.serial):  # the group is empty: every R row goes back to its pool
+            held = np.flatnonzero(self.holds)
+            for pool, ix in self._pool_groups:
+                pool.free_many(self.R[:, ix, held].ravel())
+            self.holds[held] = False
 
 
 def _axis_index(positions: list[int]) -> slice | np.ndarray:
