@@ -77,10 +77,11 @@ class ChainGroup:
         self._value_slots = [layout.values[x] for x in stage.step_inputs]
         self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
                                         + [layout.values[n] for n in stage.start])
-        # slices no other write of _index fills at every step: non-carried reads, values that are
-        # not step inputs (a start value is written at step 0 only)
+        # slices no other write of _index fills: non-carried reads, values that are neither step
+        # inputs nor start values
         self._zero_slices = [i for x, i in layout.reads.items() if x not in stage.carry] + \
-                            [i for x, i in layout.values.items() if x not in stage.step_inputs]
+                            [i for x, i in layout.values.items() if x not in stage.step_inputs and x not in stage.start]
+        self._start_slots = [(layout.values[x], value) for x, value in stage.start.items()]
         self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
         self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
         self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
@@ -188,8 +189,9 @@ class ChainGroup:
             at = (self.base[lanes] + pos0) + self._step_ix[:k]  # [k, B]; past a chain's end: clipped, padded below
             for values, slot in zip(self.values[:, :self.num_values], self._value_slots):
                 values.take(at, mode="clip", out=index[:, slot])
-        for name, value in stage.start.items():  # decode: the first step's token
-            index[0, layout.values[name]] = np.where(first, value, 0)
+        for slot, value in self._start_slots:  # decode: the first step's token, 0 after
+            np.multiply(first, value, out=index[0, slot])
+            index[1:, slot] = 0
         pad = self._pad
         for j, a in enumerate(num_active.tolist()):  # lanes past their last step: a suffix at step j
             if a < b:
@@ -199,7 +201,7 @@ class ChainGroup:
     def _join(self, chunk: Chunk, max_steps: int) -> None:
         n, stage = len(chunk), self.stage
         if stage.step_inputs:
-            self._append_values(np.flatnonzero(self.serial > 0), chunk)
+            self._append_values(chunk)
         self._num_free -= n
         slots = self._free_slots[self._num_free:self._num_free + n][::-1].copy()
         self.serial[slots] = np.arange(self._next_serial, self._next_serial + n)
@@ -207,12 +209,14 @@ class ChainGroup:
         self.owner[slots] = chunk.owners
         self.pos[slots] = 0
         lengths = chunk.columns["lengths"]
-        if self.lengths.shape[1] != lengths.shape[1]:
-            self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
-        self.lengths[slots] = lengths
-        self.length[slots] = lengths[:, stage.position]
+        length = lengths[:, stage.position]
+        self.length[slots] = length
         self.num_stepping += n
-        self.priority[slots] = chunk.columns["priority"]
+        if stage.next is not None:  # (what only the next stage needs)
+            if self.lengths.shape[1] != lengths.shape[1]:
+                self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
+            self.lengths[slots] = lengths
+            self.priority[slots] = chunk.columns["priority"]
         first = chunk.columns["first_cell"]
         self.first_cell[slots] = np.fmin(first, time.perf_counter())  # (NaN: not started; fmin takes the number)
         self.streams[slots] = chunk.columns["streams"]
@@ -226,21 +230,22 @@ class ChainGroup:
         if stage.step_inputs:
             self.base[slots] = self._next_base
         if self.collected:  # room for a round's values past a row's length (its completion writes whole rounds)
-            width = int(self.length[slots].max()) + max_steps
+            width = int(length.max()) + max_steps
             for out, buf in self.collected.items():
                 if buf.shape[1] < width:
                     grown = np.zeros((len(buf), width), dtype=np.int64)
                     grown[:, :buf.shape[1]] = buf
                     self.collected[out] = grown
 
-    def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
-        """The joining chains' step values after those of the `others` (the live chains). Once the
+    def _append_values(self, chunk: Chunk) -> None:
+        """The joining chains' step values after those of the others (the live chains). Once the
         buffer is full, the others' values still to run are moved to its front (into a buffer four
         times what is kept, so that a move comes once per several joins); `_next_base`: where each
         new one starts."""
         values = chunk.values.reshape(len(chunk.values), -1).T  # [inputs, n]
         n = values.shape[1]
         if self.num_values + n > self.values.shape[1]:
+            others = np.flatnonzero(self.serial > 0)
             left = np.maximum(self.length[others] - self.pos[others], 0)
             used = int(left.sum())
             starts = np.cumsum(left) - left
@@ -358,10 +363,9 @@ class ChainGroup:
     def _free_init(self, slots: np.ndarray) -> None:
         if not len(slots):
             return
-        rows = self.I[:, slots]  # [C, n]
+        rows = self.I[:, slots]  # [C, n] (left as they are: a slot's I is read only at its first step)
         for pool, ix in self._init_groups:
             pool.free_many(rows[ix].ravel())
-        self.I[:, slots] = 0
 
     def _release(self, slots: np.ndarray) -> None:
         self.serial[slots] = 0
