@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchmaker.core.request import RaggedRows
+from batchmaker.core.decode_values import CollectedRows, DecodeLanes, first_stops
 from batchmaker.core.rows import RowAllocator
 from batchmaker.core.task import RoundTask
 from batchmaker.core.waiting import Chunk, Waiting
@@ -60,7 +60,7 @@ class ChainGroup:
         self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
         self.values = np.zeros((len(stage.step_inputs), 4096), dtype=np.int64)  # [input, :num_values] in use
         self.num_values = 0
-        self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
+        self.collected = CollectedRows(tuple(stage.collect.values()), cap) if stage.is_decode else None
         self.num_stepping = 0  # requests with steps left (kept in step: the scheduler reads it often)
         self._free_slots = np.arange(cap - 1, -1, -1, dtype=np.int64)  # a stack: [:num_free], the top at the end
         self._num_free = cap
@@ -132,7 +132,7 @@ class ChainGroup:
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
             self._free_init(lanes[first])
         if stage.is_decode:
-            task.info = _DecodeLanes(lanes, self.serial[lanes], pos0, steps)
+            task.info = DecodeLanes(lanes, self.serial[lanes], pos0, steps)
         end = pos0 + steps
         self.pos[lanes] = end
         ending = np.flatnonzero(end >= self.length[lanes])
@@ -229,13 +229,8 @@ class ChainGroup:
             self.I[c, slots] = chunk.columns[column]
         if stage.step_inputs:
             self.base[slots] = self._next_base
-        if self.collected:  # room for a round's values past a row's length (its completion writes whole rounds)
-            width = int(length.max()) + max_steps
-            for out, buf in self.collected.items():
-                if buf.shape[1] < width:
-                    grown = np.zeros((len(buf), width), dtype=np.int64)
-                    grown[:, :buf.shape[1]] = buf
-                    self.collected[out] = grown
+        if self.collected is not None:  # (room for a round past the longest: see CollectedRows)
+            self.collected.make_room(int(length.max()) + max_steps)
 
     def _append_values(self, chunk: Chunk) -> None:
         """The joining chains' step values after those of the others (the live chains). Once the
@@ -266,11 +261,12 @@ class ChainGroup:
         stage, kept = self.stage, self._kept_names
         final = np.where(final_parity, rows[1], rows[0])  # [O, E]
         if stage.next is not None:
-            columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
+            priority = self.priority[slots]
+            columns = {"lengths": self.lengths[slots], "priority": priority,
                        "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
             for name, out in stage.next.stage.init.items():
                 columns["init:" + name] = final[kept.index(out)]
-            stage.next.add(self.priority[slots], Chunk.of(self.owner[slots], columns), self.worker_id)
+            stage.next.add(priority, Chunk.of(self.owner[slots], columns), self.worker_id)
             task.info = _HANDED_ON
         else:
             task.fetch = {out: final[kept.index(out)] for out in stage.outputs.values()}
@@ -300,40 +296,21 @@ class ChainGroup:
             stage = stage.next.stage
         return stage.finisher
 
-    def _complete_decode(self, task: RoundTask, lanes: "_DecodeLanes") -> None:
-        stage, k = self.stage, task.num_steps
+    def _complete_decode(self, task: RoundTask, lanes: DecodeLanes) -> None:
+        stage, collected = self.stage, self.collected
         current = self.serial[lanes.slots] == lanes.serials  # not dropped or refilled since
         out, value = stage.stop
-        hit = np.empty((k + 1, task.batch), dtype=bool)  # [k + 1, B]: the last row a sentinel
-        np.equal(task.recorded[out], value, out=hit[:k])
-        hit[k] = True
-        stop_at = hit.argmax(axis=0)  # each lane's first stop value (k: none)
-        stopped = stop_at < lanes.steps  # (a hit past a lane's last step is padding's)
-        produced = np.minimum(stop_at + 1, lanes.steps)  # values kept this round
-        if current.all():  # (the usual case) a whole round into the rows: what lies past a lane's
-            # values lands past its length or after its stop value, and is never read
-            width = next(iter(self.collected.values())).shape[1]
-            at = (lanes.slots * width + lanes.pos0) + self._step_ix[:k]  # [k, B] in the flat rows
-            for o in stage.collect.values():
-                self.collected[o].reshape(-1)[at] = task.recorded[o]
-        else:  # only the current lanes' values, up to their stop
-            j = self._step_ix[:k]
-            keep = (j < produced[None, :]) & current[None, :]
-            at_slot = np.broadcast_to(lanes.slots[None, :], keep.shape)[keep]
-            at_pos = (lanes.pos0[None, :] + j)[keep]
-            for o in stage.collect.values():
-                self.collected[o][at_slot, at_pos] = task.recorded[o][keep]
+        stopped, produced = first_stops(task.recorded[out], value, lanes.steps)
+        collected.write(task.recorded, lanes, current, produced)
         ends = lanes.pos0 + produced
         if self.streams.any():  # (streams of freed slots are cleared) once per round
             for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():
                 slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
-                stage.finisher.stream(self.owner[slot], {key: self.collected[o][slot, a:b].tolist()
-                                                         for key, o in stage.collect.items()})
+                stage.finisher.stream(self.owner[slot], {key: collected.values(o, slot, a, b) for key, o in stage.collect.items()})
         done = current & (stopped | (ends >= self.length[lanes.slots]))
         if done.any():
             slots, ends = lanes.slots[done], ends[done]
-            width = int(ends.max())
-            outputs = {key: RaggedRows(self.collected[o][slots, :width], ends) for key, o in stage.collect.items()}
+            outputs = {key: collected.ragged(o, slots, ends) for key, o in stage.collect.items()}
             stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
             self._drop(slots)
 
@@ -398,16 +375,6 @@ def _positions(positions: list[int]) -> slice | list[int]:
     if positions and positions == list(range(positions[0], positions[0] + len(positions))):
         return slice(positions[0], positions[0] + len(positions))
     return positions
-
-
-@dataclass(slots=True)
-class _DecodeLanes:
-    """What a decode round's completion needs: its lanes' slots and occupants, first positions."""
-
-    slots: np.ndarray
-    serials: np.ndarray
-    pos0: np.ndarray
-    steps: np.ndarray
 
 
 @dataclass(slots=True)
