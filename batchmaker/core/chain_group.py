@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 class ChainGroup:
     """The running requests of one stage on one worker, in slots [0, max_batch). Manager thread only.
 
-    Rows: R[parity, o, slot] is the row slot's request writes output kept[o] to at steps of that
-    parity (2 rows per kept output); I[c, slot] the row carried input c reads at step 0 (0: zeros).
+    Rows: R[parity, o, slot] is the row the slot's occupant writes output kept[o] to at steps of
+    that parity (2 rows per kept output; the slot keeps them for its next occupant while `holds`);
+    I[c, slot] the row carried input c reads at its chain's first step (0: zeros).
     """
 
     def __init__(self, stage: "Stage", worker_id: int, pools: dict[str, RowAllocator]):
@@ -75,19 +76,16 @@ class ChainGroup:
         self._read_slots = _positions([layout.reads[x] for x in stage.carry])
         self._carried = _positions([kept.index(o) for o in stage.carry.values()])
         self._value_slots = [layout.values[x] for x in stage.step_inputs]
-        self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
-                                        + [layout.values[n] for n in stage.start])
         # slices no other write of _index fills: non-carried reads, values that are neither step
         # inputs nor start values
         self._zero_slices = [i for x, i in layout.reads.items() if x not in stage.carry] + \
                             [i for x, i in layout.values.items() if x not in stage.step_inputs and x not in stage.start]
         self._start_slots = [(layout.values[x], value) for x, value in stage.start.items()]
         self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
-        self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
-        self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
         self._pad = np.zeros((layout.num_slices, 1), dtype=np.int64)  # a lane past its last step: reads 0, writes scratch
-        for o, slot in layout.writes.items():
-            self._pad[slot] = pools[o].scratch_row
+        for o in [*kept, *(o for o in layout.writes if o not in kept)]:  # (the pools' scratch rows taken in this order)
+            self._pad[layout.writes[o]] = pools[o].scratch_row
+        self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
         by_pool: dict[int, list] = {}
         for o, out in enumerate(kept):
             by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
