@@ -5,8 +5,7 @@ admission batch with a few numpy calls; if anything in the batch is off, each re
 on its own (the slow path), so every bad request gets its own precise BadRequestError and the
 good ones go ahead.
 """
-import array
-import itertools
+import struct
 import threading
 from numbers import Integral
 
@@ -60,10 +59,12 @@ def check_token_lists(values: list, high: int | None, what: str) -> tuple[np.nda
     their lengths; {position in `values`: BadRequestError} for the bad ones)."""
     if all(type(v) is list for v in values):
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-        flat_list = list(itertools.chain.from_iterable(values))
-        try:  # ints -> int64 (a C array of them: no type discovery pass); a float, str, None, huge int or list raises
-            flat = np.frombuffer(array.array("q", flat_list), dtype=np.int64)
-        except (ValueError, TypeError, OverflowError):
+        flat_list = []
+        for v in values:  # (extending one list: faster than chain.from_iterable's items one by one)
+            flat_list += v
+        try:  # ints -> int64 bytes (no type discovery pass; 2x array.array's); a float, str, None, huge int or list raises
+            flat = np.frombuffer(struct.pack(f"{len(flat_list)}q", *flat_list), dtype=np.int64)
+        except (struct.error, ValueError, TypeError, OverflowError):
             flat = None
         if (flat is not None and len(flat) and lengths.all() and in_range(flat, high)
                 and not any(type(flat_list[i]) is bool for i in np.flatnonzero(flat <= 1).tolist())):

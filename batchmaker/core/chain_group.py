@@ -11,6 +11,11 @@ the same worker) or fetched to the host in the same launch, so the next stage ma
 very next round. A decode loop's end (its `stop` value) is learned when a round completes, from
 the values it recorded: one numpy pass over [k, batch]. Rounds formed meanwhile carry the lane
 along and their results for it are dropped (a slot's serial tells a new occupant from an old one).
+
+A slot's R rows outlive its occupant: the next one to join reuses them (launches run in the order
+they were formed, so its writes come after every write of the one before), and they go back to
+their pools when the group empties. Joins and ends thus allocate and free rows only for the rows a
+chain hands on to the next stage.
 """
 import time
 from dataclasses import dataclass
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchmaker.core.request import RaggedRows
+from batchmaker.core.decode_values import CollectedRows, DecodeLanes, first_stops
 from batchmaker.core.rows import RowAllocator
 from batchmaker.core.task import RoundTask
 from batchmaker.core.waiting import Chunk, Waiting
@@ -31,8 +36,9 @@ if TYPE_CHECKING:
 class ChainGroup:
     """The running requests of one stage on one worker, in slots [0, max_batch). Manager thread only.
 
-    Rows: R[parity, o, slot] is the row slot's request writes output kept[o] to at steps of that
-    parity (2 rows per kept output); I[c, slot] the row carried input c reads at step 0 (0: zeros).
+    Rows: R[parity, o, slot] is the row the slot's occupant writes output kept[o] to at steps of
+    that parity (2 rows per kept output; the slot keeps them for its next occupant while `holds`);
+    I[c, slot] the row carried input c reads at its chain's first step (0: zeros).
     """
 
     def __init__(self, stage: "Stage", worker_id: int, pools: dict[str, RowAllocator]):
@@ -50,80 +56,118 @@ class ChainGroup:
         self.first_cell = np.zeros(cap)
         self.streams = np.zeros(cap, dtype=bool)
         self.R = np.zeros((2, len(kept), cap), dtype=np.int64)
+        self.holds = np.zeros(cap, dtype=bool)  # the slot holds its R rows (kept across occupants until the group empties)
         self.I = np.zeros((len(stage.carry), cap), dtype=np.int64)
         self.base = np.zeros(cap, dtype=np.int64)  # chain: where its step values start in `values`
         self.values = np.zeros((len(stage.step_inputs), 4096), dtype=np.int64)  # [input, :num_values] in use
         self.num_values = 0
-        self.collected = {out: np.zeros((cap, 1), dtype=np.int64) for out in stage.collect.values()}
+        self.collected = CollectedRows(tuple(stage.collect.values()), cap) if stage.is_decode else None
         self.num_stepping = 0  # requests with steps left (kept in step: the scheduler reads it often)
-        self._free_slots = list(range(cap - 1, -1, -1))
+        self._free_slots = np.arange(cap - 1, -1, -1, dtype=np.int64)  # a stack: [:num_free], the top at the end
+        self._num_free = cap
         self._next_serial = 1
+        self._record = tuple(stage.collect.values())
+        self._saved = None  # stage.kept, once the next stage is linked (at the first round: see _link)
+        self._step_ix = np.arange(64)[:, None]  # [j, 1]: a round's step numbers (grown for longer rounds)
+        self._below: dict[tuple, np.ndarray] = {}  # (k, dtype) -> _short_below
         # where things go in a task's index, and each kept output's pool
         # (slices where the positions are consecutive, as they usually are: views, not fancy indexing)
         self._write_slots = _positions([layout.writes[o] for o in kept])
         self._read_slots = _positions([layout.reads[x] for x in stage.carry])
         self._carried = _positions([kept.index(o) for o in stage.carry.values()])
         self._value_slots = [layout.values[x] for x in stage.step_inputs]
-        self._padded_reads = _positions([layout.reads[x] for x in stage.carry] + [layout.values[x] for x in stage.step_inputs]
-                                        + [layout.values[n] for n in stage.start])
-        self._kept_ix = np.arange(len(kept))[None, :, None]
+        # slices no other write of _index fills: non-carried reads, values that are neither step
+        # inputs nor start values
+        self._zero_slices = [i for x, i in layout.reads.items() if x not in stage.carry] + \
+                            [i for x, i in layout.values.items() if x not in stage.step_inputs and x not in stage.start]
+        self._start_slots = [(layout.values[x], value) for x, value in stage.start.items()]
         self._row_at = np.arange(len(kept)) * cap  # where R[0, o, :] starts in the flat R
-        self._scratch = np.array([pools[o].scratch_row for o in kept], dtype=np.int64)[None, :, None]
+        self._pad = np.zeros((layout.num_slices, 1), dtype=np.int64)  # a lane past its last step: reads 0, writes scratch
+        for o in [*kept, *(o for o in layout.writes if o not in kept)]:  # (the pools' scratch rows taken in this order)
+            self._pad[layout.writes[o]] = pools[o].scratch_row
         self._other_writes = [(layout.writes[o], pools[o].scratch_row) for o in layout.writes if o not in kept]
         by_pool: dict[int, list] = {}
         for o, out in enumerate(kept):
             by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(o)
-        self._pool_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
-        by_pool = {}  # carried inputs' rows (I) by the pool of the output they read
-        for c, out in enumerate(stage.carry.values()):
-            by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(c)
-        self._init_groups = [(pool, np.array(ix, dtype=np.int64)) for pool, ix in by_pool.values()]
+        # R[:, ix, slots]: a pool's outputs as a slice where consecutive (one fancy index), else a column
+        self._pool_groups = [(pool, _axis_index(ix)) for pool, ix in by_pool.values()]
+        self._kept_groups = [(pool, ix) for pool, ix in by_pool.values()]
+        self._kept_names = kept
+        by_pool = {}  # rows (I) of carried inputs that start from the previous stage, by the pool of the output they read
+        for c, (name, out) in enumerate(stage.carry.items()):
+            if name in stage.init:
+                by_pool.setdefault(id(pools[out]), [pools[out], []])[1].append(c)
+        self._init_groups = [(pool, _positions(ix)) for pool, ix in by_pool.values()]
+        self._init_rows = [(c, "init:" + name) for c, name in enumerate(stage.carry) if name in stage.init]
 
     @property
     def num_live(self) -> int:
-        return len(self.serial) - len(self._free_slots)
+        return len(self.serial) - self._num_free
 
     # forming a round ------------------------------------------------------------------------
     def form(self, queues: tuple[Waiting, ...], max_steps: int) -> RoundTask | None:
         for queue in queues:
-            if self._free_slots and len(queue):
-                chunk = queue.take(len(self._free_slots))
+            if self._num_free and len(queue):
+                chunk = queue.take(self._num_free)
                 if chunk is not None and len(chunk):
-                    self._join(chunk)
+                    self._join(chunk, max_steps)
         if not self.num_stepping:
             return None
         stage = self.stage
-        stepping = np.flatnonzero(self.pos < self.length)  # (free slots have length 0)
-        left = self.length[stepping] - self.pos[stepping]
+        left = self.length - self.pos  # [cap]: steps left (0: a free slot, or a decode waiting for its round)
         k = int(min(max_steps, left.max()))
         short = (k - np.minimum(left, k)).astype(np.int8 if k < 128 else np.int64)  # steps short of k (int8: a radix sort)
-        order = np.argsort(short, kind="stable")  # lanes stepping at step j are a prefix
-        lanes, steps = stepping[order], k - short[order].astype(np.int64)
+        lanes = np.argsort(short, kind="stable")[:self.num_stepping]  # lanes stepping at step j are a prefix
+        short = short[lanes]
+        num_active = np.searchsorted(short, self._short_below(k, short.dtype), side="right")  # lanes stepping at step j
+        steps = k - short.astype(np.int64)
         pos0 = self.pos[lanes]
-        num_active = len(lanes) - np.cumsum(np.bincount(steps, minlength=k)[:k])  # lanes stepping at step j
-        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, num_active, k),
+        first = pos0 == 0  # lanes at their chain's first step
+        task = RoundTask(self, stage.cell_type, self.worker_id, len(lanes), index=self._index(lanes, pos0, first, num_active, k),
                          num_active=num_active, last=steps - 1,
-                         carry=stage.carry, saved=stage.kept, record=tuple(stage.collect.values()),
+                         carry=stage.carry, saved=self._saved or self._link(), record=self._record,
                          owners=self.owner[lanes])
         if stage.init:  # rows handed over by the previous stage: read at this round's first step
-            self._free_init(lanes[pos0 == 0])
+            self._free_init(lanes[first])
         if stage.is_decode:
-            task.info = _DecodeLanes(lanes, self.serial[lanes], pos0, steps)
-        self.pos[lanes] = pos0 + steps
-        ending = np.flatnonzero(pos0 + steps >= self.length[lanes])
+            task.info = DecodeLanes(lanes, self.serial[lanes], pos0, steps)
+        end = pos0 + steps
+        self.pos[lanes] = end
+        ending = np.flatnonzero(end >= self.length[lanes])
         self.num_stepping -= len(ending)
         if len(ending) and not stage.is_decode:
-            self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (pos0[ending] + steps[ending] - 1) & 1)
+            self._end_chains(task, lanes[ending], self.R[:, :, lanes[ending]], (end[ending] - 1) & 1)
         return task
 
-    def _index(self, lanes: np.ndarray, pos0: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
+    def _short_below(self, k: int, dtype) -> np.ndarray:
+        """[k]: k - 1 - j for step j (a lane steps at step j if its steps short of k are at most that)."""
+        below = self._below.get((k, dtype))
+        if below is None:
+            below = self._below[(k, dtype)] = np.arange(k - 1, -1, -1).astype(dtype)
+        return below
+
+    def _link(self) -> tuple[str, ...]:
+        """What depends on the next stage (linked after this group was made): the outputs a round
+        saves, and per pool the kept outputs whose final rows a chain's end hands on."""
+        stage, kept = self.stage, self._kept_names
+        handed = set(stage.next.stage.init.values()) if stage.next is not None else set()
+        self._end_groups = [(pool, np.array([o for o in ix if kept[o] in handed], dtype=np.int64)[:, None])
+                            for pool, ix in self._kept_groups]
+        self._saved = stage.kept
+        return self._saved
+
+    def _index(self, lanes: np.ndarray, pos0: np.ndarray, first: np.ndarray, num_active: np.ndarray, k: int) -> np.ndarray:
         """[k, num_slices, B]. A lane's parity alternates, so its writes alternate between two rows
         (`at_even`, `at_odd` steps of the round) and its reads are the previous step's writes:
         a few slice copies, not a pass per step. Lanes past their last step (a suffix: lanes are sorted
         by their steps) are fixed up after, a slice per step."""
         stage, layout = self.stage, self.stage.cell_type.layout
         b = len(lanes)
-        index = np.zeros((k, layout.num_slices, b), dtype=np.int64)
+        if k > len(self._step_ix):
+            self._step_ix = np.arange(k)[:, None]
+        index = np.empty((k, layout.num_slices, b), dtype=np.int64)  # every slice is written below
+        for slot in self._zero_slices:
+            index[:, slot] = 0
         # R[pos0 & 1] and R[1 - (pos0 & 1)] at the lanes, as flat takes (a fancy index over the
         # last axis of R is several times slower)
         rows = self._row_at[:, None] + lanes[None, :]  # [O, B]: R[0, o, lane] in the flat R
@@ -134,64 +178,67 @@ class ChainGroup:
         index[1::2, self._write_slots] = at_odd
         for slot, scratch in self._other_writes:
             index[:, slot] = scratch
-        if stage.carry:
+        if stage.carry:  # a step reads the rows the step before wrote; a chain's first step its I rows
             carried = self._carried
-            index[0, self._read_slots] = np.where(pos0 == 0, self.I.take(lanes, axis=1), at_odd[carried])
+            index[0, self._read_slots] = np.where(first, self.I.take(lanes, axis=1), at_odd[carried])
             index[1::2, self._read_slots] = at_even[carried]
             index[2::2, self._read_slots] = at_odd[carried]
         if stage.step_inputs:  # host values per step (tokens)
-            at = self.base[lanes] + pos0 + np.arange(k)[:, None]  # [k, B]; past a chain's end: clipped, padded below
+            at = (self.base[lanes] + pos0) + self._step_ix[:k]  # [k, B]; past a chain's end: clipped, padded below
             for values, slot in zip(self.values[:, :self.num_values], self._value_slots):
                 values.take(at, mode="clip", out=index[:, slot])
-        for name, value in stage.start.items():  # decode: the first step's token
-            index[0, layout.values[name]] = np.where(pos0 == 0, value, 0)
-        for j in np.flatnonzero(num_active < b).tolist():  # lanes past their last step: a suffix at step j
-            a = int(num_active[j])
-            index[j, self._write_slots, a:] = self._scratch[0]
-            index[j, self._padded_reads, a:] = 0
+        for slot, value in self._start_slots:  # decode: the first step's token, 0 after
+            np.multiply(first, value, out=index[0, slot])
+            index[1:, slot] = 0
+        pad = self._pad
+        for j, a in enumerate(num_active.tolist()):  # lanes past their last step: a suffix at step j
+            if a < b:
+                index[j, :, a:] = pad
         return index
 
-    def _join(self, chunk: Chunk) -> None:
+    def _join(self, chunk: Chunk, max_steps: int) -> None:
         n, stage = len(chunk), self.stage
         if stage.step_inputs:
-            self._append_values(np.flatnonzero(self.serial > 0), chunk)
-        slots = np.array(self._free_slots[len(self._free_slots) - n:][::-1], dtype=np.int64)
-        del self._free_slots[len(self._free_slots) - n:]
+            self._append_values(chunk)
+        self._num_free -= n
+        slots = self._free_slots[self._num_free:self._num_free + n][::-1].copy()
         self.serial[slots] = np.arange(self._next_serial, self._next_serial + n)
         self._next_serial += n
         self.owner[slots] = chunk.owners
         self.pos[slots] = 0
         lengths = chunk.columns["lengths"]
-        if self.lengths.shape[1] != lengths.shape[1]:
-            self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
-        self.lengths[slots] = lengths
-        self.length[slots] = lengths[:, stage.position]
+        length = lengths[:, stage.position]
+        self.length[slots] = length
         self.num_stepping += n
-        self.priority[slots] = chunk.columns["priority"]
+        if stage.next is not None:  # (what only the next stage needs)
+            if self.lengths.shape[1] != lengths.shape[1]:
+                self.lengths = np.zeros((len(self.serial), lengths.shape[1]), dtype=np.int64)
+            self.lengths[slots] = lengths
+            self.priority[slots] = chunk.columns["priority"]
         first = chunk.columns["first_cell"]
-        self.first_cell[slots] = np.where(np.isnan(first), time.perf_counter(), first)
+        self.first_cell[slots] = np.fmin(first, time.perf_counter())  # (NaN: not started; fmin takes the number)
         self.streams[slots] = chunk.columns["streams"]
-        for pool, ix in self._pool_groups:
-            self.R[:, ix[:, None], slots[None, :]] = pool.alloc_many(2 * len(ix) * n).reshape(2, len(ix), n)
-        for c, name in enumerate(stage.carry):
-            self.I[c, slots] = chunk.columns.get("init:" + name, 0)
+        new = slots[~self.holds[slots]]  # (the others' rows served the slot's previous occupant)
+        if len(new):
+            for pool, ix in self._pool_groups:
+                self.R[:, ix, new] = pool.alloc_many(2 * _num(ix) * len(new)).reshape(2, -1, len(new))
+            self.holds[new] = True
+        for c, column in self._init_rows:  # (other carried inputs' I rows stay 0)
+            self.I[c, slots] = chunk.columns[column]
         if stage.step_inputs:
             self.base[slots] = self._next_base
-        longest = int(self.length[slots].max())
-        for out, buf in self.collected.items():
-            if buf.shape[1] < longest:
-                grown = np.zeros((len(buf), longest), dtype=np.int64)
-                grown[:, :buf.shape[1]] = buf
-                self.collected[out] = grown
+        if self.collected is not None:  # (room for a round past the longest: see CollectedRows)
+            self.collected.make_room(int(length.max()) + max_steps)
 
-    def _append_values(self, others: np.ndarray, chunk: Chunk) -> None:
-        """The joining chains' step values after those of the `others` (the live chains). Once the
+    def _append_values(self, chunk: Chunk) -> None:
+        """The joining chains' step values after those of the others (the live chains). Once the
         buffer is full, the others' values still to run are moved to its front (into a buffer four
         times what is kept, so that a move comes once per several joins); `_next_base`: where each
         new one starts."""
         values = chunk.values.reshape(len(chunk.values), -1).T  # [inputs, n]
         n = values.shape[1]
         if self.num_values + n > self.values.shape[1]:
+            others = np.flatnonzero(self.serial > 0)
             left = np.maximum(self.length[others] - self.pos[others], 0)
             used = int(left.sum())
             starts = np.cumsum(left) - left
@@ -207,28 +254,25 @@ class ChainGroup:
         self.num_values += n
 
     def _end_chains(self, task: RoundTask, slots: np.ndarray, rows: np.ndarray, final_parity: np.ndarray) -> None:
-        """Chains whose last step is in this round: their final rows go to the next stage or to
-        the host; their other rows are freed (later launches run after this one)."""
-        stage, kept = self.stage, self.stage.kept
-        e = np.arange(len(slots))[None, :]
-        outputs = self._kept_ix[0]  # [O, 1]
-        final = rows[final_parity[None, :], outputs, e]  # [O, E]
-        spare = rows[1 - final_parity[None, :], outputs, e]
-        handed = np.zeros(len(kept), dtype=bool)
+        """Chains whose last step is in this round: their final rows go to the next stage (their
+        slots get new ones in their place) or to the host (read by this launch; the slots keep them)."""
+        stage, kept = self.stage, self._kept_names
+        final = np.where(final_parity, rows[1], rows[0])  # [O, E]
         if stage.next is not None:
-            columns = {"lengths": self.lengths[slots], "priority": self.priority[slots],
+            priority = self.priority[slots]
+            columns = {"lengths": self.lengths[slots], "priority": priority,
                        "first_cell": self.first_cell[slots], "streams": self.streams[slots]}
             for name, out in stage.next.stage.init.items():
                 columns["init:" + name] = final[kept.index(out)]
-                handed[kept.index(out)] = True
-            stage.next.add(self.priority[slots], Chunk.of(self.owner[slots], columns), self.worker_id)
-            task.info = _Ending(self.owner[slots], self.first_cell[slots], handed_on=True)
+            stage.next.add(priority, Chunk.of(self.owner[slots], columns), self.worker_id)
+            task.info = _HANDED_ON
         else:
             task.fetch = {out: final[kept.index(out)] for out in stage.outputs.values()}
             task.info = _Ending(self.owner[slots], self.first_cell[slots])
-        for pool, ix in self._pool_groups:
-            pool.free_many(spare[ix].ravel())
-            pool.free_many(final[ix[~handed[ix]]].ravel())
+        for pool, handed in self._end_groups:
+            if len(handed):
+                self.R[final_parity[None, :], handed, slots[None, :]] = pool.alloc_many(len(handed) * len(slots)).reshape(
+                    len(handed), len(slots))
         self._release(slots)
 
     # completion -----------------------------------------------------------------------------
@@ -250,30 +294,21 @@ class ChainGroup:
             stage = stage.next.stage
         return stage.finisher
 
-    def _complete_decode(self, task: RoundTask, lanes: "_DecodeLanes") -> None:
-        stage, k = self.stage, task.num_steps
+    def _complete_decode(self, task: RoundTask, lanes: DecodeLanes) -> None:
+        stage, collected = self.stage, self.collected
         current = self.serial[lanes.slots] == lanes.serials  # not dropped or refilled since
-        j = np.arange(k)[:, None]
-        active = (j < lanes.steps[None, :]) & current[None, :]
         out, value = stage.stop
-        hit = (task.recorded[out] == value) & active
-        stopped = hit.any(axis=0)
-        produced = np.where(stopped, hit.argmax(axis=0) + 1, lanes.steps)  # values kept this round
-        keep = active & (j < produced[None, :])
-        at_slot = np.broadcast_to(lanes.slots[None, :], keep.shape)[keep]
-        at_pos = (lanes.pos0[None, :] + j)[keep]
-        for o in stage.collect.values():
-            self.collected[o][at_slot, at_pos] = task.recorded[o][keep]
+        stopped, produced = first_stops(task.recorded[out], value, lanes.steps)
+        collected.write(task.recorded, lanes, current, produced)
         ends = lanes.pos0 + produced
-        for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():  # once per round
-            slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
-            stage.finisher.stream(self.owner[slot], {key: self.collected[o][slot, a:b].tolist()
-                                                     for key, o in stage.collect.items()})
+        if self.streams.any():  # (streams of freed slots are cleared) once per round
+            for i in np.flatnonzero(current & self.streams[lanes.slots]).tolist():
+                slot, a, b = int(lanes.slots[i]), int(lanes.pos0[i]), int(ends[i])
+                stage.finisher.stream(self.owner[slot], {key: collected.values(o, slot, a, b) for key, o in stage.collect.items()})
         done = current & (stopped | (ends >= self.length[lanes.slots]))
         if done.any():
             slots, ends = lanes.slots[done], ends[done]
-            width = int(ends.max())
-            outputs = {key: RaggedRows(self.collected[o][slots, :width], ends) for key, o in stage.collect.items()}
+            outputs = {key: collected.ragged(o, slots, ends) for key, o in stage.collect.items()}
             stage.finisher.resolve(self.owner[slots], outputs, self.first_cell[slots])
             self._drop(slots)
 
@@ -294,27 +329,43 @@ class ChainGroup:
                 self.pools[out].free_many(rows[rows != 0])
 
     def _drop(self, slots: np.ndarray) -> None:
-        """Free the slots and every row they hold (later launches run after those in flight)."""
-        self._free_init(slots)
+        """Free the slots and the I rows they hold (their R rows stay for the next occupants)."""
+        if self._init_groups:  # (a lane frees its I rows at its first round: only those not started hold any)
+            self._free_init(slots[self.pos[slots] == 0])
         self.num_stepping -= int(np.count_nonzero(self.pos[slots] < self.length[slots]))
-        for pool, ix in self._pool_groups:
-            pool.free_many(self.R[:, ix[:, None], slots[None, :]].ravel())
         self._release(slots)
 
     def _free_init(self, slots: np.ndarray) -> None:
         if not len(slots):
             return
+        rows = self.I[:, slots]  # [C, n] (left as they are: a slot's I is read only at its first step)
         for pool, ix in self._init_groups:
-            rows = self.I[ix[:, None], slots[None, :]].ravel()
-            pool.free_many(rows[rows != 0])
-        self.I[:, slots] = 0
+            pool.free_many(rows[ix].ravel())
 
     def _release(self, slots: np.ndarray) -> None:
         self.serial[slots] = 0
         self.owner[slots] = None
         self.length[slots] = 0
         self.pos[slots] = 0
-        self._free_slots += slots.tolist()
+        self.streams[slots] = False
+        self._free_slots[self._num_free:self._num_free + len(slots)] = slots
+        self._num_free += len(slots)
+        if self._num_free == len(self.serial):  # the group is empty: every R row goes back to its pool
+            held = np.flatnonzero(self.holds)
+            for pool, ix in self._pool_groups:
+                pool.free_many(self.R[:, ix, held].ravel())
+            self.holds[held] = False
+
+
+def _axis_index(positions: list[int]) -> slice | np.ndarray:
+    """Positions on an axis before the last one: a slice if consecutive, else a column [n, 1]
+    (which broadcasts against the last axis' index)."""
+    at = _positions(positions)
+    return at if isinstance(at, slice) else np.array(at, dtype=np.int64)[:, None]
+
+
+def _num(positions: slice | np.ndarray) -> int:
+    return positions.stop - positions.start if isinstance(positions, slice) else len(positions)
 
 
 def _positions(positions: list[int]) -> slice | list[int]:
@@ -325,19 +376,12 @@ def _positions(positions: list[int]) -> slice | list[int]:
 
 
 @dataclass(slots=True)
-class _DecodeLanes:
-    """What a decode round's completion needs: its lanes' slots and occupants, first positions."""
-
-    slots: np.ndarray
-    serials: np.ndarray
-    pos0: np.ndarray
-    steps: np.ndarray
-
-
-@dataclass(slots=True)
 class _Ending:
     """Chains of the last stage that end in a round: resolved once its fetched rows arrive."""
 
     owners: np.ndarray
     first_cell: np.ndarray
     handed_on: bool = False  # to the next stage (then nothing to resolve here)
+
+
+_HANDED_ON = _Ending(None, None, handed_on=True)
