@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 
+from batchmaker.cells.decoder_cell import KVSettings
 from batchmaker.kernels.attention_variants import compile_variants, launch_variants
 from batchmaker.kernels.attention_launch import window_bound
 from batchmaker.kernels.paged_attention import COMBINE_MAX_SPLITS, _pow2, plan_launch, small_tokens
@@ -94,7 +95,8 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     config = types.SimpleNamespace(num_heads=32, max_positions=max_positions, attention_windows=windows,
                                    attn_softcap=softcap)
     runner = types.SimpleNamespace(cache=types.SimpleNamespace(k=k[None], v=k[None]), max_blocks=max_blocks,
-                                   config=config, module=types.SimpleNamespace(block_size=block, calibration_prompts=[]),
+                                   config=config, module=types.SimpleNamespace(
+                                       block_size=block, calibration_prompts=[], kv=KVSettings()),
                                    unified_max=None, lm=torch.nn.Module(), device=torch.device("cpu"))  # (no routes)
     IterationRunner.compile_kernels(runner)
     width = max_blocks * block

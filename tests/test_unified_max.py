@@ -160,13 +160,14 @@ def test_a_runner_calibrates_at_start_and_compiles_with_phi(monkeypatch):
     """A GPU worker's start (IterationRunner.compile_kernels) calibrates from the cell's prompts,
     holds phi for its iterations' PagedAttend and compiles the unified variants with it; a model
     split over ranks (tensor or pipeline parallel) stays exact (each rank sees part of it)."""
+    from batchmaker.cells.decoder_cell import KVSettings
     from batchmaker.exec import iterations
     compiled = []
     monkeypatch.setattr(iterations, "compile_variants", lambda *args: compiled.append(args))
     lm = build_decoder(PRESETS["tiny-llama"], seed=1)
     prompts = [[1, 5, 9, 2, 7]]
     k = torch.zeros(1, 2, 16, lm.config.num_kv_heads, lm.config.head_dim)
-    module = types.SimpleNamespace(ranks=1, calibration_prompts=prompts, block_size=16)
+    module = types.SimpleNamespace(ranks=1, calibration_prompts=prompts, block_size=16, kv=KVSettings())
     runner = types.SimpleNamespace(lm=lm, module=module, unified_max=None, config=lm.config, max_blocks=4,
                                    cache=types.SimpleNamespace(k=k, v=k), device=torch.device("cpu"))
     runner.calibrate_unified_max = lambda p: IterationRunner.calibrate_unified_max(runner, p)
