@@ -40,6 +40,11 @@
 #     verify18: the eighteenth session's GPU code not yet run (one GPU, ~7 min expected): the offloading GPU
 #              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
+#     verify19: the nineteenth session's GPU code not yet run (one GPU, ~6 min expected): the one-token chain with
+#              q | k | v biases (tests/test_gemv.py), sampling in chunks and the KV headroom, the routes' settings;
+#              then Qwen2.5-7B's chat (its batch-1 step now on the one-token chain: 1.23x its floor through cuBLAS
+#              on 2026-11-26) and the graphed batch-1 step of Llama-2-7B, Qwen2.5-7B and Mistral-7B against their
+#              floors at the bandwidth measured in the same process (bench/decode_profile.py)
 #     verify16: the GPU tests of code written without a GPU in the sixteenth session (the 4-bit
 #              kernels, head sizes, windows and soft caps, Gemma 2, offloading, the one-shot
 #              all-reduce's int64 flags and self-test)
@@ -122,8 +127,10 @@ replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null
 TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
 [[ " $* " == *" verify18 "* ]] && FAMILIES=${FAMILIES:-qwen2.5-7b gemma-2-9b mistral-7b}
+[[ " $* " == *" verify19 "* ]] && FAMILIES=${FAMILIES:-qwen2.5-7b}
 set -- $(for suite in "$@"; do case "$suite" in pp) echo pp-tests pp-chat ;; tppp) echo tppp-tests tppp-chat ;;
                                                   verify18) echo offload-tests families ;;
+                                                  verify19) echo verify19-tests families batch1 ;;
                                                   *) echo "$suite" ;; esac; done)
 for suite in "$@"; do
     case "$suite" in
@@ -229,6 +236,15 @@ for suite in "$@"; do
         tppp-chat) step tppp-chat timeout 300 python3 bench/chat.py --preset "${TPPP_PRESET:-llama-2-13b}" \
                        --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" \
                        --tensor-parallel 2 --pipeline-parallel 2 ;;
+        verify19-tests) step verify19-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+                            tests/test_gemv.py tests/test_sampling.py tests/test_skinny_routes.py tests/test_iteration_graphs.py ;;
+        batch1)  # the graphed batch-1 (and 64) step against the weight floor at the bandwidth measured here
+            bw=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.device_limits import measure; print(measure("cuda:0").copy_bytes_per_s)' 2>/dev/null || echo 3.0e12)
+            for preset in ${BATCH1_PRESETS:-llama-2-7b qwen2.5-7b mistral-7b}; do
+                step "batch1-$preset" timeout 150 python3 bench/decode_profile.py --preset "$preset" --batch 1 64 \
+                    --context 360 --attend engine --bandwidth "$bw" \
+                    --out "bench/results/decode-profile-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+            done ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \
