@@ -77,7 +77,7 @@ class NodeTable:
         block[:, TREE] = np.repeat(trees, sizes)
         rows = {y: self.pools[y].alloc_many(total) for y in self.kept} if self.keeps_all else \
             self._take_rows(total, (np.flatnonzero(~is_inner), inner), (below_left, below_right, np.cumsum(sizes) - 1))
-        values, gathered = {}, {}
+        gathered = {}
 
         def value(source):
             what, name, side = source

@@ -20,7 +20,6 @@ import re
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from batchmaker.serving.cli_models import UsageError
 from batchmaker.serving.prompt_file import OutputFile, PromptRecord, finished_ids, read_prompts
