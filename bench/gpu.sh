@@ -15,7 +15,7 @@
 #     lstm16, lstm32  each half of it
 #     seq2seq  bench/wmt.py --model seq2seq fp16: BatchMaker, bucketing, the request-level ablation
 #     treebank bench/treebank.py on SST train trees (not the shipped sample), fp16: vs graph batching
-#              (its tree cap tuned) and the ablation
+#              (its tree cap tuned) and the ablation; the engine's cells per task tuned too (TREE_ENGINE_BATCHES)
 #     serving  bench/wmt.py and bench/treebank.py over ZeroMQ (carry pyzmq wheels in .whl)
 #     replicas-lstm, replicas-seq2seq, replicas-treebank (a multi-GPU machine): the engine as 1, 2 and 4
 #              data-parallel replicas (those the machine has GPUs for) in one run, each N against 1
@@ -154,7 +154,8 @@ for suite in "$@"; do
         lstm) step wmt-lstm-fp16 timeout 160 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" --rates $RATES_LSTM --tune
               step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
         seq2seq) step wmt-seq2seq-fp16 timeout 130 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" --rates $RATES_S2S --systems batchmaker bucketing request-level null ;;
-        treebank) step treebank-sst-fp16 timeout 150 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 256 512 ;;
+        treebank) step treebank-sst-fp16 timeout 220 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 256 512 \
+                      --tune-engine-batches ${TREE_ENGINE_BATCHES:-512 1024 2048} ;;
         serving) step wmt-lstm-zmq timeout 200 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null
                  step treebank-zmq timeout 200 python3 bench/treebank.py --dtype fp16 --mode zmq --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --systems batchmaker graph-batching null ;;
         replicas-lstm) step replicas-lstm timeout 590 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" "${replicas[@]}" --rates $RATES_REPLICAS_LSTM ;;

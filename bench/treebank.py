@@ -61,7 +61,8 @@ def build(args, max_batch: int):
 
 
 def factories(args) -> tuple[dict, dict]:
-    """The systems, and graph batching's tuning candidates (its tree cap)."""
+    """The systems, and the tuning candidates: graph batching's tree cap, and with
+    --tune-engine-batches the engine's cells per task."""
     def graph_batching(cap: int):
         return runner.baseline_factory(lambda: GraphBatchingTreeLSTM(build(args, 64), args.device, max_trees=cap))
 
@@ -79,6 +80,10 @@ def factories(args) -> tuple[dict, dict]:
         "null": runner.null_factory(),
     }
     tuning = {"graph-batching": {f"graph-batching-{cap}": graph_batching(cap) for cap in args.tune_caps}}
+    if args.tune_engine_batches and not args.replicas:  # (the engine's cap in cells tuned as the baseline's in trees)
+        tuning[runner.ENGINE] = {f"{runner.ENGINE}-{b}": runner.engine_factory(lambda b=b: [build(args, b)], args,
+                                                                                "treelstm")
+                                 for b in args.tune_engine_batches}
     return {name: make[name] for name in replica_runs.expand(args.systems, args)}, tuning
 
 
@@ -95,6 +100,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-caps", type=int, nargs="+", default=[64, 128, 256, 512],
                         help="graph batching's tree caps tried with --tune")
     parser.add_argument("--engine-max-batch", type=int, default=512, help="the engine's cells per task")
+    parser.add_argument("--tune-engine-batches", type=int, nargs="*", default=[],
+                        help="the engine's cells per task tried with --tune (a task's host work is paid per task; "
+                             "graph batching's cap counts trees, ~37 cells each on SST)")
     args = parser.parse_args(argv)
 
     policy = runner.numerics(args)
