@@ -42,7 +42,10 @@ log = logging.getLogger("batchmaker")
 
 PLAN, STOP = b"p", b"s"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-TIMEOUT_S = 10.0  # a collective waits this long for the other ranks (and their first one for them to start)
+TIMEOUT_S = 30.0  # a collective waits this long for the other ranks (and their first one for them to start):
+# a rank that hangs is an error after this; 10 s timed out a healthy rank 1 once on the 2-core machine at a load
+# of ~6 (rank 0 measuring chunk costs, tests/test_tensor_parallel_engine.py, 2026-11-26). A dead rank is seen
+# at once (the watcher), not by this
 END_TIMEOUT_S = 10.0  # a group's teardown
 START_TIMEOUT_S = 120.0  # the ranks' processes start, import torch and build their parts within this
 
