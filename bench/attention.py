@@ -186,7 +186,8 @@ def sweep(args, device, ceilings: dict) -> list[dict]:
 
 
 def short_sweep(args, device, ceilings: dict, shapes=((1, 360), (1, 1024), (1, 2048)),
-                splits_swept=(1, 2, 3, 4, 6, 8)) -> list[dict]:
+                splits_swept=(1, 2, 3, 4, 6, 8),
+                configs=((32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 3), (64, 4, 2))) -> list[dict]:
     """Batch-1 decode at short contexts (latency-bound: a few µs of K/V per layer), or the `shapes`
     (batch, context) given: every split count and decode tile shape, against the automatic choice and SDPA."""
     rows = []
@@ -195,7 +196,7 @@ def short_sweep(args, device, ceilings: dict, shapes=((1, 360), (1, 1024), (1, 2
         rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), "auto": True})
         ctxs.dense = None
         for splits in splits_swept:
-            for block_n, warps, stages in ((32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 3), (64, 4, 2)):
+            for block_n, warps, stages in configs:
                 cfg = AttentionConfig(16, block_n, warps, stages)
                 rows.append({**measure(ctxs, args, device, ceilings, config=cfg, num_splits=splits),
                              "config": [16, block_n, warps, stages], "num_splits": splits})
@@ -253,6 +254,10 @@ def unified_ab(args, device, ceilings: dict) -> list[dict]:
     return rows
 
 
+LONG_SHAPES = ((1, 16384), (1, 32768), (2, 16384), (2, 32768), (4, 8192), (4, 32768), (8, 16384))  # issue 33: decode
+# at 8K-32K read 0.90-0.94 of the read bandwidth at batches 1-4 (8 programs an SM: 32, 17 and 9 slices) and
+# 0.95-0.985 at 8-16 (more programs an SM; H100, attention-fdpp-…): slices past MAX_SPLITS, swept
+LONG_SPLITS = (8, 16, 32, 48, 64, 96, 128)
 MID_SHAPES = ((2, 1024), (4, 512), (4, 2048), (8, 512), (8, 1024), (8, 4096), (8, 16384), (16, 512), (16, 1024),
               (16, 4096), (32, 512), (32, 1024), (64, 1024), (64, 4096))  # a chat run's decode batches
 
@@ -299,6 +304,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-sweep", action="store_true", help="only prompt-chunk tiles, swept")
     parser.add_argument("--mid-sweep", action="store_true", help="only decode batches of 2-64 at 512-16,384 positions, swept")
     parser.add_argument("--ragged-sweep", action="store_true", help="only decode batches of differing contexts, swept")
+    parser.add_argument("--long-sweep", action="store_true", help="only decode batches of 1-8 at 8K-32K positions, "
+                                                                  "split 8-128 ways (LONG_SPLITS)")
     parser.add_argument("--window", type=int, help="a sliding window (issue 33); no SDPA comparison then")
     parser.add_argument("--softcap", type=float, help="soft-capped scores (issue 33); no SDPA comparison then")
     parser.add_argument("--unified-max", action="store_true",
@@ -317,7 +324,8 @@ def main(argv=None) -> None:
     print(f"copy: {ceilings['copy']:.0f} GB/s, read: {ceilings['read']:.0f} GB/s", flush=True)
     decode, prefill = [], []
     plain = args.window is None and args.softcap is None  # (SDPA has neither: compared without them only)
-    if args.short_sweep or args.prefill_sweep or args.mid_sweep or args.ragged_sweep or args.unified_max:
+    if args.short_sweep or args.prefill_sweep or args.mid_sweep or args.ragged_sweep or args.unified_max or \
+            args.long_sweep:
         args.batches, args.prefill = ([1, 3], []) if args.smoke and args.unified_max else ([], [])
     for batch in args.batches:
         for ctx in args.contexts:
@@ -345,6 +353,9 @@ def main(argv=None) -> None:
         record["sweep"] = short_sweep(args, device, ceilings, MID_SHAPES, (1, 2, 4, 8))
     elif args.ragged_sweep:
         record["sweep"] = ragged_sweep(args, device, ceilings)
+    elif args.long_sweep:
+        record["sweep"] = short_sweep(args, device, ceilings, LONG_SHAPES, LONG_SPLITS,
+                                      ((64, 4, 2), (64, 4, 3), (128, 4, 3)))
     elif args.sweep or args.short_sweep or args.prefill_sweep:
         record["sweep"] = (short_sweep if args.short_sweep else prefill_sweep if args.prefill_sweep else sweep)(
             args, device, ceilings)

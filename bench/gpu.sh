@@ -40,6 +40,9 @@
 #     verify18: the eighteenth session's GPU code not yet run (one GPU, ~7 min expected): the offloading GPU
 #              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
+#     attention-long issue 33 (not run yet; ~3-5 min estimated): decode at 8K-32K positions, batches 1-8, split 8-128
+#              ways (bench/attention.py --long-sweep): the slices past MAX_SPLITS that batches 1-4 may need for
+#              >= 0.95 of the read bandwidth (0.90-0.94 with 8 programs an SM on an H100, 2026-11-26)
 #     verify19: the nineteenth session's GPU code not yet run (one GPU, ~6 min expected): the one-token chain with
 #              q | k | v biases (tests/test_gemv.py), sampling in chunks and the KV headroom, the routes' settings;
 #              then Qwen2.5-7B's chat (its batch-1 step now on the one-token chain: 1.23x its floor through cuBLAS
@@ -237,6 +240,8 @@ for suite in "$@"; do
         tppp-chat) step tppp-chat timeout 300 python3 bench/chat.py --preset "${TPPP_PRESET:-llama-2-13b}" \
                        --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" \
                        --tensor-parallel 2 --pipeline-parallel 2 ;;
+        attention-long) step attention-long timeout 560 python3 bench/attention.py --long-sweep --out \
+                            "bench/results/attention-long-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         verify19-tests) step verify19-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                             tests/test_gemv.py tests/test_sampling.py tests/test_skinny_routes.py tests/test_iteration_graphs.py ;;
         batch1)  # the graphed batch-1 (and 64) step against the weight floor at the bandwidth measured here
