@@ -288,7 +288,7 @@ class BlockRun:
             k_cache, v_cache = self.cache_slots[op.slot] if self.placement.cache else self.cache[layer][b]
             attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap,
                                  pad_keys=self.pad_keys[b])
-        positions, rotate = self._step_inputs(step, b)
+        rotate = self._step_inputs(step, b)[1]
         inputs = hidden.transpose(0, 1).flatten(1, 2)  # [2, L*B, H]
         out, residual = module(inputs[0], None if layer == 0 else inputs[1], rotate, attend)
         if layer + 1 < x.num_layers:

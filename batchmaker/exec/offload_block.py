@@ -11,6 +11,7 @@ A dense cache's K and V of one (layer, batch) are views of one [S, 2, B, Hkv, D]
 so that a move of a range of columns is one contiguous copy, not two.
 """
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -23,7 +24,7 @@ class KVPair(tuple):
     `both[a:b]`, one contiguous range."""
     both: Tensor
 
-    def __new__(cls, both: Tensor) -> "KVPair":
+    def __new__(cls, both: Tensor) -> Self:
         pair = super().__new__(cls, both.unbind(1))
         pair.both = both
         return pair
