@@ -42,7 +42,7 @@ def unit_seconds(config: DecoderConfig, device, dtype: torch.dtype = torch.float
     `tiny_like(config)` (the best of `repeats` for each count of `tokens`)."""
     from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # (offload_auto imports this module)
     tiny = tiny_like(config)
-    lm = build_decoder(tiny, seed=0).to(dtype)
+    lm = build_decoder(tiny, seed=0, dtype=dtype)
     executor = OffloadExecutor(lm, device, OffloadConfig(gpu_batch, num_batches, placement))
     rng = random.Random(0)
     prompts = [[rng.randrange(tiny.vocab_size) for _ in range(prompt)] for _ in range(gpu_batch * num_batches)]
