@@ -124,6 +124,7 @@ def test_the_unit_cost_is_measured_on_a_tiny_decoder_of_the_family():
         tiny, config = tiny_like(PRESETS[preset]), PRESETS[preset]
         assert (tiny.family, tiny.hidden_size, tiny.num_layers) == (config.family, 64, 4)
         assert tiny.num_heads // tiny.num_kv_heads == config.num_heads // config.num_kv_heads
+    assert tiny_like(PRESETS["gemma-2-9b"]).family == "llama"  # (the executor runs no Gemma: Llama's cost)
     seconds = unit_seconds(PRESETS["tiny-llama"], "cpu", num_batches=4, tokens=(2, 10), repeats=2)
     assert 0 < seconds < 0.05
 

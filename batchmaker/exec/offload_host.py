@@ -20,14 +20,17 @@ from dataclasses import replace
 import torch
 
 from batchmaker.cells.decoder import build_decoder
-from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.cells.decoder_config import PRESETS, DecoderConfig
 from batchmaker.core.zigzag import Placement
 
 PLACEMENT = Placement(True, True, True, weights_gpu=0.5)
 
 
 def tiny_like(config: DecoderConfig, num_layers: int = 4) -> DecoderConfig:
-    """`config`'s family, norms and head grouping at a size whose compute is negligible."""
+    """`config`'s family, norms and head grouping at a size whose compute is negligible (a model the
+    executor does not run, Gemma's or one with sliding windows: Llama's)."""
+    if config.is_gemma or config.attention_windows:
+        config = PRESETS["tiny-llama"]
     group = max(1, config.num_heads // max(1, config.num_kv_heads))
     kv_heads = 2 if group > 1 else 4
     return replace(config, hidden_size=64, intermediate_size=128, num_layers=num_layers, num_heads=kv_heads * group,
