@@ -67,9 +67,12 @@
 #     offload-cap-ours, offload-cap-anchor  issue 34's headline as the issue states it (not run yet), two
 #              device commands: both systems under one process-wide cap of 16 GiB (set_per_process_memory_fraction),
 #              13B bf16, prompt 512, new 32. -ours: bench/offload.py --gpu-cap 16: the search's best block (at most
-#              256 prompts) with the executor's own count of the GPU, then its block-size curve at 1, 4, 16 GPU
-#              batches (estimated from the 2026-11-26 run's times: model 28 s, executor ~10 s, the chosen block
-#              ~80-130 s, the curve ~45-60 s: ~4-5 min of its 400 s limit). -anchor: Accelerate at batches 16 24 32,
+#              256 prompts) with the executor's own count of the GPU, then its block-size curve at 1 and 2 GPU
+#              batches, then the 2026-11-26 run's choice again (3x64, 21 of 40 layers resident: --other), which the
+#              search with the per-unit terms no longer picks (it predicts 32x4, 10 layers resident, ~52 s a block,
+#              where that run's curve at 1, 4, 16 batches of 32 would ask for 512 prompts' host cache: 1.8x the
+#              host). Estimated from that run's times: model 28 s, executor ~10 s a weight share (two), the rates
+#              ~5 s, the chosen block ~55-70 s, the curve ~45 s, 3x64 ~150 s (it took 156): ~5-5.5 min of 400 s. -anchor: Accelerate at batches 16 24 32,
 #              each in its own capped process (bench/capped_probe.py) with the weight budget the cap leaves beside
 #              its KV cache, stopping at the first out of memory (~115-140 s a batch from the earlier anchor's
 #              63 s generations and ~30 s start-up: ~6.5 min of its 570 s); it writes our best over Accelerate's
@@ -222,8 +225,8 @@ for suite in "$@"; do
         offload-cap|offload-cap-ours|offload-cap-anchor)  # issue 34's headline under a 16 GiB cap (two commands)
             cap=(--preset llama-2-13b --gpu-cap 16 --prompt 512 --new 32)
             [ "$suite" = offload-cap-anchor ] ||
-                step offload-cap-ours timeout 400 python3 bench/offload.py "${cap[@]}" --batches 256 --curve 1 4 16 \
-                    --other '' --no-compress --dequant-rows
+                step offload-cap-ours timeout 400 python3 bench/offload.py "${cap[@]}" --batches 256 --curve 1 2 \
+                    --other 3x64:weights+cache+hidden@0.525 --no-compress --dequant-rows
             [ "$suite" = offload-cap-ours ] ||
                 step offload-cap-anchor timeout 570 python3 bench/offload.py "${cap[@]}" --anchor .probes/offload_probe.py \
                     --anchor-batches ${CAP_ANCHOR_BATCHES:-16 24 32} --probe-timeout 180 ;;

@@ -44,7 +44,7 @@ tries `--anchor-batches` and our best over Accelerate's best is recorded (the is
     python bench/offload.py --preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32
     python bench/offload.py --preset llama-2-13b --gpu-memory 12 --batches 8 64 --prompt 512 --new 32 \
         --anchor .probes/offload_probe.py
-    python bench/offload.py --preset llama-2-13b --gpu-cap 16 --batches 256 --curve 1 4 16 --no-compress
+    python bench/offload.py --preset llama-2-13b --gpu-cap 16 --batches 256 --curve 1 2 --no-compress
     python bench/offload.py --preset llama-2-13b --gpu-cap 16 --anchor .probes/offload_probe.py --anchor-batches 16 24 32
 """
 import argparse
@@ -116,7 +116,8 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
                             "device_gib": p.footprint.device / GIB, "host_gib": p.footprint.host / GIB}
         b = bound(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new)
         row["bound"] = {"tokens_per_s": b.tokens_per_s, "binding": b.binding, "link_seconds": b.link,
-                        "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu, "cpu_seconds": b.cpu}  # ((prefill,
+                        "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu, "cpu_seconds": b.cpu,
+                        "host_seconds": b.host}  # ((prefill,
         # decode step))
     if executor.is_cuda:
         torch.cuda.reset_peak_memory_stats(executor.device)
@@ -242,10 +243,12 @@ def ours(args) -> None:
         torch.cuda.set_device(device)
         if args.gpu_cap:  # (before anything is allocated on the device)
             apply_cap(args.gpu_cap, torch.device(device).index or 0)
-    rates = measure(device, DTYPE)
+    rates = measure(device, DTYPE, config=config)
     print(f"rates: host->device {rates.ctog / 1e9:.1f} GB/s, device->host {rates.gtoc / 1e9:.1f} GB/s, "
           f"matmul {rates.mm_flops / 1e12:.0f} TFLOP/s, CPU attention {rates.cpu_flops / 1e9:.1f} GFLOP/s "
-          f"({rates.cpu_threads} threads), host memory {rates.host_memory / 1e9:.1f} GB/s", flush=True)
+          f"({rates.cpu_threads} threads), host memory {rates.host_memory / 1e9:.1f} GB/s, device memory "
+          f"{rates.device_memory / 1e9:.0f} GB/s, host per (GPU batch, layer) {rates.unit_seconds * 1e6:.0f} µs",
+          flush=True)
     policies = {}  # name -> (gpu_batch, num_batches, placement, prompts in the run)
     choices = {}
     host = host_budget(config, device)

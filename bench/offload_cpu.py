@@ -53,7 +53,7 @@ def main() -> None:
     block = args.gpu_batch * args.num_batches
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt)] for _ in range(block)]
     torch.set_num_threads(args.threads)
-    rates = measure("cpu", torch.float32)
+    rates = measure("cpu", torch.float32, config=config)
     seconds = {name: [] for name in [*PLACEMENTS, "engine"]}
     tokens = {}
     for _ in range(args.repeats):

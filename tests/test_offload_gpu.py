@@ -1,5 +1,6 @@
 """The offloading executor on a GPU (exec/offload.py): pinned host storage, loads and stores on
-side streams closed by events. Offloading changes no numerics: with every placement, buffers
+side streams each slot's sync waits on (not yet run on a GPU since the per-copy events gave way to
+one wait per stream and K, V to one tensor). Offloading changes no numerics: with every placement, buffers
 poisoned once the schedule is done with them, the tokens equal those of the same model resident
 on the GPU, bf16 and fp32, every token. With 4-bit weights: the codes made on the GPU are the
 CPU's, and Triton's expansion (the GPU's default) gives the tokens of the PyTorch twin; the fused

@@ -30,6 +30,17 @@ term) and the cache's bytes at host memory's rate (`cpu_memory`, where measured)
 GPU's part and before the rest (a sum, A.3's and the executor's). A caller that knows its
 executor's memory better than `peak_bytes` passes the search its own count (`peaks`;
 exec/offload_memory.py); `layer_terms` gives each resource's time, from which a bound is taken.
+
+Two terms FlexGen's model lacks, both per GPU batch of a layer (a "unit": a block's step issues
+layers x num_batches of them), measured where the executor runs (exec/offload_auto.py), each
+absent where its rate is 0 (unmeasured): each GPU batch's matmuls read the layer's weights from
+device memory (`gpu_memory`: w bytes a unit, the roofline's other side of its flops, which at a
+small GPU batch it is: 13B's layer is 634 MB, 0.2 ms at 3 TB/s, against 3 µs of flops for 3
+rows); and the host issues each unit (`unit_seconds`: the executor's Python, the layer's
+launches, the slot's copies and sync; exec/offload_host.py), which the device's compute overlaps
+(launches run ahead of it) but cannot outrun: comp becomes max(the GPU's, the host's). Without
+them a block of many small GPU batches looked as fast as one of few large ones; on one H100 the
+measured decode step of 64 batches of 3 ran 2.7x the prediction.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +74,8 @@ class Hardware:
     cpu_bytes: float
     disk_bytes: float = 0.0
     cpu_memory: float = 0.0  # bytes/s host memory serves the CPU's attention (0: unmeasured, no term)
+    gpu_memory: float = 0.0  # bytes/s device memory serves a GPU batch's weight reads (0: unmeasured, no term)
+    unit_seconds: float = 0.0  # host seconds to issue one GPU batch of one layer (0: unmeasured, no term)
 
 
 @dataclass(frozen=True)
@@ -95,11 +108,12 @@ def cpu_attention_seconds(kv_bytes, hw: Hardware):
 
 def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False,
                 cpu_attention: bool = False) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """Each resource's seconds per layer, (ctog, gtoc, dtoc, ctod, comp, cpu) for prefill and for a
-    decode step, for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc): comp the GPU's, cpu the CPU's
-    attention; what `layer_seconds` combines, and what a bound takes the slowest of. `kv_to_gpu`: the
-    executor's model, whose decode step moves the KV cache that lives off the GPU to it and attends
-    there (exec/offload.py), instead of attending on the CPU where it lives (FlexGen's delegation);
+    """Each resource's seconds per layer, (ctog, gtoc, dtoc, ctod, comp, cpu, host) for prefill and
+    for a decode step, for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc): comp the GPU's (its
+    matmuls' flops or, per GPU batch, the weights' reads, whichever is longer, and attention), cpu
+    the CPU's attention, host the issuing of the layer's GPU batches; what `layer_seconds` combines,
+    and what a bound takes the slowest of. `kv_to_gpu`: the executor's model, whose decode step
+    moves the KV cache that lives off the GPU to it and attends there (exec/offload.py), instead of attending on the CPU where it lives (FlexGen's delegation);
     with `cpu_attention` too, the executor delegates as FlexGen does, moving q, k, v and the output."""
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
@@ -109,8 +123,10 @@ def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, k
            (4 * (cc + cd) * (s + 1) * h1 * bls + 2 * (hc + hd) * s * h1 * bls) / hw.gtoc,
            (wd * w + 2 * hd * s * h1 * bls) / hw.dtoc if hw.dtoc else np.where(wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * (s + 1) * h1 + 2 * hd * s * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
-           bls * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate) / hw.mm_flops + 4 * bls * s ** 2 * h1 / hw.bmm_flops,
-           np.zeros_like(wg))  # (the prompt step attends on the GPU)
+           _matmuls(hw, w, gbs, nb, gbs * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate))
+           + 4 * bls * s ** 2 * h1 / hw.bmm_flops,
+           np.zeros_like(wg),  # (the prompt step attends on the GPU)
+           np.full_like(wg, nb * hw.unit_seconds))
     on_gpu = kv_to_gpu and not cpu_attention  # (a host cache's decode attention: moved to the GPU, or on the CPU)
     kv_moved = (cc + cd) * kv_mean if on_gpu else 0.0  # (the cache read in, every decode step)
     qkv, out = ((cc + cd) * 6 * h1 * bls, (cc + cd) * 2 * h1 * bls) if kv_to_gpu and cpu_attention else (0.0, 0.0)
@@ -118,20 +134,28 @@ def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, k
            (2 * (hc + hd) * h1 * bls + qkv) / hw.gtoc,
            (4 * cd * kv_mean + wd * w + 2 * hd * h1 * bls) / hw.dtoc if hw.dtoc else np.where(cd + wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * h1 + 2 * hd * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
-           bls * w / hw.mm_flops + (kv_mean if on_gpu else cg * kv_mean) / hw.bmm_flops,
-           np.zeros_like(wg) if on_gpu else (cc + cd) * cpu_attention_seconds(kv_mean, hw))
+           _matmuls(hw, w, gbs, nb, gbs * w) + (kv_mean if on_gpu else cg * kv_mean) / hw.bmm_flops,
+           np.zeros_like(wg) if on_gpu else (cc + cd) * cpu_attention_seconds(kv_mean, hw),
+           np.full_like(wg, nb * hw.unit_seconds))
     return pre, dec
+
+
+def _matmuls(hw: Hardware, w: float, gbs: int, nb: int, flops: float) -> float:
+    """A layer's matmuls over `nb` GPU batches of `flops` each: per batch its flops or its read of
+    the layer's `w` weight bytes from device memory, whichever is longer (flops alone unmeasured)."""
+    return nb * max(flops / hw.mm_flops, w / hw.gpu_memory if hw.gpu_memory else 0.0)
 
 
 def layer_seconds(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, kv_to_gpu: bool = False,
                   cpu_attention: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(prefill, decode) seconds per layer for placements `p` [P, 6] (wg, wc, cg, cc, hg, hc), FlexGen's
     combination of `layer_terms`: prefill overlaps its chains, decode serialises the load in; the
-    GPU's compute and the CPU's attention add up."""
+    GPU's compute overlaps the host's issuing of it (the longer counts), and the CPU's attention
+    adds to both."""
     wg = p.T[0]
     pre, dec = layer_terms(m, hw, gbs, nb, p, kv_to_gpu, cpu_attention)
-    prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), pre[4] + pre[5])
-    decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], dec[4] + dec[5]))
+    prefill = np.maximum(np.maximum(pre[0] + pre[2], pre[1] + pre[3]), np.maximum(pre[4], pre[6]) + pre[5])
+    decode = dec[0] + np.maximum(np.maximum(dec[1], dec[2]), np.maximum(dec[3], np.maximum(dec[4], dec[6]) + dec[5]))
     return np.broadcast_to(prefill, wg.shape), np.broadcast_to(decode, wg.shape)
 
 
@@ -204,8 +228,8 @@ def search(m: ModelShape, hw: Hardware, step: float = 0.25, max_gpu_batch: int =
            cpu_attention: tuple[bool, ...] = (False,)) -> tuple[float, Policy | None]:
     """FlexGen's search: for each GPU batch size, double the number of GPU batches while a
     placement fits and tokens/s grows, then look between the last two; the best policy found
-    (of policies as fast, the largest block, then the largest GPU batch: the model counts no
-    per-batch overhead, and each GPU batch of a block is a slot of its own launches and sync). With
+    (of policies as fast, the largest block, then the largest GPU batch: each GPU batch of a block
+    is a slot of its own launches and sync, which only `Hardware.unit_seconds` counts). With
     `max_block`, blocks of at most that many sequences (a run of that many prompts); `kv_to_gpu`:
     as `layer_seconds`; `weight_step`: as `placements`; `peaks`: as `best_placement`;
     `cpu_attention`: the options tried for each block (with `kv_to_gpu`), the first of those as fast kept."""

@@ -9,7 +9,7 @@ each (layer, batch)'s KV cache (exec/offload_cache.py: optionally 4-bit) and eac
 states into 3 batch buffers; a compute reads and writes device buffers only. What is not
 offloaded stays on the device (the embedding, the final norm and the head always do). On CUDA
 the loads and stores run on two side streams beside the compute on the current one, each slot
-closed by events the host waits on (the schedule's `sync`); on a CPU device the moves run in
+closed by the host waiting on the streams it used (the schedule's `sync`); on a CPU device the moves run in
 order between separate tensors, so the schedule's loads and stores really move the data its
 computes read.
 With `Placement.cpu_attention` a decode step's attention over the host cache runs on the CPU
@@ -19,6 +19,10 @@ the host and the output comes back, inside the compute.
 Prompts of a batch are left-padded (exec/offload_block.py). A block runs as many steps as its
 largest count for all its prompts (FlexGen's fixed length) and returns each prompt's own count;
 the caller cuts at EOS.
+What a decode step computes once per batch, not once per (layer, batch) (issue 34's host cost per
+unit: a decode step issues layers x batches units, each of them a layer's launches and the slot's
+moves): the tokens' positions, their rotary table and the attention mask (a slice of each batch's
+pad keys, made once per block); and a dense cache's move of K and V is one copy (`KVPair`).
 `check_buffers` fills a buffer with NaN as soon as the schedule is done with it (after its store,
 or after a layer's last batch for weights), so that a compute reading stale data shows (tests).
 """
@@ -34,7 +38,7 @@ from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import ATTENTION_OPS, BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
 from batchmaker.exec import offload_cache
 from batchmaker.exec.offload_attention import CpuAttention
-from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
+from batchmaker.exec.offload_block import BatchAttend, BatchPrompts, KVPair
 from batchmaker.exec.offload_weights import DEQUANTS, GROUP, HostWeights, default_dequant, layer_tensors
 from batchmaker.kernels.compress4 import Compressed, compress, decompress
 
@@ -192,7 +196,9 @@ class BlockRun:
         self.hidden_slots = [self._empty(hidden_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
             if place.hidden else None
         self.tokens = torch.zeros(len(batches), rows, num_tokens, dtype=torch.long, device=device)
-        self.events: list = []  # what the next sync waits on (CUDA)
+        self.used: set[str] = set()  # the side streams the next sync waits on (CUDA)
+        self.pad_keys = [batch.pad_keys(cache_shape[0]) for batch in batches]  # [B, 1, S]: decode steps' masks
+        self.step_inputs: list[tuple | None] = [None] * len(batches)  # (step, positions, rotate) of each batch
         self.poison: list[Tensor] = []  # what the next sync fills with NaN (check_buffers)
         self.cpu_attention = CpuAttention(self, batches) if place.cpu_attention else None
         self.schedule = iter(())  # the operations not yet carried out (carry_out)
@@ -205,10 +211,12 @@ class BlockRun:
         device = "cpu" if on_host else x.device
         return torch.empty(shape, dtype=x.dtype, device=device, pin_memory=on_host and x.is_cuda)
 
-    def _kv(self, shape, on_host: bool) -> tuple[Tensor, Tensor] | tuple[Compressed, Compressed]:
+    def _kv(self, shape, on_host: bool) -> KVPair | tuple[Compressed, Compressed]:
         if on_host and self.is_compressed:
             return self._codes(shape, on_host)
-        return self._empty(shape, on_host), self._empty(shape, on_host)
+        if self.is_compressed:  # (a device slot a load expands codes into: K and V apart)
+            return self._empty(shape, on_host), self._empty(shape, on_host)
+        return KVPair(self._empty((shape[0], 2, *shape[1:]), on_host))
 
     def _codes(self, shape, on_host: bool) -> tuple[Compressed, Compressed]:
         x = self.x
@@ -245,18 +253,18 @@ class BlockRun:
                                            self.cache_staging[op.slot]):
                     self.moved.bytes["cache"] += offload_cache.load(dst, src, stage, end, self.x.is_reference)
             return
-        for dst, src in zip(self.cache_slots[op.slot], self.cache[op.layer][op.batch]):
-            self._copy(dst[:end], src[:end], "in", "cache")
+        self._copy(self.cache_slots[op.slot].both[:end], self.cache[op.layer][op.batch].both[:end], "in", "cache")
 
     def store_cache(self, op: Op) -> None:
         batch = self.batches[op.batch]
         start, end = batch.start(op.step), batch.start(op.step) + batch.columns(op.step)
-        for dst, src in zip(self.cache[op.layer][op.batch], self.cache_slots[op.slot]):
-            if self.is_compressed:
+        if self.is_compressed:
+            for dst, src in zip(self.cache[op.layer][op.batch], self.cache_slots[op.slot]):
                 with self._stream("out"):
                     self.moved.bytes["cache"] += offload_cache.store(dst, src, start, end, self.x.is_reference)
-            else:
-                self._copy(dst[start:end], src[start:end], "out", "cache")
+        else:
+            self._copy(self.cache[op.layer][op.batch].both[start:end], self.cache_slots[op.slot].both[start:end],
+                       "out", "cache")
         self.poison_after_sync(*self.cache_slots[op.slot])
 
     def load_hidden(self, op: Op) -> None:
@@ -278,10 +286,11 @@ class BlockRun:
             attend = self.cpu_attention.attend(op)
         else:
             k_cache, v_cache = self.cache_slots[op.slot] if self.placement.cache else self.cache[layer][b]
-            attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap)
-        positions = batch.positions(step)
+            attend = BatchAttend(k_cache, v_cache, batch, step, lm.config.attention_scale, lm.config.attn_softcap,
+                                 pad_keys=self.pad_keys[b])
+        rotate = self._step_inputs(step, b)[1]
         inputs = hidden.transpose(0, 1).flatten(1, 2)  # [2, L*B, H]
-        out, residual = module(inputs[0], None if layer == 0 else inputs[1], lm.rotary(positions), attend)
+        out, residual = module(inputs[0], None if layer == 0 else inputs[1], rotate, attend)
         if layer + 1 < x.num_layers:
             hidden.copy_(torch.stack([out, residual]).unflatten(1, (hidden.shape[0], -1)).transpose(0, 1))
             return
@@ -289,21 +298,34 @@ class BlockRun:
         token = lm.head(last).argmax(-1)
         self.tokens[b, :, step] = token
         if step + 1 < self.num_tokens:  # the next step's input: the token's embedding
-            hidden[:1, 0].copy_(lm.embed(token, batch.positions(step + 1)).unsqueeze(0))
+            hidden[:1, 0].copy_(lm.embed(token, self._step_inputs(step + 1, b)[0]).unsqueeze(0))
         if self.x.config.check_buffers and streams and b == len(self.batches) - 1:
             self.poison_after_sync(*layer_tensors(module))
 
     def sync(self, op: Op) -> None:
-        if self.x.is_cuda:  # (the compute of this slot, on the current stream)
-            self.events.append(torch.cuda.current_stream(self.x.device).record_event())
-        for event in self.events:
-            event.synchronize()
-        self.events = []
+        if self.x.is_cuda:  # (the compute of this slot, on the current stream, and the moves on the side streams
+            # it used: everything on them is this slot's, the previous sync having waited for the rest)
+            torch.cuda.current_stream(self.x.device).synchronize()
+            for name in self.used:
+                self.x.streams[name].synchronize()
+            self.used.clear()
         for t in self.poison:
             t.fill_(math.nan)
         self.poison = []
 
     # helpers -------------------------------------------------------------------------------------
+    def _step_inputs(self, step: int, b: int) -> tuple[Tensor, object]:
+        """(positions, rotate) of batch `b`'s tokens in `step`: a decode step's made at its first
+        layer and kept for the others (the prompt step's, P times larger, are made per layer)."""
+        kept = self.step_inputs[b]
+        if kept is not None and kept[0] == step:
+            return kept[1:]
+        positions = self.batches[b].positions(step)
+        inputs = positions, self.x.lm.rotary(positions)
+        if step > 0:
+            self.step_inputs[b] = (step, *inputs)
+        return inputs
+
     def _hidden_out(self, step: int, layer: int, b: int) -> int:
         """Columns of hidden states compute(step, layer, b) leaves: the next step's input is one."""
         return 1 if layer + 1 == self.x.num_layers else self.batches[b].columns(step)
@@ -331,15 +353,14 @@ def _round_trip(layers: nn.ModuleList) -> None:
 
 
 class _SideStream:
-    """Work issued inside runs on the run's side stream `name`; an event after it joins the slot's."""
+    """Work issued inside runs on the run's side stream `name`, which the next sync waits on."""
 
     def __init__(self, run: BlockRun, name: str):
-        self.run, self.stream = run, run.x.streams[name]
-        self.context = torch.cuda.stream(self.stream)
+        run.used.add(name)
+        self.context = torch.cuda.stream(run.x.streams[name])
 
     def __enter__(self):
         self.context.__enter__()
 
     def __exit__(self, *exc):
         self.context.__exit__(*exc)
-        self.run.events.append(self.stream.record_event())

@@ -47,6 +47,7 @@ class CpuAttention:
         self.out = torch.empty(rows, c.num_heads, c.head_dim, dtype=x.dtype, pin_memory=x.is_cuda)
         self.batches = [BatchPrompts(b.tokens.cpu(), b.pads.cpu(), b.last) for b in batches]  # (masks on the CPU)
         columns = run.cache[0][0][0].shape[0]  # S
+        self.pad_keys = [b.pad_keys(columns) for b in self.batches]  # (each decode step's mask: a slice)
         self.workspace = tuple(torch.empty(rows, c.num_kv_heads, columns, c.head_dim) for _ in range(2))  # fp32
         self.stream = torch.cuda.Stream(x.device) if x.is_cuda else None
         self.pending: tuple[Tensor, Tensor, Tensor] | None = None  # the layer's q, k, v (device)
@@ -76,7 +77,7 @@ class CpuAttention:
     def cpu_attend(self, op: Op) -> None:
         k_cache, v_cache = self.run.cache[op.layer][op.batch]  # (host tensors)
         attend = BatchAttend(k_cache, v_cache, self.batches[op.batch], op.step, self.config.attention_scale,
-                             self.config.attn_softcap, self.workspace)
+                             self.config.attn_softcap, self.workspace, self.pad_keys[op.batch])
         self.out.copy_(attend(op.layer, *self.qkv.split(self.sizes, dim=1)))
 
     def load_attention(self, op: Op) -> None:

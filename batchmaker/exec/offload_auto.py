@@ -6,7 +6,10 @@ What is measured (`measure`): the copy rate host -> device and back (pinned host
 GPU; on a CPU, between two CPU tensors, the executor's two pools), the device's matmul rate at
 the model's dtype, host memory's rate (a large copy), and the executor's own CPU attention
 (exec/offload_block.BatchAttend over a host cache in the model's dtype, one decode step, on torch's
-intra-op threads: FlexGen's CPU attention term, an effective rate that includes the fp32 copies).
+intra-op threads: FlexGen's CPU attention term, an effective rate that includes the fp32 copies),
+device memory's rate (a large copy on the device: each GPU batch's read of a layer's weights) and
+the executor's host seconds per (GPU batch, layer) of a decode step (exec/offload_host.py, over a
+tiny decoder of the model's family: a second or so on a GPU).
 A cache on the host is attended in decode steps either on the device after a move (`kv_to_gpu`)
 or on the CPU where it lives (`Placement.cpu_attention`): the search tries both for each block and
 keeps the faster by prediction. The search runs over what the executor places: the weights' share on the
@@ -32,11 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.cells.decoder_config import PRESETS, DecoderConfig
 from batchmaker.core.offload_policy import (Hardware, ModelShape, Policy, layer_seconds, layer_terms, mean_kv_bytes,
                                             peak_bytes, search)
 from batchmaker.core.zigzag import Placement
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
+from batchmaker.exec.offload_host import unit_seconds
 from batchmaker.exec.offload_memory import Footprint, ModelBytes, footprint, peaks
 
 CPU_DEVICE_BYTES = 1 << 30  # the "device" pool's budget on a CPU when none is given
@@ -50,6 +54,8 @@ class Rates:
     cpu_flops: float  # the CPU's decode attention (the executor's, in the model's dtype: an effective rate)
     host_memory: float = 0.0  # bytes/s host memory serves (a large copy's reads and writes); 0: unmeasured
     cpu_threads: int = 0  # torch's intra-op threads the CPU's rates were measured on (0: not said)
+    device_memory: float = 0.0  # bytes/s device memory serves (a large copy on the device); 0: unmeasured
+    unit_seconds: float = 0.0  # the executor's host seconds per (GPU batch, layer) of a decode step; 0: unmeasured
 
 
 @dataclass(frozen=True)
@@ -86,9 +92,12 @@ def _seconds(fn, repeats: int = 3) -> float:
     return best
 
 
-def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int | None = None) -> Rates:
-    """The rates of this machine: copies of `copy_bytes`, matmuls of `size` cubed (4,096 on a GPU:
-    at 512 an H100's matmul took less time than its launch and measured 7.6 TFLOP/s; 512 on a CPU)."""
+def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int | None = None,
+            config: DecoderConfig | None = None) -> Rates:
+    """The rates of this machine: copies of `copy_bytes` (8 times that within a memory), matmuls of
+    `size` cubed (4,096 on a GPU: at 512 an H100's matmul took less time than its launch and measured
+    7.6 TFLOP/s; 512 on a CPU), the executor's host cost per unit over a tiny decoder of `config`'s
+    family (None: Llama's)."""
     device = torch.device(device)
     is_cuda = device.type == "cuda"
     size = size or (4096 if is_cuda else 512)
@@ -98,9 +107,17 @@ def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int | 
     gtoc = copy_bytes / _seconds(lambda: host.copy_(dev, non_blocking=True))
     a = torch.randn(size, size, dtype=dtype, device=device)
     mm = 2 * size ** 3 / _seconds(lambda: a @ a)
-    src, dst = torch.empty(8 * copy_bytes, dtype=torch.uint8), torch.empty(8 * copy_bytes, dtype=torch.uint8)
-    memory = 2 * src.numel() / _seconds(lambda: dst.copy_(src))  # (beyond the caches: read and written)
-    return Rates(ctog, gtoc, mm, cpu_attention_flops(dtype, 2 * copy_bytes), memory, torch.get_num_threads())
+    memory = _copy_rate("cpu", 8 * copy_bytes)  # (beyond the caches)
+    device_memory = _copy_rate(device, 8 * copy_bytes) if is_cuda else memory  # (a CPU's device pool: host memory)
+    unit = unit_seconds(config or PRESETS["tiny-llama"], device, dtype)
+    return Rates(ctog, gtoc, mm, cpu_attention_flops(dtype, 2 * copy_bytes), memory, torch.get_num_threads(),
+                 device_memory, unit)
+
+
+def _copy_rate(device, nbytes: int) -> float:
+    """bytes/s a copy of `nbytes` within `device`'s memory reads and writes."""
+    src, dst = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src))
 
 
 def cpu_attention_flops(dtype: torch.dtype, kv_bytes: int, rows: int = 8, heads: int = 8, head_dim: int = 128) -> float:
@@ -132,7 +149,8 @@ def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float)
     units = 16 / torch.finfo(dtype).bits
     return Hardware(ctog=rates.ctog * units, gtoc=rates.gtoc * units, dtoc=0.0, ctod=0.0, mm_flops=rates.mm_flops,
                     bmm_flops=rates.mm_flops, cpu_flops=rates.cpu_flops, gpu_bytes=device_bytes * units,
-                    cpu_bytes=host * units, disk_bytes=0.0, cpu_memory=rates.host_memory * units)
+                    cpu_bytes=host * units, disk_bytes=0.0, cpu_memory=rates.host_memory * units,
+                    gpu_memory=rates.device_memory * units, unit_seconds=rates.unit_seconds)
 
 
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
@@ -212,21 +230,22 @@ class Bound:
     link: tuple[float, float]  # (prefill, decode step): the host link's busier direction
     host_memory: tuple[float, float]  # every byte crossing the link, and the cache the CPU attends over, at
     # host memory's rate
-    gpu: tuple[float, float]  # the matmuls and attention at the device's measured rates
+    gpu: tuple[float, float]  # the matmuls (or each GPU batch's weight reads) and attention at the device's rates
     tokens_per_s: float  # the block's tokens over (prefill + (generate - 1) x step), each the slowest resource's
     cpu: tuple[float, float] = (0.0, 0.0)  # the CPU's attention (cpu_attention)
+    host: tuple[float, float] = (0.0, 0.0)  # the executor's issuing of every (GPU batch, layer) (`Rates.unit_seconds`)
 
     @property
     def binding(self) -> str:
         """Which resource bounds a decode step."""
-        return max(("link", "host_memory", "gpu", "cpu"), key=lambda name: getattr(self, name)[1])
+        return max(("link", "host_memory", "gpu", "cpu", "host"), key=lambda name: getattr(self, name)[1])
 
 
 def bound(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
           num_batches: int, prompt: int, generate: int) -> Bound:
-    """The slowest of the host link, host memory, the GPU and the CPU (its attention) for a policy,
-    from the cost model's terms (`layer_terms`); host memory counts only where measured
-    (`Rates.host_memory`)."""
+    """The slowest of the host link, host memory, the GPU, the CPU (its attention) and the host's
+    issuing of the units for a policy, from the cost model's terms (`layer_terms`); host memory and
+    the units count only where measured (`Rates.host_memory`, `Rates.unit_seconds`)."""
     hw = hardware(rates, dtype, 0.0, 0.0)
     units = 16 / torch.finfo(dtype).bits
     shape = model_shape(config, prompt, generate)
@@ -238,6 +257,6 @@ def bound(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Pl
     read = layers * mean_kv_bytes(shape, gpu_batch * num_batches) if placement.cpu_attention else 0.0  # (by the CPU)
     moved = (pre[0] * hw.ctog + pre[1] * hw.gtoc, dec[0] * hw.ctog + dec[1] * hw.gtoc + read)  # (2-byte units)
     memory = tuple(m / (rates.host_memory * units) if rates.host_memory else 0.0 for m in moved)
-    gpu, cpu = tuple(t[4] for t in (pre, dec)), tuple(t[5] for t in (pre, dec))
-    prefill, step = (max(link[i], memory[i], gpu[i], cpu[i]) for i in (0, 1))
-    return Bound(link, memory, gpu, gpu_batch * num_batches * generate / (prefill + (generate - 1) * step), cpu)
+    gpu, cpu, host = (tuple(t[i] for t in (pre, dec)) for i in (4, 5, 6))
+    prefill, step = (max(link[i], memory[i], gpu[i], cpu[i], host[i]) for i in (0, 1))
+    return Bound(link, memory, gpu, gpu_batch * num_batches * generate / (prefill + (generate - 1) * step), cpu, host)

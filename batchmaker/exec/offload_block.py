@@ -7,13 +7,27 @@ contiguous prefix and a cache's valid part is `cache[:end]`, one contiguous copy
     cache    [S, B, Hkv, D]    K or V of one layer, S = P + num_tokens - 1 columns
     hidden   [L, 2, B, H]      the residual stream between layers, unsummed (x, residual)
 A pad column is a key no real query sees; a pad query sees itself only (so that it stays finite).
+A dense cache's K and V of one (layer, batch) are views of one [S, 2, B, Hkv, D] tensor (`KVPair`),
+so that a move of a range of columns is one contiguous copy, not two.
 """
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import Tensor
 
 from batchmaker.kernels.paged_attention import capped
+
+
+class KVPair(tuple):
+    """(K, V) [S, B, Hkv, D] each, views of `both` [S, 2, B, Hkv, D]: columns [a, b) of both are
+    `both[a:b]`, one contiguous range."""
+    both: Tensor
+
+    def __new__(cls, both: Tensor) -> Self:
+        pair = super().__new__(cls, both.unbind(1))
+        pair.both = both
+        return pair
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,11 @@ class BatchPrompts:
         """How many columns (tokens per row) step `step` computes."""
         return self.width if step == 0 else 1
 
+    def pad_keys(self, columns: int) -> Tensor:
+        """[B, 1, columns]: key column c is a pad of row b. A decode step's query (the last column,
+        real) sees every other key: this is its whole mask, sliced to the step's columns."""
+        return (torch.arange(columns, device=self.pads.device) < self.pads[:, None])[:, None]
+
     def positions(self, step: int) -> Tensor:
         """[L * B] the position of each token of the step (pads at 0), in the column-major order."""
         start = self.start(step)
@@ -64,13 +83,17 @@ class BatchAttend:
     batch's cache at its columns, then attends over columns [0, end) in fp32. The same on the
     device and, over the host cache, on the CPU (`Placement.cpu_attention`: exec/offload_attention.py),
     which passes fp32 `workspace`s for K and V [B, Hkv, S, D] kept across calls (the host's allocator
-    maps fresh pages for a large tensor each time: faulting them in took longer than the attention)."""
+    maps fresh pages for a large tensor each time: faulting them in took longer than the attention).
+A decode step's caller may pass `pad_keys` (`BatchPrompts.pad_keys` of the block's columns, made
+once per block: the step's mask is a slice of it, no launches), else the mask is built per call."""
 
     def __init__(self, k_cache: Tensor, v_cache: Tensor, batch: BatchPrompts, step: int, scale: float,
-                 softcap: float | None, workspace: tuple[Tensor, Tensor] | None = None):
+                 softcap: float | None, workspace: tuple[Tensor, Tensor] | None = None,
+                 pad_keys: Tensor | None = None):
         self.k_cache, self.v_cache, self.batch, self.scale, self.softcap = k_cache, v_cache, batch, scale, softcap
         self.workspace = workspace or (None, None)
         self.start, self.columns = batch.start(step), batch.columns(step)
+        self.pad_keys = pad_keys if step > 0 else None  # (the prompt step's mask is causal too: built)
 
     def __call__(self, layer_index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q [L*B, Hq, D], k, v [L*B, Hkv, D] (column-major tokens)
@@ -86,7 +109,8 @@ class BatchAttend:
         # read once per KV head, not expanded G times)
         scores = capped(qh @ keys.transpose(-1, -2) * self.scale, self.softcap)  # [B, Hkv, G*L, end]
         scores = scores.view(num_rows, num_kv_heads, group, columns, end)
-        scores.masked_fill_(~self.visible(end)[:, None, None], float("-inf"))
+        unseen = ~self.visible(end) if self.pad_keys is None else self.pad_keys[..., :end]  # [B, L, end]
+        scores.masked_fill_(unseen[:, None, None], float("-inf"))
         out = scores.softmax(-1).view(num_rows, num_kv_heads, group * columns, end) @ values  # [B, Hkv, G*L, D]
         out = out.view(num_rows, num_kv_heads, group, columns, head_dim)
         return out.permute(3, 0, 1, 2, 4).reshape(q.shape).to(q.dtype)

@@ -116,7 +116,7 @@ def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, gene
               + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * slot)
               + np.where(hidden_on > 0, num_batches * hidden, BATCH_BUFFERS * hidden)
               + num_batches * gpu_batch * (prompt + generate) * 8)  # (prompts and tokens, int64)
-    kv_host = 2 * model.num_layers * num_batches * pinned_size(kv // 2, pinned)
+    kv_host = model.num_layers * num_batches * pinned_size(kv, pinned)  # (K and V one tensor: exec/offload_block.KVPair)
     weights = (model.num_layers - resident) * model.layer if host_weights is None else np.full_like(wg, host_weights)
     cpu_working = model.decode_attention(gpu_batch, prompt, generate) + sum(
         pinned_size(n, pinned) for n in model.attention_staging(gpu_batch))
