@@ -235,7 +235,8 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         is_cuda = torch.device(device).type == "cuda"  # (a GPU's workspace held back, its host storage pinned)
         dense_cache = own.get("compress") not in ("kv", "both")  # (the CPU attends over a dense host cache only)
         try:
-            choice = choose(lm.config, dtype, measure(device, dtype), device_bytes, host_bytes(), prompt, generate,
+            rates = measure(device, dtype, config=lm.config)  # (the host's cost per unit on this model's family)
+            choice = choose(lm.config, dtype, rates, device_bytes, host_bytes(), prompt, generate,
                             max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts,
                             reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda,
                             cpu_attention=None if dense_cache else False)
