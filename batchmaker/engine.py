@@ -65,6 +65,8 @@ class Engine:
         self._inbox: deque = deque()  # futures, from any thread; drained by step()
         self._cancels: deque = deque()  # request ids, from any thread; applied before the inbox is admitted
         self._wake = threading.Event()
+        self._turn_listeners: tuple[Callable[[], None], ...] = ()  # (add_turn_listener)
+        self._hands_out_first = True  # listeners before the turn's launches (set at start)
         self._thread: threading.Thread | None = None
         self._running = False
         self._stopping = False
@@ -93,6 +95,7 @@ class Engine:
             torch.set_num_threads(self._threads_before)
             raise
         self._gc_before = collector.freeze(self.config.gc_young_threshold)  # (batchmaker/collector.py)
+        self._hands_out_first = not all(hasattr(w, "stream") for w in self.workers)  # (a CPU launch computes)
         self._running = True
         if thread:
             self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
@@ -188,6 +191,16 @@ class Engine:
         self._cancels.append(request_id)
         self._wake.set()
 
+    def add_turn_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs on the manager thread once a turn's partials are streamed: after the
+        turn's launches where they are asynchronous (CUDA: the GPU computes meanwhile), before
+        them where a launch is the computation (a CPU worker). A consumer of partials collects a
+        turn's and hands them on here: one wake-up of its own thread a turn, not one a token."""
+        self._turn_listeners += (listener,)
+
+    def remove_turn_listener(self, listener: Callable[[], None]) -> None:
+        self._turn_listeners = tuple(x for x in self._turn_listeners if x != listener)  # (bound methods: ==)
+
     def step(self) -> bool:
         """One turn of the manager: admit -> complete -> schedule. True if anything happened."""
         clock, ns = time.perf_counter_ns, self.stage_ns
@@ -198,10 +211,14 @@ class Engine:
         progressed = self._admit()
         t1 = clock()
         progressed |= self._complete()
+        if self._hands_out_first:
+            self._end_turn()
         t2 = clock()
         progressed |= self._schedule()
         self._expire()
         t3 = clock()
+        if not self._hands_out_first:
+            self._end_turn()
         if progressed:  # (idle turns are not a stage's cost)
             ns["admit"] += t1 - t0
             ns["complete"] += t2 - t1
@@ -238,6 +255,10 @@ class Engine:
                     time.sleep(0)  # CUDA workers are polled: let other threads run, then look again
                 else:
                     self._wake.wait(self._idle_wait())
+
+    def _end_turn(self) -> None:
+        for listener in self._turn_listeners:
+            listener()
 
     def _admit(self) -> bool:
         inbox, cancels = self._inbox, self._cancels

@@ -35,6 +35,11 @@
 #              bench/http_overhead.py over it: HTTP against ZeroMQ per streamed token at 1, 64, 256 streams,
 #              the load from 4 processes of its own, through the openai client where .whl/openai holds its
 #              wheels (pydantic, httpx, anyio, typing_extensions...: ahead of the machine's own on the path)
+#     http-ab  issue 32's before/after (the nineteenth session's HTTP streaming; not run yet, ~8 min
+#              estimated): the same over two servers side by side, this tree's and the one in
+#              .whl/http-base.tar (`git archive <commit> batchmaker > .whl/http-base.tar`; carry .whl), at
+#              2048 KV blocks each (two 7B servers on one 80 GB GPU), ZeroMQ token ids and HTTP only;
+#              HTTP_AB_CONCURRENCY (default "64 256") sets the stream counts
 #     prefix   bench/chat.py --stateful (issue 32): the chat workload sent statelessly with automatic prefix
 #              caching (GPU blocks + host tier) against stateless and the explicit conversations; ~5 min
 #     verify18: the eighteenth session's GPU code not yet run (one GPU, ~7 min expected): the offloading GPU
@@ -180,6 +185,16 @@ for suite in "$@"; do
               step http-overhead timeout 340 python3 bench/http_overhead.py --checkpoint /tmp/chat-llama-2-7b \
                   --devices cuda:0 --concurrency 1 64 256 --tokens 256 --num-blocks 4096 --tag llama-2-7b \
                   "${client[@]}" --processes 4 ;;
+        http-ab) step http-checkpoint timeout 240 python3 bench/tiny_checkpoint.py /tmp/chat-llama-2-7b llama-2-7b
+                 mkdir -p /tmp/http-base && tar -xf .whl/http-base.tar -C /tmp/http-base
+                 client=(--client aiohttp)
+                 if compgen -G ".whl/openai/*.whl" > /dev/null && python3 -m pip install -q --no-index --no-deps \
+                         --no-compile --target /tmp/site-openai .whl/openai/*.whl; then
+                     export PYTHONPATH="$PYTHONPATH:/tmp/site-openai"; client=(--client openai)
+                 fi
+                 step http-ab timeout 560 python3 bench/http_overhead.py --checkpoint /tmp/chat-llama-2-7b \
+                     --devices cuda:0 --concurrency ${HTTP_AB_CONCURRENCY:-64 256} --tokens 256 --num-blocks 2048 \
+                     --paths zmq-tokens http --base /tmp/http-base --tag llama-2-7b-ab "${client[@]}" --processes 4 ;;
         prefix) step prefix-chat timeout 570 python3 bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16 \
                     --stateful-systems stateless gpu+cpu prefix+cpu --arrival-seconds 45 --warm-fraction 0.5 \
                     --conversation-rates "${PREFIX_RATES:-6}" --compress 10 --kv-gib 40 --host-gib 48 --tier-contexts '' ;;

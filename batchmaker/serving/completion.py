@@ -1,7 +1,9 @@
 """One HTTP generation request in the engine: each of its choices is one engine request. Tokens
 arrive on the manager thread (streamed partials, or the result), cross to the HTTP loop through
-the LoopBridge, and become text there: detokenized, cut at stop strings. The handler awaits
-`next_events()`: text of one choice, its finish reason on its last event, or an error.
+the LoopBridge (a turn's partials in one wake-up of the loop), and become text there:
+detokenized, cut at stop strings. Events (text of one choice, its finish reason on its last
+event, or an error) are handed over once per drain: to a handler awaiting `next_events()`, or,
+once a stream's headers are out, straight to its writer (`deliver_to`), with no task woken.
 
 A choice that meets a stop string is cancelled in the engine at once (its KV cache is freed);
 `cancel()` cancels every unfinished choice (a client that went away, a failed sibling).
@@ -81,8 +83,10 @@ class Choice:
 class Completion:
     def __init__(self, engine, bridge: LoopBridge, request: GenerationRequest, metrics):
         self.engine, self.request, self.metrics = engine, request, metrics
-        self._events: list[Event] = []  # not yet taken by next_events()
-        self._waiter: asyncio.Future | None = None  # set when an event arrives for a waiting handler
+        self._events: list[Event] = []  # not yet handed over
+        self._waiter: asyncio.Future | None = None  # set when events arrive for a waiting handler
+        self._sink = None  # deliver_to's callable, else events wait for next_events()
+        self._is_handing = False  # a hand-over is due at the end of the running drain
         self.choices = [Choice(i, request) for i in range(request.num_choices)]
         self.arrival = time.perf_counter()
         self._bridge = bridge
@@ -98,9 +102,9 @@ class Completion:
 
     def start(self) -> None:
         """Submit every choice; ApiError if the engine refuses one at once (overloaded, stopping)."""
-        name, call = self.request.model.name, self._bridge.call
+        name, call, post = self.request.model.name, self._bridge.call, self._bridge.post
         for choice in self.choices:
-            on_partial = (lambda partial, c=choice: call(self._on_tokens, c, partial)) if self._streams else None
+            on_partial = (lambda partial, c=choice: post(self._on_tokens, c, partial)) if self._streams else None
             choice.future = self.engine.submit(name, self.request.engine_inputs(choice.index), on_partial=on_partial)
             if choice.future.done() and choice.future.exception() is not None:
                 choice.finish_reason = "error"
@@ -117,6 +121,14 @@ class Completion:
                     self.engine.cancel(choice.future.request_id)
                 self.metrics.finished(self.request.model.name, "cancelled", choice.num_tokens)
 
+    def deliver_to(self, sink) -> None:
+        """From now on, sink(events) on the loop thread, once per drain that brought some (and now,
+        with those waiting), instead of next_events(); None: held for next_events() again."""
+        self._sink = sink
+        if sink is not None and self._events:
+            events, self._events = self._events, []
+            sink(events)
+
     async def next_events(self) -> list[Event]:
         """The events since the last call, in order; waits for one if there is none (one wake-up
         for however many came meanwhile)."""
@@ -129,7 +141,16 @@ class Completion:
     # on the loop thread, through the bridge ------------------------------------------------------
     def _put(self, event: Event) -> None:
         self._events.append(event)
-        if self._waiter is not None and not self._waiter.done():
+        if not self._is_handing:
+            self._is_handing = True
+            self._bridge.after_drain(self._hand_over)
+
+    def _hand_over(self) -> None:
+        self._is_handing = False
+        if self._sink is not None:
+            events, self._events = self._events, []
+            self._sink(events)
+        elif self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def _on_tokens(self, choice: Choice, partial: dict) -> None:

@@ -22,12 +22,13 @@ import threading
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from batchmaker.serving.completion import Completion, Event
+from batchmaker.serving.completion import Completion
 from batchmaker.serving.http_config import HttpConfig
 from batchmaker.serving.loop_bridge import LoopBridge
 from batchmaker.serving.metrics import Metrics
 from batchmaker.serving.openai_api import ApiError, GenerationRequest, parse_request
-from batchmaker.serving.openai_replies import DONE, Replies, event
+from batchmaker.serving.openai_replies import DONE, Replies
+from batchmaker.serving.sse_writer import SseWriter
 from batchmaker.serving.text_model import text_models
 
 log = logging.getLogger("batchmaker.http")
@@ -53,6 +54,11 @@ class HttpFront:
     def url(self) -> str:
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def num_loop_wakeups(self) -> int:
+        """Times the engine's side has woken this front's loop (a turn's tokens: once)."""
+        return 0 if self._bridge is None else self._bridge.num_wakeups
 
     # lifecycle ---------------------------------------------------------------------------------
     def start(self) -> "HttpFront":
@@ -88,6 +94,13 @@ class HttpFront:
         self._loop = asyncio.get_running_loop()
         self._bridge = LoopBridge(self._loop)
         self._stopping = asyncio.Event()
+        self.engine.add_turn_listener(self._bridge.flush)  # (a turn's partials: one wake-up of this loop)
+        try:
+            await self._serve_until_stopped()
+        finally:
+            self.engine.remove_turn_listener(self._bridge.flush)
+
+    async def _serve_until_stopped(self) -> None:
         runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=self.config.drain_timeout)
         try:
@@ -177,17 +190,21 @@ class HttpFront:
         if first[0].error is not None:
             raise first[0].error
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        writer = SseWriter(response, request.transport, replies, len(completion.choices))
         try:
             await response.prepare(request)
             if replies.is_chat:
-                await response.write(b"".join(replies.opening(c.index) for c in completion.choices))
-            outcome = await _write_events(response, replies, completion, first)
-            if outcome == "success" and gen.include_usage:
-                await response.write(replies.usage_chunk(completion.prompt_tokens, completion.completion_tokens))
-            await response.write(DONE)
-            await response.write_eof()
+                writer.send(b"".join(replies.opening(c.index) for c in completion.choices))
+            writer.on_events(first)
+            completion.deliver_to(writer.on_events)  # (from here on, drains write: see sse_writer.py)
+            outcome = await writer.wait()
+            tail = replies.usage_chunk(completion.prompt_tokens, completion.completion_tokens) \
+                if outcome == "success" and gen.include_usage else b""
+            await response.write_eof(tail + DONE)
         except ConnectionError:  # the client left between two writes (before the handler was cancelled)
             outcome = "cancelled"
+        finally:
+            completion.deliver_to(None)
         return response, outcome
 
     # other routes ------------------------------------------------------------------------------
@@ -227,25 +244,6 @@ async def _whole(gen: GenerationRequest, completion: Completion) -> web.Response
     body = Replies(gen).whole([("".join(t), r, sc) for t, r, sc in zip(texts, reasons, scores)],
                               completion.prompt_tokens, completion.completion_tokens)
     return web.json_response(body, dumps=_dumps)
-
-
-async def _write_events(response: web.StreamResponse, replies: Replies, completion: Completion,
-                        pending: list[Event]) -> str:
-    """Write chunks until every choice finished (success) or one failed (error: an error event).
-    Events that came meanwhile go out in one write."""
-    remaining = len(completion.choices)
-    while True:
-        chunks = []
-        for e in pending:
-            if e.error is not None:
-                await response.write(b"".join(chunks) + event(e.error.body()))
-                return "error"
-            chunks.append(replies.delta(e.index, e.text, e.finish_reason, e.scores))
-            remaining -= e.finish_reason is not None
-        await response.write(b"".join(chunks))
-        if not remaining:
-            return "success"
-        pending = await completion.next_events()
 
 
 async def _json(request: web.Request):
