@@ -11,7 +11,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import Counter, deque
@@ -25,7 +24,7 @@ from batchmaker.core.admission import AdmissionBound, check_options
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler
-from batchmaker.engine_config import EngineConfig, choose_cpu_threads
+from batchmaker.engine_config import EngineConfig, engine_cpu_threads, runs_inline
 from batchmaker.errors import (BatchMakerError, CancelledError, DeadlineExceededError,
                                EngineStoppedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, make_worker, place_cell
@@ -75,7 +74,11 @@ class Engine:
     def start(self, thread: bool = True) -> "Engine":
         """Create the workers (CUDA graphs are captured now) and, with `thread`, the manager thread
         that runs step() in a loop; without it, the caller calls step()."""
-        self._set_cpu_threads()
+        self._threads_before = torch.get_num_threads()  # (stop restores it)
+        inline = runs_inline(self.config, self._distinct)
+        threads = engine_cpu_threads(self.config, inline)
+        if threads is not None:
+            torch.set_num_threads(threads)
         warm = [w for s in self.structured.values() for w in s.warm_list()]
         warm += [("step", ct) for ct in self._distinct if not any(w[1] is ct for w in warm)]
         try:
@@ -86,7 +89,7 @@ class Engine:
                                                 use_graphs=self.config.cuda_graphs,
                                                 max_steps=self.config.scheduler.max_round_steps,
                                                 on_done=self._wake.set, warm=warm,
-                                                inline=self._is_inline()))
+                                                inline=inline))
             self._build_queues()
         except BaseException:  # (workers already made may hold threads and processes)
             for worker in self.workers:
@@ -383,23 +386,6 @@ class Engine:
         for q in node_queues.values():
             q.processor = self.processor
         self.scheduler = Scheduler(queues + list(node_queues.values()), self.config.scheduler)
-
-    def _set_cpu_threads(self) -> None:
-        """CPU workers share torch's one thread pool: see choose_cpu_threads. Stop restores the
-        count found at start."""
-        self._threads_before = torch.get_num_threads()
-        num_cpu = sum(torch.device(d).type == "cpu" for d in self.config.devices)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = choose_cpu_threads(cores, num_cpu, self._is_inline(), self.config.cpu_threads)
-        if threads is not None:
-            torch.set_num_threads(threads)
-
-    def _is_inline(self) -> bool:
-        inline = self.config.cpu_inline
-        if inline is None:  # (a pipeline's first stage runs on the worker's thread while the manager waits for tokens)
-            return len(self.config.devices) == 1 and not any(getattr(ct.cell, "pipeline_parallel", 1) > 1
-                                                             for ct in self._distinct)
-        return inline
 
     def _on_general_finished(self, request: Request) -> None:
         """The general path, just before it resolves a request's future."""

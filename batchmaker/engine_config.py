@@ -3,6 +3,7 @@ worker), the scheduler's config, the admission bound, the latencies kept for sta
 engine changes in the process while it runs (torch's CPU threads, the collector's threshold;
 `Engine.stop()` restores both).
 """
+import os
 from dataclasses import dataclass, field
 
 from batchmaker.core.scheduler import SchedulerConfig
@@ -51,3 +52,18 @@ def choose_cpu_threads(num_cores: int, num_cpu_workers: int, inline: bool, overr
     if inline or num_cores <= 2:
         return 1
     return max(1, num_cores // num_cpu_workers)
+
+
+def engine_cpu_threads(config: EngineConfig, inline: bool) -> int | None:
+    """`choose_cpu_threads` for an engine of `config` on this machine's cores (its affinity)."""
+    num_cpu = sum(str(d).partition(":")[0] == "cpu" for d in config.devices)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return choose_cpu_threads(cores, num_cpu, inline, config.cpu_threads)
+
+
+def runs_inline(config: EngineConfig, cell_types) -> bool:
+    """Whether a CPU worker runs its tasks on the manager thread (`cpu_inline`; None: with one device,
+    unless a pipeline's first stage would, which runs while the manager waits for its tokens)."""
+    if config.cpu_inline is None:
+        return len(config.devices) == 1 and not any(getattr(ct.cell, "pipeline_parallel", 1) > 1 for ct in cell_types)
+    return config.cpu_inline
