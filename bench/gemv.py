@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.kernels import gemv  # noqa: E402
 from batchmaker.kernels.fused_decoder import add_rms_norm, silu_mul  # noqa: E402
+from batchmaker.kernels.skinny_routes import median_replay_ms  # noqa: E402
 
 
 def graph_ms(fn, replays: int = 20) -> float:
@@ -29,15 +30,7 @@ def graph_ms(fn, replays: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_replay_ms(graph, replays)
 
 
 def main() -> None:

@@ -113,8 +113,13 @@ def time_in_graph(route: Route, one_pass: Callable[[], object]) -> float:
         finally:
             graph.capture_end()
     torch.cuda.synchronize()
+    return median_replay_ms(graph, REPEATS)
+
+
+def median_replay_ms(graph: "torch.cuda.CUDAGraph", repeats: int) -> float:
+    """Median ms of `repeats` replays of a captured graph, each timed with CUDA events."""
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
