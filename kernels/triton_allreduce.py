@@ -20,6 +20,11 @@ import triton.language as tl
 BLOCK = 1024  # elements per program: a few programs for a decode step's rows
 MAX_POLLS = 1 << 23  # a rank that never posts (dead, hung): give up after seconds with garbage, as an
 # aborted NCCL collective does; the group is broken by then (exec/tensor_group.py) and fails the iteration
+STOP_POLLS = 1 << 12  # every this many polls the wait reads the group's stop word (pinned host memory,
+# ~1 µs over the host link): set once the group is broken (OneShot.stop), it ends every wait at once, so
+# that a decode graph of 2 all-reduces a layer drains in milliseconds instead of seconds per all-reduce
+# (2026-11-26: a TP=2 x PP=2 rank's graph kept its stream busy for minutes after a rank was killed, and
+# the NCCL abort behind it timed out). A wait of fewer polls, as every healthy one is, never reads it
 
 
 @triton.jit
@@ -36,20 +41,24 @@ def stage_kernel(x_ptr, buffers, flag_tables, epoch, n, half, RANK: tl.constexpr
 
 
 @triton.jit
-def reduce_kernel(out_ptr, buffers, flag_tables, epoch, n, half,
-                  RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK: tl.constexpr, MAX_POLLS: tl.constexpr):
+def reduce_kernel(out_ptr, buffers, flag_tables, epoch, stop_at, n, half, RANK: tl.constexpr, RANKS: tl.constexpr,
+                  BLOCK: tl.constexpr, MAX_POLLS: tl.constexpr, STOP_POLLS: tl.constexpr):
     e = tl.load(epoch)  # only `stage` writes it: stable here
     if tl.program_id(0) == 0:
         for r in tl.static_range(RANKS):  # post e in rank r's slot for this rank
             slots = tl.load(flag_tables + r).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(slots + RANK, e, sem="release", scope="sys")
     own_flags = tl.load(flag_tables + RANK).to(tl.pointer_type(tl.int64))
+    stop = tl.load(stop_at).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(RANKS):  # every rank's stage of call e is visible
         seen = tl.atomic_add(own_flags + r, 0, sem="acquire", scope="sys")
         polls = 0
         while (seen < e) & (polls < MAX_POLLS):
             seen = tl.atomic_add(own_flags + r, 0, sem="acquire", scope="sys")
             polls += 1
+            if polls % STOP_POLLS == 0:
+                if tl.load(stop, volatile=True) != 0:
+                    polls = MAX_POLLS
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -59,11 +68,12 @@ def reduce_kernel(out_ptr, buffers, flag_tables, epoch, n, half,
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def one_shot_all_reduce(x, buffers, flag_tables, epoch, half: int, rank: int, ranks: int):
-    """Sum `x` (contiguous, at most `half` elements) over the ranks, in place."""
+def one_shot_all_reduce(x, buffers, flag_tables, epoch, stop_at, half: int, rank: int, ranks: int):
+    """Sum `x` (contiguous, at most `half` elements) over the ranks, in place; `stop_at` [1] int64 holds
+    the address of the group's stop word (int32, pinned host memory: nonzero ends every wait)."""
     n = x.numel()
     grid = (triton.cdiv(n, BLOCK),)
     stage_kernel[grid](x, buffers, flag_tables, epoch, n, half, RANK=rank, BLOCK=BLOCK)
-    reduce_kernel[grid](x, buffers, flag_tables, epoch, n, half, RANK=rank, RANKS=ranks, BLOCK=BLOCK,
-                        MAX_POLLS=MAX_POLLS)
+    reduce_kernel[grid](x, buffers, flag_tables, epoch, stop_at, n, half, RANK=rank, RANKS=ranks, BLOCK=BLOCK,
+                        MAX_POLLS=MAX_POLLS, STOP_POLLS=STOP_POLLS)
     return x

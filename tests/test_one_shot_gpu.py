@@ -1,7 +1,8 @@
 """The one-shot all-reduce over NVLink peer memory (exec/one_shot.py, kernels/triton_allreduce.py)
 against its twin, the plain sum of the ranks' inputs, and against NCCL: eagerly and replayed in
-a CUDA graph with new inputs each time, on every rank, at sizes around the kernel's block; and a
-rank that never arrives (hung) makes the kernel give up within seconds instead of hanging."""
+a CUDA graph with new inputs each time, on every rank, at sizes around the kernel's block; a
+rank that never arrives (hung) makes the kernel give up within seconds instead of hanging; and
+once the group is broken (`stop`), a queue of all-reduces waiting for that rank drains at once."""
 import multiprocessing
 import queue
 import time
@@ -35,7 +36,7 @@ def _rank(rank: int, size: int, port: int, results, scenario: str) -> None:
     reducer = one_shot.OneShot(dist.PrefixStore("t", store), rank, size, device)
     reducer.check(torch.bfloat16)  # (the start-up self-test passes)
     failures = []
-    if scenario == "hung" and rank == 1:
+    if scenario in ("hung", "stopped") and rank == 1:
         time.sleep(40)  # (never calls: rank 0's kernel must give up before)
         results.put((rank, failures))
         return
@@ -46,6 +47,17 @@ def _rank(rank: int, size: int, port: int, results, scenario: str) -> None:
         waited = time.monotonic() - start
         print(f"rank 0 gave up on the hung rank after {waited:.1f} s")
         results.put((rank, [] if waited < 30 else [f"rank 0 waited {waited:.0f} s"]))
+        return
+    if scenario == "stopped":  # (64 waits, each alone seconds: a decode graph's worth)
+        start = time.monotonic()
+        for _ in range(64):
+            reducer(torch.ones(64, dtype=torch.bfloat16, device=device))
+        time.sleep(0.5)
+        reducer.stop()
+        torch.cuda.synchronize(device)
+        waited = time.monotonic() - start
+        print(f"rank 0's 64 all-reduces drained {waited - 0.5:.2f} s after the stop")
+        results.put((rank, [] if waited < 3 else [f"rank 0 waited {waited:.1f} s"]))
         return
     for dtype in (torch.bfloat16, torch.float32):
         for n in (n for n in SIZES if n * dtype.itemsize <= one_shot.HALF_BYTES):
@@ -115,3 +127,7 @@ def test_one_shot_on_four_ranks():
 
 def test_a_rank_that_never_arrives_does_not_hang_the_others():
     assert _run("hung") == {0: [], 1: []}
+
+
+def test_a_stopped_group_drains_its_queued_all_reduces_at_once():
+    assert _run("stopped") == {0: [], 1: []}

@@ -38,6 +38,8 @@ class OneShot:
         self._flags = pointers.to(device)
         self._buffers = (pointers + FLAG_BYTES).to(device)
         self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self._stop = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # (`stop`; the kernels read it in place)
+        self._stop_at = torch.tensor([self._stop.data_ptr()], dtype=torch.int64, device=device)
         self.wins = (True,) * len(SIZES)  # at each of SIZES: whether one-shot takes it (`choose` measures)
         self.table: dict = {}  # bytes -> (one-shot µs, NCCL µs), as measured by `choose`
 
@@ -53,8 +55,14 @@ class OneShot:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() * x.element_size() > HALF_BYTES:
             raise ValueError(f"{x.numel() * x.element_size()} bytes: the one-shot all-reduce takes {HALF_BYTES} at most")
-        return self._reduce(x, self._buffers, self._flags, self._epoch, HALF_BYTES // x.element_size(),
-                            self.rank, self.size)
+        return self._reduce(x, self._buffers, self._flags, self._epoch, self._stop_at,
+                            HALF_BYTES // x.element_size(), self.rank, self.size)
+
+    def stop(self) -> None:
+        """The group broke: every wait of this rank's all-reduces, running or to come, gives up at
+        once (with garbage, which the broken group's iterations never return), so that its stream
+        drains and the group's teardown does not wait behind seconds of polls per all-reduce."""
+        self._stop[0] = 1
 
     def check(self, dtype: torch.dtype) -> None:
         """Start-up self-test (compiles the kernels): rank r's r + 1 must sum to the same total on

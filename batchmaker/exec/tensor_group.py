@@ -20,8 +20,9 @@ same order (the same start-up, then the same plans), so the captured collectives
 replayed.
 
 Failure: a rank that died is seen by a watcher thread at once (its process sentinel): the group
-is marked broken and its communicator aborted, so that a collective waiting for the dead rank
-returns instead of hanging (and its iteration fails); a rank that hangs is caught by the
+is marked broken, its one-shot all-reduce stopped (its waits end at once) and its communicators
+aborted, so that a collective waiting for the dead rank returns instead of hanging (and its
+iteration fails); a rank that hangs is caught by the
 collectives' timeout on CPUs. After any failed iteration the group is broken (its ranks may be
 left inside a collective that nothing pairs up with any more): its ranks are stopped, and this
 and every later iteration fail at once with RankFailure. A rank whose pipe closes (rank 0 stopped
@@ -218,6 +219,9 @@ class TensorGroup:
             self.broken = reason
             if self.device.type != "cuda":  # (gloo's collectives fail by themselves)
                 return
+            one_shot = getattr(self.lm.tp, "one_shot", None) if self.lm.tp is not None else None
+            if one_shot is not None:  # (first: NCCL's abort waits behind a stream still polling)
+                one_shot.stop()
             for group in self.groups:
                 try:
                     group.abort()
