@@ -32,6 +32,7 @@ import logging
 import multiprocessing.connection
 import os
 import threading
+import time
 from contextlib import nullcontext as _nothing
 from dataclasses import dataclass
 from datetime import timedelta
@@ -222,11 +223,13 @@ class TensorGroup:
             one_shot = getattr(self.lm.tp, "one_shot", None) if self.lm.tp is not None else None
             if one_shot is not None:  # (first: NCCL's abort waits behind a stream still polling)
                 one_shot.stop()
-            for group in self.groups:
-                try:
-                    group.abort()
-                except Exception as e:
-                    log.warning("aborting the tensor-parallel group: %s: %s", type(e).__name__, e)
+            aborts = [threading.Thread(target=_abort, args=(group,), name="batchmaker-group-abort", daemon=True)
+                      for group in self.groups]  # (at once: one communicator's abort may wait for a
+            for thread in aborts:  # kernel of another's, stuck until that one is aborted too)
+                thread.start()
+            deadline = time.monotonic() + END_TIMEOUT_S
+            for thread in aborts:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def check(self) -> None:
         """Raise RankFailure if the group broke (an iteration that ran meanwhile computed garbage)."""
@@ -272,6 +275,13 @@ class TensorGroup:
                 process.kill()
                 process.join(5.0)
         self.pipes, self.processes = [], []
+
+
+def _abort(group) -> None:
+    try:
+        group.abort()
+    except Exception as e:
+        log.warning("aborting the tensor-parallel group: %s: %s", type(e).__name__, e)
 
 
 def end_group(group, device: torch.device, broken: bool = False) -> None:
