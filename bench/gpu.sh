@@ -106,7 +106,8 @@
 #              killed rank), then bench/chat.py all at once at TP=2 x PP=2 (13B); not yet run
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
-# RATES_REPLICAS_TREE (the replica suites'), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
+# RATES_REPLICAS_TREE (the replica suites'), REPLICA_COUNTS (theirs: 1, 2, 4 up to the GPUs here),
+# HTTP_CONCURRENCY (the http suite's streams: 1 64 256), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
 set -o pipefail
@@ -133,7 +134,7 @@ RATES_REPLICAS_LSTM=${RATES_REPLICAS_LSTM:-15000 30000 60000 120000 180000 24000
 RATES_REPLICAS_S2S=${RATES_REPLICAS_S2S:-8000 16000 32000 64000 96000 128000}
 RATES_REPLICAS_TREE=${RATES_REPLICAS_TREE:-5000 10000 20000 40000 60000 80000}
 GPUS=$(python3 -c 'import torch; print(",".join(f"cuda:{i}" for i in range(torch.cuda.device_count())))' 2>/dev/null)
-REPLICA_COUNTS=$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= torch.cuda.device_count()])' 2>/dev/null)
+REPLICA_COUNTS=${REPLICA_COUNTS:-$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= torch.cuda.device_count()])' 2>/dev/null)}
 replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
 TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
@@ -183,7 +184,7 @@ for suite in "$@"; do
                   export PYTHONPATH="$PYTHONPATH:/tmp/site-openai"; client=(--client openai)
               fi
               step http-overhead timeout 340 python3 bench/http_overhead.py --checkpoint /tmp/chat-llama-2-7b \
-                  --devices cuda:0 --concurrency 1 64 256 --tokens 256 --num-blocks 4096 --tag llama-2-7b \
+                  --devices cuda:0 --concurrency ${HTTP_CONCURRENCY:-1 64 256} --tokens 256 --num-blocks 4096 --tag llama-2-7b \
                   "${client[@]}" --processes 4 ;;
         http-ab) step http-checkpoint timeout 240 python3 bench/tiny_checkpoint.py /tmp/chat-llama-2-7b llama-2-7b
                  mkdir -p /tmp/http-base && tar -xf .whl/http-base.tar -C /tmp/http-base

@@ -29,32 +29,49 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(vocab_size: int = 480):
+def train_tokenizer(vocab_size: int = 480, whole_characters: bool = False):
     """A byte-level BPE over README.md's lines; BOS is added to encoded text (not to chat prompts,
-    whose template writes it)."""
+    whose template writes it). With `whole_characters`, over the lines' ASCII only, from an ASCII
+    alphabet: every token but the special ones is whole characters, so a stream of random-weight
+    samples adds text at every token, as a trained model's mostly does (with all 256 bytes, 27% of
+    the ids are a byte inside a multi-byte character and add no text alone: a text stream then
+    skips an iteration that often, which doubles its gap p90 whatever the server)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    alphabet, lines = pre_tokenizers.ByteLevel.alphabet(), README.read_text().splitlines()
+    if whole_characters:
+        alphabet = [_byte_char(b) for b in (9, 10, *range(32, 127))]
+        lines = [line.encode("ascii", "ignore").decode() for line in lines]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(README.read_text().splitlines(), trainer)
+                                  initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(lines, trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
     return tokenizer
 
 
+def _byte_char(byte: int) -> str:
+    """The character byte-level BPE writes for `byte` (GPT-2's map: printable Latin-1 as itself, the
+    rest from U+0100 on in byte order)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(byte))
+
+
 def save_tiny_chat_model(path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
-                         max_positions: int = 256) -> Path:
+                         max_positions: int = 256, whole_characters: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json (with
-    `chat_template` unless None) into `path`; returns it."""
+    `chat_template` unless None) into `path`; returns it (`whole_characters`: train_tokenizer's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(whole_characters=whole_characters)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL}
     config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,14 +93,15 @@ def save_sized_chat_model(path, preset: str, device: str = "cuda:0", seed: int =
     """A checkpoint of `preset`'s layers (cells/decoder_config.py: llama-2-7b, ...) with seeded random
     bf16 weights drawn on `device`, and the tiny model's tokenizer and chat template: what a GPU
     measurement of the HTTP path serves (the vocabulary is the tokenizer's 480 tokens, not the
-    preset's: its embedding and head are ~0.1% of a 7B's weight bytes instead of ~4%). Written as
+    preset's: its embedding and head are ~0.1% of a 7B's weight bytes instead of ~4%; its tokens
+    whole characters, so that text streams and token streams tick alike). Written as
     safetensors shards with an index, as HF writes large models; no transformers model is built."""
     import torch
     from safetensors.torch import save_file
 
     from batchmaker.cells.decoder_config import PRESETS
 
-    path = save_tiny_chat_model(path, seed=seed)  # (the tokenizer files and a config to overwrite)
+    path = save_tiny_chat_model(path, seed=seed, whole_characters=True)  # (the tokenizer files and a config to overwrite)
     for old in path.glob("*.safetensors"):
         old.unlink()
     shape = PRESETS[preset]

@@ -25,3 +25,14 @@ def test_a_sized_checkpoint_is_sharded_and_read_alike_by_the_engine_and_hf(tmp_p
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert ours == out[0, len(prompt):].tolist()
+
+
+def test_the_sized_checkpoints_tokens_are_whole_characters_and_the_tests_are_not():
+    """The GPU measurement's tokenizer adds text at every token but the special ones (a text stream
+    ticks with the tokens); the tests' keeps byte tokens, so that streaming whole UTF-8 is tested."""
+    def ids_without_whole_text(tokenizer):
+        texts = [tokenizer.decode([i], skip_special_tokens=True) for i in range(tokenizer.get_vocab_size())]
+        return sum(t == "" for t in texts), sum("\ufffd" in t for t in texts)
+    assert ids_without_whole_text(tiny_checkpoint.train_tokenizer(whole_characters=True)) == \
+        (len(tiny_checkpoint.SPECIAL), 0)
+    assert ids_without_whole_text(tiny_checkpoint.train_tokenizer())[1] >= 100
