@@ -107,7 +107,8 @@
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
 # RATES_REPLICAS_TREE (the replica suites'), REPLICA_COUNTS (theirs: 1, 2, 4 up to the GPUs here),
-# HTTP_CONCURRENCY (the http suite's streams: 1 64 256), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
+# HTTP_CONCURRENCY (the http suite's streams: 1 64 256), PREFIX_RATES and PREFIX_SECONDS (the prefix suite's
+# conversations/s, 6, and seconds of arrivals, 45), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
 set -o pipefail
@@ -197,7 +198,7 @@ for suite in "$@"; do
                      --devices cuda:0 --concurrency ${HTTP_AB_CONCURRENCY:-64 256} --tokens 256 --num-blocks 2048 \
                      --paths zmq-tokens http --base /tmp/http-base --tag llama-2-7b-ab "${client[@]}" --processes 4 ;;
         prefix) step prefix-chat timeout 570 python3 bench/chat.py --stateful --device cuda:0 --preset llama-2-7b --dtype bf16 \
-                    --stateful-systems stateless gpu+cpu prefix+cpu --arrival-seconds 45 --warm-fraction 0.5 \
+                    --stateful-systems stateless gpu+cpu prefix+cpu --arrival-seconds ${PREFIX_SECONDS:-45} --warm-fraction 0.5 \
                     --conversation-rates "${PREFIX_RATES:-6}" --compress 10 --kv-gib 40 --host-gib 48 --tier-contexts '' ;;
         families) for preset in ${FAMILIES:-qwen2.5-7b mistral-7b phi-3-mini gemma-2-9b}; do
                 case "$preset" in phi-3-mini) limit=110 ;; gemma-2-9b) limit=170 ;; *) limit=130 ;; esac  # (sum 540 s)
