@@ -1,9 +1,9 @@
 """The front thread of `Replicas` (batchmaker/replicas.py): routing, turns, reports, failures.
 
-Each turn: what submit and cancel handed over (the mailbox) is routed, every replica with
-something to do gets one `Turn`, and the `Report`s that came back are applied (a report's
-partials first, then its results: a column of them resolved at once, each Result built when it
-is first read: future.resolve_rows). Routing sends a request to the live replica with the fewest
+Each turn: what submit, submit_many and cancel handed over (the mailbox) is routed, every
+replica with something to do gets one `Turn`, and the `Report`s that came back are applied (a
+report's partials first, then its results: a column of them resolved at once, each Result built
+when it is first read: future.resolve_rows). Routing sends a request to the live replica with the fewest
 requests of its model outstanding, for a turn's requests at once (replica_routing.spread); a
 request stays on that replica to its end (its stream, its cancel). Only this thread touches the
 routing state; submitting threads read `num_finished`.
@@ -104,10 +104,17 @@ class Front:
 
     # routing and turns ----------------------------------------------------------------------
     def _route(self, items: list) -> None:
-        """A turn's arrivals: its requests routed model by model, then its controls, in order."""
+        """A turn's arrivals (futures, submit_many's lists of them, controls): its requests routed
+        model by model, then its controls, in order."""
         now = time.perf_counter()
-        futures = [item for item in items if type(item) is not tuple]
-        if len(futures) < len(items):  # (a control among them)
+        futures = [item for item in items if type(item) is RequestFuture]
+        if len(futures) < len(items):  # (a list or a control among them)
+            futures = []
+            for item in items:
+                if type(item) is list:
+                    futures += item
+                elif type(item) is RequestFuture:
+                    futures.append(item)
             self._route(futures)
             for item in items:
                 if type(item) is tuple:
@@ -301,6 +308,9 @@ class Front:
         for item in self.mailbox.drain():
             if type(item) is RequestFuture:
                 self._forget(item, None, stopped)
+            elif type(item) is list:
+                for future in item:
+                    self._forget(future, None, stopped)
             elif item[0] == "stats":
                 item[1].set_result({})
         for h in self.replicas:

@@ -12,7 +12,8 @@ RNN models slower. With replicas the host work grows with the devices.
 start/stop, a context manager), so the Server and the benchmarks take it as they take an Engine.
 
 - **submit** (any thread) checks the request, counts it against the admission bound and hands its
-  future to the front thread (batchmaker/replica_front.py), which routes it to the live replica
+  future to the front thread (`submit_many`: a burst of one model's requests, one check, one
+  admission take and one hand-over for all) (batchmaker/replica_front.py), which routes it to the live replica
   with the fewest requests of that model outstanding, in one `Turn` per replica per front turn
   (batchmaker/replica_wire.py), and resolves it from that replica's `Report`.
 - **Failure.** A replica that exits or hangs fails its requests with ReplicaFailedError (wire code
@@ -83,7 +84,7 @@ class Replicas:
         self.bound = AdmissionBound(config.engine.max_requests)
         self.front: Front | None = None  # the front thread's state (at start)
         self._ids = itertools.count()
-        self._mailbox = Mailbox()  # futures, ("cancel", id), ("stats", future), ("stop",): to the front thread
+        self._mailbox = Mailbox()  # futures, lists of them, ("cancel", id), ("stats", future), ("stop",): to the front thread
         self._thread: threading.Thread | None = None
         self._running = self._stopping = False
 
@@ -144,6 +145,22 @@ class Replicas:
             future.deadline = future.arrival + deadline
         self._mailbox.put(future)
         return future
+
+    def submit_many(self, model: str, inputs: list[dict[str, Any]]) -> list[RequestFuture]:
+        """As Engine.submit_many: many requests of one model with the default options, submit's
+        futures and answers, with one check, one admission take and one hand-over to the front
+        thread for all (a caller with bursts: bench/loadgen.py's in-process path)."""
+        ids = self._ids
+        futures = [RequestFuture(next(ids), model, x) for x in inputs]
+        error = self._check_submit(model, 0, None)
+        taken = 0 if error is not None else self.bound.take_many(len(futures), self.front.num_finished)
+        if taken < len(futures):
+            refusal = error or self.bound.overloaded()
+            for future in futures[taken:]:
+                future.set_exception(refusal)
+        if taken:
+            self._mailbox.put(futures if taken == len(futures) else futures[:taken])  # (a list: routed whole)
+        return futures
 
     def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None, **options) -> dict[str, Any]:
         return self.submit(model, inputs, **options).result(timeout).outputs

@@ -5,16 +5,21 @@ instants (a Poisson process on [0, duration): a Poisson count, uniform instants)
 instant, releases the requests that are due, whatever the system under test does (open loop: a
 slow system builds a queue, it does not slow the arrivals).
 - `--mode inproc`: it sends each burst of due request numbers over a pipe to the system's process,
-  where the caller of `run_point` submits them (`submit(model, inputs)`: the system's own API
-  cost, paid on the system's side as any in-process user would pay it). The pacing, the sleeps
-  and the bookkeeping are not on the system's GIL.
+  where the caller of `run_point` submits them: with `submit_many(model, [inputs])` where the
+  system offers one (a burst, and whatever bursts arrived while the caller was busy, in one call
+  per model), else `submit(model, inputs)` per request: the system's own API cost, paid on the
+  system's side as any in-process user with bursts would pay it. The pacing, the sleeps and the
+  bookkeeping are not on the system's GIL. Completions are read after the point, from each
+  future's instant of finishing (for futures resolved in bulk, the batch's one instant, taken
+  when its results reached the system's front: nothing is built per request).
 - `--mode zmq`: the generator process is the client: it submits over ZeroMQ with the project's
   `Client` to a server in the system's process, and measures there.
 Latency counts from each request's *scheduled* arrival (coordinated omission: a late send does
 not hide the delay), on CLOCK_MONOTONIC (`time.perf_counter` on Linux), which both processes share.
 
     with LoadGenerator() as gen:
-        trace = gen.run_point(engine.submit, requests, rate=500, duration=2.0, seed=0)
+        trace = gen.run_point(engine.submit, requests, rate=500, duration=2.0, seed=0,
+                              submit_many=engine.submit_many)
 """
 import gc
 import multiprocessing as mp
@@ -79,11 +84,13 @@ class LoadGenerator:
         self.close()
 
     def run_point(self, submit: Callable | None, requests: Sequence[Request], rate: float, duration: float,
-                  seed: int = 0, drain_timeout: float = 30.0, address: str | None = None) -> Trace:
+                  seed: int = 0, drain_timeout: float = 30.0, address: str | None = None,
+                  submit_many: Callable | None = None) -> Trace:
         """Offer `rate` for `duration` seconds (requests drawn at random from `requests`; in zmq
-        mode to the server at `address`, `submit` unused); return once every request is done or
-        `drain_timeout` after the last arrival (the unfinished keep done_at nan; `settle` waits for
-        them before the next point; in zmq mode the generator does that before it answers)."""
+        mode to the server at `address`, `submit` unused; in process each burst through
+        `submit_many` when given); return once every request is done or `drain_timeout` after the
+        last arrival (the unfinished keep done_at nan; `settle` waits for them before the next
+        point; in zmq mode the generator does that before it answers)."""
         arrivals = poisson_arrivals(rate, duration, seed)
         picks = np.asarray(random.Random(seed).choices(range(len(requests)), k=len(arrivals)), dtype=np.int64)
         gc.collect()
@@ -96,7 +103,8 @@ class LoadGenerator:
                     raise reply
                 start, sent_at, done_at, ok, queueing, computation = reply
             else:
-                start, sent_at, futures = self._feed(submit, requests, picks, len(arrivals))
+                feed = self._feed if submit_many is None else self._feed_bursts
+                start, sent_at, futures = feed(submit_many or submit, requests, picks, len(arrivals))
                 _wait(futures, start + duration + drain_timeout)
                 done_at, ok, queueing, computation = _collect(futures)
                 self._pending = futures
@@ -128,6 +136,52 @@ class LoadGenerator:
             else:
                 return start, sent_at, futures
 
+    def _feed_bursts(self, submit_many, requests, picks, num) -> tuple[float, np.ndarray, list]:
+        """`_feed` a burst at a time: the requests of every burst the generator released by now
+        (the caller fell behind: several are waiting) in one submit_many call per model, all
+        sent at one instant."""
+        recv, is_waiting, clock = self._conn.recv_bytes, self._conn.poll, time.perf_counter
+        sent_at = np.zeros(num)
+        futures: list = [None] * num
+        models = [model for model, _ in requests]
+        pool = [inputs for _, inputs in requests]
+        single = models[0] if len(set(models)) == 1 else None
+        picks = picks.tolist()
+        start = None
+        while True:
+            messages = [recv()]
+            while is_waiting():
+                messages.append(recv())
+            first = last = None
+            for message in messages:
+                kind, a, b = np.frombuffer(message, dtype=np.float64).tolist()
+                if kind == _RANGE:
+                    first = int(a) if first is None else first  # (ranges come in order, each after the last)
+                    last = int(b)
+                elif kind == _START:
+                    start = a
+            if first is not None:
+                sent_at[first:last] = clock()
+                chosen = picks[first:last]
+                if single is not None:
+                    futures[first:last] = submit_many(single, [pool[p] for p in chosen])
+                else:
+                    _submit_by_model(submit_many, models, pool, chosen, first, futures)
+            if kind == _END:
+                return start, sent_at, futures
+
+
+def _submit_by_model(submit_many, models, pool, chosen, first, futures) -> None:
+    """One burst of several models' requests: a submit_many call per model."""
+    by_model: dict[str, tuple[list, list]] = {}
+    for k, p in enumerate(chosen, first):
+        positions, inputs = by_model.setdefault(models[p], ([], []))
+        positions.append(k)
+        inputs.append(pool[p])
+    for model, (positions, inputs) in by_model.items():
+        for k, future in zip(positions, submit_many(model, inputs)):
+            futures[k] = future
+
 
 def _wait(futures: list, deadline: float) -> bool:
     """Wait (polling, in arrival order) until every future is done or `deadline`."""
@@ -143,20 +197,27 @@ def _wait(futures: list, deadline: float) -> bool:
 
 
 def _collect(futures: list) -> tuple[np.ndarray, ...]:
-    """done_at (the system's finish instant), ok, queueing and computation per request."""
+    """done_at (the system's finish instant), ok, queueing and computation per request. A future
+    resolved in bulk and not read yet (batchmaker/future.py: bulk_row) gives its batch's instants
+    without its Result being built."""
     n = len(futures)
-    done_at, queueing, computation = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    done_at, first_cell, arrival = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     ok = np.zeros(n, dtype=bool)
     for k, f in enumerate(futures):
         if not f.done() or f.exception() is not None:
             continue
-        t = f.result().timing
         ok[k] = True
-        done_at[k] = t.finish
-        if t.first_cell is not None:
-            queueing[k] = t.first_cell - t.arrival
-            computation[k] = t.finish - t.first_cell
-    return done_at, ok, queueing, computation
+        bulk_row = getattr(f, "bulk_row", None)
+        row = bulk_row() if bulk_row is not None else None
+        if row is not None:
+            rows, i = row
+            done_at[k], first, arrival[k] = rows.finish, rows.first_cells[i], rows.arrivals[i]
+        else:
+            t = f.result().timing
+            done_at[k], first, arrival[k] = t.finish, t.first_cell, t.arrival
+        if first is not None:
+            first_cell[k] = first
+    return done_at, ok, first_cell - arrival, done_at - first_cell
 
 
 # the generator process ----------------------------------------------------------------------
