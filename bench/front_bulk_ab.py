@@ -64,11 +64,11 @@ def worker(args) -> dict:
     out = {}
     with loadgen.LoadGenerator("inproc") as gen, Replicas(["front_cost:null_lstm"], config) as replicas:
         bursts = [0]
-        many = None
-        if args.path == "bulk":
-            def many(model, inputs):
-                bursts[0] += 1
-                return replicas.submit_many(model, inputs)
+
+        def counted(model, inputs):
+            bursts[0] += 1
+            return replicas.submit_many(model, inputs)
+        many = counted if args.path == "bulk" else None
         clock = CpuClock("batchmaker-replicas", [h.process.pid for h in replicas.replicas])
 
         def point(label: str, rate: float, duration: float, seed: int) -> dict:
