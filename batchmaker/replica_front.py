@@ -109,29 +109,32 @@ class Front:
         now = time.perf_counter()
         futures = [item for item in items if type(item) is RequestFuture]
         if len(futures) < len(items):  # (a list or a control among them)
-            futures = []
+            futures, is_plain = [], not futures  # (submit_many's requests carry no options)
             for item in items:
                 if type(item) is list:
                     futures += item
                 elif type(item) is RequestFuture:
                     futures.append(item)
-            self._route(futures)
+            self._route_futures(futures, now, is_plain)
             for item in items:
                 if type(item) is tuple:
                     self._control(item, now)
             return
+        self._route_futures(futures, now, False)
+
+    def _route_futures(self, futures: list, now: float, is_plain: bool) -> None:
         if len(self.load) == 1:  # (the common case: no pass per request)
-            self._route_model(next(iter(self.load)), futures, now)
+            self._route_model(next(iter(self.load)), futures, now, is_plain)
             return
         by_model: dict[str, list] = {}
         for f in futures:
             by_model.setdefault(f.model, []).append(f)
         for model, group in by_model.items():
-            self._route_model(model, group, now)
+            self._route_model(model, group, now, is_plain)
 
-    def _route_model(self, model: str, futures: list, now: float) -> None:
+    def _route_model(self, model: str, futures: list, now: float, is_plain: bool) -> None:
         """One model's requests: a contiguous slice of them to each replica, as many as sending
-        them one by one to the least outstanding would give it."""
+        them one by one to the least outstanding would give it. is_plain: none sets an option."""
         loads = self.load[model]
         if not futures:
             return
@@ -150,8 +153,9 @@ class Front:
                 h.progress_at = now  # (an idle replica's progress clock starts with its work)
             ids = [f.request_id for f in part]
             h.in_flight.update(zip(ids, part))
-            options = [(k, f.priority, f.deadline, f.on_partial is not None) for k, f in enumerate(part)
-                       if f.priority or f.deadline is not None or f.on_partial is not None]
+            options = [] if is_plain else [(k, f.priority, f.deadline, f.on_partial is not None)
+                                           for k, f in enumerate(part)
+                                           if f.priority or f.deadline is not None or f.on_partial is not None]
             h.turn.batches.append((model, ids, [f.inputs for f in part], options))
         self.has_turns = True
 

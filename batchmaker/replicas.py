@@ -84,7 +84,8 @@ class Replicas:
         self.bound = AdmissionBound(config.engine.max_requests)
         self.front: Front | None = None  # the front thread's state (at start)
         self._ids = itertools.count()
-        self._mailbox = Mailbox()  # futures, lists of them, ("cancel", id), ("stats", future), ("stop",): to the front thread
+        # to the front thread: futures, lists of them (submit_many), ("cancel", id), ("stats", future), ("stop",)
+        self._mailbox = Mailbox()
         self._thread: threading.Thread | None = None
         self._running = self._stopping = False
 

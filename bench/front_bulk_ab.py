@@ -8,10 +8,11 @@ generator's bursts, submitting them, the front thread (routing, turns, reports, 
 reading the completions after the point. It is measured as this process's CPU time (not wall:
 the replicas share the 2 cores) over each point, per request, with two null-round CPU replicas
 (bench/front_cost.py: null_lstm; the engine's bookkeeping, no cell compute):
-- `serving_us`: CPU per request while the point runs (the generator's bursts submitted, the front
-  thread, the drain), the part that bounds the rate a front carries on a core of its own;
+- `serving_us`: CPU per request from the point's start until every request is done (the
+  generator's bursts read and submitted, the front thread, the replies), the part that bounds
+  the rate a front carries on a core of its own;
 - `collect_us`: the generator's reading of the completions after the point (`loadgen._collect`,
-  timed by wrapping it);
+  timed by wrapping it); `process_us`: everything, the collector's pass after the point included;
 - `front_thread_us`: the front thread alone (/proc).
 Points: all at once (`--burst` requests released in 50 ms), over capacity (`--over` requests/s for
 1 s: the caller falls behind, as a saturated front does), and paced Poisson rates (`--rates`)
@@ -48,16 +49,16 @@ def worker(args) -> dict:
     from batchmaker.data import wmt_sentences
     from batchmaker.replicas import Replicas, ReplicasConfig
 
-    collect_s = [0.0]
+    collect_at = [0.0, 0.0]  # process CPU instants: the point's completions read from, to
     collect = loadgen._collect
 
     def timed_collect(futures):
-        t0 = time.process_time()
+        collect_at[0] = time.process_time()
         try:
             return collect(futures)
         finally:
-            collect_s[0] += time.process_time() - t0
-    loadgen._collect = timed_collect  # (run_point calls it by name: its cost is told apart)
+            collect_at[1] = time.process_time()
+    loadgen._collect = timed_collect  # (run_point calls it by name once the point is done)
 
     pool = [("lstm", {"tokens": s}) for s in wmt_sentences(20000, 1000, seed=0)]
     config = ReplicasConfig(devices=("cpu",) * args.replicas, engine=EngineConfig(max_requests=1 << 22))
@@ -72,7 +73,7 @@ def worker(args) -> dict:
         clock = CpuClock("batchmaker-replicas", [h.process.pid for h in replicas.replicas])
 
         def point(label: str, rate: float, duration: float, seed: int) -> dict:
-            collect_s[0], bursts[0] = 0.0, 0
+            bursts[0] = 0
             process0, thread0, replicas0 = clock.read()
             kw = {"submit_many": many} if many is not None else {}
             trace = gen.run_point(replicas.submit, pool, rate, duration, seed=seed, drain_timeout=60, **kw)
@@ -82,8 +83,8 @@ def worker(args) -> dict:
             summary = summarize(trace, min(0.25, duration / 4))
             wall = float(max(trace.done_at[trace.ok]) - trace.start) if trace.ok.any() else float("nan")
             row = {"offered": rate, "requests": n, "ok": int(trace.ok.sum()),
-                   "process_us": (process - process0) / n * 1e6, "collect_us": collect_s[0] / n * 1e6,
-                   "serving_us": (process - process0 - collect_s[0]) / n * 1e6,
+                   "process_us": (process - process0) / n * 1e6, "serving_us": (collect_at[0] - process0) / n * 1e6,
+                   "collect_us": (collect_at[1] - collect_at[0]) / n * 1e6,
                    "front_thread_us": (thread - thread0) / n * 1e6,
                    "replica_processes_us": (replica_s - replicas0) / n * 1e6,
                    "rate_to_last_done": n / wall, "achieved": summary["achieved"],
@@ -91,8 +92,8 @@ def worker(args) -> dict:
                    "requests_per_submit_call": n / bursts[0] if bursts[0] else 1.0}
             row["sustained"] = bool(row["achieved"] >= 0.95 * summary["offered_in_window"]
                                     and row["latency_ms"]["p90"] <= args.slo_ms)
-            print(f"  {args.path} {label}: {json.dumps({k: v for k, v in row.items() if k != 'latency_ms'})}",
-                  file=sys.stderr, flush=True)
+            shown = {k: v for k, v in row.items() if k != "latency_ms"}
+            print(f"  {args.tree.name}, {args.path}: {label}: {json.dumps(shown)}", file=sys.stderr, flush=True)
             return row
 
         point("warm-up", 20000, 0.5, 97)
