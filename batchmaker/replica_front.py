@@ -22,9 +22,13 @@ from typing import Any
 
 import zmq
 
+import numpy as np
+
+from batchmaker.burst import Burst
 from batchmaker.core.request import ResultRows
 from batchmaker.errors import EngineStoppedError, ReplicaFailedError, error_from_code
 from batchmaker.future import RequestFuture, resolve_rows
+from batchmaker.replica_bursts import BURST_IDS, FrontBursts, take_rows
 from batchmaker.replica_routing import DEAD, spread
 from batchmaker.replica_wire import STOPPED, Encoder, Report, Turn, receive_all
 from batchmaker.serving.mailbox import Mailbox
@@ -46,13 +50,14 @@ class ReplicaHandle:
     is_stopped: bool = False  # it reported its stop
     failure: str | None = None
     in_flight: dict = field(default_factory=dict)  # request id -> RequestFuture, of those routed here
+    num_burst_rows: int = 0  # requests of bursts routed here and not done (the bursts know which)
     last_heard: float = 0.0  # perf_counter of its last report
     progress: int = 0  # its engine's progress counter, and when it last moved
     progress_at: float = 0.0
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.in_flight)
+        return len(self.in_flight) + self.num_burst_rows
 
 
 class Front:
@@ -62,6 +67,7 @@ class Front:
         self.num_alive = len(replicas)  # replicas not failed (submitting threads read it)
         self.latencies = {name: deque(maxlen=config.engine.num_latencies_kept) for name in models}
         self.load = {name: [0] * len(replicas) for name in models}  # model -> requests outstanding per replica
+        self.bursts = FrontBursts(self.load, self.latencies)  # submit_burst's (replica_bursts.py)
         self.queries: dict[int, tuple[RequestFuture, dict, set]] = {}  # id -> (future, answers, waiting)
         self.num_queries = 0
         self.stop_deadline: float | None = None
@@ -108,7 +114,7 @@ class Front:
         model by model, then its controls, in order."""
         now = time.perf_counter()
         futures = [item for item in items if type(item) is RequestFuture]
-        if len(futures) < len(items):  # (a list or a control among them)
+        if len(futures) < len(items):  # (a list, a burst or a control among them)
             futures, is_plain = [], not futures  # (submit_many's requests carry no options)
             for item in items:
                 if type(item) is list:
@@ -117,7 +123,10 @@ class Front:
                     futures.append(item)
             self._route_futures(futures, now, is_plain)
             for item in items:
-                if type(item) is tuple:
+                if type(item) is Burst:
+                    self.num_finished += self.bursts.route(item, self.replicas, now)
+                    self.has_turns = True
+                elif type(item) is tuple:
                     self._control(item, now)
             return
         self._route_futures(futures, now, False)
@@ -149,7 +158,7 @@ class Front:
             part = futures[start:start + count]
             start += count
             loads[h.index] += count
-            if not h.in_flight:
+            if not h.num_in_flight:
                 h.progress_at = now  # (an idle replica's progress clock starts with its work)
             ids = [f.request_id for f in part]
             h.in_flight.update(zip(ids, part))
@@ -164,6 +173,8 @@ class Front:
         self.has_turns = True
         if kind == "cancel":
             h = next((h for h in self.replicas if item[1] in h.in_flight), None)
+            index = self.bursts.holder(item[1]) if h is None and item[1] >= BURST_IDS else None
+            h = self.replicas[index] if index is not None else h
             if h is not None:
                 h.turn.cancels.append(item[1])
         elif kind == "stats":
@@ -213,6 +224,8 @@ class Front:
             f = h.in_flight.pop(request_id, None)
             if f is not None:
                 self._forget(f, h, error_from_code(code, message, name), now)
+            elif request_id >= BURST_IDS:
+                self.num_finished += self.bursts.fail_id(request_id, h, error_from_code(code, message, name), now)
         for query_id, stats in report.answers:
             self._answer(query_id, h.index, stats)
         if report.state == STOPPED and h.is_alive:
@@ -222,7 +235,19 @@ class Front:
     def _resolve(self, h: ReplicaHandle, model: str, ids: list, first_cells: list, columns: dict,
                  now: float) -> None:
         """A column of one model's results, resolved at once (future.resolve_rows): nothing is
-        built per request here; each Result is built when its future is first read."""
+        built per request here; each Result is built when its future is first read. A burst's
+        rows are resolved as its columns (FrontBursts.resolve)."""
+        if self.bursts.live and ids and max(ids) >= BURST_IDS:
+            is_mixed = min(ids) < BURST_IDS
+            ids = np.asarray(ids, dtype=np.int64)
+            if is_mixed:
+                is_burst = ids >= BURST_IDS
+                keep = np.flatnonzero(~is_burst)
+                self._resolve(h, model, ids[keep].tolist(), [first_cells[k] for k in keep], take_rows(columns, keep), now)
+                keep = np.flatnonzero(is_burst)
+                ids, first_cells, columns = ids[keep], [first_cells[k] for k in keep], take_rows(columns, keep)
+            self.num_finished += self.bursts.resolve(h, model, ids, first_cells, columns, now)
+            return
         pop = h.in_flight.pop
         futures = [pop(request_id, None) for request_id in ids]
         if None in futures:  # (failed meanwhile: their rows are dropped)
@@ -230,8 +255,7 @@ class Front:
             if not keep:
                 return
             futures, first_cells = [futures[k] for k in keep], [first_cells[k] for k in keep]
-            columns = {name: column[keep] if hasattr(column, "unbind") else [column[k] for k in keep]
-                       for name, column in columns.items()}
+            columns = take_rows(columns, keep)
         arrivals = [f.arrival for f in futures]
         if self.load[model][h.index] < DEAD:
             self.load[model][h.index] -= len(futures)
@@ -294,6 +318,8 @@ class Front:
         for request_id, future in failed.items():
             self._forget(future, h, ReplicaFailedError(f"request {request_id}: replica {h.index} ({h.device}) {reason}"),
                          now)
+        self.num_finished += self.bursts.fail_held_by(h, lambda burst: ReplicaFailedError(
+            f"requests of burst {burst.first_id}: replica {h.index} ({h.device}) {reason}"), now)
         for query_id in list(self.queries):
             self._answer(query_id, h.index, None)
 
@@ -315,12 +341,17 @@ class Front:
             elif type(item) is list:
                 for future in item:
                     self._forget(future, None, stopped)
+            elif type(item) is Burst:
+                self.num_finished += self.bursts.fail(item, np.arange(item.num_accepted), None, stopped,
+                                                      time.perf_counter())
             elif item[0] == "stats":
                 item[1].set_result({})
         for h in self.replicas:
             unfinished, h.in_flight = h.in_flight, {}
             for future in unfinished.values():
                 self._forget(future, h, stopped)
+        for h in self.replicas:
+            self.num_finished += self.bursts.fail_held_by(h, lambda burst: stopped, time.perf_counter())
         for future, answers, _ in self.queries.values():
             future.set_result(answers)
         self.queries.clear()

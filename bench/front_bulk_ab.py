@@ -1,7 +1,7 @@
 """The replicas' front process, per request, as bench/loadgen.py drives it in process: the
-per-request path (`submit` each request) against the bulk path (`submit_many` a burst), and the
-tree before the bulk path, interleaved in one command (issue 31: the front must carry 4 GPUs of
-LSTM requests, ~256K/s).
+per-request path (`submit` each request) against the bulk paths (`submit_many` a burst, a future
+each; `submit_burst`, a burst kept as columns), and the tree before them, interleaved in one
+command (issue 31: the front must carry 4 GPUs of LSTM requests, ~256K/s).
 
 What a front process pays per request is everything on its side of the pipe: reading the
 generator's bursts, submitting them, the front thread (routing, turns, reports, resolving), and
@@ -11,8 +11,9 @@ the replicas share the 2 cores) over each point, per request, with two null-roun
 - `serving_us`: CPU per request from the point's start until every request is done (the
   generator's bursts read and submitted, the front thread, the replies), the part that bounds
   the rate a front carries on a core of its own;
-- `collect_us`: the generator's reading of the completions after the point (`loadgen._collect`,
-  timed by wrapping it); `process_us`: everything, the collector's pass after the point included;
+- `collect_us`: the generator's reading of the completions after the point (`loadgen._collect`
+  or `_collect_bursts`, timed by wrapping them); `process_us`: everything, the cyclic collector's
+  pass after the point included;
 - `front_thread_us`: the front thread alone (/proc).
 Points: all at once (`--burst` requests released in 50 ms), over capacity (`--over` requests/s for
 1 s: the caller falls behind, as a saturated front does), and paced Poisson rates (`--rates`)
@@ -22,7 +23,7 @@ judged sustained when achieved >= 0.95 x offered and p90 <= `--slo-ms`.
     python bench/front_bulk_ab.py --base /tmp/base --repeats 3
 
 Each arm of each repeat is a fresh process (`--worker`) with its tree's batchmaker and bench
-(bench/loadgen.py, bench/front_cost.py); arms run in turn, base, each, bulk, each repeat.
+(bench/loadgen.py, bench/front_cost.py); arms run in turn, base, each, bulk, burst, each repeat.
 """
 import argparse
 import json
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ARMS = {"base": "each", "each": "each", "bulk": "bulk"}  # arm -> submit path (base: the tree before)
+ARMS = {"base": "each", "each": "each", "bulk": "bulk", "burst": "burst"}  # arm -> submit path (base: the tree before)
 
 
 def worker(args) -> dict:
@@ -50,15 +51,18 @@ def worker(args) -> dict:
     from batchmaker.replicas import Replicas, ReplicasConfig
 
     collect_at = [0.0, 0.0]  # process CPU instants: the point's completions read from, to
-    collect = loadgen._collect
 
-    def timed_collect(futures):
-        collect_at[0] = time.process_time()
-        try:
-            return collect(futures)
-        finally:
-            collect_at[1] = time.process_time()
-    loadgen._collect = timed_collect  # (run_point calls it by name once the point is done)
+    def timed(collect):
+        def timed_collect(*args):
+            collect_at[0] = time.process_time()
+            try:
+                return collect(*args)
+            finally:
+                collect_at[1] = time.process_time()
+        return timed_collect
+    for name in ("_collect", "_collect_bursts"):  # (run_point calls them by name once the point is done)
+        if hasattr(loadgen, name):
+            setattr(loadgen, name, timed(getattr(loadgen, name)))
 
     pool = [("lstm", {"tokens": s}) for s in wmt_sentences(20000, 1000, seed=0)]
     config = ReplicasConfig(devices=("cpu",) * args.replicas, engine=EngineConfig(max_requests=1 << 22))
@@ -68,15 +72,14 @@ def worker(args) -> dict:
 
         def counted(model, inputs):
             bursts[0] += 1
-            return replicas.submit_many(model, inputs)
-        many = counted if args.path == "bulk" else None
+            return (replicas.submit_many if args.path == "bulk" else replicas.submit_burst)(model, inputs)
+        bulk = {"bulk": {"submit_many": counted}, "burst": {"submit_burst": counted}}.get(args.path, {})
         clock = CpuClock("batchmaker-replicas", [h.process.pid for h in replicas.replicas])
 
         def point(label: str, rate: float, duration: float, seed: int) -> dict:
             bursts[0] = 0
             process0, thread0, replicas0 = clock.read()
-            kw = {"submit_many": many} if many is not None else {}
-            trace = gen.run_point(replicas.submit, pool, rate, duration, seed=seed, drain_timeout=60, **kw)
+            trace = gen.run_point(replicas.submit, pool, rate, duration, seed=seed, drain_timeout=60, **bulk)
             gen.settle()
             process, thread, replica_s = clock.read()
             n = len(trace.arrivals)
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--slo-ms", type=float, default=100.0, help="p90 a paced point must keep to be sustained")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--path", choices=["each", "bulk"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", choices=["each", "bulk", "burst"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -154,7 +157,7 @@ def main(argv=None) -> int:
     from common import write_results
     from front_cost import machine
 
-    trees = {"base": args.base.resolve(), "each": HERE.parent, "bulk": HERE.parent}
+    trees = {"base": args.base.resolve(), "each": HERE.parent, "bulk": HERE.parent, "burst": HERE.parent}
     runs: dict[str, list] = {arm: [] for arm in ARMS}
     for repeat in range(args.repeats):
         for arm, path in ARMS.items():  # in turn: the machine's drift spreads over every arm alike

@@ -14,7 +14,7 @@ import math
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -96,21 +96,21 @@ class System:
     stats: Callable[[], dict]
     config: dict
     address: str | None = None
-    submit_many: Callable | None = None  # its bulk submit, where it has one and --submit is bulk
+    bulk: dict = field(default_factory=dict)  # its submit_burst / submit_many, where it has one (--submit bulk)
 
 
 @contextlib.contextmanager
 def started(name: str, server, config: dict, mode: str, submit: str = "bulk"):
     """Start `server` (anything with start/stop/submit/stats), behind the project's ZeroMQ server
     on a loopback port of its own in --mode zmq. In process the load generator hands each burst
-    to the server's `submit_many` where it has one (the engine, the replicas, the null system),
-    unless `submit` is "each" (bench/README.md)."""
+    to the server's `submit_burst` or `submit_many` where it has one, unless `submit` is "each"
+    (bench/README.md says which system takes which)."""
     server.start()
     try:
         if mode == "inproc":
-            many = getattr(server, "submit_many", None) if submit == "bulk" else None
-            yield System(name, server.submit, server.stats, {**config, "submit": "bulk" if many else "each"},
-                         submit_many=many)
+            bulk = {k: getattr(server, k, None) if submit == "bulk" else None for k in ("submit_burst", "submit_many")}
+            path = "burst" if bulk["submit_burst"] else "bulk" if bulk["submit_many"] else "each"
+            yield System(name, server.submit, server.stats, {**config, "submit": path}, bulk=bulk)
             return
         from batchmaker.serving.server import Server, ServerConfig
         front = Server(server, ServerConfig(address="tcp://127.0.0.1:*")).start()
@@ -160,7 +160,7 @@ def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, s
         before = system.stats()
         trace = gen.run_point(system.submit, requests, rate, protocol.duration_at(rate),
                               seed=protocol.seed * 1000 + repeat, drain_timeout=protocol.drain_timeout,
-                              address=system.address, submit_many=system.submit_many)
+                              address=system.address, **system.bulk)
         settled = gen.settle()
         point = summarize(trace, protocol.warm)
         point.update(counters=counters(before, system.stats()), settled=settled, repeat=repeat)
@@ -181,11 +181,11 @@ def warm_up(system: System, gen: LoadGenerator, requests, num: int, rates=()) ->
     preceded it, which sank the first tuning candidate in 3 of 5 tunings."""
     if num:
         gen.run_point(system.submit, requests, rate=num / 0.05, duration=0.05, seed=99, drain_timeout=300,
-                      address=system.address, submit_many=system.submit_many)
+                      address=system.address, **system.bulk)
         gen.settle()
     for rate in rates:
         gen.run_point(system.submit, requests, rate=rate, duration=0.5, seed=98, drain_timeout=60,
-                      address=system.address, submit_many=system.submit_many)
+                      address=system.address, **system.bulk)
         gen.settle()
 
 

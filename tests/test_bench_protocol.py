@@ -155,18 +155,20 @@ def test_the_generator_process_drives_a_system_in_process():
     assert point["num_in_window"] == np.count_nonzero(trace.arrivals >= 0.1) and point["finish_slope"] > 0
 
 
-def test_in_process_bursts_go_through_submit_many_and_completions_are_read_in_columns():
+@pytest.mark.parametrize("path", ["submit_many", "submit_burst"])
+def test_in_process_bursts_go_through_the_bulk_submit_and_completions_are_read_in_columns(path):
     from baselines.null import NullSystem
     requests = [("lstm", {"tokens": [k]}) for k in range(10)] + [("tree", {"tokens": [k]}) for k in range(5)]
     system = NullSystem().start()
     submitted, calls = [], []
 
-    def submit_many(model, inputs):
+    def bulk(model, inputs):
         calls.append(model)
         submitted.extend((model, x["tokens"][0]) for x in inputs)
-        return system.submit_many(model, inputs)
+        return getattr(system, path)(model, inputs)
     with LoadGenerator("inproc") as gen:
-        trace = gen.run_point(None, requests, rate=2000.0, duration=0.5, seed=4, submit_many=submit_many)
+        trace = gen.run_point(None, requests, rate=2000.0, duration=0.5, seed=4, **{path: bulk})
+        assert gen.settle()
         each = gen.run_point(system.submit, requests, rate=2000.0, duration=0.5, seed=4)
     check_trace(trace, len(submitted))
     picks = random.Random(4).choices(range(len(requests)), k=len(trace.arrivals))
