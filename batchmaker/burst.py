@@ -3,7 +3,7 @@ request (`Replicas.submit_burst`).
 
 Per request a `RequestFuture` costs ~0.3 µs to make, ~0.3 to resolve and a dict entry at the
 front, and whoever waits reads it once more: at ~250K LSTM requests/s on one front (issue 31, 4
-GPUs) those alone are a third of a core. A burst keeps what a caller with bursts reads as arrays
+GPUs) those alone are a quarter of a core. A burst keeps what a caller with bursts reads as arrays
 indexed by the request's position in the burst: when each finished (`done_at`, the instant its
 results reached the front: one instant for a report's rows), when its first cell ran, and which
 failed with what; the outputs stay in the reports' columns until `result(i)` builds one.
@@ -17,7 +17,7 @@ import numpy as np
 
 from batchmaker.core.request import Result, ResultRows
 
-_lock = threading.Lock()  # a burst's end against a waiter making its event (all bursts: both are rare)
+_lock = threading.Lock()  # a burst's count of done against a waiter making its event (one for all bursts)
 
 
 class Burst:

@@ -1,12 +1,13 @@
 """The front thread of `Replicas` (batchmaker/replicas.py): routing, turns, reports, failures.
 
-Each turn: what submit, submit_many and cancel handed over (the mailbox) is routed, every
-replica with something to do gets one `Turn`, and the `Report`s that came back are applied (a
-report's partials first, then its results: a column of them resolved at once, each Result built
-when it is first read: future.resolve_rows). Routing sends a request to the live replica with the fewest
-requests of its model outstanding, for a turn's requests at once (replica_routing.spread); a
-request stays on that replica to its end (its stream, its cancel). Only this thread touches the
-routing state; submitting threads read `num_finished`.
+Each turn: what submit, submit_many, submit_burst and cancel handed over (the mailbox) is
+routed, every replica with something to do gets one `Turn`, and the `Report`s that came back are
+applied (a report's partials first, then its results: a column of them resolved at once, each
+Result built when it is first read: future.resolve_rows; a burst's rows written into its columns:
+replica_bursts.py). Routing sends a request to the live replica with the fewest requests of its
+model outstanding, for a turn's requests at once (replica_routing.spread); a request stays on
+that replica to its end (its stream, its cancel). Only this thread touches the routing state;
+submitting threads read `num_finished`.
 
 A replica process that exits is seen at once: its sentinel is polled beside the sockets. One
 that sends nothing (a report comes at least every heartbeat) or whose engine makes no progress
@@ -20,9 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 import numpy as np
+import zmq
 
 from batchmaker.burst import Burst
 from batchmaker.core.request import ResultRows
@@ -110,8 +110,8 @@ class Front:
 
     # routing and turns ----------------------------------------------------------------------
     def _route(self, items: list) -> None:
-        """A turn's arrivals (futures, submit_many's lists of them, controls): its requests routed
-        model by model, then its controls, in order."""
+        """A turn's arrivals (futures, submit_many's lists of them, bursts, controls): its requests
+        routed model by model, then its bursts and controls, in order."""
         now = time.perf_counter()
         futures = [item for item in items if type(item) is RequestFuture]
         if len(futures) < len(items):  # (a list, a burst or a control among them)
@@ -243,7 +243,8 @@ class Front:
             if is_mixed:
                 is_burst = ids >= BURST_IDS
                 keep = np.flatnonzero(~is_burst)
-                self._resolve(h, model, ids[keep].tolist(), [first_cells[k] for k in keep], take_rows(columns, keep), now)
+                self._resolve(h, model, ids[keep].tolist(), [first_cells[k] for k in keep], take_rows(columns, keep),
+                              now)
                 keep = np.flatnonzero(is_burst)
                 ids, first_cells, columns = ids[keep], [first_cells[k] for k in keep], take_rows(columns, keep)
             self.num_finished += self.bursts.resolve(h, model, ids, first_cells, columns, now)

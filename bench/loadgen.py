@@ -145,7 +145,8 @@ class LoadGenerator:
             else:
                 return start, sent_at, futures
 
-    def _feed_bursts(self, submit_many, requests, picks, num, as_columns: bool = False) -> tuple[float, np.ndarray, list]:
+    def _feed_bursts(self, submit_many, requests, picks, num,
+                     as_columns: bool = False) -> tuple[float, np.ndarray, list]:
         """`_feed` a burst at a time: the requests of every burst the generator released by now
         (the caller fell behind: several are waiting) in one submit_many call per model, all
         sent at one instant. as_columns: submit_many is a submit_burst; what comes back is
@@ -185,7 +186,7 @@ class _Frames:
     per request or two). The pipe carries multiprocessing's framing of `send_bytes`: a big-endian
     int32 length, then the payload, here always 3 float64."""
 
-    FRAME = np.dtype([("size", ">i4"), ("message", "<f8", (3,))])
+    FRAME = np.dtype([("size", ">i4"), ("message", np.float64, (3,))])
 
     def __init__(self, fd: int):
         self.fd, self.pending = fd, b""
@@ -194,7 +195,10 @@ class _Frames:
         """[k, 3]: (kind, a, b) of every whole message that has come (waits for one)."""
         size = self.FRAME.itemsize
         while True:
-            data = self.pending + os.read(self.fd, 1 << 20)
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                raise EOFError("the load generator's pipe closed")
+            data = self.pending + chunk
             whole = len(data) - len(data) % size
             self.pending = data[whole:]
             if whole:

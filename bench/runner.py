@@ -50,9 +50,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true", help="tune the baselines first (their candidates)")
     parser.add_argument("--tune-search-points", type=int, default=2, help="search points per tuning candidate")
     parser.add_argument("--mode", default="inproc", choices=["inproc", "zmq"])
-    parser.add_argument("--submit", default="bulk", choices=["bulk", "each"],
-                        help="in process: each burst through a system's submit_many where it has one (bulk), or "
-                             "submit per request for every system (each: as before 2026-11-26's twentieth session)")
+    parser.add_argument("--submit", default="bulk", choices=["bulk", "many", "each"],
+                        help="in process: each burst through a system's submit_burst, else its submit_many (bulk); "
+                             "submit_many only (many); submit per request for every system (each: as before "
+                             "2026-11-26's twentieth session)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-steps", type=int, default=None, help="the engine's steps per chain round")
@@ -103,13 +104,14 @@ class System:
 def started(name: str, server, config: dict, mode: str, submit: str = "bulk"):
     """Start `server` (anything with start/stop/submit/stats), behind the project's ZeroMQ server
     on a loopback port of its own in --mode zmq. In process the load generator hands each burst
-    to the server's `submit_burst` or `submit_many` where it has one, unless `submit` is "each"
-    (bench/README.md says which system takes which)."""
+    to the server's `submit_burst`, else its `submit_many`, as `submit` ("bulk", "many", "each")
+    allows (bench/README.md says which system takes which)."""
     server.start()
     try:
         if mode == "inproc":
-            bulk = {k: getattr(server, k, None) if submit == "bulk" else None for k in ("submit_burst", "submit_many")}
-            path = "burst" if bulk["submit_burst"] else "bulk" if bulk["submit_many"] else "each"
+            kinds = {"bulk": ("submit_burst", "submit_many"), "many": ("submit_many",), "each": ()}[submit]
+            bulk = {k: getattr(server, k, None) for k in kinds}
+            path = "burst" if bulk.get("submit_burst") else "many" if bulk.get("submit_many") else "each"
             yield System(name, server.submit, server.stats, {**config, "submit": path}, bulk=bulk)
             return
         from batchmaker.serving.server import Server, ServerConfig
