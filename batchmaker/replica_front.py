@@ -1,12 +1,13 @@
 """The front thread of `Replicas` (batchmaker/replicas.py): routing, turns, reports, failures.
 
-Each turn: what submit and cancel handed over (the mailbox) is routed, every replica with
-something to do gets one `Turn`, and the `Report`s that came back are applied (a report's
-partials first, then its results: a column of them resolved at once, each Result built when it
-is first read: future.resolve_rows). Routing sends a request to the live replica with the fewest
-requests of its model outstanding, for a turn's requests at once (replica_routing.spread); a
-request stays on that replica to its end (its stream, its cancel). Only this thread touches the
-routing state; submitting threads read `num_finished`.
+Each turn: what submit, submit_many, submit_burst and cancel handed over (the mailbox) is
+routed, every replica with something to do gets one `Turn`, and the `Report`s that came back are
+applied (a report's partials first, then its results: a column of them resolved at once, each
+Result built when it is first read: future.resolve_rows; a burst's rows written into its columns:
+replica_bursts.py). Routing sends a request to the live replica with the fewest requests of its
+model outstanding, for a turn's requests at once (replica_routing.spread); a request stays on
+that replica to its end (its stream, its cancel). Only this thread touches the routing state;
+submitting threads read `num_finished`.
 
 A replica process that exits is seen at once: its sentinel is polled beside the sockets. One
 that sends nothing (a report comes at least every heartbeat) or whose engine makes no progress
@@ -20,11 +21,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
+from batchmaker.burst import Burst
 from batchmaker.core.request import ResultRows
 from batchmaker.errors import EngineStoppedError, ReplicaFailedError, error_from_code
 from batchmaker.future import RequestFuture, resolve_rows
+from batchmaker.replica_bursts import BURST_IDS, FrontBursts, take_rows
 from batchmaker.replica_routing import DEAD, spread
 from batchmaker.replica_wire import STOPPED, Encoder, Report, Turn, receive_all
 from batchmaker.serving.mailbox import Mailbox
@@ -46,13 +50,14 @@ class ReplicaHandle:
     is_stopped: bool = False  # it reported its stop
     failure: str | None = None
     in_flight: dict = field(default_factory=dict)  # request id -> RequestFuture, of those routed here
+    num_burst_rows: int = 0  # requests of bursts routed here and not done (the bursts know which)
     last_heard: float = 0.0  # perf_counter of its last report
     progress: int = 0  # its engine's progress counter, and when it last moved
     progress_at: float = 0.0
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.in_flight)
+        return len(self.in_flight) + self.num_burst_rows
 
 
 class Front:
@@ -62,6 +67,7 @@ class Front:
         self.num_alive = len(replicas)  # replicas not failed (submitting threads read it)
         self.latencies = {name: deque(maxlen=config.engine.num_latencies_kept) for name in models}
         self.load = {name: [0] * len(replicas) for name in models}  # model -> requests outstanding per replica
+        self.bursts = FrontBursts(self.load, self.latencies)  # submit_burst's (replica_bursts.py)
         self.queries: dict[int, tuple[RequestFuture, dict, set]] = {}  # id -> (future, answers, waiting)
         self.num_queries = 0
         self.stop_deadline: float | None = None
@@ -104,27 +110,40 @@ class Front:
 
     # routing and turns ----------------------------------------------------------------------
     def _route(self, items: list) -> None:
-        """A turn's arrivals: its requests routed model by model, then its controls, in order."""
+        """A turn's arrivals (futures, submit_many's lists of them, bursts, controls): its requests
+        routed model by model, then its bursts and controls, in order."""
         now = time.perf_counter()
-        futures = [item for item in items if type(item) is not tuple]
-        if len(futures) < len(items):  # (a control among them)
-            self._route(futures)
+        futures = [item for item in items if type(item) is RequestFuture]
+        if len(futures) < len(items):  # (a list, a burst or a control among them)
+            futures, is_plain = [], not futures  # (submit_many's requests carry no options)
             for item in items:
-                if type(item) is tuple:
+                if type(item) is list:
+                    futures += item
+                elif type(item) is RequestFuture:
+                    futures.append(item)
+            self._route_futures(futures, now, is_plain)
+            for item in items:
+                if type(item) is Burst:
+                    self.num_finished += self.bursts.route(item, self.replicas, now)
+                    self.has_turns = True
+                elif type(item) is tuple:
                     self._control(item, now)
             return
+        self._route_futures(futures, now, False)
+
+    def _route_futures(self, futures: list, now: float, is_plain: bool) -> None:
         if len(self.load) == 1:  # (the common case: no pass per request)
-            self._route_model(next(iter(self.load)), futures, now)
+            self._route_model(next(iter(self.load)), futures, now, is_plain)
             return
         by_model: dict[str, list] = {}
         for f in futures:
             by_model.setdefault(f.model, []).append(f)
         for model, group in by_model.items():
-            self._route_model(model, group, now)
+            self._route_model(model, group, now, is_plain)
 
-    def _route_model(self, model: str, futures: list, now: float) -> None:
+    def _route_model(self, model: str, futures: list, now: float, is_plain: bool) -> None:
         """One model's requests: a contiguous slice of them to each replica, as many as sending
-        them one by one to the least outstanding would give it."""
+        them one by one to the least outstanding would give it. is_plain: none sets an option."""
         loads = self.load[model]
         if not futures:
             return
@@ -139,12 +158,13 @@ class Front:
             part = futures[start:start + count]
             start += count
             loads[h.index] += count
-            if not h.in_flight:
+            if not h.num_in_flight:
                 h.progress_at = now  # (an idle replica's progress clock starts with its work)
             ids = [f.request_id for f in part]
             h.in_flight.update(zip(ids, part))
-            options = [(k, f.priority, f.deadline, f.on_partial is not None) for k, f in enumerate(part)
-                       if f.priority or f.deadline is not None or f.on_partial is not None]
+            options = [] if is_plain else [(k, f.priority, f.deadline, f.on_partial is not None)
+                                           for k, f in enumerate(part)
+                                           if f.priority or f.deadline is not None or f.on_partial is not None]
             h.turn.batches.append((model, ids, [f.inputs for f in part], options))
         self.has_turns = True
 
@@ -153,6 +173,8 @@ class Front:
         self.has_turns = True
         if kind == "cancel":
             h = next((h for h in self.replicas if item[1] in h.in_flight), None)
+            index = self.bursts.holder(item[1]) if h is None and item[1] >= BURST_IDS else None
+            h = self.replicas[index] if index is not None else h
             if h is not None:
                 h.turn.cancels.append(item[1])
         elif kind == "stats":
@@ -202,6 +224,8 @@ class Front:
             f = h.in_flight.pop(request_id, None)
             if f is not None:
                 self._forget(f, h, error_from_code(code, message, name), now)
+            elif request_id >= BURST_IDS:
+                self.num_finished += self.bursts.fail_id(request_id, h, error_from_code(code, message, name), now)
         for query_id, stats in report.answers:
             self._answer(query_id, h.index, stats)
         if report.state == STOPPED and h.is_alive:
@@ -211,7 +235,20 @@ class Front:
     def _resolve(self, h: ReplicaHandle, model: str, ids: list, first_cells: list, columns: dict,
                  now: float) -> None:
         """A column of one model's results, resolved at once (future.resolve_rows): nothing is
-        built per request here; each Result is built when its future is first read."""
+        built per request here; each Result is built when its future is first read. A burst's
+        rows are resolved as its columns (FrontBursts.resolve)."""
+        if self.bursts.live and ids and max(ids) >= BURST_IDS:
+            is_mixed = min(ids) < BURST_IDS
+            ids = np.asarray(ids, dtype=np.int64)
+            if is_mixed:
+                is_burst = ids >= BURST_IDS
+                keep = np.flatnonzero(~is_burst)
+                self._resolve(h, model, ids[keep].tolist(), [first_cells[k] for k in keep], take_rows(columns, keep),
+                              now)
+                keep = np.flatnonzero(is_burst)
+                ids, first_cells, columns = ids[keep], [first_cells[k] for k in keep], take_rows(columns, keep)
+            self.num_finished += self.bursts.resolve(h, model, ids, first_cells, columns, now)
+            return
         pop = h.in_flight.pop
         futures = [pop(request_id, None) for request_id in ids]
         if None in futures:  # (failed meanwhile: their rows are dropped)
@@ -219,8 +256,7 @@ class Front:
             if not keep:
                 return
             futures, first_cells = [futures[k] for k in keep], [first_cells[k] for k in keep]
-            columns = {name: column[keep] if hasattr(column, "unbind") else [column[k] for k in keep]
-                       for name, column in columns.items()}
+            columns = take_rows(columns, keep)
         arrivals = [f.arrival for f in futures]
         if self.load[model][h.index] < DEAD:
             self.load[model][h.index] -= len(futures)
@@ -283,6 +319,8 @@ class Front:
         for request_id, future in failed.items():
             self._forget(future, h, ReplicaFailedError(f"request {request_id}: replica {h.index} ({h.device}) {reason}"),
                          now)
+        self.num_finished += self.bursts.fail_held_by(h, lambda burst: ReplicaFailedError(
+            f"requests of burst {burst.first_id}: replica {h.index} ({h.device}) {reason}"), now)
         for query_id in list(self.queries):
             self._answer(query_id, h.index, None)
 
@@ -301,12 +339,20 @@ class Front:
         for item in self.mailbox.drain():
             if type(item) is RequestFuture:
                 self._forget(item, None, stopped)
+            elif type(item) is list:
+                for future in item:
+                    self._forget(future, None, stopped)
+            elif type(item) is Burst:
+                self.num_finished += self.bursts.fail(item, np.arange(item.num_accepted), None, stopped,
+                                                      time.perf_counter())
             elif item[0] == "stats":
                 item[1].set_result({})
         for h in self.replicas:
             unfinished, h.in_flight = h.in_flight, {}
             for future in unfinished.values():
                 self._forget(future, h, stopped)
+        for h in self.replicas:
+            self.num_finished += self.bursts.fail_held_by(h, lambda burst: stopped, time.perf_counter())
         for future, answers, _ in self.queries.values():
             future.set_result(answers)
         self.queries.clear()

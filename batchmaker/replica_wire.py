@@ -42,7 +42,8 @@ class ModelInfo:
 class Turn:
     """Front -> replica: what one front turn routed to this replica, as columns."""
 
-    # (model, ids, inputs, options) per model: ids and inputs are lists in routing order; options
+    # (model, ids, inputs, options) per model: ids and inputs are lists in routing order (ids a
+    # range for a slice of a burst: batchmaker/burst.py, pickled in a few bytes); options
     # lists only the requests with other than the defaults, as (position, priority, deadline
     # instant | None, is_streamed): most requests carry none, so nothing per request but its id
     # and its inputs crosses.

@@ -12,7 +12,9 @@ RNN models slower. With replicas the host work grows with the devices.
 start/stop, a context manager), so the Server and the benchmarks take it as they take an Engine.
 
 - **submit** (any thread) checks the request, counts it against the admission bound and hands its
-  future to the front thread (batchmaker/replica_front.py), which routes it to the live replica
+  future to the front thread (`submit_many`: a burst of one model's requests, one check, one
+  admission take and one hand-over for all; `submit_burst`: the same kept as columns, with no
+  future per request: batchmaker/burst.py) (batchmaker/replica_front.py), which routes it to the live replica
   with the fewest requests of that model outstanding, in one `Turn` per replica per front turn
   (batchmaker/replica_wire.py), and resolves it from that replica's `Report`.
 - **Failure.** A replica that exits or hangs fails its requests with ReplicaFailedError (wire code
@@ -34,9 +36,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import zmq
 
 from batchmaker import collector
+from batchmaker.burst import Burst
 from batchmaker.core.admission import AdmissionBound
 from batchmaker.core.admission import check_options
 from batchmaker.engine_config import EngineConfig
@@ -44,6 +48,7 @@ from batchmaker.errors import (BatchMakerError, EngineStoppedError, ReplicaFaile
                                UnknownModelError)
 from batchmaker.future import RequestFuture
 from batchmaker.replica import ReplicaSpec, replica_main
+from batchmaker.replica_bursts import BURST_IDS
 from batchmaker.replica_front import Front, ReplicaHandle
 from batchmaker.replica_stats import front_stats, merge_stats
 from batchmaker.replica_wire import FAILED, READY, Report, decode
@@ -83,7 +88,9 @@ class Replicas:
         self.bound = AdmissionBound(config.engine.max_requests)
         self.front: Front | None = None  # the front thread's state (at start)
         self._ids = itertools.count()
-        self._mailbox = Mailbox()  # futures, ("cancel", id), ("stats", future), ("stop",): to the front thread
+        self._next_burst_id, self._burst_lock = BURST_IDS, threading.Lock()  # (bursts' ids: a range of their own)
+        # to the front thread: futures, lists of them (submit_many), bursts, ("cancel", id), ("stats", future), ("stop",)
+        self._mailbox = Mailbox()
         self._thread: threading.Thread | None = None
         self._running = self._stopping = False
 
@@ -144,6 +151,38 @@ class Replicas:
             future.deadline = future.arrival + deadline
         self._mailbox.put(future)
         return future
+
+    def submit_many(self, model: str, inputs: list[dict[str, Any]]) -> list[RequestFuture]:
+        """As Engine.submit_many: many requests of one model with the default options, submit's
+        futures and answers, with one check, one admission take and one hand-over to the front
+        thread for all (a caller with bursts: bench/loadgen.py's in-process path)."""
+        ids = self._ids
+        futures = [RequestFuture(next(ids), model, x) for x in inputs]
+        error = self._check_submit(model, 0, None)
+        taken = 0 if error is not None else self.bound.take_many(len(futures), self.front.num_finished)
+        if taken < len(futures):
+            refusal = error or self.bound.overloaded()
+            for future in futures[taken:]:
+                future.set_exception(refusal)
+        if taken:
+            self._mailbox.put(futures if taken == len(futures) else futures[:taken])  # (a list: routed whole)
+        return futures
+
+    def submit_burst(self, model: str, inputs: list[dict[str, Any]]) -> Burst:
+        """submit_many's requests kept as columns (batchmaker/burst.py): no future per request;
+        request i's id is burst.first_id + i (for cancel). The first burst.num_accepted are
+        admitted, the rest failed at once with submit's refusal (burst.errors)."""
+        with self._burst_lock:
+            first_id, self._next_burst_id = self._next_burst_id, self._next_burst_id + len(inputs)
+        burst = Burst(model, first_id, inputs, time.perf_counter())
+        error = self._check_submit(model, 0, None)
+        taken = 0 if error is not None else self.bound.take_many(len(inputs), self.front.num_finished)
+        burst.num_accepted = taken
+        if taken < len(inputs):
+            burst.fail(np.arange(taken, len(inputs)), error or self.bound.overloaded(), burst.arrival)
+        if taken:
+            self._mailbox.put(burst)
+        return burst
 
     def infer(self, model: str, inputs: dict[str, Any], timeout: float | None = None, **options) -> dict[str, Any]:
         return self.submit(model, inputs, **options).result(timeout).outputs

@@ -107,8 +107,10 @@
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
 # RATES_REPLICAS_TREE (the replica suites'), REPLICA_COUNTS (theirs: 1, 2, 4 up to the GPUs here),
-# HTTP_CONCURRENCY (the http suite's streams: 1 64 256), PREFIX_RATES and PREFIX_SECONDS (the prefix suite's
-# conversations/s, 6, and seconds of arrivals, 45), SWEEP_* (START:STOP:FACTOR, gpu_engine suites).
+# REPLICAS_SUBMIT (bulk, many or each: bench/runner.py's --submit for the replica suites; not bulk: the
+# JSON's tag says which), HTTP_CONCURRENCY (the http suite's streams: 1 64 256), PREFIX_RATES and
+# PREFIX_SECONDS (the prefix suite's conversations/s, 6, and seconds of arrivals, 45), SWEEP_*
+# (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
 set -o pipefail
@@ -136,7 +138,9 @@ RATES_REPLICAS_S2S=${RATES_REPLICAS_S2S:-8000 16000 32000 64000 96000 128000}
 RATES_REPLICAS_TREE=${RATES_REPLICAS_TREE:-5000 10000 20000 40000 60000 80000}
 GPUS=$(python3 -c 'import torch; print(",".join(f"cuda:{i}" for i in range(torch.cuda.device_count())))' 2>/dev/null)
 REPLICA_COUNTS=${REPLICA_COUNTS:-$(python3 -c 'import torch; print(*[n for n in (1, 2, 4) if n <= torch.cuda.device_count()])' 2>/dev/null)}
-replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --tag replicas)
+REPLICAS_SUBMIT=${REPLICAS_SUBMIT:-bulk}  # how the generator hands bursts to the replicas: bulk (submit_burst), many, each
+replicas=(--devices "$GPUS" --replicas $REPLICA_COUNTS --systems batchmaker null --submit "$REPLICAS_SUBMIT"
+          --tag "replicas$([[ $REPLICAS_SUBMIT == bulk ]] || echo "-submit-$REPLICAS_SUBMIT")")
 TP=${TP:-$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null)}  # the tp suites' degree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast off)
 [[ " $* " == *" verify18 "* ]] && FAMILIES=${FAMILIES:-qwen2.5-7b gemma-2-9b mistral-7b}

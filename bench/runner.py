@@ -14,7 +14,7 @@ import math
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -50,6 +50,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true", help="tune the baselines first (their candidates)")
     parser.add_argument("--tune-search-points", type=int, default=2, help="search points per tuning candidate")
     parser.add_argument("--mode", default="inproc", choices=["inproc", "zmq"])
+    parser.add_argument("--submit", default="bulk", choices=["bulk", "many", "each"],
+                        help="in process: each burst through a system's submit_burst, else its submit_many (bulk); "
+                             "submit_many only (many); submit per request for every system (each: as before "
+                             "2026-11-26's twentieth session)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-steps", type=int, default=None, help="the engine's steps per chain round")
@@ -93,16 +97,22 @@ class System:
     stats: Callable[[], dict]
     config: dict
     address: str | None = None
+    bulk: dict = field(default_factory=dict)  # its submit_burst / submit_many, where it has one (--submit bulk)
 
 
 @contextlib.contextmanager
-def started(name: str, server, config: dict, mode: str):
+def started(name: str, server, config: dict, mode: str, submit: str = "bulk"):
     """Start `server` (anything with start/stop/submit/stats), behind the project's ZeroMQ server
-    on a loopback port of its own in --mode zmq."""
+    on a loopback port of its own in --mode zmq. In process the load generator hands each burst
+    to the server's `submit_burst`, else its `submit_many`, as `submit` ("bulk", "many", "each")
+    allows (bench/README.md says which system takes which)."""
     server.start()
     try:
         if mode == "inproc":
-            yield System(name, server.submit, server.stats, config)
+            kinds = {"bulk": ("submit_burst", "submit_many"), "many": ("submit_many",), "each": ()}[submit]
+            bulk = {k: getattr(server, k, None) for k in kinds}
+            path = "burst" if bulk.get("submit_burst") else "many" if bulk.get("submit_many") else "each"
+            yield System(name, server.submit, server.stats, {**config, "submit": path}, bulk=bulk)
             return
         from batchmaker.serving.server import Server, ServerConfig
         front = Server(server, ServerConfig(address="tcp://127.0.0.1:*")).start()
@@ -152,7 +162,7 @@ def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, s
         before = system.stats()
         trace = gen.run_point(system.submit, requests, rate, protocol.duration_at(rate),
                               seed=protocol.seed * 1000 + repeat, drain_timeout=protocol.drain_timeout,
-                              address=system.address)
+                              address=system.address, **system.bulk)
         settled = gen.settle()
         point = summarize(trace, protocol.warm)
         point.update(counters=counters(before, system.stats()), settled=settled, repeat=repeat)
@@ -173,11 +183,11 @@ def warm_up(system: System, gen: LoadGenerator, requests, num: int, rates=()) ->
     preceded it, which sank the first tuning candidate in 3 of 5 tunings."""
     if num:
         gen.run_point(system.submit, requests, rate=num / 0.05, duration=0.05, seed=99, drain_timeout=300,
-                      address=system.address)
+                      address=system.address, **system.bulk)
         gen.settle()
     for rate in rates:
         gen.run_point(system.submit, requests, rate=rate, duration=0.5, seed=98, drain_timeout=60,
-                      address=system.address)
+                      address=system.address, **system.bulk)
         gen.settle()
 
 
@@ -216,7 +226,7 @@ def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, 
                     print(f"skipping {name}: {e}", file=sys.stderr)
                     out.setdefault("skipped", {})[name] = str(e)
                     continue
-                systems[name] = stack.enter_context(started(name, server, config, args.mode))
+                systems[name] = stack.enter_context(started(name, server, config, args.mode, args.submit))
                 warm_up(systems[name], gen, requests, args.warmup, warm_rates(args))
             measures = {n: measurer(s, gen, requests, protocol, slo) for n, s in systems.items() if n != "null"}
             save = (lambda partial: checkpoint({**out, "partial": True, "systems": partial})) if checkpoint else None
@@ -257,7 +267,7 @@ def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) ->
     for label, make in candidates.items():
         print(f"== tuning: {label}", file=sys.stderr, flush=True)
         server, config = make()
-        with started(label, server, config, args.mode) as system:
+        with started(label, server, config, args.mode, args.submit) as system:
             warm_up(system, gen, requests, args.warmup, warm_rates(args))
             runs[label] = run_repeats({label: measurer(system, gen, requests, once, slo)}, args.rates,
                                       lambda p: p["sustained"], once)[label]

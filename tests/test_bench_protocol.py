@@ -5,6 +5,7 @@ generator process sends every request once, never early, in process and over Zer
 No assertion depends on how fast this machine is."""
 import importlib.util
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -152,6 +153,29 @@ def test_the_generator_process_drives_a_system_in_process():
     assert point["completions_in_window"] == pytest.approx(np.count_nonzero(
         (trace.done_at - trace.start >= 0.1) & (trace.done_at - trace.start < 0.5)) / 0.4)
     assert point["num_in_window"] == np.count_nonzero(trace.arrivals >= 0.1) and point["finish_slope"] > 0
+
+
+@pytest.mark.parametrize("path", ["submit_many", "submit_burst"])
+def test_in_process_bursts_go_through_the_bulk_submit_and_completions_are_read_in_columns(path):
+    from baselines.null import NullSystem
+    requests = [("lstm", {"tokens": [k]}) for k in range(10)] + [("tree", {"tokens": [k]}) for k in range(5)]
+    system = NullSystem().start()
+    submitted, calls = [], []
+
+    def bulk(model, inputs):
+        calls.append(model)
+        submitted.extend((model, x["tokens"][0]) for x in inputs)
+        return getattr(system, path)(model, inputs)
+    with LoadGenerator("inproc") as gen:
+        trace = gen.run_point(None, requests, rate=2000.0, duration=0.5, seed=4, **{path: bulk})
+        assert gen.settle()
+        each = gen.run_point(system.submit, requests, rate=2000.0, duration=0.5, seed=4)
+    check_trace(trace, len(submitted))
+    picks = random.Random(4).choices(range(len(requests)), k=len(trace.arrivals))
+    assert sorted(submitted) == sorted((requests[p][0], requests[p][1]["tokens"][0]) for p in picks)  # each once
+    assert set(calls) == {"lstm", "tree"} and len(calls) < len(submitted)  # bursts, a call per model
+    assert np.all(trace.queueing >= 0) and np.all(trace.computation >= 0)  # the batches' instants, read as columns
+    assert np.array_equal(trace.arrivals, each.arrivals) and np.all(each.ok)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="needs pyzmq")
