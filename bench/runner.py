@@ -50,10 +50,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true", help="tune the baselines first (their candidates)")
     parser.add_argument("--tune-search-points", type=int, default=2, help="search points per tuning candidate")
     parser.add_argument("--mode", default="inproc", choices=["inproc", "zmq"])
-    parser.add_argument("--submit", default="bulk", choices=["bulk", "many", "each"],
+    parser.add_argument("--submit", default=None, choices=["bulk", "many", "each"],
                         help="in process: each burst through a system's submit_burst, else its submit_many (bulk); "
-                             "submit_many only (many); submit per request for every system (each: as before "
-                             "2026-11-26's twentieth session)")
+                             "submit_many only (many); submit per request for every system (each). Default: bulk "
+                             "with --replicas (the front is what they measure), else each (the baselines have no "
+                             "bulk path: the engine and they pay submit alike)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch.set_num_threads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-steps", type=int, default=None, help="the engine's steps per chain round")
@@ -98,6 +99,11 @@ class System:
     config: dict
     address: str | None = None
     bulk: dict = field(default_factory=dict)  # its submit_burst / submit_many, where it has one (--submit bulk)
+
+
+def submit_path(args) -> str:
+    """--submit, or its default: bulk for replica runs, each for the rest."""
+    return args.submit or ("bulk" if args.replicas else "each")
 
 
 @contextlib.contextmanager
@@ -226,7 +232,7 @@ def run_benchmark(args, requests, factories: dict, comparisons: dict, slo: Slo, 
                     print(f"skipping {name}: {e}", file=sys.stderr)
                     out.setdefault("skipped", {})[name] = str(e)
                     continue
-                systems[name] = stack.enter_context(started(name, server, config, args.mode, args.submit))
+                systems[name] = stack.enter_context(started(name, server, config, args.mode, submit_path(args)))
                 warm_up(systems[name], gen, requests, args.warmup, warm_rates(args))
             measures = {n: measurer(s, gen, requests, protocol, slo) for n, s in systems.items() if n != "null"}
             save = (lambda partial: checkpoint({**out, "partial": True, "systems": partial})) if checkpoint else None
@@ -267,7 +273,7 @@ def tune(candidates: dict, gen, requests, protocol: Protocol, slo: Slo, args) ->
     for label, make in candidates.items():
         print(f"== tuning: {label}", file=sys.stderr, flush=True)
         server, config = make()
-        with started(label, server, config, args.mode, args.submit) as system:
+        with started(label, server, config, args.mode, submit_path(args)) as system:
             warm_up(system, gen, requests, args.warmup, warm_rates(args))
             runs[label] = run_repeats({label: measurer(system, gen, requests, once, slo)}, args.rates,
                                       lambda p: p["sustained"], once)[label]
