@@ -29,7 +29,8 @@ try:
 except ImportError:
     have_zmq = False
 print("pyzmq", "present" if have_zmq else "absent")
-needs_zmq = {"batchmaker.serving.server", "batchmaker.serving.client", "batchmaker.serving.demo"}
+needs_zmq = {"batchmaker.serving.server", "batchmaker.serving.client", "batchmaker.serving.demo",
+             "batchmaker.replica", "batchmaker.replica_front", "batchmaker.replica_wire", "batchmaker.replicas"}
 bad = []
 for pkg in ("batchmaker", "batchmaker.core", "batchmaker.exec", "batchmaker.serving", "batchmaker.cells", "batchmaker.unfolders", "batchmaker.kernels"):
     for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__):
