@@ -190,7 +190,7 @@ for suite in "$@"; do
               fi
               step http-overhead timeout 340 python3 bench/http_overhead.py --checkpoint /tmp/chat-llama-2-7b \
                   --devices cuda:0 --concurrency ${HTTP_CONCURRENCY:-1 64 256} --tokens 256 --num-blocks 4096 --tag llama-2-7b \
-                  "${client[@]}" --processes 4 ;;
+                  "${client[@]}" --processes ${HTTP_PROCESSES:-8} ;;
         http-ab) step http-checkpoint timeout 240 python3 bench/tiny_checkpoint.py /tmp/chat-llama-2-7b llama-2-7b
                  mkdir -p /tmp/http-base && tar -xf .whl/http-base.tar -C /tmp/http-base
                  client=(--client aiohttp)
