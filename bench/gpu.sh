@@ -103,12 +103,13 @@
 #     pp-step  bench/tp_step.py --pp 1 2: a pipeline's decode round at batch 1 and 64
 #     tppp (a 4-GPU machine; issue 31): tppp-tests then tppp-chat: tensor and pipeline parallelism
 #              together, TP=2 x PP=2 (tests/test_tensor_pipeline_gpu.py: bf16 tokens against one GPU, a
-#              killed rank), then bench/chat.py all at once at TP=2 x PP=2 (13B); not yet run
+#              killed rank), then bench/chat.py all at once at TP=2 x PP=2 (13B); run on 4 H200s 2026-11-26
 # Knobs: DURATION (s per point, default 0.5), WARM (0.15), REPEATS (3), RATES_LSTM,
 # RATES_S2S, RATES_TREE (the curves' offered rates), RATES_REPLICAS_LSTM, RATES_REPLICAS_S2S,
 # RATES_REPLICAS_TREE (the replica suites'), REPLICA_COUNTS (theirs: 1, 2, 4 up to the GPUs here),
 # REPLICAS_SUBMIT (bulk, many or each: bench/runner.py's --submit for the replica suites; not bulk: the
-# JSON's tag says which), HTTP_CONCURRENCY (the http suite's streams: 1 64 256), PREFIX_RATES and
+# JSON's tag says which), HTTP_CONCURRENCY and HTTP_PROCESSES (the http suite's streams, 1 64 256, and
+# client processes, 8: at 256 streams 4 openai clients fell behind on an H200), PREFIX_RATES and
 # PREFIX_SECONDS (the prefix suite's conversations/s, 6, and seconds of arrivals, 45), SWEEP_*
 # (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
