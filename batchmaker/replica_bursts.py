@@ -1,12 +1,15 @@
 """The front thread's bursts (batchmaker/burst.py; the front: batchmaker/replica_front.py):
-routed as slices, resolved a report's column at a time, failed with their replica.
+a turn's adjacent bursts routed as one run of slices, a report's rows resolved a column at a
+time (or, a few rows, a row at a time), failed with their replica.
 
 A burst's requests have the ids first_id ... first_id + n - 1, from a range of their own
 (`BURST_IDS` up; `Replicas.submit` numbers its requests from 0), so a report's ids split into a
-burst's positions with one search over the live bursts' first ids, not a lookup per request,
-and nothing per request is kept at the front but the burst's columns.
+burst's positions with one search over the live bursts' first ids (a few rows: one per run of
+a burst's ids), not a lookup per request, and nothing per request is kept at the front but the
+burst's columns.
 """
 import bisect
+import math
 
 import numpy as np
 
@@ -16,6 +19,8 @@ from batchmaker.errors import ReplicaFailedError
 from batchmaker.replica_routing import DEAD, spread
 
 BURST_IDS = 1 << 48  # the first id of the first burst
+MAX_FEW_ROWS = 64  # a report's bursts' rows up to this many are resolved a row at a time (LiveBursts.locate_few)
+NAN = float("nan")
 
 
 class LiveBursts:
@@ -52,6 +57,30 @@ class LiveBursts:
             return None
         return self._bursts[k], request_id - self._starts[k]
 
+    def locate_few(self, ids: list) -> tuple[list[tuple[Burst, list, list]], list]:
+        """locate for a few ids, in lists, a loop in Python: a search per run of one burst's ids
+        (a report's rows come in runs) and no arrays, whose fixed costs (~10 µs a report, the
+        live bursts' arrays made again after each change, ~1 µs an operation) are most of a
+        small report's. A burst whose ids come in several runs gets a group per run."""
+        groups: list[tuple[Burst, list, list]] = []
+        arrivals = [NAN] * len(ids)
+        starts, bursts = self._starts, self._bursts
+        start = end = 0
+        for k, request_id in enumerate(ids):
+            if not start <= request_id < end:
+                j = bisect.bisect(starts, request_id) - 1
+                burst = bursts[j] if j >= 0 else None
+                if burst is None or request_id - starts[j] >= len(burst.done_at):
+                    start = end = 0
+                    continue
+                start, end, arrival = starts[j], starts[j] + len(burst.done_at), burst.arrival
+                where, positions = [], []
+                groups.append((burst, where, positions))
+            where.append(k)
+            positions.append(request_id - start)
+            arrivals[k] = arrival
+        return groups, arrivals
+
     def locate(self, ids: np.ndarray) -> tuple[list[tuple[Burst, np.ndarray, np.ndarray]], np.ndarray]:
         """ids (int64, of bursts' requests) -> ([(burst, where in ids, positions in the burst)],
         each row's burst's arrival (nan: no live burst holds it, e.g. it failed meanwhile)):
@@ -81,6 +110,19 @@ class LiveBursts:
         return [(self._bursts[int(which[a])], rows[a:b], positions[a:b]) for a, b in zip(cuts, cuts[1:])], arrivals
 
 
+def _adjacent_runs(bursts: list[Burst]) -> list[list[Burst]]:
+    """bursts split into runs of one model's bursts whose accepted requests' ids follow on."""
+    runs: list[list[Burst]] = []
+    for burst in bursts:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.model == burst.model and last.num_accepted == len(last)
+                and last.first_id + len(last) == burst.first_id):
+            runs[-1].append(burst)
+        else:
+            runs.append([burst])
+    return runs
+
+
 def take_rows(columns: dict, keep) -> dict:
     """The rows `keep` (positions, in order) of a report's columns (a tensor, or a list)."""
     return {name: column[keep] if hasattr(column, "unbind") else [column[k] for k in keep]
@@ -96,43 +138,71 @@ class FrontBursts:
         self.live = LiveBursts()
         self.load, self.latencies = load, latencies
 
-    def route(self, burst: Burst, replicas: list, now: float) -> int:
-        """A burst's accepted requests: a contiguous slice of them to each replica, as the front
-        gives a turn's futures; each slice's ids are a range, its inputs a slice of the burst's."""
-        loads, n = self.load[burst.model], burst.num_accepted
+    def route(self, bursts: list[Burst], replicas: list, now: float) -> int:
+        """A turn's bursts, as the front gives a turn's futures: one model's bursts with adjacent
+        ids (one caller's, in order: ~5-8 a turn under paced load) routed as one run, a
+        contiguous slice of the run to each replica, each slice's ids a range and its inputs
+        the bursts' slices joined. A burst per replica slice would cost a batch per burst in
+        each replica's turn and split each burst over every replica, which puts more bursts'
+        rows in each report (FrontBursts.resolve pays per burst of a report)."""
+        count = 0
+        for run in _adjacent_runs(bursts):
+            count += self._route_run(run, replicas, now)
+        return count
+
+    def _route_run(self, run: list[Burst], replicas: list, now: float) -> int:
+        model = run[0].model
+        loads = self.load[model]
         if min(loads) >= DEAD:
-            return self.fail(burst, np.arange(n), None, ReplicaFailedError("every replica failed"), now)
-        self.live.add(burst)
-        start = 0
-        for h, count in zip(replicas, spread(loads, n)):
+            error = ReplicaFailedError("every replica failed")
+            return sum(self.fail(burst, np.arange(burst.num_accepted), None, error, now) for burst in run)
+        for burst in run:
+            self.live.add(burst)
+        first_id, k, offset = run[0].first_id, 0, 0  # (the next request: run[k]'s position offset)
+        for h, count in zip(replicas, spread(loads, sum(burst.num_accepted for burst in run))):
             if not count:
                 continue
             if not h.num_in_flight:
                 h.progress_at = now  # (an idle replica's progress clock starts with its work)
             loads[h.index] += count
             h.num_burst_rows += count
-            burst.replica[start:start + count] = h.index
-            first = burst.first_id + start
-            h.turn.batches.append((burst.model, range(first, first + count), burst.inputs[start:start + count], []))
-            start += count
+            parts, left = [], count
+            while left:
+                burst = run[k]
+                take = min(left, burst.num_accepted - offset)
+                burst.replica[offset:offset + take] = h.index
+                parts.append(burst.inputs[offset:offset + take])
+                left -= take
+                offset += take
+                if offset == burst.num_accepted:
+                    k, offset = k + 1, 0
+            inputs = parts[0] if len(parts) == 1 else [x for part in parts for x in part]
+            h.turn.batches.append((model, range(first_id, first_id + count), inputs, []))
+            first_id += count
         return 0
 
-    def resolve(self, h, model: str, ids: np.ndarray, first_cells, columns: dict, now: float) -> int:
-        """Bursts' rows of a report from replica `h`: each burst's positions marked done at once
-        (Burst.finish), counted once for the report."""
-        first = np.array([np.nan if c is None else c for c in first_cells] if isinstance(first_cells, list)
-                         else first_cells, dtype=np.float64)
-        groups, arrivals = self.live.locate(ids)
-        rows = ResultRows(columns, arrivals.tolist(), first_cells, now)
+    def resolve(self, h, model: str, ids, first_cells, columns: dict, now: float) -> int:
+        """Bursts' rows of a report from replica `h` (ids: a list or int64 array): each burst's
+        positions marked done at once (Burst.finish), counted once for the report. Up to
+        MAX_FEW_ROWS rows, as lists a row at a time (paced load: ~30 rows of ~10 bursts a
+        report, where the column operations' fixed costs made the burst path dearer than a
+        future per request); above, a few array operations for the whole column."""
+        if len(ids) <= MAX_FEW_ROWS:
+            groups, arrivals = self.live.locate_few(ids if type(ids) is list else ids.tolist())
+            rows = ResultRows(columns, arrivals, first_cells, now)
+        else:
+            groups, arrivals = self.live.locate(np.asarray(ids, dtype=np.int64))
+            rows = ResultRows(columns, arrivals.tolist(), first_cells, now)
+            first = np.array([np.nan if c is None else c for c in first_cells] if isinstance(first_cells, list)
+                             else first_cells, dtype=np.float64)
         latencies, count = self.latencies[model], 0
         for burst, where, positions in groups:
             if burst.errors:  # (some failed: their rows, if any, are dropped)
-                live = np.isnan(burst.done_at[positions])
-                where, positions = where[live], positions[live]
-            burst.finish(positions, rows, where, first[where], now)
+                where, positions = _not_done(burst, where, positions)
+            burst.finish(positions, rows, where, first_cells if type(where) is list else first[where], now)
             latencies.extend([now - burst.arrival] * len(positions))
             count += len(positions)
-            if burst.is_done:
+            if burst.num_done == len(burst.done_at):
                 self.live.remove(burst)
         if self.load[model][h.index] < DEAD:
             self.load[model][h.index] -= count
@@ -174,3 +244,13 @@ class FrontBursts:
         if found is None or not np.isnan(found[0].done_at[found[1]]) or found[0].replica[found[1]] < 0:
             return None
         return int(found[0].replica[found[1]])
+
+
+def _not_done(burst: Burst, where, positions):
+    """(where, positions) less the positions the burst already finished (failed meanwhile)."""
+    if type(positions) is list:
+        done_at = burst.done_at
+        keep = [j for j, i in enumerate(positions) if math.isnan(done_at[i])]
+        return [where[j] for j in keep], [positions[j] for j in keep]
+    live = np.isnan(burst.done_at[positions])
+    return where[live], positions[live]

@@ -111,7 +111,7 @@ class Front:
     # routing and turns ----------------------------------------------------------------------
     def _route(self, items: list) -> None:
         """A turn's arrivals (futures, submit_many's lists of them, bursts, controls): its requests
-        routed model by model, then its bursts and controls, in order."""
+        routed model by model, then its bursts (FrontBursts.route), then its controls in order."""
         now = time.perf_counter()
         futures = [item for item in items if type(item) is RequestFuture]
         if len(futures) < len(items):  # (a list, a burst or a control among them)
@@ -122,11 +122,12 @@ class Front:
                 elif type(item) is RequestFuture:
                     futures.append(item)
             self._route_futures(futures, now, is_plain)
+            bursts = [item for item in items if type(item) is Burst]
+            if bursts:  # (before the controls: a cancel finds its burst's replica)
+                self.num_finished += self.bursts.route(bursts, self.replicas, now)
+                self.has_turns = True
             for item in items:
-                if type(item) is Burst:
-                    self.num_finished += self.bursts.route(item, self.replicas, now)
-                    self.has_turns = True
-                elif type(item) is tuple:
+                if type(item) is tuple:
                     self._control(item, now)
             return
         self._route_futures(futures, now, False)
@@ -238,9 +239,8 @@ class Front:
         built per request here; each Result is built when its future is first read. A burst's
         rows are resolved as its columns (FrontBursts.resolve)."""
         if self.bursts.live and ids and max(ids) >= BURST_IDS:
-            is_mixed = min(ids) < BURST_IDS
-            ids = np.asarray(ids, dtype=np.int64)
-            if is_mixed:
+            if min(ids) < BURST_IDS:  # (a burst's rows and futures' in one column)
+                ids = np.asarray(ids, dtype=np.int64)
                 is_burst = ids >= BURST_IDS
                 keep = np.flatnonzero(~is_burst)
                 self._resolve(h, model, ids[keep].tolist(), [first_cells[k] for k in keep], take_rows(columns, keep),
