@@ -23,7 +23,8 @@ judged sustained when achieved >= 0.95 x offered and p90 <= `--slo-ms`.
     python bench/front_bulk_ab.py --base /tmp/base --repeats 3
 
 Each arm of each repeat is a fresh process (`--worker`) with its tree's batchmaker and bench
-(bench/loadgen.py, bench/front_cost.py); arms run in turn, base, each, bulk, burst, each repeat.
+(bench/loadgen.py, bench/front_cost.py); arms run in turn, base, base_burst (where the tree
+before has submit_burst: its burst path), each, bulk, burst, each repeat.
 """
 import argparse
 import json
@@ -37,6 +38,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ARMS = {"base": "each", "each": "each", "bulk": "bulk", "burst": "burst"}  # arm -> submit path (base: the tree before)
+BASE_BURST = {"base_burst": "burst"}  # an arm more where the tree before has submit_burst: its burst path
 
 
 def worker(args) -> dict:
@@ -157,22 +159,24 @@ def main(argv=None) -> int:
     from common import write_results
     from front_cost import machine
 
-    trees = {"base": args.base.resolve(), "each": HERE.parent, "bulk": HERE.parent, "burst": HERE.parent}
-    runs: dict[str, list] = {arm: [] for arm in ARMS}
+    trees = {"base": args.base.resolve(), "base_burst": args.base.resolve(), "each": HERE.parent, "bulk": HERE.parent,
+             "burst": HERE.parent}
+    arms = {"base": "each", **(BASE_BURST if (args.base / "batchmaker" / "burst.py").exists() else {}), **ARMS}
+    runs: dict[str, list] = {arm: [] for arm in arms}
     for repeat in range(args.repeats):
-        for arm, path in ARMS.items():  # in turn: the machine's drift spreads over every arm alike
+        for arm, path in arms.items():  # in turn: the machine's drift spreads over every arm alike
             print(f"repeat {repeat}: {arm}", file=sys.stderr, flush=True)
             runs[arm].append(run_arm(trees[arm], path, args))
     commits = {arm: subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty", "--abbrev=12"],
                                    capture_output=True, text=True).stdout.strip() or "(not a git tree)"
-               for arm, tree in trees.items()}
-    record = {"machine": machine(), "arms": {arm: {"tree": commits[arm], "submit": ARMS[arm]} for arm in ARMS},
+               for arm, tree in trees.items() if arm in arms}
+    record = {"machine": machine(), "arms": {arm: {"tree": commits[arm], "submit": arms[arm]} for arm in arms},
               "settings": {k: v for k, v in vars(args).items() if k in ("repeats", "replicas", "burst", "over", "rates",
                                                                           "duration", "slo_ms")},
               "tables": {arm: table(r) for arm, r in runs.items()}, "runs": runs}
-    for arm in ARMS:
+    for arm in arms:
         t = record["tables"][arm]
-        print(f"{arm:5s} " + "  ".join(f"{p}: serving {t[p]['serving_us']['median']:.2f} "
+        print(f"{arm:10s} " + "  ".join(f"{p}: serving {t[p]['serving_us']['median']:.2f} "
                                        f"[{t[p]['serving_us']['min']:.2f}-{t[p]['serving_us']['max']:.2f}] µs"
                                        for p in ("all_at_once", "over_capacity")))
     print(f"wrote {write_results('front-bulk-ab', 'cpu', record)}")
