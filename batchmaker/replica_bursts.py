@@ -58,15 +58,16 @@ class LiveBursts:
         return self._bursts[k], request_id - self._starts[k]
 
     def locate_few(self, ids: list) -> tuple[list[tuple[Burst, list, list]], list]:
-        """locate for a few ids, in lists, a loop in Python: a search per run of one burst's ids
-        (a report's rows come in runs) and no arrays, whose fixed costs (~10 µs a report, the
-        live bursts' arrays made again after each change, ~1 µs an operation) are most of a
-        small report's. A burst whose ids come in several runs gets a group per run."""
+        """locate for a few ids, in lists, a loop in Python: the rows in order of id (a burst's
+        rows together: a paced report's ~21 rows of ~6 bursts came in ~16 runs), a search per
+        burst and no arrays, whose fixed costs (~10 µs a report, the live bursts' arrays made
+        again after each change, ~1 µs an operation) were most of a small report's."""
         groups: list[tuple[Burst, list, list]] = []
         arrivals = [NAN] * len(ids)
         starts, bursts = self._starts, self._bursts
         start = end = 0
-        for k, request_id in enumerate(ids):
+        for k in sorted(range(len(ids)), key=ids.__getitem__):
+            request_id = ids[k]
             if not start <= request_id < end:
                 j = bisect.bisect(starts, request_id) - 1
                 burst = bursts[j] if j >= 0 else None
