@@ -351,7 +351,6 @@ class Front:
             unfinished, h.in_flight = h.in_flight, {}
             for future in unfinished.values():
                 self._forget(future, h, stopped)
-        for h in self.replicas:
             self.num_finished += self.bursts.fail_held_by(h, lambda burst: stopped, time.perf_counter())
         for future, answers, _ in self.queries.values():
             future.set_result(answers)

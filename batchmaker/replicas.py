@@ -158,12 +158,9 @@ class Replicas:
         thread for all (a caller with bursts: bench/loadgen.py's in-process path)."""
         ids = self._ids
         futures = [RequestFuture(next(ids), model, x) for x in inputs]
-        error = self._check_submit(model, 0, None)
-        taken = 0 if error is not None else self.bound.take_many(len(futures), self.front.num_finished)
-        if taken < len(futures):
-            refusal = error or self.bound.overloaded()
-            for future in futures[taken:]:
-                future.set_exception(refusal)
+        taken, refusal = self._admit_many(model, len(futures))
+        for future in futures[taken:]:
+            future.set_exception(refusal)
         if taken:
             self._mailbox.put(futures if taken == len(futures) else futures[:taken])  # (a list: routed whole)
         return futures
@@ -175,11 +172,10 @@ class Replicas:
         with self._burst_lock:
             first_id, self._next_burst_id = self._next_burst_id, self._next_burst_id + len(inputs)
         burst = Burst(model, first_id, inputs, time.perf_counter())
-        error = self._check_submit(model, 0, None)
-        taken = 0 if error is not None else self.bound.take_many(len(inputs), self.front.num_finished)
+        taken, refusal = self._admit_many(model, len(inputs))
         burst.num_accepted = taken
         if taken < len(inputs):
-            burst.fail(np.arange(taken, len(inputs)), error or self.bound.overloaded(), burst.arrival)
+            burst.fail(np.arange(taken, len(inputs)), refusal, burst.arrival)
         if taken:
             self._mailbox.put(burst)
         return burst
@@ -280,6 +276,13 @@ class Replicas:
         self._context.term()
         self._mailbox.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _admit_many(self, model: str, num: int) -> tuple[int, BatchMakerError | None]:
+        """submit_many's and submit_burst's one check and one admission take: how many of `num`
+        requests are admitted (the first ones), and the refusal of the rest (None: none refused)."""
+        error = self._check_submit(model, 0, None)
+        taken = 0 if error is not None else self.bound.take_many(num, self.front.num_finished)
+        return taken, (error or self.bound.overloaded()) if taken < num else None
 
     def _check_submit(self, model, priority, deadline) -> BatchMakerError | None:
         if not self._running or self._stopping or self.front.is_done:

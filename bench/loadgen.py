@@ -5,9 +5,10 @@ instants (a Poisson process on [0, duration): a Poisson count, uniform instants)
 instant, releases the requests that are due, whatever the system under test does (open loop: a
 slow system builds a queue, it does not slow the arrivals).
 - `--mode inproc`: it sends each burst of due request numbers over a pipe to the system's process,
-  where the caller of `run_point` submits them: with `submit_many(model, [inputs])` where the
-  system offers one (a burst, and whatever bursts arrived while the caller was busy, in one call
-  per model), else `submit(model, inputs)` per request: the system's own API cost, paid on the
+  where the caller of `run_point` submits them: with `submit_burst` or `submit_many(model,
+  [inputs])` where the caller passes one (a burst, and whatever bursts arrived while the caller
+  was busy, in one call per model: bench/runner.py's --submit), else `submit(model, inputs)` per
+  request: the system's own API cost, paid on the
   system's side as any in-process user with bursts would pay it. The pacing, the sleeps and the
   bookkeeping are not on the system's GIL. Completions are read after the point, from each
   future's instant of finishing (for futures resolved in bulk, the batch's one instant, taken
