@@ -89,7 +89,7 @@ def timed(executor: OffloadExecutor, prompts: list, num_tokens: int):
 
 def memory(args) -> dict:
     """How the search and the predictions count memory here: a GPU's reserve held back and its host
-    storage pinned; the weights' host copy (random_model's pool) already taken out of `host_budget`."""
+    storage pinned; the weights' host copy (random_model's arena) already taken out of `host_budget`."""
     cuda = is_cuda(args.device)
     return {"reserve": CUDA_RESERVE if cuda else 0.0, "pinned": cuda, "host_weights": 0.0}
 

@@ -4,7 +4,7 @@ import torch
 
 from batchmaker.cells.decoder import INIT_STD, DecoderLM, empty_decoder, materialize
 from batchmaker.exec.offload_auto import host_bytes
-from batchmaker.exec.offload_memory import pinned_size
+from batchmaker.exec.pinned_arena import arena_bytes, holding
 
 DTYPE = torch.bfloat16
 HOST_RESERVE = 0.06  # of the host's memory, for what the search does not count: the OS, Python, torch, the prompts
@@ -14,27 +14,27 @@ def is_cuda(device: str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def _matrices(lm: DecoderLM) -> dict[str, bool]:
-    return {name: name.startswith("layers.") and p.dim() == 2 for name, p in lm.named_parameters()}
+def _matrices(lm: DecoderLM) -> dict[str, torch.Size]:
+    """The layers' matrices' shapes by name, largest first: the order they take their arena's views in,
+    so that a chunk's tail is at most the next matrix (13B's 23.6 GiB take 6 chunks, in registration
+    order 7)."""
+    shapes = {name: p.shape for name, p in lm.named_parameters() if name.startswith("layers.") and p.dim() == 2}
+    return dict(sorted(shapes.items(), key=lambda item: -item[1].numel()))
 
 
 def random_model(config, device: str, seed: int = 0) -> DecoderLM:
     """The model on the host: normal(0, INIT_STD) weights drawn on the device a tensor at a time,
     norms at 1 (biases 0). Seconds for 13B, where drawing on the CPU takes minutes. The layers'
-    matrices are views of one pinned allocation beside a GPU (torch's host allocator rounds each
-    pinned allocation up to a power of two: for 13B, 25 GB in one allocation, not 160 that round
-    to 46 GB); the rest is small."""
+    matrices are views of a pinned arena's chunks beside a GPU (exec/pinned_arena.py: torch's host
+    allocator rounds each pinned allocation up to a power of two, so 160 matrices of 13B would take
+    46 GB and one pool of 25 GB 32 GiB; the arena's 4 GiB chunks take 24 GiB); the rest is small."""
     lm = empty_decoder(config)
     generator = torch.Generator(device=device).manual_seed(seed)
-    is_matrix = _matrices(lm)
-    pool = torch.empty(sum(p.numel() for name, p in lm.named_parameters() if is_matrix[name]), dtype=DTYPE,
-                       pin_memory=is_cuda(device))
-    offset, state = 0, {}
+    shapes = _matrices(lm)
+    _, matrices = holding(is_cuda(device), lambda empty: {name: empty(shape, DTYPE) for name, shape in shapes.items()})
+    state = {}
     for name, p in lm.named_parameters():
-        if is_matrix[name]:
-            host, offset = pool[offset:offset + p.numel()].view(p.shape), offset + p.numel()
-        else:
-            host = torch.empty(p.shape, dtype=DTYPE)
+        host = matrices[name] if name in matrices else torch.empty(p.shape, dtype=DTYPE)
         module_name, kind = name.rsplit(".", 1)
         if module_name.endswith("norm"):
             host.fill_(1.0 if kind == "weight" else 0.0)
@@ -45,11 +45,11 @@ def random_model(config, device: str, seed: int = 0) -> DecoderLM:
 
 
 def host_budget(config, device: str) -> float:
-    """The host memory the search may give a block: the machine's, less random_model's pool of the
-    layers' matrices as pinned (rounded up), the rest of the model and `HOST_RESERVE`."""
+    """The host memory the search may give a block: the machine's, less what random_model's arena of
+    the layers' matrices holds (`arena_bytes`), the rest of the model and `HOST_RESERVE`."""
     lm = empty_decoder(config)
-    is_matrix = _matrices(lm)
-    matrices = sum(p.numel() for name, p in lm.named_parameters() if is_matrix[name])
-    rest = sum(p.numel() for p in lm.parameters()) - matrices
+    shapes = _matrices(lm)
     size = DTYPE.itemsize
-    return host_bytes() * (1 - HOST_RESERVE) - pinned_size(matrices * size, is_cuda(device)) - rest * size
+    held = int(arena_bytes([(1, shape.numel() * size) for shape in shapes.values()], is_cuda(device)))
+    rest = sum(p.numel() for p in lm.parameters()) - sum(shape.numel() for shape in shapes.values())
+    return host_bytes() * (1 - HOST_RESERVE) - held - rest * size

@@ -4,7 +4,8 @@ resident layers and, without compression, the cost model's prediction; the chose
 with every layer streamed moves more weight bytes and is predicted slower; the 4-bit rows their agreement with bf16; the anchor's
 lines are parsed, and a missing probe is skipped with a reason. The attention A/B: with the CPU's
 attention forced on, the chosen policy's host cache is attended on the CPU, and `--flip-attention`
-reruns it with the cache moved to the device instead, the same tokens (both exact on the CPU)."""
+reruns it with the cache moved to the device instead, the same tokens (both exact on the CPU). The
+host model's matrices are views of one arena, whose bytes `host_budget` takes out."""
 import json
 
 import pytest
@@ -91,3 +92,21 @@ def test_a_missing_probe_is_skipped_with_its_reason(tmp_path, monkeypatch):
     offload.main(ARGS + ["--anchor", str(tmp_path / "absent.py")])
     (path,) = tmp_path.glob("offload-*.json")
     assert "missing" in json.loads(path.read_text())["accelerate"]["skipped"]
+
+
+def test_the_host_models_matrices_are_views_of_the_arena_its_budget_subtracts(monkeypatch):
+    """random_model's layer matrices share the chunks of one arena (one, unpinned, for a small model),
+    and host_budget takes out what that arena holds, the rest of the model and the reserve."""
+    from batchmaker.cells.decoder_config import PRESETS
+    from bench import offload_model
+    config = PRESETS["small-llama"]
+    lm = offload_model.random_model(config, "cpu")
+    is_matrix = {name: name.startswith("layers.") and p.dim() == 2 for name, p in lm.named_parameters()}
+    chunks = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+              for name, p in lm.named_parameters() if is_matrix[name]}
+    rest = sum(p.nbytes for name, p in lm.named_parameters() if not is_matrix[name])
+    assert len(chunks) == 1 and 0.99 < sum(p.nbytes for name, p in lm.named_parameters() if is_matrix[name]) / sum(
+        chunks.values()) <= 1
+    monkeypatch.setattr(offload_model, "host_bytes", lambda: 64.0 * 2**30)
+    assert offload_model.host_budget(config, "cpu") == 64.0 * 2**30 * (1 - offload_model.HOST_RESERVE) - sum(
+        chunks.values()) - rest

@@ -2,7 +2,9 @@
 (exec/offload_auto.choose): the count meets the peaks measured on an H100 for a 13B model; for
 random caps, models and rates the search never picks a policy whose predicted device or host
 bytes exceed what it was given; the executor's count is stricter than FlexGen's formula (fewer
-resident layers under the same budget); pinned host storage is counted as torch rounds it; and
+resident layers under the same budget); the host bytes are what a block run's arena holds
+(exec/pinned_arena.py: counted and allocated on the CPU, with and without the pinned allocator's
+rounding, one chunk or many), 13B's host cache in 4 GiB chunks; and
 a policy's bound is never slower than the cost model's prediction, bound by the link where
 compute is free; with the CPU's attention the device holds the prompt's columns in its slots and no
 decode step's fp32 cache, the host the CPU's working set."""
@@ -12,11 +14,15 @@ import random
 import pytest
 import torch
 
+from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.offload_policy import search
 from batchmaker.core.zigzag import Placement
+from batchmaker.exec import pinned_arena
+from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
 from batchmaker.exec.offload_auto import Rates, bound, choose, hardware, model_shape, predict
-from batchmaker.exec.offload_memory import ModelBytes, footprint, pinned_size
+from batchmaker.exec.offload_memory import ModelBytes, footprint
+from batchmaker.exec.pinned_arena import arena_bytes
 
 GIB, MIB = 1 << 30, 1 << 20
 H100 = Rates(ctog=53e9, gtoc=52e9, mm_flops=600e12, cpu_flops=116e9, host_memory=60e9)
@@ -33,10 +39,42 @@ def test_the_count_meets_the_13b_peaks_measured_on_an_h100(gpu_batch, num_batche
     assert counted == pytest.approx(measured_gib, rel=0.03)  # (allocated; the reserve covers the rest)
 
 
-def test_pinned_host_storage_is_counted_as_torch_rounds_it():
-    assert pinned_size(89 * 10**6, pinned=True) == 128 * MIB
-    assert pinned_size(128 * MIB, pinned=True) == 128 * MIB and pinned_size(128 * MIB + 1, pinned=True) == 256 * MIB
-    assert pinned_size(89 * 10**6, pinned=False) == 89 * 10**6 and pinned_size(0, pinned=True) == 0
+@pytest.mark.parametrize("chunk", [None, 4096, 16384])  # (None: one chunk; 4 KiB: each K | V and hidden state
+# an allocation of its own)
+@pytest.mark.parametrize("rounds", [False, True])
+@pytest.mark.parametrize("placement", [Placement(True, True, True), Placement(False, True, False),
+                                       Placement(True, False, True), Placement(True, True, True, cpu_attention=True),
+                                       Placement(False, True, False, cpu_attention=True)], ids=str)
+def test_the_host_bytes_are_what_a_block_runs_arena_holds(monkeypatch, placement, rounds, chunk):
+    arenas = []
+
+    def recording(pin, build, **kwargs):
+        arena, built = holding(pin, build, rounds=rounds, **kwargs)
+        arenas.append(arena)
+        return arena, built
+    holding = pinned_arena.holding
+    monkeypatch.setattr(pinned_arena, "holding", recording)
+    if chunk:
+        monkeypatch.setattr(pinned_arena, "CHUNK_BYTES", chunk)
+    config, (gbs, nb, prompt, generate) = PRESETS["tiny-llama"], (2, 3, 8, 5)
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu", OffloadConfig(gbs, nb, placement))
+    executor.generate_block([[k + 1] * prompt for k in range(gbs * nb)], generate)
+    model = ModelBytes.of(config, torch.float32)
+    counted = footprint(model, gbs, nb, prompt, generate, 0.0, not placement.cache, not placement.hidden,
+                        pinned=rounds, host_weights=0.0, cpu_attention=placement.cpu_attention).host
+    cpu_working = model.decode_attention(gbs, prompt, generate) if placement.cpu_attention else 0  # (not the arena's)
+    (arena,) = arenas
+    assert counted - cpu_working == arena.reserved > 0
+
+
+def test_13bs_host_cache_takes_4_gib_chunks_not_a_power_of_two_a_tensor():
+    """A block of 4 x 32 prompts of 512 + 32: 160 K | V tensors of 356 MB, 12 a chunk, and 4 hidden
+    states in the last chunk's room: 14 chunks (56 GiB; a pinned allocation each took 82 GiB)."""
+    model = ModelBytes.of(PRESETS["llama-2-13b"], torch.bfloat16)
+    used = footprint(model, 32, 4, 512, 32, 0.0, False, False, pinned=True, host_weights=0.0)
+    assert used.host == 14 * 4 * GIB
+    unpinned = footprint(model, 32, 4, 512, 32, 0.0, False, False, host_weights=0.0)
+    assert unpinned.host == 14 * 4 * GIB  # (unpinned chunks of 4 GiB too: the same 14)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -108,7 +146,9 @@ def test_with_the_cpus_attention_the_slots_hold_the_prompt_and_the_host_the_work
     working = model.working(gbs, prompt, generate) - model.working(gbs, prompt, generate, decode_attends=False)
     assert moved.device - on_cpu.device == slots + working
     assert (working > 0) is (prompt == 1)  # (a short prompt's decode attention was the device's peak)
-    assert on_cpu.host - moved.host == model.decode_attention(gbs, prompt, generate) + sum(
-        pinned_size(n, True) for n in model.attention_staging(gbs))
+    storage = [(model.num_layers * nb, 2 * model.kv_tensor(gbs, prompt, generate)),
+               (nb, model.hidden_tensor(gbs, prompt))]
+    staging = arena_bytes(storage + [(1, n) for n in model.attention_staging(gbs)], True) - arena_bytes(storage, True)
+    assert on_cpu.host - moved.host == model.decode_attention(gbs, prompt, generate) + staging
     kept = footprint(model, gbs, nb, prompt, generate, 0.0, True, False, cpu_attention=True)  # (a cache on the device)
     assert kept == footprint(model, gbs, nb, prompt, generate, 0.0, True, False)

@@ -6,7 +6,9 @@ What the placement offloads lives in host storage between uses and moves through
 each streamed layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2
 weight buffers (the first `Placement.num_resident` layers keep theirs on the device, loaded once),
 each (layer, batch)'s KV cache (exec/offload_cache.py: optionally 4-bit) and each batch's hidden
-states into 3 batch buffers; a compute reads and writes device buffers only. What is not
+states into 3 batch buffers; a compute reads and writes device buffers only. A block's host tensors
+are views of one arena (exec/pinned_arena.py: a few large pinned allocations beside a GPU, not one
+rounded up to a power of two each), released with the block's run. What is not
 offloaded stays on the device (the embedding, the final norm and the head always do). On CUDA
 the loads and stores run on two side streams beside the compute on the current one, each slot
 closed by the host waiting on the streams it used (the schedule's `sync`); on a CPU device the moves run in
@@ -36,10 +38,11 @@ from torch import Tensor, nn
 
 from batchmaker.cells.decoder import DecoderLM
 from batchmaker.core.zigzag import ATTENTION_OPS, BATCH_BUFFERS, WEIGHT_BUFFERS, Op, Placement, zigzag
-from batchmaker.exec import offload_cache
+from batchmaker.exec import offload_cache, pinned_arena
 from batchmaker.exec.offload_attention import CpuAttention
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts, KVPair
 from batchmaker.exec.offload_weights import DEQUANTS, GROUP, HostWeights, default_dequant, layer_tensors
+from batchmaker.exec.pinned_arena import Empty
 from batchmaker.kernels.compress4 import Compressed, compress, decompress
 
 
@@ -179,23 +182,28 @@ class BlockRun:
     def __init__(self, executor: OffloadExecutor, batches: list[BatchPrompts], num_tokens: int):
         self.x, self.batches, self.num_tokens = executor, batches, num_tokens
         self.placement, self.moved = executor.config.placement, Moved()
-        c, device = executor.lm.config, executor.device
+        c = executor.lm.config
         rows, width = batches[0].tokens.shape
         cache_shape = (width + num_tokens - 1, rows, c.num_kv_heads, c.head_dim)
         slot_shape = (width, *cache_shape[1:]) if self.placement.cpu_attention else cache_shape  # (the prompt's
         # columns: no decode step brings the cache to the device)
         hidden_shape = (width, 2, rows, c.hidden_size)
         place = self.placement
-        # host storage of what is offloaded, device storage of what is not (per batch)
+        # host storage of what is offloaded (views of one arena a run: exec/pinned_arena.py), device storage of
+        # what is not (per batch)
         self.is_compressed = executor.config.compresses_cache  # (the host cache as 4-bit codes: offload_cache.py)
-        self.cache = [[self._kv(cache_shape, on_host=place.cache) for _ in batches] for _ in range(executor.num_layers)]
-        self.cache_staging = [self._codes(cache_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
+        self.arena, (cache, hidden, self.attention_staging) = pinned_arena.holding(
+            executor.is_cuda, lambda empty: self._host_storage(empty, cache_shape, hidden_shape, rows))
+        on_device = self._device_empty
+        self.cache = cache if place.cache else [[self._kv(cache_shape, on_device) for _ in batches]
+                                                for _ in range(executor.num_layers)]
+        self.cache_staging = [self._codes(cache_shape, on_device) for _ in range(BATCH_BUFFERS)] \
             if self.is_compressed else None
-        self.hidden = [self._empty(hidden_shape, on_host=place.hidden) for _ in batches]
-        self.cache_slots = [self._kv(slot_shape, on_host=False) for _ in range(BATCH_BUFFERS)] if place.cache else None
-        self.hidden_slots = [self._empty(hidden_shape, on_host=False) for _ in range(BATCH_BUFFERS)] \
+        self.hidden = hidden if place.hidden else [on_device(hidden_shape, executor.dtype) for _ in batches]
+        self.cache_slots = [self._kv(slot_shape, on_device) for _ in range(BATCH_BUFFERS)] if place.cache else None
+        self.hidden_slots = [on_device(hidden_shape, executor.dtype) for _ in range(BATCH_BUFFERS)] \
             if place.hidden else None
-        self.tokens = torch.zeros(len(batches), rows, num_tokens, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(len(batches), rows, num_tokens, dtype=torch.long, device=executor.device)
         self.used: set[str] = set()  # the side streams the next sync waits on (CUDA)
         self.pad_keys = [batch.pad_keys(cache_shape[0]) for batch in batches]  # [B, 1, S]: decode steps' masks
         self.step_inputs: list[tuple | None] = [None] * len(batches)  # (step, positions, rotate) of each batch
@@ -206,22 +214,29 @@ class BlockRun:
             embedded = executor.lm.embed(batch.tokens.t().flatten(), batch.positions(0))
             self.hidden[b][:, 0].copy_(embedded.view(width, rows, -1))
 
-    def _empty(self, shape, on_host: bool) -> Tensor:
-        x = self.x
-        device = "cpu" if on_host else x.device
-        return torch.empty(shape, dtype=x.dtype, device=device, pin_memory=on_host and x.is_cuda)
+    def _host_storage(self, empty: Empty, cache_shape: tuple, hidden_shape: tuple, rows: int) -> tuple:
+        """What the placement keeps on the host, every tensor from `empty`, in this order (the memory
+        model's, exec/offload_memory.py): the KV cache (by layer, then batch), the hidden states, the
+        CPU attention's staging; None for each kept on the device."""
+        x, place, n = self.x, self.placement, len(self.batches)
+        cache = [[self._kv(cache_shape, empty, on_host=True) for _ in range(n)] for _ in range(x.num_layers)] \
+            if place.cache else None
+        hidden = [empty(hidden_shape, x.dtype) for _ in range(n)] if place.hidden else None
+        staging = CpuAttention.staging(empty, x.lm.config, rows, x.dtype) if place.cpu_attention else None
+        return cache, hidden, staging
 
-    def _kv(self, shape, on_host: bool) -> KVPair | tuple[Compressed, Compressed]:
+    def _device_empty(self, shape: tuple, dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.x.device)
+
+    def _kv(self, shape, empty: Empty, on_host: bool = False) -> KVPair | tuple:
         if on_host and self.is_compressed:
-            return self._codes(shape, on_host)
+            return self._codes(shape, empty)
         if self.is_compressed:  # (a device slot a load expands codes into: K and V apart)
-            return self._empty(shape, on_host), self._empty(shape, on_host)
-        return KVPair(self._empty((shape[0], 2, *shape[1:]), on_host))
+            return empty(shape, self.x.dtype), empty(shape, self.x.dtype)
+        return KVPair(empty((shape[0], 2, *shape[1:]), self.x.dtype))
 
-    def _codes(self, shape, on_host: bool) -> tuple[Compressed, Compressed]:
-        x = self.x
-        device, pin = ("cpu", x.is_cuda) if on_host else (x.device, False)
-        return tuple(offload_cache.empty_codes(shape, x.dtype, device, pin) for _ in range(2))
+    def _codes(self, shape, empty: Empty) -> tuple[Compressed, Compressed]:
+        return tuple(offload_cache.empty_codes(shape, self.x.dtype, empty) for _ in range(2))
 
     # the operations ---------------------------------------------------------------------------
     def carry_out(self, ops: list[Op]) -> None:

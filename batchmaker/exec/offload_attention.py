@@ -23,7 +23,8 @@ attends (its compute resumes with the output), and the CPU's attention of one ba
 overlap the device's compute of another (that would take the layer's forward cut in two at its
 attention: two operations of the schedule instead of one compute).
 
-Staging: one pinned q | k | v [B, Hq + 2 Hkv, D] and one output [B, Hq, D] per block, reused by
+Staging: one pinned q | k | v [B, Hq + 2 Hkv, D] and one output [B, Hq, D] per block (`staging`, views of
+the block's host arena: exec/pinned_arena.py), reused by
 every (layer, batch): the next `store_qkv` waits for the stream, so the previous output's copy has
 left the buffer before the CPU writes it again; and the fp32 K and V the CPU attends over, one
 workspace each [B, Hkv, S, D] (FlexGen keeps fp32 workspaces too: the CPU's half-precision
@@ -32,8 +33,10 @@ matmuls are slow), reused by every (layer, batch).
 import torch
 from torch import Tensor
 
+from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.core.zigzag import ATTENTION_OPS, Op
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
+from batchmaker.exec.pinned_arena import Empty
 
 
 class CpuAttention:
@@ -43,8 +46,7 @@ class CpuAttention:
         self.run, self.config, self.device = run, c, x.device
         self.sizes = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
         rows = batches[0].tokens.shape[0]
-        self.qkv = torch.empty(rows, sum(self.sizes), c.head_dim, dtype=x.dtype, pin_memory=x.is_cuda)
-        self.out = torch.empty(rows, c.num_heads, c.head_dim, dtype=x.dtype, pin_memory=x.is_cuda)
+        self.qkv, self.out = run.attention_staging  # (host tensors of the block's arena)
         self.batches = [BatchPrompts(b.tokens.cpu(), b.pads.cpu(), b.last) for b in batches]  # (masks on the CPU)
         columns = run.cache[0][0][0].shape[0]  # S
         self.pad_keys = [b.pad_keys(columns) for b in self.batches]  # (each decode step's mask: a slice)
@@ -52,6 +54,13 @@ class CpuAttention:
         self.stream = torch.cuda.Stream(x.device) if x.is_cuda else None
         self.pending: tuple[Tensor, Tensor, Tensor] | None = None  # the layer's q, k, v (device)
         self.result: Tensor | None = None  # the output, on the device
+
+    @staticmethod
+    def staging(empty: Empty, config: DecoderConfig, rows: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The host's q | k | v [B, Hq + 2 Hkv, D] and output [B, Hq, D] of a block's decode steps."""
+        c = config
+        return (empty((rows, c.num_heads + 2 * c.num_kv_heads, c.head_dim), dtype),
+                empty((rows, c.num_heads, c.head_dim), dtype))
 
     def attend(self, compute: Op):
         """The `Attend` of `compute`'s layer: the schedule's three attention operations, then the output."""

@@ -17,7 +17,7 @@ device by whole layers (fractions k / layers: `Placement.weights_gpu`, resident 
 against the device budget), the KV cache and hidden states wholly on the host or the device
 (fractions 0 or 1; no disk), so a policy maps onto a `Placement` exactly. What a policy takes of
 each memory is the executor's own count (exec/offload_memory.py: its buffers, slots, working set
-and reserve, the host's pinned rounding), not FlexGen's formula, so that a budget can be a cap.
+and reserve, the host arena's chunks), not FlexGen's formula, so that a budget can be a cap.
 `bound` states the policy's bound: the slowest of the host link, host memory, the GPU and (with
 cpu_attention) the CPU, each busy for its own share of a step (the cost model's terms, overlapped
 perfectly; the executor runs the CPU's attention and the GPU's compute one after the other, which

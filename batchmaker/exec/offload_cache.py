@@ -14,6 +14,7 @@ elsewhere (`reference`).
 import torch
 from torch import Tensor
 
+from batchmaker.exec.pinned_arena import Empty
 from batchmaker.kernels.compress4 import Compressed, compress_rows, expand
 
 KV_GROUP = 64  # FlexGen's group size
@@ -24,14 +25,13 @@ def kv_group(head_dim: int) -> int:
     return KV_GROUP if head_dim % KV_GROUP == 0 else head_dim
 
 
-def empty_codes(shape: tuple, dtype: torch.dtype, device, pin: bool = False) -> Compressed:
-    """Storage for the codes of a [S, B, Hkv, D] cache grouped along D."""
+def empty_codes(shape: tuple, dtype: torch.dtype, empty: Empty) -> Compressed:
+    """Storage for the codes of a [S, B, Hkv, D] cache grouped along D, each tensor from `empty`
+    (a device's, or the block's host arena: exec/pinned_arena.py)."""
     group = kv_group(shape[-1])
     lead = (*shape[:-1], shape[-1] // group)
-    return Compressed(torch.empty(*lead, group // 2, dtype=torch.uint8, device=device, pin_memory=pin),
-                      torch.empty(*lead, 1, dtype=dtype, device=device, pin_memory=pin),
-                      torch.empty(*lead, 1, dtype=dtype, device=device, pin_memory=pin), tuple(shape), len(shape) - 1,
-                      group)
+    return Compressed(empty((*lead, group // 2), torch.uint8), empty((*lead, 1), dtype), empty((*lead, 1), dtype),
+                      tuple(shape), len(shape) - 1, group)
 
 
 def columns(c: Compressed, start: int, end: int) -> Compressed:

@@ -17,12 +17,13 @@ buffers; the executor also holds, on the device:
     reserve    what no policy shapes: cuBLAS workspaces, the caching allocator's 2 MiB rounding and
                the gap between what is allocated and what it reserves (`CUDA_RESERVE` on a GPU; the
                cap bounds what it reserves)
-and on the host: the block's cache and hidden states where offloaded, each (layer, batch) tensor
-pinned beside a GPU, which torch's host allocator rounds up to a power of two (so an 89 MB
-tensor takes 128 MB), the weights' host copy (the streamed share, FlexGen's count, unless the
-caller says what it holds), and with `cpu_attention` the CPU's decode working set (a batch's fp32
-K, V and scores) and the pinned q | k | v and output staging (exec/offload_attention.py). 4-bit staging (compress=) is not counted: the search does not model
-compression.
+and on the host: the block's arena (exec/pinned_arena.py, `arena_bytes`: its chunks, each rounded
+up to a power of two by torch's pinned allocator beside a GPU, with what each chunk's tail wastes)
+holding, in the executor's order, the cache's (layer, batch) tensors and the hidden states where
+offloaded and with `cpu_attention` the q | k | v and output staging (exec/offload_attention.py);
+the weights' host copy (the streamed share, FlexGen's count, unless the caller says what it
+holds); and with `cpu_attention` the CPU's decode working set (a batch's fp32 K, V and scores, not
+pinned). A 4-bit cache (compress=) is not counted: the search does not model compression.
 """
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ import torch
 from batchmaker.cells.decoder import empty_decoder
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS
+from batchmaker.exec.pinned_arena import arena_bytes
 
 CUDA_RESERVE = 1 << 30  # bytes: the measured 13B peaks (allocated) sat within 1% of the count; reserved
 # runs above allocated by the allocator's segments and fragmentation (an estimate, checked by bench/offload.py)
@@ -91,11 +93,6 @@ class ModelBytes:
         return (self.num_heads + 2 * self.num_kv_heads) * per_head, self.num_heads * per_head
 
 
-def pinned_size(nbytes: int, pinned: bool) -> int:
-    """What the host gives for an allocation of `nbytes`: torch's pinned allocator rounds up to a power of two."""
-    return 1 << max(nbytes - 1, 0).bit_length() if pinned and nbytes else nbytes
-
-
 def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, wg: np.ndarray,
           cache_on_device: np.ndarray, hidden_on_device: np.ndarray, reserve: float = 0.0, pinned: bool = False,
           host_weights: float | None = None, cpu_attention: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -116,12 +113,11 @@ def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, gene
               + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * slot)
               + np.where(hidden_on > 0, num_batches * hidden, BATCH_BUFFERS * hidden)
               + num_batches * gpu_batch * (prompt + generate) * 8)  # (prompts and tokens, int64)
-    kv_host = model.num_layers * num_batches * pinned_size(kv, pinned)  # (K and V one tensor: exec/offload_block.KVPair)
+    kv_host = np.where(cache_on > 0, 0, model.num_layers * num_batches)  # (K and V one tensor: offload_block.KVPair)
+    staging = [(on_cpu.astype(int), n) for n in model.attention_staging(gpu_batch)]
+    arena = arena_bytes([(kv_host, kv), (np.where(hidden_on > 0, 0, num_batches), hidden), *staging], pinned)
     weights = (model.num_layers - resident) * model.layer if host_weights is None else np.full_like(wg, host_weights)
-    cpu_working = model.decode_attention(gpu_batch, prompt, generate) + sum(
-        pinned_size(n, pinned) for n in model.attention_staging(gpu_batch))
-    host = (weights + np.where(cache_on > 0, 0, kv_host) + np.where(on_cpu, cpu_working, 0)
-            + np.where(hidden_on > 0, 0, num_batches * pinned_size(hidden, pinned)))
+    host = weights + arena + np.where(on_cpu, model.decode_attention(gpu_batch, prompt, generate), 0)
     return device, host
 
 
