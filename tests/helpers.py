@@ -91,6 +91,15 @@ def wait_until(predicate, timeout=10.0):
         time.sleep(0.002)
 
 
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def submit_concurrently(engine, model_name, inputs_list, seed, num_threads=4):
     """Submit from several threads with random gaps so requests join running work mid-flight."""
     futures: list = [None] * len(inputs_list)

@@ -135,7 +135,8 @@ def test_gemma2_served_through_the_kernel_in_the_interpreter(tmp_path):
     of 16, a cap of 0.5 that binds), each layer's window and the cap passed by PagedAttend; greedy
     tokens equal transformers' (fp32), prompts arriving together (chunks beside decodes)."""
     pytest.importorskip("transformers")
-    from test_gemma import assert_sent_at_once_equal_hf, save
+    from test_gemma import save
+    from test_generation import assert_sent_at_once_equal_hf
     seen = []
 
     def kernel(*args, **kw):

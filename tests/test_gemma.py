@@ -11,10 +11,9 @@ import random
 import pytest
 import torch
 from helpers import passes_gpu_checks, save_perturbed
-from test_generation import hf_greedy, run_until
+from test_generation import assert_sent_at_once_equal_hf, hf_greedy
 from test_tensor_parallel_engine import serve
 
-from batchmaker import Engine
 from batchmaker.cells.checkpoint import load_checkpoint
 from batchmaker.cells.decoder import build_decoder, empty_decoder, materialize
 from batchmaker.cells.decoder_config import from_hf, layer_windows, num_parameters
@@ -111,26 +110,6 @@ def test_served_tokens_equal_transformers(family, tp, pp, tmp_path):
 def test_requests_sent_at_once(family, tmp_path):
     """Mixed prompt lengths submitted together: iterations of several prompt chunks and decodes."""
     assert_sent_at_once_equal_hf(save(family, tmp_path), tmp_path)
-
-
-def assert_sent_at_once_equal_hf(hf, path, attention=None) -> None:
-    """Six prompts of mixed lengths submitted together to an engine serving the checkpoint at
-    `path` (its runners' attention replaced by `attention` where given): every greedy token equals
-    transformers' for each prompt alone."""
-    rng = random.Random(5)
-    requests = [{"tokens": [rng.randrange(4, 512) for _ in range(length)], "max_new_tokens": 6, "ignore_eos": True}
-                for length in (3, 70, 17, 40, 1, 33)]
-    engine = Engine([build_model("llama", checkpoint=str(path), max_tokens=48)]).start(thread=False)
-    try:
-        if attention is not None:
-            for runner in engine.workers[0].iterations.values():
-                runner.attention = attention
-        futures = [engine.submit("llama", inputs) for inputs in requests]
-        run_until(engine, lambda: all(f.done() for f in futures))
-        for future, inputs in zip(futures, requests):
-            assert future.result(0).outputs["tokens"] == hf_greedy(hf, inputs["tokens"], 6)
-    finally:
-        engine.stop()
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])

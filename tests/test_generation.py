@@ -78,6 +78,26 @@ def engine_for(path: str, family: str, **options):
     return Engine([model]).start(thread=False), model
 
 
+def assert_sent_at_once_equal_hf(hf, path, attention=None, family: str = "llama", **options) -> None:
+    """Six prompts of mixed lengths submitted together to an engine serving the checkpoint at
+    `path` as `family` with `options` (tensor_parallel=2, ...; its runners' attention replaced by
+    `attention` where given): every greedy token equals transformers' for each prompt alone."""
+    rng = random.Random(5)
+    requests = [{"tokens": [rng.randrange(4, 512) for _ in range(length)], "max_new_tokens": 6, "ignore_eos": True}
+                for length in (3, 70, 17, 40, 1, 33)]
+    engine = Engine([build_model(family, checkpoint=str(path), max_tokens=48, **options)]).start(thread=False)
+    try:
+        if attention is not None:
+            for runner in engine.workers[0].iterations.values():
+                runner.attention = attention
+        futures = [engine.submit(family, inputs) for inputs in requests]
+        run_until(engine, lambda: all(f.done() for f in futures))
+        for future, inputs in zip(futures, requests):
+            assert future.result(0).outputs["tokens"] == hf_greedy(hf, inputs["tokens"], 6)
+    finally:
+        engine.stop()
+
+
 def test_greedy_equals_hf_with_random_arrivals(checkpoint):
     family, path, hf = checkpoint
     engine, _ = engine_for(path, family, max_tokens=24, num_blocks=64)

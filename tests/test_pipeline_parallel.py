@@ -16,8 +16,8 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.cells.pipeline import PendingTokens, StageCut, check_stages, pack_scores, stage_bounds, unpack_scores
 from batchmaker.registry import build_model
-from test_generation import hf_greedy, step
-from test_tensor_parallel_engine import converse_and_cancel, kill_a_rank, serve, workload
+from test_generation import assert_sent_at_once_equal_hf, hf_greedy, step
+from test_tensor_parallel_engine import TINY_HF, converse_and_cancel, kill_a_rank, save_tiny, serve, workload
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,6 +78,13 @@ def test_three_stages_follow_hf(tmp_path):
     got = serve(build_model("llama", checkpoint=str(tmp_path), max_tokens=48, pipeline_parallel=3), requests, seed=5)
     for tokens, (_, inputs) in zip(got, requests):
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+@pytest.mark.parametrize("name", list(TINY_HF))
+def test_two_stages_follow_hf_for_requests_sent_at_once(name, tmp_path):
+    hf = save_tiny(name, tmp_path)
+    assert_sent_at_once_equal_hf(hf, tmp_path, family=TINY_HF[name][0], pipeline_parallel=2)
+    assert not multiprocessing.active_children()
 
 
 def test_a_conversation_and_a_cancel_in_two_stages():

@@ -26,7 +26,7 @@ from batchmaker.replica import rows_of
 from batchmaker.replica_routing import DEAD, spread
 from batchmaker.replica_wire import Report, columns, decode, encode
 from batchmaker.replicas import Replicas, ReplicasConfig
-from helpers import sharp_seq2seq, submit_concurrently, wait_idle, wait_until
+from helpers import is_running, sharp_seq2seq, submit_concurrently, wait_idle, wait_until
 from reference import seq2seq_reference
 from test_models import assert_same, lstm_case, treelstm_case
 
@@ -211,15 +211,6 @@ def test_replicas_exit_when_their_front_process_is_killed():
         wait_until(lambda: not any(is_running(pid) for pid in pids), timeout=10)
     finally:
         front.kill()
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_replica_fails_its_requests_within_seconds_and_the_others_keep_serving():

@@ -1,7 +1,9 @@
 """Tensor-parallel decoders through the engine (exec/tensor_group.py): rank 0 plans, the other ranks
 are processes the engine starts (gloo on the CPU), and every rank runs the same plans. Tokens must
-be those of one rank and of HF transformers, under continuous batching, for conversations, with
-cancels; a rank that dies fails the requests instead of hanging; stopping leaves no process."""
+be those of one rank and of HF transformers (Llama with as many kv heads as heads or fewer than the
+ranks, OPT), under continuous batching, for conversations, with cancels; an LSTM and a TreeLSTM
+served beside keep their outputs; a rank that dies fails the requests instead of hanging; stopping
+leaves no process."""
 import multiprocessing
 import random
 import time
@@ -12,11 +14,17 @@ import torch
 from batchmaker import Engine, EngineConfig
 from batchmaker.errors import BatchMakerError, CancelledError
 from batchmaker.registry import build_model
-from test_generation import drive, hf_greedy, step
+from helpers import save_perturbed, wait_idle
+from test_generation import HF, assert_sent_at_once_equal_hf, drive, hf_greedy, step
+from test_models import assert_same, lstm_case, treelstm_case
 
 transformers = pytest.importorskip("transformers")
 
 from batchmaker.cells.decoder_config import PRESETS, to_hf  # noqa: E402
+
+TINY_HF = {"llama-mha": ("llama", {"num_key_value_heads": 4}),  # (as many kv heads as heads)
+           "llama-one-kv": ("llama", {"num_key_value_heads": 1}),  # (fewer than the ranks: replicated)
+           "opt": ("opt", {})}
 
 
 def workload(rng: random.Random, family: str, n: int = 10) -> list:
@@ -66,6 +74,21 @@ def test_replicated_kv_heads_follow_hf(one_kv_head):
     two = serve(build_model("llama", checkpoint=path, max_tokens=48, tensor_parallel=2), requests, seed=6)
     for tokens, (_, inputs) in zip(two, requests):
         assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+def save_tiny(name: str, path) -> torch.nn.Module:
+    """The tiny preset of TINY_HF[name]'s family as a HF model, every weight perturbed (OPT's biases
+    too), saved as users have it."""
+    family, change = TINY_HF[name]
+    config_class, model_class = (getattr(transformers, n) for n in HF[family])
+    return save_perturbed(config_class, model_class, {**to_hf(PRESETS[f"tiny-{family}"]), **change}, path)
+
+
+@pytest.mark.parametrize("name", list(TINY_HF))
+def test_two_ranks_follow_hf_for_requests_sent_at_once(name, tmp_path):
+    hf = save_tiny(name, tmp_path)
+    assert_sent_at_once_equal_hf(hf, tmp_path, family=TINY_HF[name][0], tensor_parallel=2)
+    assert not multiprocessing.active_children()
 
 
 def converse_and_cancel(engine) -> tuple:
@@ -152,6 +175,40 @@ def test_two_groups_and_a_second_worker_in_one_engine():
     assert not multiprocessing.active_children()
     one = [serve(build_model(model, seed=2, max_tokens=48), [(model, inputs)], seed=0)[0] for model, inputs in requests]
     assert two == one
+
+
+def test_lstm_and_treelstm_beside_two_ranks_in_one_engine():
+    """The RNN and tree models keep a worker on each device beside a tensor-parallel decoder on the
+    first: requests to the three interleaved, each RNN output that of the request run alone (batched
+    all the same), the decoder's tokens those of one rank."""
+    rng = random.Random(8)
+    lstm, lstm_inputs, lstm_reference = lstm_case(rng)
+    tree, tree_inputs, tree_reference = treelstm_case(rng)
+    decoder = workload(random.Random(9), "llama", n=8)
+    arrivals = [("lstm", i) for i in lstm_inputs[:40]] + [("treelstm", i) for i in tree_inputs[:20]] + decoder
+    rng.shuffle(arrivals)
+    models = [lstm, tree, build_model("llama", seed=2, max_tokens=48, tensor_parallel=2)]
+    engine = Engine(models, EngineConfig(devices=("cpu", "cpu"))).start()
+    try:
+        futures = []
+        for model, inputs in arrivals:
+            futures.append(engine.submit(model, inputs))
+            time.sleep(rng.random() * 0.002)  # (requests join running work mid-flight)
+        outputs = [f.result(60).outputs for f in futures]
+        stats = wait_idle(engine)
+    finally:
+        engine.stop()
+    assert not multiprocessing.active_children()
+    references = {"lstm": (lstm, lstm_reference), "treelstm": (tree, tree_reference)}
+    for (model, inputs), out in zip(arrivals, outputs):
+        if model in references:
+            built, reference = references[model]
+            assert_same(out, reference(built, inputs))
+    served = [(inputs, out["tokens"]) for (model, inputs), out in zip(arrivals, outputs) if model == "llama"]
+    one = serve(build_model("llama", seed=2, max_tokens=48), [("llama", inputs) for inputs, _ in served], seed=0)
+    assert [tokens for _, tokens in served] == one
+    for name in ("lstm/", "treelstm/", "llama/"):  # (keys "model/cell:batch size")
+        assert max(int(k.rsplit(":", 1)[1]) for k in stats["batch_sizes"] if k.startswith(name)) > 1, name
 
 
 def test_an_iteration_that_fails_on_rank_0_breaks_the_group_at_once():

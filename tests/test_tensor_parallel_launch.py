@@ -2,7 +2,8 @@
 --nproc-per-node 2 -m batchmaker.serving.cli serve ...`, the same command in both processes,
 exactly as on several hosts (exec/tensor_launch.py), here on one host with gloo. Rank 0 serves over ZeroMQ and plans;
 rank 1 runs its plans. The tokens are those of one rank in one process; stopping torchrun leaves
-no process behind."""
+no process behind. Without a launcher `batchmaker serve` starts the other ranks itself: the same
+checks, from the command line."""
 import json
 import os
 import random
@@ -18,8 +19,9 @@ import pytest
 from batchmaker.launch import launched
 from batchmaker.registry import build_model
 from batchmaker.serving.cli import main
-from helpers import ipc_address
-from test_tensor_parallel_engine import serve, workload
+from helpers import ipc_address, is_running, wait_until
+from test_generation import hf_greedy
+from test_tensor_parallel_engine import save_tiny, serve, workload
 
 pytest.importorskip("zmq")
 
@@ -40,6 +42,53 @@ def processes_naming(text: str) -> list[int]:
         except OSError:
             pass
     return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of the processes below `pid` (its children, theirs, ...), read from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except OSError:
+            pass
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found += frontier
+    return found
+
+
+def test_serve_starts_the_ranks_itself_and_sigterm_stops_every_one(capsys, tmp_path):
+    """One host, no launcher: `batchmaker serve` starts rank 1 itself (CPU ranks, gloo), an LSTM
+    served beside; the tokens are HF's for a checkpoint each rank reads its slices of, and SIGTERM
+    ends the server and every process it started."""
+    hf = save_tiny("llama-one-kv", tmp_path)
+    address = ipc_address()
+    command = [sys.executable, "-m", "batchmaker.serving.cli", "serve", "--models", "lstm,llama", "--set",
+               "lstm.hidden=8", "--set", "lstm.embed=8", "--set", f"llama.checkpoint={tmp_path}", "--set",
+               "llama.max_tokens=48", "--set", "llama.tensor_parallel=2", "--devices", "cpu,cpu", "--address", address]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    requests = [r for r in workload(random.Random(4), "llama", n=6) if "temperature" not in r[1]]
+    try:
+        assert main(["client", "health", "--address", address, "--timeout", "120"]) == 0
+        started = descendants(proc.pid)
+        assert any(b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in started)  # (rank 1)
+        capsys.readouterr()
+        for _, inputs in requests:
+            assert main(["client", "infer", "llama", json.dumps(inputs), "--address", address]) == 0
+            tokens = json.loads(capsys.readouterr().out)["outputs"]["tokens"]
+            assert tokens == hf_greedy(hf, inputs["tokens"], inputs["max_new_tokens"])
+        assert main(["client", "infer", "lstm", '{"tokens": [5, 6]}', "--address", address]) == 0
+        assert len(json.loads(capsys.readouterr().out)["outputs"]["h"]) == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "serving lstm, llama on ipc://" in proc.stderr.read()
+    finally:
+        proc.kill()
+    wait_until(lambda: not any(is_running(pid) for pid in started), timeout=10)
 
 
 @pytest.mark.parametrize("parallel", [("tensor_parallel",), ("pipeline_parallel",),
