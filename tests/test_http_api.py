@@ -6,7 +6,8 @@ Completions and chat, whole and streamed (the same text for the same seed), thei
 process's and two pipeline stages'), n choices, stop strings across token boundaries, 64
 concurrent streams, the chat prompt of transformers' apply_chat_template, bad requests in OpenAI's
 error format, the API key, a client that leaves mid-stream (its sequence freed, seen through
-/metrics), draining, and `batchmaker serve --http`.
+/metrics), draining, and `batchmaker serve --http`; each against a server without and with automatic
+prefix caching (the default of `serve --http`).
 """
 import asyncio
 import json
@@ -67,15 +68,22 @@ class Served:
         return 0.0
 
     def is_idle(self) -> bool:
+        """No sequence runs or waits, and the only KV blocks in use are idle contexts' (prefix caching's)."""
         return (self.metric("batchmaker_running_sequences", model="llama") == 0
                 and self.metric("batchmaker_waiting_sequences", model="llama") == 0
-                and self.metric("batchmaker_kv_blocks_used", model="llama") == 0)
+                and self.metric("batchmaker_kv_blocks_used", model="llama")
+                == self.metric("batchmaker_kv_blocks_cached", model="llama"))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    checkpoint = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    model = build_model("llama", checkpoint=str(checkpoint), num_blocks=256)
+def checkpoint(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "prefix-caching"])
+def served(checkpoint, request):
+    """The tiny model behind the front, without and with automatic prefix caching (`serve --http`'s default)."""
+    model = build_model("llama", checkpoint=str(checkpoint), num_blocks=256, prefix_caching=request.param)
     with Engine([model]) as engine, HttpFront(engine, HttpConfig(port=0)) as front:
         yield Served(engine, front, checkpoint)
 
@@ -324,14 +332,14 @@ def test_stop_drains_running_streams_then_cancels_them(served):
 
 
 # the command line ---------------------------------------------------------------------------------
-def test_batchmaker_serve_http_beside_zeromq(served):
+def test_batchmaker_serve_http_beside_zeromq(checkpoint):
     from batchmaker.serving.cli import main
     from batchmaker.serving.client import Client
 
     assert main(["serve", "--models", "llama", "--http", "0.0.0.0:8000"]) == 2  # beyond loopback: a key
     address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
     proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address, "--models",
-                             "llama", "--set", f"llama.checkpoint={served.checkpoint}", "--set", "num_blocks=64",
+                             "llama", "--set", f"llama.checkpoint={checkpoint}", "--set", "num_blocks=64",
                              "--http", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
     try:
         url = None
