@@ -180,6 +180,26 @@ def test_streamed_text_equals_the_whole_reply_and_n_choices_differ(served, kind)
         assert first.choices[0].delta.role == "assistant" and first.object == "chat.completion.chunk"
 
 
+def test_every_request_is_timed_streamed_or_not(served):
+    """TTFT once per choice and an inter-token gap per later token, whether the tokens streamed
+    (timed as they reach the front) or came in one reply (the engine's first-token instant and mean gap)."""
+    def histogram(name: str) -> tuple[float, float]:
+        return served.metric(f"{name}_count", model="llama"), served.metric(f"{name}_sum", model="llama")
+
+    ttft, itl = histogram("batchmaker_time_to_first_token_seconds"), histogram("batchmaker_inter_token_latency_seconds")
+    options = dict(max_tokens=6, temperature=0, extra_body=LONG)
+    started = time.perf_counter()
+    create(served.client(), "completion", **options)
+    assert histogram("batchmaker_time_to_first_token_seconds")[0] == ttft[0] + 1  # (the whole reply's)
+    assert histogram("batchmaker_inter_token_latency_seconds")[0] == itl[0] + 5
+    streamed(create(served.client(), "chat", stream=True, **options))
+    elapsed = time.perf_counter() - started
+    (ttft_count, ttft_sum), (itl_count, itl_sum) = (histogram("batchmaker_time_to_first_token_seconds"),
+                                                    histogram("batchmaker_inter_token_latency_seconds"))
+    assert (ttft_count, itl_count) == (ttft[0] + 2, itl[0] + 2 * 5)
+    assert 0 < ttft_sum - ttft[1] < elapsed and 0 < itl_sum - itl[1] < elapsed
+
+
 def test_a_stop_string_across_a_token_boundary_ends_the_choice_and_frees_it(served):
     client = served.client()
     options = dict(max_tokens=120, temperature=1.0, seed=99, extra_body=LONG)
