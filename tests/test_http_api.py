@@ -266,6 +266,10 @@ def test_64_concurrent_streams_equal_their_whole_replies(served):
     ("completions", b'{"model": "llama", "prompt": "hi", "frequency_penalty": 2}', 400, "frequency_penalty",
      "unsupported_parameter"),
     ("completions", b'{"model": "llama", "prompt": "hi", "beam_width": 2}', 400, "beam_width", None),
+    ("chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "hi", "bogus": 1}]}', 400,
+     "messages[0].bogus", None),
+    ("chat/completions", b'{"model": "llama", "messages": [{"role": "tool", "content": "1", "tool_call_id": "c"}]}',
+     400, "messages[0].tool_call_id", "unsupported_parameter"),
 ])
 def test_a_bad_request_gets_its_status_and_an_openai_error(served, route, body, status, param, code):
     got, reply = post(f"{served.front.url}/v1/{route}", body)
