@@ -184,3 +184,15 @@ def test_logprobs_become_the_engines_input():
     request = parse("text_completion", {**TEXT, "logprobs": 0})
     assert request.logprobs == 0 and request.engine_inputs(0)["logprobs"] == 0
     assert "logprobs" not in parse("text_completion", TEXT).engine_inputs(0)
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_where_a_character_is_split():
+    from batchmaker.serving.openai_replies import Replies
+
+    ids = TOKENIZER.encode("🙂 é", add_special_tokens=False).ids  # (byte tokens: 🙂 is four, é two)
+    scores = [(t, -0.5, [[t, -0.5], [EOS, -3.0]]) for t in ids]
+    replies = Replies(parse("chat.completion", {**CHAT, "logprobs": True, "top_logprobs": 2}))
+    content = replies.logprobs(0, scores)["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]) == "🙂 é".encode()
+    assert content[0]["bytes"] == [0xF0] and content[0]["token"] == "\ufffd"  # (its text alone: U+FFFD)
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
