@@ -1,13 +1,27 @@
 """Streaming text out of streamed tokens: incremental detokenization that hands out whole
-characters only, and stop strings matched across token boundaries.
+characters only, stop strings matched across token boundaries, and each token's own bytes.
 
 A byte-level BPE token may end inside a multi-byte UTF-8 character ("🙂" can be four tokens of
 one byte each); its text is held until the tokens that complete the character arrive. A stop
 string may span tokens ("END" as "E" + "ND"); text that could still become one is held until the
 next text proves it does not.
 """
+import json
+import re
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one byte
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes byte b as a character: printable Latin-1 as itself, the other
+    bytes from U+0100 on in byte order. Character -> byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 class IncrementalDetokenizer:
@@ -91,3 +105,33 @@ class StopMatcher:
                     longest = k
                     break
         return longest
+
+
+class TokenBytes:
+    """A token's own bytes (OpenAI's logprobs `bytes`), also where it ends inside a UTF-8 character
+    and its text alone is U+FFFD: for a byte-level BPE (GPT-2's, Llama 3's), its vocabulary
+    string's characters mapped back to bytes; for byte fallback (Llama 2's), `<0xNN>` is byte NN.
+    Other tokens, and added ones, are whole characters: their decoded text's UTF-8."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # a `tokenizers.Tokenizer`
+        decoder = tokenizer.decoder
+        kinds = _kinds(json.loads(decoder.__getstate__())) if decoder is not None else set()
+        self.is_byte_level = "ByteLevel" in kinds
+        self.has_byte_fallback = "ByteFallback" in kinds
+        self.added = set(tokenizer.get_added_tokens_decoder())  # (written as their content, not as bytes)
+
+    def __call__(self, token: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token)
+        if piece is not None and token not in self.added:
+            if self.is_byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+            match = _BYTE_TOKEN.fullmatch(piece) if self.has_byte_fallback else None
+            if match is not None:
+                return bytes([int(match[1], 16)])
+        return self.tokenizer.decode([token]).encode()
+
+
+def _kinds(decoder: dict) -> set[str]:
+    """The types of a decoder's JSON and of the decoders of a Sequence."""
+    return {decoder.get("type"), *(k for d in decoder.get("decoders", ()) for k in _kinds(d))}

@@ -259,7 +259,7 @@ class GenerativeModel(Finisher):
             s = int(slots[i])
             generated = q.tokens[s, q.prompt_len[s]:q.length[s]].tolist()
             self._resolve(owners[i], generated, "stop" if stopped[i] else "length", float(q.joined[s]),
-                          q.conversation[s])
+                          q.conversation[s], float(q.first[s]))
 
     def _score(self, q: Sequences, slots: np.ndarray, owners: np.ndarray, logprobs: tuple) -> dict:
         """Each asking sequence's (logprob, [[id, logprob] of its top k]) of this token, kept for its reply."""
@@ -280,9 +280,11 @@ class GenerativeModel(Finisher):
         text = self._texts.get(owner)
         return None if text is None else text.add(token)
 
-    def _resolve(self, owner, generated: list, reason: str, first: float, conversation=None) -> None:
+    def _resolve(self, owner, generated: list, reason: str, first: float, conversation=None,
+                 first_token: float | None = None) -> None:
         """Resolve `owner`'s future; `first`: its first cell's instant (when it joined a slot), so
-        the timing splits waiting for a slot and blocks (queueing) from prefill + decode."""
+        the timing splits waiting for a slot and blocks (queueing) from prefill + decode;
+        `first_token`: when its first token was sampled (time to first token)."""
         if owner._done:
             return
         outputs = {"tokens": generated, "finish_reason": reason}
@@ -300,7 +302,7 @@ class GenerativeModel(Finisher):
             outputs["logprobs"], outputs["top_logprobs"] = scored
         now = time.perf_counter()
         self.accounting.finished(owner, now - owner.arrival)
-        owner.set_result(Result(outputs, None, (owner.arrival, first, now)))
+        owner.set_result(Result(outputs, None, (owner.arrival, first, now, first_token)))
 
 
 

@@ -165,3 +165,15 @@ def test_a_tensor_parallel_decoders_ranks_must_be_in_devices():
     with pytest.raises(UsageError, match="tensor_parallel=2 pipeline_parallel=2: .* cuda:0 to cuda:3; "
                                          "--devices lacks cuda:2, cuda:3"):
         check_rank_devices("llama", "cuda:0", 2, ("cuda:0", "cuda:1"), 2)
+
+
+@pytest.mark.parametrize("http, items, want", [
+    (True, [], True),  # served over HTTP: OpenAI clients resend their history
+    (True, ["llama.prefix_caching=false"], False),  # told otherwise
+    (True, ["prefix_caching=false"], False),
+    (False, [], False),  # ZeroMQ only: the factory's default
+])
+def test_decoders_served_over_http_get_prefix_caching_unless_told_otherwise(http, items, want):
+    from batchmaker.serving.cli_models import load_models
+    models = load_models(["llama", "lstm"], items, ("cpu",), http=http)
+    assert [c.kv.prefix_caching for m in models for c in m.cells.values() if hasattr(c, "kv")] == [want]

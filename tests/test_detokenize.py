@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
-from batchmaker.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher  # noqa: E402
+from batchmaker.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher, TokenBytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from tiny_checkpoint import train_tokenizer  # noqa: E402
@@ -51,6 +51,27 @@ def test_deltas_make_up_the_decode_of_any_token_list(ids):
 @given(st.text(alphabet="ab é🙂\n", max_size=30))
 def test_text_from_valid_utf8_never_streams_a_replacement_character(text):
     assert not any(REPLACEMENT in p for p in deltas(TOKENIZER.encode(text, add_special_tokens=False).ids))
+
+
+# token bytes ----------------------------------------------------------------------------------
+def test_a_tokens_bytes_are_its_own_where_it_ends_inside_a_character():
+    text = "naïve 🙂 ≈ µs"
+    ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+    own = TokenBytes(TOKENIZER)
+    assert b"".join(map(own, ids)) == text.encode()
+    assert any(TOKENIZER.decode([t]) == REPLACEMENT for t in ids)  # (what decoding one token alone gives)
+    assert own(ids[-1]) == b"s" and own(TOKENIZER.token_to_id("</s>")) == b""  # (as its text: special, skipped)
+
+
+def test_byte_fallback_tokens_are_their_byte():
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "\u2581caf": 3}  # ("é" is not in the vocabulary: two bytes)
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    own = TokenBytes(tokenizer)
+    assert [own(t) for t in (1, 2)] == [b"\xc3", b"\xa9"] and tokenizer.decode([1, 2]) == "é"
+    assert own(3) == b" caf"
 
 
 # stop strings ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Completions and chat, whole and streamed (the same text for the same seed), thei
 process's and two pipeline stages'), n choices, stop strings across token boundaries, 64
 concurrent streams, the chat prompt of transformers' apply_chat_template, bad requests in OpenAI's
 error format, the API key, a client that leaves mid-stream (its sequence freed, seen through
-/metrics), draining, and `batchmaker serve --http`.
+/metrics), draining, and `batchmaker serve --http`; each against a server without and with automatic
+prefix caching (the default of `serve --http`).
 """
 import asyncio
 import json
@@ -67,15 +68,22 @@ class Served:
         return 0.0
 
     def is_idle(self) -> bool:
+        """No sequence runs or waits, and the only KV blocks in use are idle contexts' (prefix caching's)."""
         return (self.metric("batchmaker_running_sequences", model="llama") == 0
                 and self.metric("batchmaker_waiting_sequences", model="llama") == 0
-                and self.metric("batchmaker_kv_blocks_used", model="llama") == 0)
+                and self.metric("batchmaker_kv_blocks_used", model="llama")
+                == self.metric("batchmaker_kv_blocks_cached", model="llama"))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    checkpoint = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    model = build_model("llama", checkpoint=str(checkpoint), num_blocks=256)
+def checkpoint(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "prefix-caching"])
+def served(checkpoint, request):
+    """The tiny model behind the front, without and with automatic prefix caching (`serve --http`'s default)."""
+    model = build_model("llama", checkpoint=str(checkpoint), num_blocks=256, prefix_caching=request.param)
     with Engine([model]) as engine, HttpFront(engine, HttpConfig(port=0)) as front:
         yield Served(engine, front, checkpoint)
 
@@ -172,6 +180,26 @@ def test_streamed_text_equals_the_whole_reply_and_n_choices_differ(served, kind)
         assert first.choices[0].delta.role == "assistant" and first.object == "chat.completion.chunk"
 
 
+def test_every_request_is_timed_streamed_or_not(served):
+    """TTFT once per choice and an inter-token gap per later token, whether the tokens streamed
+    (timed as they reach the front) or came in one reply (the engine's first-token instant and mean gap)."""
+    def histogram(name: str) -> tuple[float, float]:
+        return served.metric(f"{name}_count", model="llama"), served.metric(f"{name}_sum", model="llama")
+
+    ttft, itl = histogram("batchmaker_time_to_first_token_seconds"), histogram("batchmaker_inter_token_latency_seconds")
+    options = dict(max_tokens=6, temperature=0, extra_body=LONG)
+    started = time.perf_counter()
+    create(served.client(), "completion", **options)
+    assert histogram("batchmaker_time_to_first_token_seconds")[0] == ttft[0] + 1  # (the whole reply's)
+    assert histogram("batchmaker_inter_token_latency_seconds")[0] == itl[0] + 5
+    streamed(create(served.client(), "chat", stream=True, **options))
+    elapsed = time.perf_counter() - started
+    (ttft_count, ttft_sum), (itl_count, itl_sum) = (histogram("batchmaker_time_to_first_token_seconds"),
+                                                    histogram("batchmaker_inter_token_latency_seconds"))
+    assert (ttft_count, itl_count) == (ttft[0] + 2, itl[0] + 2 * 5)
+    assert 0 < ttft_sum - ttft[1] < elapsed and 0 < itl_sum - itl[1] < elapsed
+
+
 def test_a_stop_string_across_a_token_boundary_ends_the_choice_and_frees_it(served):
     client = served.client()
     options = dict(max_tokens=120, temperature=1.0, seed=99, extra_body=LONG)
@@ -238,6 +266,10 @@ def test_64_concurrent_streams_equal_their_whole_replies(served):
     ("completions", b'{"model": "llama", "prompt": "hi", "frequency_penalty": 2}', 400, "frequency_penalty",
      "unsupported_parameter"),
     ("completions", b'{"model": "llama", "prompt": "hi", "beam_width": 2}', 400, "beam_width", None),
+    ("chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "hi", "bogus": 1}]}', 400,
+     "messages[0].bogus", None),
+    ("chat/completions", b'{"model": "llama", "messages": [{"role": "tool", "content": "1", "tool_call_id": "c"}]}',
+     400, "messages[0].tool_call_id", "unsupported_parameter"),
 ])
 def test_a_bad_request_gets_its_status_and_an_openai_error(served, route, body, status, param, code):
     got, reply = post(f"{served.front.url}/v1/{route}", body)
@@ -324,14 +356,14 @@ def test_stop_drains_running_streams_then_cancels_them(served):
 
 
 # the command line ---------------------------------------------------------------------------------
-def test_batchmaker_serve_http_beside_zeromq(served):
+def test_batchmaker_serve_http_beside_zeromq(checkpoint):
     from batchmaker.serving.cli import main
     from batchmaker.serving.client import Client
 
     assert main(["serve", "--models", "llama", "--http", "0.0.0.0:8000"]) == 2  # beyond loopback: a key
     address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
     proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address, "--models",
-                             "llama", "--set", f"llama.checkpoint={served.checkpoint}", "--set", "num_blocks=64",
+                             "llama", "--set", f"llama.checkpoint={checkpoint}", "--set", "num_blocks=64",
                              "--http", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
     try:
         url = None

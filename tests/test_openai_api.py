@@ -47,6 +47,15 @@ def refused(kind: str, body) -> ApiError:
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content", None),
     ({**CHAT, "messages": [{"role": "robot", "content": "beep"}]}, 400, "messages", None),  # the template refuses
+    ({**CHAT, "messages": [{"role": "user", "content": "hi", "bogus": 1}]}, 400, "messages[0].bogus", None),
+    ({**CHAT, "messages": [{"role": "user", "content": "hi", "name": 7}]}, 400, "messages[0].name", None),
+    ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     400, "messages[0].tool_calls", "unsupported_parameter"),
+    ({**CHAT, "messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
+     400, "messages[0].function_call", "unsupported_parameter"),
+    ({**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+     400, "messages[1].tool_call_id", "unsupported_parameter"),
     ({**CHAT, "max_tokens": -1}, 400, "max_tokens", None),
     ({**CHAT, "max_tokens": 0}, 400, "max_tokens", None),
     ({**CHAT, "max_tokens": 2.5}, 400, "max_tokens", None),
@@ -100,6 +109,13 @@ def test_off_values_of_unimplemented_parameters_are_accepted():
            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "user": "alice", "n": None}
     assert parse("chat.completion", {**CHAT, **off}).n == 1
     assert parse("text_completion", {**TEXT, "echo": False, "suffix": None, "best_of": 1, "logprobs": None}).n == 1
+    # messages: a name, and OpenAI's fields this front does not implement when absent in all but name (a client
+    # resending a reply's message as it parsed it)
+    named = parse("chat.completion", {**CHAT, "messages": [{"role": "user", "content": "Hello", "name": "alice"}]})
+    resent = {"role": "assistant", "content": "Hi", "tool_calls": None, "function_call": None, "refusal": None,
+              "audio": None}
+    assert parse("chat.completion", {**CHAT, "messages": [*CHAT["messages"], resent, *CHAT["messages"]]}).n == 1
+    assert named.prompts == parse("chat.completion", CHAT).prompts  # (the template does not write names)
 
 
 def test_a_chat_request_becomes_the_templates_prompt_and_the_engines_inputs():
@@ -168,3 +184,15 @@ def test_logprobs_become_the_engines_input():
     request = parse("text_completion", {**TEXT, "logprobs": 0})
     assert request.logprobs == 0 and request.engine_inputs(0)["logprobs"] == 0
     assert "logprobs" not in parse("text_completion", TEXT).engine_inputs(0)
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_where_a_character_is_split():
+    from batchmaker.serving.openai_replies import Replies
+
+    ids = TOKENIZER.encode("🙂 é", add_special_tokens=False).ids  # (byte tokens: 🙂 is four, é two)
+    scores = [(t, -0.5, [[t, -0.5], [EOS, -3.0]]) for t in ids]
+    replies = Replies(parse("chat.completion", {**CHAT, "logprobs": True, "top_logprobs": 2}))
+    content = replies.logprobs(0, scores)["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]) == "🙂 é".encode()
+    assert content[0]["bytes"] == [0xF0] and content[0]["token"] == "\ufffd"  # (its text alone: U+FFFD)
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]

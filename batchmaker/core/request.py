@@ -12,11 +12,13 @@ from batchmaker.core.graph import Node, Ref
 
 @dataclass(slots=True)
 class RequestTiming:
-    """Host clock (time.perf_counter) instants: arrival, first cell submitted, result ready."""
+    """Host clock (time.perf_counter) instants: arrival, first cell submitted, result ready; a
+    decoder's request also when its first token was sampled (None: it sampled none)."""
 
     arrival: float
     first_cell: float | None = None
     finish: float | None = None
+    first_token: float | None = None
 
     @property
     def queueing(self) -> float | None:
@@ -40,7 +42,7 @@ class Result:
     def __init__(self, outputs: dict[str, Any], timing: RequestTiming | None = None, instants: tuple = ()):
         self.outputs = outputs
         self._timing = timing
-        self._instants = instants  # (arrival, first_cell, finish) when timing is None
+        self._instants = instants  # (arrival, first_cell, finish[, first_token]) when timing is None
 
     @property
     def timing(self) -> RequestTiming:

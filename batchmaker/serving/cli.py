@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="files with the z85 public keys of the clients allowed in (with --curve-secret-key)")
     serve.add_argument("--http", metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8000 (decoders with a "
-                            "tokenizer.json; needs pip install 'batchmaker[http]')")
+                            "tokenizer.json, with prefix caching unless --set prefix_caching=false; needs pip "
+                            "install 'batchmaker[http]')")
     serve.add_argument("--api-key", metavar="KEY", help="--http: the Bearer key clients must send to /v1 routes "
                                                         "(required where HOST is not loopback)")
     serve.add_argument("--chat-template", type=Path, metavar="FILE",
@@ -223,7 +224,7 @@ def _serve(args) -> int:
         engine = replicas_of(specs, args.set, engine_config)
     else:
         from batchmaker.engine import Engine
-        engine = Engine(load_models(specs, args.set, devices), engine_config)
+        engine = Engine(load_models(specs, args.set, devices, http=http is not None), engine_config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,10 +10,13 @@ class UsageError(Exception):
     """A mistake in the command line or in what it names: reported as one line, exit status 2."""
 
 
-def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] = ("cpu",)) -> list:
+def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] = ("cpu",),
+                http: bool = False) -> list:
     """Registered names (with their --set options) and module:attribute specs -> Models. A
     registered model with a `device` option (the decoders) is built on the first of `devices`
-    unless told otherwise, so that large weights are placed once, where they run."""
+    unless told otherwise, so that large weights are placed once, where they run. Served over
+    HTTP (`http`), a registered decoder gets prefix caching unless told otherwise: OpenAI clients
+    resend their history every turn, and ZeroMQ clients that never do need not pay for it."""
     from batchmaker.errors import UnknownModelError
     from batchmaker.registry import load_model, registered_models
     from batchmaker.serving.model_options import SettingError, factory_options, parse_settings
@@ -33,6 +36,8 @@ def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] 
             check_model_device(name, options.setdefault("device", devices[0]), devices)
             check_rank_devices(name, options["device"], options.get("tensor_parallel", 1), devices,
                                options.get("pipeline_parallel", 1))
+        if http and "prefix_caching" in factory_options(name):
+            options.setdefault("prefix_caching", True)
     models = []
     for spec in specs:
         if ":" in spec:

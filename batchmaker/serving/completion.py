@@ -177,9 +177,12 @@ class Completion:
             self.metrics.finished(self.request.model.name, "error", choice.num_tokens)
             self._put(Event(choice.index, "", error=engine_error(error)))
             return
-        outputs = future.result().outputs
-        text = "" if self._streams else "".join(choice.add(t, score) for t, score in zip(outputs["tokens"],
-                                                                                        _scores(outputs)))
+        result = future.result()
+        outputs = result.outputs
+        text = ""
+        if not self._streams:  # (its tokens come all at once: timed by the engine's instants)
+            text = "".join(choice.add(t, score) for t, score in zip(outputs["tokens"], _scores(outputs)))
+            self._timed_whole(result.timing, len(outputs["tokens"]))
         self._finished(choice, text + choice.finish(outputs["finish_reason"]))
 
     def _finished(self, choice: Choice, text: str) -> None:
@@ -193,6 +196,16 @@ class Completion:
         else:
             self.metrics.first_token(self.request.model.name, now - self.arrival)
         choice.last_token = now
+
+    def _timed_whole(self, timing, num_tokens: int) -> None:
+        """A choice that did not stream: its first token when the engine sampled it, and for each
+        later token the mean gap (the engine keeps no instant per token)."""
+        if timing.first_token is None:
+            return
+        name = self.request.model.name
+        self.metrics.first_token(name, timing.first_token - self.arrival)
+        if num_tokens > 1:
+            self.metrics.inter_token(name, (timing.finish - timing.first_token) / (num_tokens - 1), num_tokens - 1)
 
 
 def _scores(outputs: dict):

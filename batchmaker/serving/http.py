@@ -160,7 +160,8 @@ class HttpFront:
         try:
             body = await _json(request)
             name = body.get("model") if isinstance(body, dict) else None
-            model = name if isinstance(name, str) and name in self.models else ""  # (a label: known names only)
+            known = isinstance(name, str) and (name in self.models or name in self._others)
+            model = name if known else ""  # (a label: served models' names only)
             response, outcome = await self._run(request, parse_request(kind, body, self.models, self._others))
             return response
         except ApiError as e:

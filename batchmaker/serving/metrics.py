@@ -4,8 +4,10 @@ prometheus_client's global one, so that two fronts (or two tests) in one process
 
 The front counts: HTTP requests by route, model and outcome; finished choices (engine requests)
 by finish reason; prompt and generated tokens; time to first token and inter-token latency of
-the choices whose tokens stream (a streamed request, or one with stop strings; a non-streamed
-request gets its tokens at once). The engine's state: requests live and queued, decoders'
+every choice: as its tokens reach the front where they stream (a streamed request, or one with
+stop strings), else from the engine's instants (its first token's; the mean gap after it, once
+per gap: a whole reply's tokens come at once, and the engine keeps no instant per token). The
+engine's state: requests live and queued, decoders'
 running and waiting sequences, KV blocks used, free and held by idle conversations, prompt
 positions served by prefix caching, tokens per decoder iteration, rows per task and the ready
 work of every cell type (the RNN models' queues).
@@ -34,9 +36,13 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("batchmaker_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.ttft = Histogram("batchmaker_time_to_first_token_seconds", "From the request's arrival to its "
-                              "first token (streamed choices)", ["model"], buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("batchmaker_inter_token_latency_seconds", "Between consecutive tokens of a "
-                             "streamed choice", ["model"], buckets=ITL_BUCKETS, registry=r)
+                              "first token, per choice: when the token reached the front (streamed, or with stop "
+                              "strings), else when the engine sampled it", ["model"], buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("batchmaker_inter_token_latency_seconds", "Between consecutive tokens of a choice: "
+                             "each gap as the tokens reached the front (streamed, or with stop strings), else "
+                             "the choice's mean gap in the engine (first to last token), once per gap", ["model"],
+                             buckets=ITL_BUCKETS, registry=r)
         r.register(EngineCollector(engine))
         self._itl: dict = {}
 
@@ -49,11 +55,12 @@ class Metrics:
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft.labels(model).observe(seconds)
 
-    def inter_token(self, model: str, seconds: float) -> None:
+    def inter_token(self, model: str, seconds: float, times: int = 1) -> None:
         child = self._itl.get(model)  # (per token: labels() costs a few µs, a dict lookup less)
         if child is None:
             child = self._itl[model] = self.itl.labels(model)
-        child.observe(seconds)
+        for _ in range(times):
+            child.observe(seconds)
 
     def finished(self, model: str, reason: str, num_tokens: int) -> None:
         self.choices.labels(model, reason).inc()

@@ -29,6 +29,9 @@ NOT_YET = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
 }
+MESSAGE_FIELDS = {"role", "content", "name"}
+NOT_YET_IN_MESSAGES = {"tool_calls": (None, []), "function_call": (None,), "tool_call_id": (None,),
+                       "refusal": (None,), "audio": (None,)}  # OpenAI's, accepted with these values only
 
 
 class ApiError(Exception):
@@ -235,14 +238,33 @@ def _chat_prompt(body: dict, model: TextModel) -> list[int]:
 
 
 def _messages(value) -> list[dict]:
+    """Each message's role, content and name (what the template sees); any other field is refused."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, "messages: expected a non-empty list of {\"role\", \"content\"} objects", "messages")
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, f"messages[{i}]: expected an object with a string role", f"messages[{i}].role")
-        out.append({**message, "content": _content(message.get("content"), i)})
+        _check_message_fields(message, i)
+        checked = {"role": message["role"], "content": _content(message.get("content"), i)}
+        if message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise ApiError(400, f"messages[{i}].name: expected a string", f"messages[{i}].name")
+            checked["name"] = message["name"]
+        out.append(checked)
     return out
+
+
+def _check_message_fields(message: dict, i: int) -> None:
+    for name, value in message.items():
+        if name in MESSAGE_FIELDS:
+            continue
+        param = f"messages[{i}].{name}"
+        if name not in NOT_YET_IN_MESSAGES:
+            raise ApiError(400, f"messages[{i}]: unrecognized field {name!r} (a message has role, content and "
+                                "name)", param)
+        if not any(_same(value, off) for off in NOT_YET_IN_MESSAGES[name]):
+            raise ApiError(400, f"{param} is not supported yet", param, "unsupported_parameter")
 
 
 def _content(content, i: int) -> str:

@@ -30,7 +30,7 @@ class Replies:
         self.model = request.model.name
         self.object = request.kind
         self.include_usage = request.include_usage
-        self._tokenizer = request.model.tokenizer
+        self._model = request.model
         self._offsets: dict[int, int] = {}  # completions' text_offset so far, by choice
         # a text delta's chunk is these bytes around its index and text: no dict, one string encoded
         head = _encode({"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model})
@@ -50,10 +50,11 @@ class Replies:
         """OpenAI's logprobs object of a choice's tokens (token id, logprob, [[id, logprob], ...])."""
         if scores is None:
             return None
-        piece = lambda t: self._tokenizer.decode([t])  # noqa: E731
+        piece = lambda t: self._model.tokenizer.decode([t])  # noqa: E731
         if self.is_chat:
-            return {"content": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
-                                 "top_logprobs": [{"token": piece(a), "logprob": v, "bytes": list(piece(a).encode())}
+            own = self._model.token_bytes  # (a token that ends inside a character: its bytes, not U+FFFD's)
+            return {"content": [{"token": piece(t), "logprob": lp, "bytes": list(own(t)),
+                                 "top_logprobs": [{"token": piece(a), "logprob": v, "bytes": list(own(a))}
                                                   for a, v in top]} for t, lp, top in scores]}
         tokens = [piece(t) for t, _, _ in scores]
         offsets, at = [], self._offsets.get(index, 0)

@@ -5,8 +5,10 @@ are not served over HTTP: the OpenAI API speaks text.
 """
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from batchmaker.detokenize import TokenBytes
 from batchmaker.serving.chat_template import ChatTemplate, load_chat_template
 
 
@@ -22,6 +24,11 @@ class TextModel:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's own bytes (chat logprobs' `bytes`)."""
+        return TokenBytes(self.tokenizer)
 
 
 def text_models(models: dict, template_file: str | None = None) -> tuple[dict[str, TextModel], set[str]]:
