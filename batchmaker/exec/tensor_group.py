@@ -7,9 +7,12 @@ CPU, or the r-th GPU after rank 0's), with its own KV cache of its kv heads and 
 One scheduler: rank 0's manager plans every iteration (core/sequence_queue.py) and, before running
 it, sends its plan (core/iteration_plan.py, as bytes) to every other rank down a pipe of its own;
 each rank runs the same plan, and the collectives inside the model keep them in lockstep. The
-control channel never touches a device: a plan is one write per rank (a few kB), sent before rank
-0 queues its own launch, so every rank's host work overlaps. Every rank samples the same tokens
-from the same gathered logits; rank 0's are the engine's.
+control channel never touches a device: a plan is one write per rank (1-135 KB into a 1 MiB pipe
+buffer: rank 0 does not wait for a reader), sent before rank 0 queues its own launch, so every
+rank's host work overlaps. A pipe, measured against ZeroMQ PUB/SUB, a polled shared-memory ring
+and a gloo broadcast (bench/plan_channel.py, docs/architecture.md), is as fast to the last rank
+as any for decode plans, blocks its rank without spinning and tells it when rank 0 is gone.
+Every rank samples the same tokens from the same gathered logits; rank 0's are the engine's.
 
 The group is a process group of its own over a TCPStore on a port rank 0 binds (gloo on CPUs,
 NCCL on GPUs), not torch.distributed's default one: several groups can live in one process,
@@ -49,6 +52,9 @@ TIMEOUT_S = 30.0  # a collective waits this long for the other ranks (and their 
 # of ~6 (rank 0 measuring chunk costs, tests/test_tensor_parallel_engine.py, 2026-11-26). A dead rank is seen
 # at once (the watcher), not by this
 END_TIMEOUT_S = 10.0  # a group's teardown
+PIPE_BYTES = 1 << 20  # a plan pipe's buffer: past the default 64 KiB (a Llama-2-7B mixed iteration's plan is 135 KB)
+# rank 0 waits for each rank in turn to read its plan (to three ranks: 0.64 ms to send, 0.26 widened, p50;
+# bench/plan_channel.py)
 START_TIMEOUT_S = 120.0  # the ranks' processes start, import torch and build their parts within this
 
 
@@ -148,6 +154,16 @@ def disconnect(lm, device: torch.device, broken: bool) -> None:
             lm.tp.one_shot = None
 
 
+def widen(pipe) -> None:
+    """Raise a plan pipe's buffer to PIPE_BYTES (Linux; elsewhere, or past the user's pipe quota, it
+    keeps its own: plans still arrive, rank 0 just waits longer for a big one)."""
+    import fcntl
+    try:
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (AttributeError, OSError):
+        pass
+
+
 class TensorGroup:
     """Rank 0's side: starts the other ranks, sends them each plan, stops them."""
 
@@ -181,6 +197,7 @@ class TensorGroup:
         context = torch.multiprocessing.get_context("spawn")
         for rank in range(1, self.size):
             receive, send = context.Pipe(duplex=False)
+            widen(send)
             process = context.Process(target=follower_main, args=(spec(rank, "127.0.0.1", store.port), receive),
                                       name=f"batchmaker-rank-{rank}", daemon=True)
             process.start()

@@ -79,7 +79,7 @@ def _next_plan(pipe):
         message = pipe.recv_bytes()
     except (EOFError, OSError):
         return None
-    return IterationPlan.from_bytes(message[1:]) if message[:1] == PLAN else None
+    return IterationPlan.from_bytes(memoryview(message)[1:]) if message[:1] == PLAN else None  # (a view: no copy)
 
 
 def _task(cell_type, plan):
