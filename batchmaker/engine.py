@@ -26,8 +26,8 @@ from batchmaker.core.processor import RequestProcessor
 from batchmaker.core.scheduler import Scheduler
 from batchmaker.engine_config import EngineConfig, engine_cpu_threads, runs_inline
 from batchmaker.errors import (BatchMakerError, CancelledError, DeadlineExceededError,
-                               EngineStoppedError, UnknownModelError)
-from batchmaker.exec.worker import Worker, make_worker, place_cell
+                               EngineStoppedError, RankFailedError, UnknownModelError)
+from batchmaker.exec.worker import Worker, groups_by_model, make_worker, place_cell
 from batchmaker.forms import Generate
 from batchmaker.future import RequestFuture
 from batchmaker.generation import GenerativeModel
@@ -51,6 +51,7 @@ class Engine:
             m, self.cell_types[name], self.accounting) for name, m in self.models.items() if m.forms}
         check_cell_sharing(self.models, self.cell_types)
         self.workers: list[Worker] = []
+        self._groups: dict[str, list] = {}  # model -> its tensor- or pipeline-parallel groups (exec/tensor_group.py)
         self.scheduler: Scheduler | None = None
         self.processor: RequestProcessor | None = None
         self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
@@ -91,6 +92,7 @@ class Engine:
                                                 on_done=self._wake.set, warm=warm,
                                                 inline=inline))
             self._build_queues()
+            self._groups = groups_by_model(self.cell_types, self.workers)
         except BaseException:  # (workers already made may hold threads and processes)
             for worker in self.workers:
                 worker.close()
@@ -236,6 +238,12 @@ class Engine:
         """
         return engine_stats(self)
 
+    def broken(self) -> dict[str, str]:
+        """The models whose tensor- or pipeline-parallel group broke, and why (a rank died, hung
+        or failed an iteration: exec/tensor_group.py): their requests fail from then on, at once,
+        with RankFailedError; `batchmaker serve` exits."""
+        return {name: g.broken for name, groups in self._groups.items() for g in groups if g.broken is not None}
+
     # the manager ----------------------------------------------------------------------------
     def _loop(self) -> None:
         with torch.inference_mode():  # for this thread's life (a context per task costs ~10 µs)
@@ -374,6 +382,8 @@ class Engine:
             return EngineStoppedError("the engine is not running")
         if model not in self.models:
             return UnknownModelError(model, self.models)
+        if self._groups and model in (broken := self.broken()):
+            return RankFailedError(f"model {model!r}: its tensor-parallel group is broken: {broken[model]}")
         return check_options(priority, deadline)
 
     # start-up -------------------------------------------------------------------------------

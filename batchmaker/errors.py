@@ -74,6 +74,14 @@ class ReplicaFailedError(BatchMakerError, RuntimeError):
     code = "internal"
 
 
+class RankFailedError(BatchMakerError, RuntimeError):
+    """A rank of the model's tensor- or pipeline-parallel group died, hung or failed an iteration
+    (exec/tensor_group.py): the group is broken, so the model's requests fail from then on, at
+    once (`Engine.broken` says which and why; `batchmaker serve` exits)."""
+
+    code = "internal"
+
+
 def error_from_code(code: str, message: str, name: str | None = None) -> BatchMakerError:
     """The typed error for a wire error code (the client's side of the protocol); `name`, the
     error's class name where the sender sent it (a replica process), picks among classes of one code."""
@@ -87,4 +95,4 @@ def error_from_code(code: str, message: str, name: str | None = None) -> BatchMa
 
 _BY_NAME = {c.__name__: c for c in (BatchMakerError, BadRequestError, UnknownConversationError, UnknownModelError,
                                     CellError, CancelledError, OverloadedError, DeadlineExceededError,
-                                    EngineStoppedError, ReplicaFailedError)}
+                                    EngineStoppedError, ReplicaFailedError, RankFailedError)}

@@ -213,6 +213,11 @@ class Replicas:
     def num_alive(self) -> int:
         return sum(h.is_alive for h in self.replicas)
 
+    def broken(self) -> dict[str, str]:
+        """The models no live replica serves, and why (as `Engine.broken`: the server's `health`;
+        `batchmaker serve` exits): every model once no replica is left."""
+        return {} if self.num_alive else dict.fromkeys(self.models, "no replica is left")
+
     # start-up -------------------------------------------------------------------------------
     def _bind(self, kind: int, name: str) -> zmq.Socket:
         sock = self._context.socket(kind)

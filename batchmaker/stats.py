@@ -31,6 +31,7 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(engine.batch_sizes).items())},
         "stage_ms": {k: v / 1e6 for k, v in engine.stage_ns.items()},
         "latency_ms": {name: percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()},
+        "broken": engine.broken(),  # model -> why its tensor-parallel group broke
     }
 
 

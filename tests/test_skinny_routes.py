@@ -209,7 +209,7 @@ def test_routes_settle_before_graphs_are_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
     pipe = types.SimpleNamespace(recv_bytes=lambda: (_ for _ in ()).throw(EOFError()))
-    tensor_rank._follow_on_gpu(runner, None, pipe)
+    tensor_rank._follow_on_gpu(runner, None, pipe, [])
     assert order == ["routes", "attention", "graphs", "measure"] and runner.routes == {}
     unsettled = types.SimpleNamespace(shapes=types.SimpleNamespace(enabled=True), routes=None)
     with pytest.raises(AssertionError, match="settle before graphs"):

@@ -14,12 +14,14 @@ on the CPU (tests/test_tensor_parallel_engine.py)."""
 import gc
 import multiprocessing
 import random
+import signal
 
 import pytest
 import torch
 
 from batchmaker import Engine, EngineConfig
 from batchmaker.errors import BatchMakerError
+from batchmaker.exec.tensor_group import HANG_S, WATCH_S
 from batchmaker.registry import build_model
 from test_generation import drive
 from test_tensor_parallel_engine import kill_a_rank
@@ -99,13 +101,21 @@ def test_a_rank_that_dies_on_a_gpu_fails_the_requests_and_nothing_is_left_behind
     assert_a_dead_rank_fails_the_requests(tensor_parallel=2)
 
 
-def assert_a_dead_rank_fails_the_requests(rank: int = 1, **parallel) -> None:
-    """Rank `rank` of a parallel bf16 model killed mid-run (test_tensor_parallel_engine.kill_a_rank):
-    every in-flight request fails within 10 s, a new one as broken, and no process is left."""
+def test_a_rank_that_hangs_on_a_gpu_fails_the_requests_within_hang_s():
+    """SIGSTOPped: the watcher's abort (the one-shot stopped, NCCL's communicators aborted) ends
+    rank 0's waits inside the decode graphs."""
+    assert_a_dead_rank_fails_the_requests(sig=signal.SIGSTOP, within=HANG_S + WATCH_S + 1.5, tensor_parallel=2)
+
+
+def assert_a_dead_rank_fails_the_requests(rank: int = 1, sig=signal.SIGKILL, within: float = 10.0,
+                                          **parallel) -> None:
+    """Rank `rank` of a parallel bf16 model killed (or, with SIGSTOP, hung) mid-run
+    (test_tensor_parallel_engine.kill_a_rank): every in-flight request fails within `within` s, a
+    new one as broken, and no process is left (the group kills a stopped rank when it breaks)."""
     model = build_model("llama", seed=1, dtype="bfloat16", device="cuda:0", **parallel)
     engine = Engine([model], EngineConfig(devices=("cuda:0",))).start()
     try:
-        kill_a_rank(engine, warm_timeout=60, settle=0.05, rank=rank)
+        kill_a_rank(engine, warm_timeout=60, settle=0.05, rank=rank, sig=sig, within=within)
         with pytest.raises(BatchMakerError, match="broken"):
             engine.submit("llama", {"tokens": [5, 6], "max_new_tokens": 2}).result(15)
     finally:

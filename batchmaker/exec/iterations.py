@@ -27,13 +27,13 @@ from batchmaker.core.iteration_plan import IterationPlan
 from batchmaker.core.iteration_shapes import GraphShape, GraphShapes, graph_key, pad, pad_alone
 from batchmaker.core.task import IterationTask
 from batchmaker.core.decoder_facts import DecoderFacts
+from batchmaker.errors import RankFailedError
 from batchmaker.exec.chunk_costs import measure_chunk_costs
 from batchmaker.exec.iteration_buffers import Packed
 from batchmaker.exec.iteration_record import IterationRecord
 from batchmaker.exec.kv_cache import KVCache
 from batchmaker.cells.pipeline import PendingTokens
 from batchmaker.exec.kv_swap import HostTier
-from batchmaker.exec.tensor_group import RankFailure
 from batchmaker.exec.sampling import chunk_rows, sample_rows
 from batchmaker.exec.stage_exchange import StageExchange
 from batchmaker.exec.staging import Landing
@@ -92,9 +92,11 @@ class IterationRunner:
         blocks, before serving): the KV cache's and the host tier's sizes, what recomputing a
         chunk costs at each position (Pensieve Eq. 3.6), what copying one in takes, and the CUDA
         graphs it replays."""
-        host, ranks = self.host, self.module.ranks
+        host, ranks, costs = self.host, self.module.ranks, self.chunk_costs()
+        if self.ranks is not None:  # (a whole budget of prompt chunks at the deepest positions: the slowest iteration)
+            self.ranks.expect_iterations_within(max(self.cell_type.batch_sizes) / self.chunk_tokens * costs[-1])
         return DecoderFacts(self.cache.num_blocks, host.num_chunks if host else 0, self.chunk_tokens,
-                            self.chunk_costs(), self.max_swap_in, self.max_swap_out,
+                            costs, self.max_swap_in, self.max_swap_out,
                             host.bytes_per_chunk * ranks if host else 0,  # (every rank copies its kv heads)
                             host.measure_swap_in() if host else math.inf, self.shapes)
 
@@ -282,7 +284,7 @@ class IterationRunner:
 
     def finish(self, task: IterationTask) -> None:
         if isinstance(task.handle, PendingTokens):
-            return self._tokens_back(task)
+            self._tokens_back(task)
         if task.handle is not None:
             region, tokens, events, record, extras = task.handle
             if isinstance(tokens, PendingTokens):  # (pipeline stage 0, `landed`: not if the group broke)
@@ -300,8 +302,11 @@ class IterationRunner:
             if region is not None:  # (else a copy may still land in it: left to the collector)
                 self.landing.close(region)
             task.handle = None
-        if self.ranks is not None and self.ranks.broken is not None and task.error is None and self.device.type == "cuda":
-            task.error = RankFailure(f"the tensor-parallel group broke while this iteration ran: {self.ranks.broken}")
+        if self.ranks is not None:
+            self.ranks.done()  # (its tokens are back: the watcher stops timing it)
+            broken = self.ranks.broken
+            if broken is not None and task.error is None and self.device.type == "cuda":
+                task.error = RankFailedError(f"the tensor-parallel group broke while this iteration ran: {broken}")
 
     def _tokens_back(self, task: IterationTask) -> None:
         """CPU pipeline stage 0, once its iteration ran here: the tokens the last stage sampled
@@ -309,7 +314,7 @@ class IterationRunner:
         try:
             chosen = task.handle.wait()
         except Exception as e:  # (a stage died or hung: the group is done)
-            task.error = RankFailure(f"the pipeline's tokens did not come back: {type(e).__name__}: {e}")
+            task.error = RankFailedError(f"the pipeline's tokens did not come back: {type(e).__name__}: {e}")
             self.ranks.abort(str(task.error))
         else:  # (the plans feed them: core/sequence_queue.py `stages`)
             task.sampled = chosen.numpy().copy()

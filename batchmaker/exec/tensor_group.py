@@ -22,20 +22,23 @@ GPUs the collectives run inside the decode CUDA graphs: every rank captures the 
 same order (the same start-up, then the same plans), so the captured collectives pair up when
 replayed.
 
-Failure: a rank that died is seen by a watcher thread at once (its process sentinel): the group
-is marked broken, its one-shot all-reduce stopped (its waits end at once) and its communicators
-aborted, so that a collective waiting for the dead rank returns instead of hanging (and its
-iteration fails); a rank that hangs is caught by the
-collectives' timeout on CPUs. After any failed iteration the group is broken (its ranks may be
-left inside a collective that nothing pairs up with any more): its ranks are stopped, and this
-and every later iteration fail at once with RankFailure. A rank whose pipe closes (rank 0 stopped
-or died) exits; a rank whose iteration raises exits too.
+Failure: rank 0's watcher thread breaks the group when a rank dies (its process sentinel, at
+once) or hangs (an iteration sent to the ranks has not finished within `hang_s`, HANG_S at least:
+`_watch`). Breaking makes every collective waiting for a rank return: on GPUs the group's one-shot
+all-reduce is stopped and its communicators aborted; on CPUs only a closed connection ends a gloo
+wait (its abort and shutdown leave it to TIMEOUT_S), so the other ranks are ended: the processes
+the engine started are killed, and ranks a launcher started have their connection shut (each
+exits then: exec/tensor_rank.py). The iterations that ran meanwhile fail with RankFailedError,
+and so does every later one, at once, as does any iteration that fails on rank 0. A follower
+exits when rank 0's process goes (its lifeline), even from inside a collective.
 """
 import logging
 import multiprocessing.connection
 import os
+import socket
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext as _nothing
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,23 +46,28 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from batchmaker.errors import RankFailedError
+
 log = logging.getLogger("batchmaker")
 
 PLAN, STOP = b"p", b"s"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-TIMEOUT_S = 30.0  # a collective waits this long for the other ranks (and their first one for them to start):
-# a rank that hangs is an error after this; 10 s timed out a healthy rank 1 once on the 2-core machine at a load
-# of ~6 (rank 0 measuring chunk costs, tests/test_tensor_parallel_engine.py, 2026-11-26). A dead rank is seen
-# at once (the watcher), not by this
+TIMEOUT_S = 30.0  # a collective waits this long for the other ranks once the group serves (gloo: from when it
+# forms; NCCL: from the first plan): 10 s timed out a healthy rank 1 once on the 2-core machine at a load of ~6
+# (rank 0 measuring chunk costs, tests/test_tensor_parallel_engine.py, 2026-11-26). A dead rank is seen at once
+# (the watcher) and a hung one after HANG_S; this bounds only a hung rank the watcher cannot end (a launched
+# rank that is frozen, on CPUs)
+HANG_S = 8.0  # an iteration not finished this long after its plan went out breaks the group (a rank hung), so
+# that its requests fail within the issue's 10 s: the slowest healthy one in tests/ took 0.31 s from its plan to
+# its tokens on the 2-core machine (4 gloo ranks, tests/test_tensor_pipeline.py); rank 0 raises it for a model
+# whose measured iterations are slow (`expect_iterations_within`)
+HANG_MARGIN = 20  # x the slowest iteration the measured chunk costs predict
+WATCH_S = 0.5  # the watcher looks at the iterations in flight this often
 END_TIMEOUT_S = 10.0  # a group's teardown
 PIPE_BYTES = 1 << 20  # a plan pipe's buffer: past the default 64 KiB (a Llama-2-7B mixed iteration's plan is 135 KB)
 # rank 0 waits for each rank in turn to read its plan (to three ranks: 0.64 ms to send, 0.26 widened, p50;
 # bench/plan_channel.py)
 START_TIMEOUT_S = 120.0  # the ranks' processes start, import torch and build their parts within this
-
-
-class RankFailure(RuntimeError):
-    """A rank of a tensor-parallel group died or stopped answering."""
 
 
 @dataclass
@@ -173,6 +181,9 @@ class TensorGroup:
         self.processes, self.pipes, self.broken = [], [], None
         self.groups, self.device, self._closing = [], torch.device(device), False
         self._lock = threading.Lock()  # (the watcher and the manager both may break the group)
+        self.hang_s = HANG_S  # (`expect_iterations_within`)
+        self._sent: deque[float] = deque()  # when each plan in flight went out, oldest first
+        self._serving = False  # (a first plan went out: start-up is over on every rank)
 
         def spec(rank: int, host: str, port: int) -> FollowerSpec:
             from batchmaker.cells.tensor_parallel import rank_device
@@ -218,40 +229,82 @@ class TensorGroup:
         return store
 
     def _watch(self) -> None:
-        """Break the group as soon as a rank ends while the group serves: its process's sentinel,
-        or (ranks a launcher started) its connection, which it never writes to, becomes ready."""
+        """Break the group as soon as a rank ends while the group serves (its process's sentinel,
+        or, for ranks a launcher started, its connection, which it never writes to, becomes
+        ready), or once an iteration sent to the ranks has not finished within `hang_s` (a rank
+        hung, or waits for one that did)."""
         ends = {p.sentinel: p.name for p in self.processes} or {c: f"rank {r + 1}" for r, c in enumerate(self.pipes)}
+        while not self._closing and self.broken is None:
+            try:
+                ended = multiprocessing.connection.wait(list(ends), WATCH_S)
+            except (OSError, ValueError):  # (a connection closed under it: the group is closing)
+                ended = list(ends)
+            if self._closing:
+                return
+            if ended:
+                return self.abort(f"ranks exited: {', '.join(ends[e] for e in ended)}")
+            waited = self._oldest_wait()
+            if waited > self.hang_s:
+                return self.abort(f"an iteration has not finished after {waited:.1f} s (the bound: {self.hang_s:g} s): "
+                                  f"a rank hung")
+
+    def _oldest_wait(self) -> float:
+        """Seconds since the oldest plan in flight went out (0: none in flight)."""
         try:
-            ended = multiprocessing.connection.wait(list(ends))
-        except (OSError, ValueError):  # (a connection closed under it: the group is closing)
-            ended = list(ends)
-        if not self._closing:
-            self.abort(f"ranks exited: {', '.join(ends[e] for e in ended)}")
+            return time.monotonic() - self._sent[0]
+        except IndexError:  # (none; or the manager retired the last one meanwhile)
+            return 0.0
+
+    def expect_iterations_within(self, seconds: float) -> None:
+        """Start-up measured that an iteration may take up to `seconds` (rank 0's runner, from its
+        chunk costs): a slow model (a large one on CPUs) is not taken for a hung one."""
+        self.hang_s = max(HANG_S, HANG_MARGIN * seconds)
+
+    def done(self) -> None:
+        """The oldest iteration sent finished here (the manager thread, in order)."""
+        if self._sent:
+            self._sent.popleft()
 
     def abort(self, reason: str) -> None:
-        """Mark the group broken and abort its communicator: collectives waiting for a rank that
-        will never come return (their iterations' results are garbage: `check` fails them)."""
+        """Mark the group broken and make every collective waiting for a rank return (their
+        iterations' results are garbage: `check` fails them): on GPUs stop the one-shot
+        all-reduce and abort the communicators, then end the other ranks; on CPUs end them
+        (their connections closing is what ends a gloo wait)."""
         with self._lock:
             if self.broken is not None:
                 return
             self.broken = reason
-            if self.device.type != "cuda":  # (gloo's collectives fail by themselves)
-                return
-            one_shot = getattr(self.lm.tp, "one_shot", None) if self.lm.tp is not None else None
-            if one_shot is not None:  # (first: NCCL's abort waits behind a stream still polling)
-                one_shot.stop()
-            aborts = [threading.Thread(target=_abort, args=(group,), name="batchmaker-group-abort", daemon=True)
-                      for group in self.groups]  # (at once: one communicator's abort may wait for a
-            for thread in aborts:  # kernel of another's, stuck until that one is aborted too)
-                thread.start()
-            deadline = time.monotonic() + END_TIMEOUT_S
-            for thread in aborts:
-                thread.join(max(0.0, deadline - time.monotonic()))
+            log.error("the tensor-parallel group broke: %s", reason)
+            if self.device.type == "cuda":
+                self._abort_communicators()
+            self._end_ranks()
+
+    def _abort_communicators(self) -> None:
+        one_shot = getattr(self.lm.tp, "one_shot", None) if self.lm.tp is not None else None
+        if one_shot is not None:  # (first: NCCL's abort waits behind a stream still polling)
+            one_shot.stop()
+        aborts = [threading.Thread(target=_abort, args=(group,), name="batchmaker-group-abort", daemon=True)
+                  for group in self.groups]  # (at once: one communicator's abort may wait for a
+        for thread in aborts:  # kernel of another's, stuck until that one is aborted too)
+            thread.start()
+        deadline = time.monotonic() + END_TIMEOUT_S
+        for thread in aborts:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _end_ranks(self) -> None:
+        """Kill the ranks this group started; shut the connections of ranks a launcher started
+        (each exits once its connection to rank 0 closes: exec/tensor_rank.py). A launched rank
+        that is frozen (stopped, or its host gone) cannot be ended from here: on CPUs a collective
+        waiting for it returns at TIMEOUT_S."""
+        for process in self.processes:
+            process.kill()
+        for connection in () if self.processes else self.pipes:
+            _shut(connection)
 
     def check(self) -> None:
-        """Raise RankFailure if the group broke (an iteration that ran meanwhile computed garbage)."""
+        """Raise RankFailedError if the group broke (an iteration that ran meanwhile computed garbage)."""
         if self.broken is not None:
-            raise RankFailure(f"the tensor-parallel group is broken: {self.broken}")
+            raise RankFailedError(f"the tensor-parallel group is broken: {self.broken}")
 
     def send(self, plan) -> None:
         """Every other rank runs `plan` next (call before running it here)."""
@@ -259,19 +312,23 @@ class TensorGroup:
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
             self.fail(f"ranks exited: {', '.join(dead)}")
+        if not self._serving:
+            self._serving = True
+            serving_timeouts(self.groups, self.device)
         message = PLAN + plan.to_bytes()
         try:
             for pipe in self.pipes:
                 pipe.send_bytes(message)
         except OSError as e:
             self.fail(f"a rank stopped reading its plans: {e}")
+        self._sent.append(time.monotonic())
 
     def fail(self, reason: str) -> None:
         """The group cannot go on (a rank died or hung, or an iteration failed midway): stop its
         ranks, and fail this and every later iteration at once."""
         self.abort(reason)
         self.close()
-        raise RankFailure(f"the tensor-parallel group is broken: {self.broken}")
+        raise RankFailedError(f"the tensor-parallel group is broken: {self.broken}")
 
     def close(self) -> None:
         """Stop every other rank (they exit once they read STOP, or when their pipe closes); the
@@ -292,6 +349,30 @@ class TensorGroup:
                 process.kill()
                 process.join(5.0)
         self.pipes, self.processes = [], []
+
+
+def serving_timeouts(groups: list, device: torch.device) -> None:
+    """Start-up is over (every rank built its part, compiled, captured and measured): NCCL's
+    collectives wait TIMEOUT_S from now on, not START_TIMEOUT_S (gloo's were lowered when its
+    group formed). A backstop only: the watcher breaks a hung group sooner, and collectives
+    replayed inside CUDA graphs are not timed by NCCL at all."""
+    if device.type != "cuda":
+        return
+    for group in groups:
+        try:
+            group._set_default_timeout(timedelta(seconds=TIMEOUT_S))  # (as torch.distributed's _set_pg_timeout)
+        except (AttributeError, RuntimeError) as e:
+            log.warning("keeping the tensor-parallel group's start-up timeout: %s: %s", type(e).__name__, e)
+
+
+def _shut(connection) -> None:
+    """Shut a launched rank's connection down both ways (its fd stays open until `close`, so a
+    thread still using it meets a shut socket, never a reused fd)."""
+    try:
+        with socket.socket(fileno=os.dup(connection.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # (closed already)
+        pass
 
 
 def _abort(group) -> None:

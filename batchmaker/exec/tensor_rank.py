@@ -5,7 +5,8 @@ Its start-up repeats rank 0's worker's, step for step, since each step with coll
 up with rank 0's: the group forms, then (CUDA) the attention kernels compile and the decode graphs
 are captured, then the runner measures what rank 0 measures (the same forwards). On a GPU a plan
 is launched as rank 0 launches it (the same graph replays), without waiting for the device; the
-host keeps a few iterations in flight and retires them in order.
+host keeps a few iterations in flight and retires them in order. Its lifeline ends the process
+when rank 0's goes (exec/rank_lifeline.py).
 """
 from collections import deque
 from datetime import timedelta
@@ -13,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from batchmaker.exec.tensor_group import PLAN, START_TIMEOUT_S, FollowerSpec, connect, disconnect
+from batchmaker.exec.rank_lifeline import Lifeline
+from batchmaker.exec.tensor_group import PLAN, START_TIMEOUT_S, FollowerSpec, connect, disconnect, serving_timeouts
 
 IN_FLIGHT = 3  # iterations a rank queues ahead of its device (rank 0 runs at most two ahead of its own)
 
@@ -25,6 +27,7 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
     from batchmaker.core.cell_type import CellType
     from batchmaker.exec.graphs import Graphs
     from batchmaker.exec.iterations import IterationRunner
+    lifeline = Lifeline(pipe)
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -34,23 +37,22 @@ def follower_main(spec: FollowerSpec, pipe) -> None:
     cell = DecoderCell(lm, spec.kv, spec.parallel[0], spec.source, spec.parallel[1])
     cell_type = CellType(spec.name, cell, 0, spec.batch_sizes)
     runner = IterationRunner(cell_type, cell, device, Graphs(device, enabled=spec.graphs), spec.num_blocks)
-    connect(lm, store, spec.rank, spec.size, device, spec.kv.one_shot)
-    stopped = False
+    groups = connect(lm, store, spec.rank, spec.size, device, spec.kv.one_shot)
     try:
         with torch.inference_mode():
             if device.type == "cuda":
-                _follow_on_gpu(runner, cell_type, pipe)
+                _follow_on_gpu(runner, cell_type, pipe, groups)
             else:
                 runner.measure()
                 while (plan := _next_plan(pipe)) is not None:
                     runner.execute(_task(cell_type, plan))
-        stopped = True
+        lifeline.stopped.set()
     finally:
         runner.graphs.drop()  # (their captured collectives hold the communicator)
-        disconnect(lm, device, broken=not stopped)
+        disconnect(lm, device, broken=not lifeline.stopped.is_set())
 
 
-def _follow_on_gpu(runner, cell_type, pipe) -> None:
+def _follow_on_gpu(runner, cell_type, pipe, groups: list) -> None:
     """As a CUDA worker starts (exec/worker.py CUDAWorker) and launches, on a stream of its own."""
     runner.stream = stream = torch.cuda.Stream(runner.device)
     with torch.cuda.stream(stream):
@@ -59,6 +61,7 @@ def _follow_on_gpu(runner, cell_type, pipe) -> None:
         runner.warm_up()  # (nothing without graphs)
         stream.synchronize()
         runner.measure()
+        serving_timeouts(groups, runner.device)
         in_flight: deque = deque()
         while (plan := _next_plan(pipe)) is not None:
             task = _task(cell_type, plan)

@@ -308,6 +308,13 @@ def make_worker(worker_id: int, device: torch.device, cells: dict, cell_types: l
     return CPUWorker(worker_id, device, cells, cell_types, peers, False, max_steps, on_done=on_done, inline=inline)
 
 
+def groups_by_model(cell_types: dict, workers: list) -> dict[str, list[TensorGroup]]:
+    """Model name -> the tensor- or pipeline-parallel groups its decoders run in (models with any)."""
+    groups = {key: r.ranks for w in workers for key, r in w.iterations.items() if r.ranks is not None}
+    found = {name: [groups[id(ct)] for ct in cts.values() if id(ct) in groups] for name, cts in cell_types.items()}
+    return {name: found_groups for name, found_groups in found.items() if found_groups}
+
+
 def place_cell(cell: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The cell on `device`, in eval mode; CPU workers share the registered module itself."""
     cell.eval()

@@ -239,8 +239,8 @@ def _serve(args) -> int:
         log.info("serving %s on %s (devices %s%s%s)", ", ".join(engine.models), server.address, ",".join(devices),
                  ", a replica each" if args.replicas else "", ", CurveZMQ" if config.curve_secret_key else "")
         while not stop.wait(0.5):
-            if args.replicas and not engine.num_alive:
-                log.error("no replica is left: stopping")
+            if broken := engine.broken():  # (its requests fail at once: better no server than a broken one)
+                log.error("stopping: %s", "; ".join(f"model {m} cannot serve: {why}" for m, why in broken.items()))
                 break
         log.info("stopping: draining in-flight requests for up to %g s", config.drain_timeout)
         if front is not None:

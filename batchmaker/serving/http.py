@@ -219,9 +219,10 @@ class HttpFront:
         return web.json_response(_model_card(model))
 
     async def _health(self, request: web.Request) -> web.Response:
-        status = "draining" if self._is_draining else "serving"
-        return web.json_response({"status": status, "models": sorted(self.models)},
-                                 status=503 if self._is_draining else 200)
+        broken = self.engine.broken()  # (model -> why: a broken tensor-parallel group; the server exits)
+        status = "broken" if broken else "draining" if self._is_draining else "serving"
+        body = {"status": status, "models": sorted(self.models)} | ({"broken": broken} if broken else {})
+        return web.json_response(body, status=200 if status == "serving" else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -264,9 +264,11 @@ class Server:
     # queries --------------------------------------------------------------------------------
     def _query(self, op: str) -> dict:
         if op == "health":
-            return {"status": "draining" if self._is_draining else "serving", "protocol": protocol.VERSION,
+            broken = self.engine.broken()  # (model -> why; `batchmaker serve` exits within a second of it)
+            status = "broken" if broken else "draining" if self._is_draining else "serving"
+            return {"status": status, "protocol": protocol.VERSION,
                     "models": sorted(self.engine.models), "devices": list(self.engine.config.devices),
-                    "uptime_s": round(time.time() - self.counters.started, 3)}
+                    "uptime_s": round(time.time() - self.counters.started, 3)} | ({"broken": broken} if broken else {})
         if op == "models":
             return {name: {"cells": sorted(m.cells), "input_schema": m.input_schema,
                            "streamed_outputs": list(m.streamed_outputs),
