@@ -110,7 +110,7 @@
 # REPLICAS_SUBMIT (bulk, many or each: bench/runner.py's --submit for the replica suites; not bulk: the
 # JSON's tag says which), HTTP_CONCURRENCY and HTTP_PROCESSES (the http suite's streams, 1 64 256, and
 # client processes, 8: at 256 streams 4 openai clients fell behind on an H200), PREFIX_RATES and
-# PREFIX_SECONDS (the prefix suite's conversations/s, 6, and seconds of arrivals, 45), SWEEP_*
+# PREFIX_SECONDS (the prefix suite's conversations/s, comma-separated: 6 or 22,30; and seconds of arrivals, 45), SWEEP_*
 # (START:STOP:FACTOR, gpu_engine suites).
 # Exit status: the number of failed steps (0: all passed). New results (JSON, PNG) go to
 # $OUT/results.tar.gz and the log to $OUT/log.txt; the steps' commands are in the log and each JSON.
