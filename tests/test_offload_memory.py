@@ -77,6 +77,32 @@ def test_13bs_host_cache_takes_4_gib_chunks_not_a_power_of_two_a_tensor():
     assert unpinned.host == 14 * 4 * GIB  # (unpinned chunks of 4 GiB too: the same 14)
 
 
+
+@pytest.mark.parametrize("chunk", [None, 8192])  # (None: one chunk; 8 KiB: many, a layer's tensors across them)
+@pytest.mark.parametrize("resident", [0, 1])
+def test_the_streamed_weights_count_is_what_pinning_them_in_an_arena_holds(monkeypatch, resident, chunk):
+    """HostWeights beside a GPU moves a checkpoint's streamed layers into one arena
+    (pinned_arena.pin_in_place); the memory model counts that arena (ModelBytes.streamed_weights),
+    checked here with unpinned chunks under the pinned rounding, and the values kept."""
+    if chunk:
+        monkeypatch.setattr(pinned_arena, "CHUNK_BYTES", chunk)
+    config = PRESETS["tiny-llama"]
+    lm = build_decoder(config, seed=3)
+    streamed = [t for layer in lm.layers[resident:] for t in [*layer.parameters(), *layer.buffers()]]
+    before = [t.detach().clone() for t in streamed]
+    arenas = []
+    monkeypatch.setattr(pinned_arena, "holding",
+                        lambda pin, build, _holding=pinned_arena.holding: arenas.append(
+                            _holding(pin, build, rounds=True)) or arenas[-1])
+    arena = pinned_arena.pin_in_place(streamed, pin=False)
+    assert arena is arenas[0][0]
+    assert all(torch.equal(t, b) for t, b in zip(streamed, before))
+    storages = {t.untyped_storage().data_ptr() for t in streamed}
+    assert len(storages) == 1 if chunk is None else len(storages) > 1
+    counted = ModelBytes.of(config, torch.float32).streamed_weights(config.num_layers - resident, True)
+    assert counted == arena.reserved >= len(lm.layers[resident:]) * ModelBytes.of(config, torch.float32).layer
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_search_never_picks_a_policy_over_its_budgets(seed):
     rng = random.Random(seed)

@@ -25,6 +25,7 @@ the weights' host copy (the streamed share, FlexGen's count, unless the caller s
 holds); and with `cpu_attention` the CPU's decode working set (a batch's fp32 K, V and scores, not
 pinned). A 4-bit cache (compress=) is not counted: the search does not model compression.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from batchmaker.cells.decoder import empty_decoder
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS
+from batchmaker.exec import pinned_arena
 from batchmaker.exec.pinned_arena import arena_bytes
 
 CUDA_RESERVE = 1 << 30  # bytes: the measured 13B peaks (allocated) sat within 1% of the count; reserved
@@ -51,6 +53,7 @@ class ModelBytes:
     num_kv_heads: int
     head_dim: int
     itemsize: int
+    tensors: tuple = ()  # bytes of each of a layer's tensors, in exec/offload_weights.layer_tensors' order
 
     @classmethod
     def of(cls, config: DecoderConfig, dtype: torch.dtype) -> "ModelBytes":
@@ -58,9 +61,20 @@ class ModelBytes:
         itemsize = torch.finfo(dtype).bits // 8
         layer = sum(t.numel() for t in lm.layers[0].parameters())
         total = sum(t.numel() for t in lm.parameters())
+        tensors = tuple(t.numel() * itemsize for t in [*lm.layers[0].parameters(), *lm.layers[0].buffers()])
         return cls(config.num_layers, layer * itemsize, (total - layer * config.num_layers) * itemsize,
                    config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                   config.head_dim, itemsize)
+                   config.head_dim, itemsize, tensors)
+
+    def streamed_weights(self, streamed: np.ndarray, pinned: bool) -> np.ndarray:
+        """The host bytes of `streamed` layers' weights as exec/offload_weights.HostWeights keeps
+        them: beside a GPU in one arena (exec/pinned_arena.pin_in_place), else as they are."""
+        streamed = np.asarray(streamed, dtype=np.int64)
+        if not pinned or not self.tensors:
+            return streamed * self.layer
+        held = {int(n): _layers_arena(self.tensors, int(n), pinned_arena.CHUNK_BYTES) for n in np.unique(streamed)}
+        return np.vectorize(held.__getitem__, otypes=[np.int64])(streamed)
+
 
     def kv_tensor(self, gpu_batch: int, prompt: int, generate: int) -> int:
         """One (layer, batch)'s K or V: [prompt + generate - 1, B, Hkv, D]."""
@@ -92,6 +106,11 @@ class ModelBytes:
         per_head = gpu_batch * self.head_dim * self.itemsize
         return (self.num_heads + 2 * self.num_kv_heads) * per_head, self.num_heads * per_head
 
+@functools.lru_cache(maxsize=4096)
+def _layers_arena(tensors: tuple, layers: int, chunk_bytes: int) -> int:
+    """A pinned arena's bytes for `layers` layers of `tensors` (the search asks for the same few often)."""
+    return int(arena_bytes([(1, b) for b in tensors] * layers, True, chunk_bytes))
+
 
 def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, wg: np.ndarray,
           cache_on_device: np.ndarray, hidden_on_device: np.ndarray, reserve: float = 0.0, pinned: bool = False,
@@ -116,7 +135,8 @@ def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, gene
     kv_host = np.where(cache_on > 0, 0, model.num_layers * num_batches)  # (K and V one tensor: offload_block.KVPair)
     staging = [(on_cpu.astype(int), n) for n in model.attention_staging(gpu_batch)]
     arena = arena_bytes([(kv_host, kv), (np.where(hidden_on > 0, 0, num_batches), hidden), *staging], pinned)
-    weights = (model.num_layers - resident) * model.layer if host_weights is None else np.full_like(wg, host_weights)
+    weights = model.streamed_weights(model.num_layers - resident, pinned) if host_weights is None \
+        else np.full_like(wg, host_weights)
     host = weights + arena + np.where(on_cpu, model.decode_attention(gpu_batch, prompt, generate), 0)
     return device, host
 

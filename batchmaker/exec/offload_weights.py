@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from batchmaker.kernels.compress4 import Compressed, compress, decompress, expand, linear4
+from batchmaker.exec.pinned_arena import pin_in_place
 
 GROUP = 64  # FlexGen's group size
 DEQUANTS = ("reference", "expand", "fused")
@@ -58,7 +59,10 @@ class HostWeights:
         self.buffers = [layer_tensors(b) for b in buffers]
         self.device = self.buffers[0][0].device
         pin = self.device.type == "cuda"
-        self.layers = [[self._kept(t, pin, is_compressed) for t in layer_tensors(layer)] for layer in layers]
+        tensors = [layer_tensors(layer) for layer in layers]
+        if pin and not is_compressed:  # (one arena, as exec/offload_memory.py counts them; 4-bit codes: per tensor)
+            self.arena = pin_in_place([t for layer in tensors for t in layer])
+        self.layers = [[self._kept(t, pin, is_compressed) for t in layer] for layer in tensors]
         self.staging = [[_staging(kept, self.device) for kept in self.layers[0]] for _ in buffers]
         if dequant == "fused":
             for module, tensors, staging in zip(buffers, self.buffers, self.staging):
@@ -71,7 +75,7 @@ class HostWeights:
             t.data = t.data.new_empty(0)  # (the host keeps the codes only)
             codes, scale, low = (_host(x, pin) for x in (kept.codes, kept.scale, kept.low))
             return Compressed(codes, scale, low, kept.shape, kept.dim, kept.group)
-        if pin:
+        if pin and not t.is_pinned():
             t.data = t.data.pin_memory()
         return t.detach()
 
