@@ -382,8 +382,9 @@ class Engine:
             return EngineStoppedError("the engine is not running")
         if model not in self.models:
             return UnknownModelError(model, self.models)
-        if self._groups and model in (broken := self.broken()):
-            return RankFailedError(f"model {model!r}: its tensor-parallel group is broken: {broken[model]}")
+        for group in self._groups.get(model, ()):  # (a parallel decoder's: none for the others)
+            if group.broken is not None:
+                return RankFailedError(f"model {model!r}: its tensor-parallel group is broken: {group.broken}")
         return check_options(priority, deadline)
 
     # start-up -------------------------------------------------------------------------------
