@@ -20,6 +20,10 @@ MAX_SPLITS = 32
 SHORT_MAX_SPLITS = 8  # below LONG_SPLIT_CONTEXT positions: more slices cost more in the merge than they
 LONG_SPLIT_CONTEXT = 4096  # gain (batch 1, H200: 2,048 positions 18.9 us in 8 slices, 20.2 in 16;
 # 360 positions 9.1 us in 6 slices of 64, 11.0 in 2 of 180; bench/attention.py --short-sweep)
+POW2_SPLIT_CONTEXT = 8192  # from here on a split count rounds up to a power of two: programs in whole waves read
+# faster than a count that spills a few into another (H100, Llama-2-7B heads, bench/attention.py --long-sweep,
+# 2026-11-27, of the read bandwidth: batch 2 at 32K 17 slices 0.912, 32 0.952; batch 4 at 32K 9 0.916, 16 0.973;
+# at 8K 9 0.903, 16 0.935; batch 8 at 16K 5 0.945, 8 0.972)
 SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and for longer ones
 COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
 # at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
@@ -162,11 +166,15 @@ def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None
 
 def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_len: int = MIN_SPLIT_LEN) -> int:
     """1 when the programs fill the GPU twice over; else enough slices of the context to reach
-    PROGRAMS_PER_SM programs per SM, none shorter than `min_len` positions (of the bound)."""
+    PROGRAMS_PER_SM programs per SM, none shorter than `min_len` positions (of the bound), from
+    POW2_SPLIT_CONTEXT positions on rounded up to a power of two."""
     if num_programs >= 2 * num_sms:
         return 1
     cap = MAX_SPLITS if max_context_len >= LONG_SPLIT_CONTEXT else SHORT_MAX_SPLITS
-    return max(1, min(cap, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
+    count = max(1, min(cap, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
+    if count > 1 and max_context_len >= POW2_SPLIT_CONTEXT:  # (MAX_SPLITS is one, and 8K / MIN_SPLIT_LEN >= it)
+        count = min(_pow2(count), cap, max_context_len // min_len)
+    return count
 
 
 def _pow2(x: int) -> int:
