@@ -62,7 +62,7 @@ from bench.capped_probe import apply_cap  # noqa: E402
 from bench.common import write_results  # noqa: E402
 from bench.offload_anchor import anchor  # noqa: E402
 from bench.offload_dequant import time_dequant  # noqa: E402
-from bench.offload_model import host_budget, is_cuda, random_model  # noqa: E402
+from bench.offload_model import fits_host, host_budget, is_cuda, random_model  # noqa: E402
 from bench.offload_names import compresses, parse_policy, placement_name, variant_of  # noqa: E402
 from batchmaker.cells.decoder import DecoderLM  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
@@ -89,9 +89,12 @@ def timed(executor: OffloadExecutor, prompts: list, num_tokens: int):
 
 def memory(args) -> dict:
     """How the search and the predictions count memory here: a GPU's reserve held back and its host
-    storage pinned; the weights' host copy (random_model's arena) already taken out of `host_budget`."""
+    storage pinned; the weights' host copy (random_model's arena) already taken out of `host_budget`,
+    or, for a model larger than the host (`args.streamed_only`), the streamed layers' arena counted by
+    the search (None)."""
     cuda = is_cuda(args.device)
-    return {"reserve": CUDA_RESERVE if cuda else 0.0, "pinned": cuda, "host_weights": 0.0}
+    return {"reserve": CUDA_RESERVE if cuda else 0.0, "pinned": cuda,
+            "host_weights": None if args.streamed_only else 0.0}
 
 
 def peaks(executor: OffloadExecutor) -> dict:
@@ -219,6 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--probe-preset", default="13b")
     ap.add_argument("--probe-new", type=int, default=None, help="the anchor's new tokens (default: --new)")
     ap.add_argument("--probe-timeout", type=float, default=300.0, help="seconds per anchor process")
+    ap.add_argument("--streamed-only", action="store_true", help="the host holds only the streamed layers, each "
+                    "policy's resident ones drawn on the device (automatic where the model does not fit the host)")
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args(argv)
     args.probe_new = args.probe_new or args.new
@@ -251,7 +256,11 @@ def ours(args) -> None:
           flush=True)
     policies = {}  # name -> (gpu_batch, num_batches, placement, prompts in the run)
     choices = {}
-    host = host_budget(config, device)
+    args.streamed_only = args.streamed_only or not fits_host(config, device)
+    if args.streamed_only:
+        print(f"{args.preset} does not fit the host beside a block: only its streamed layers live there, each "
+              "policy's resident layers drawn on the device (a share's model per group of policies)", flush=True)
+    host = host_budget(config, device, args.streamed_only)
     for b in args.batches:
         choice = choose(config, DTYPE, rates, args.gpu_memory * GIB, host, args.prompt, args.new, max_gpu_batch=b,
                         max_batches=min(b, args.max_batches), max_block=b, **memory(args),
@@ -287,7 +296,9 @@ def ours(args) -> None:
              f"{torch.cuda.get_device_name(device) if is_cuda(device) else 'CPU'}")
     record = {"title": title, "preset": args.preset, "dtype": "bfloat16", "prompt": args.prompt, "new": args.new,
               "gpu_memory_gib": args.gpu_memory, "gpu_cap_gib": args.gpu_cap, "host_gib": host_bytes() / GIB,
-              "host_budget_gib": host / GIB, "rates": rates.__dict__, "choices": choices, "chosen": chosen,
+              "host_budget_gib": host / GIB,
+              "host_holds": "the streamed layers" if args.streamed_only else "the whole model",
+              "rates": rates.__dict__, "choices": choices, "chosen": chosen,
               "systems": {}, "accelerate": {}}
     tokens = {}
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
@@ -300,9 +311,13 @@ def ours(args) -> None:
                 runs.remove(name)
             if not runs:
                 continue
-            if lm is None or is_compressed:  # (bf16: one host model for every group; 4-bit codes replace its tensors)
+            if lm is None or is_compressed or args.streamed_only:  # (bf16: one host model for every group; 4-bit
+                # codes replace its tensors; a model larger than the host: one per share, its resident layers there)
+                lm = None
+                gc.collect()
                 start = time.perf_counter()
-                lm = random_model(config, device)
+                resident = policies[runs[0]][2].num_resident(config.num_layers) if args.streamed_only else 0
+                lm = random_model(config, device, resident=resident)
                 print(f"drew {args.preset} on the host in {time.perf_counter() - start:.1f} s", flush=True)
             run_group(lm, runs, policies, is_compressed, prompts, args, config, rates, record, tokens)
         del lm
@@ -331,7 +346,7 @@ def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bo
     (a bf16 one's host tensors stay as they are: the next group's executor takes them again)."""
     start = time.perf_counter()
     gbs, nb, placement, _ = policies[names[0]]
-    first = OffloadExecutor(lm, args.device, OffloadConfig(gbs, nb, placement,
+    first = OffloadExecutor(lm, args.device, adopt=args.streamed_only, config=OffloadConfig(gbs, nb, placement,
                                                            compress=args.compress if is_compressed else None))
     print(f"executor{' (4-bit)' if is_compressed else ''}: {first.num_resident} of {first.num_layers} layers' weights "
           f"on the GPU, built in {time.perf_counter() - start:.1f} s", flush=True)

@@ -22,34 +22,51 @@ def _matrices(lm: DecoderLM) -> dict[str, torch.Size]:
     return dict(sorted(shapes.items(), key=lambda item: -item[1].numel()))
 
 
-def random_model(config, device: str, seed: int = 0) -> DecoderLM:
+def random_model(config, device: str, seed: int = 0, resident: int = 0) -> DecoderLM:
     """The model on the host: normal(0, INIT_STD) weights drawn on the device a tensor at a time,
     norms at 1 (biases 0). Seconds for 13B, where drawing on the CPU takes minutes. The layers'
     matrices are views of a pinned arena's chunks beside a GPU (exec/pinned_arena.py: torch's host
     allocator rounds each pinned allocation up to a power of two, so 160 matrices of 13B would take
-    46 GB and one pool of 25 GB 32 GiB; the arena's 4 GiB chunks take 24 GiB); the rest is small."""
+    46 GB and one pool of 25 GB 32 GiB; the arena's 4 GiB chunks take 24 GiB); the rest is small.
+    `resident`: the first layers are drawn on the device and stay there, never on the host (a model
+    larger than the host: 70B's 138 GB beside 128 GiB; the executor takes them with `adopt`)."""
     lm = empty_decoder(config)
     generator = torch.Generator(device=device).manual_seed(seed)
-    shapes = _matrices(lm)
+    kept = tuple(f"layers.{i}." for i in range(resident))
+    shapes = {name: shape for name, shape in _matrices(lm).items() if not name.startswith(kept)}
     _, matrices = holding(is_cuda(device), lambda empty: {name: empty(shape, DTYPE) for name, shape in shapes.items()})
-    state = {}
+    state, on_device = {}, {}
     for name, p in lm.named_parameters():
-        host = matrices[name] if name in matrices else torch.empty(p.shape, dtype=DTYPE)
+        if name.startswith(kept):
+            host = on_device[name] = torch.empty(p.shape, dtype=DTYPE, device=device)
+        else:
+            host = state[name] = matrices[name] if name in matrices else torch.empty(p.shape, dtype=DTYPE)
         module_name, kind = name.rsplit(".", 1)
         if module_name.endswith("norm"):
             host.fill_(1.0 if kind == "weight" else 0.0)
         else:
             host.copy_(torch.randn(p.shape, generator=generator, device=device, dtype=DTYPE).mul_(INIT_STD))
-        state[name] = host
-    return materialize(lm, state, "cpu")
+    lm = materialize(lm, state, "cpu")  # (the resident layers' parameters empty until their own)
+    for name, t in on_device.items():
+        module_name, kind = name.rsplit(".", 1)
+        setattr(lm.get_submodule(module_name), kind, torch.nn.Parameter(t, requires_grad=False))
+    return lm
 
 
-def host_budget(config, device: str) -> float:
+def host_budget(config, device: str, streamed_only: bool = False) -> float:
     """The host memory the search may give a block: the machine's, less what random_model's arena of
-    the layers' matrices holds (`arena_bytes`), the rest of the model and `HOST_RESERVE`."""
+    the layers' matrices holds (`arena_bytes`; with `streamed_only` none: the search counts the
+    streamed layers' arena itself, `host_weights=None`), the rest of the model and `HOST_RESERVE`."""
     lm = empty_decoder(config)
     shapes = _matrices(lm)
     size = DTYPE.itemsize
-    held = int(arena_bytes([(1, shape.numel() * size) for shape in shapes.values()], is_cuda(device)))
+    held = 0 if streamed_only else \
+        int(arena_bytes([(1, shape.numel() * size) for shape in shapes.values()], is_cuda(device)))
     rest = sum(p.numel() for p in lm.parameters()) - sum(shape.numel() for shape in shapes.values())
     return host_bytes() * (1 - HOST_RESERVE) - held - rest * size
+
+
+def fits_host(config, device: str) -> bool:
+    """Whether the whole model's host copy leaves a block at least a tenth of the host (else only
+    the streamed layers live there: `random_model`'s `resident`)."""
+    return host_budget(config, device) >= 0.1 * host_bytes()

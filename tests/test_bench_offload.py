@@ -77,6 +77,55 @@ def test_the_attention_ab_runs_the_chosen_policy_both_ways(tmp_path, monkeypatch
     assert on["bound"]["cpu_seconds"][1] > 0 == off["bound"]["cpu_seconds"][1]
 
 
+def test_a_model_larger_than_the_host_keeps_only_its_streamed_layers_there(tmp_path, monkeypatch):
+    """`--streamed-only` (automatic where the model does not fit the host: 70B beside 128 GiB): each
+    policy's resident layers are drawn on the device and taken by the executor as they are, the
+    search counts the streamed layers' host copy itself; the tokens are those of the whole host
+    model (the same draws)."""
+    from bench import common
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    args = ARGS + ["--no-compress", "--dequant-rows", "--other", "", "--shares", "0"]
+    offload.main(args)
+    (path,) = tmp_path.glob("offload-*.json")
+    whole = json.loads(path.read_text())
+    path.unlink()
+    offload.main(args + ["--streamed-only"])
+    (path,) = tmp_path.glob("offload-*.json")
+    streamed = json.loads(path.read_text())
+    assert whole["host_holds"] == "the whole model" and streamed["host_holds"] == "the streamed layers"
+    assert streamed["host_budget_gib"] > whole["host_budget_gib"]  # (the weights' arena not taken out first)
+    assert set(streamed["systems"]) == {"auto-B2", "auto-B2-weights_gpu0"}
+    for name in ("auto-B2", "auto-B2-weights_gpu0"):
+        assert streamed["systems"][name]["resident_layers"] == whole["systems"][name]["resident_layers"]
+    assert streamed["systems"]["auto-B2"]["resident_layers"] > 0
+    built, draw = [], offload.random_model
+    monkeypatch.setattr(offload, "random_model", lambda *a, **k: built.append(k["resident"]) or draw(*a, **k))
+    offload.main(args + ["--streamed-only"])
+    assert sorted(built) == [0, streamed["systems"]["auto-B2"]["resident_layers"]]  # (a model per share)
+
+
+def test_resident_layers_built_on_the_device_are_taken_as_they_are():
+    import random
+
+    import torch
+    from dataclasses import replace
+    from bench.offload_model import random_model
+    from batchmaker.cells.decoder_config import PRESETS
+    from batchmaker.core.zigzag import Placement
+    from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
+    config = replace(PRESETS["tiny-llama"], num_layers=4)
+    config_ = OffloadConfig(2, 2, Placement(True, True, True, weights_gpu=0.5))
+    adopted, whole = random_model(config, "cpu", resident=2).float(), random_model(config, "cpu").float()
+    executor = OffloadExecutor(adopted, "cpu", config_, adopt=True)
+    assert executor.resident[0] is adopted.layers[0] and executor.resident[1] is adopted.layers[1]
+    assert all(p.numel() for p in adopted.layers[0].parameters())
+    rng = random.Random(0)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(9)] for _ in range(4)]
+    assert executor.generate_block(prompts, 5)[0] == OffloadExecutor(whole, "cpu", config_).generate_block(prompts, 5)[0]
+    with pytest.raises(ValueError, match="adopt"):  # (resident layers somewhere else: refused)
+        OffloadExecutor(random_model(config, "cpu").float(), "meta", config_, adopt=True)
+
+
 def test_policy_names_carry_the_attention():
     from bench.offload_names import compresses, parse_policy, placement_name, variant_of
     gbs, nb, placement = parse_policy("4x2:weights+cache+hidden+cpu_attention@0.5")

@@ -102,10 +102,16 @@ def check_offloadable(lm: DecoderLM) -> None:
 
 
 class OffloadExecutor:
-    def __init__(self, lm: DecoderLM, device, config: OffloadConfig = OffloadConfig()):
+    def __init__(self, lm: DecoderLM, device, config: OffloadConfig = OffloadConfig(), adopt: bool = False):
         """`lm`: the model built on the CPU; its layers become the host copy (pinned beside a GPU)
-        and the rest of it moves to `device`."""
+        and the rest of it moves to `device`. Resident layers are copies (the host model stays whole,
+        for another executor) unless `adopt`: then `lm`'s first `num_resident` layers are already on
+        `device` and are taken as they are (a model larger than the host, whose resident layers never
+        touch it: bench/offload_model.random_model's `resident`)."""
         check_offloadable(lm)
+        if adopt and any(not _is_on(t, torch.device(device)) for layer in
+                         lm.layers[:config.placement.num_resident(len(lm.layers))] for t in layer_tensors(layer)):
+            raise ValueError(f"adopt: the resident layers must already be on {device}")
         self.device, self.config, self.lm = torch.device(device), config, lm
         self.is_cuda = self.device.type == "cuda"
         layers, lm.layers = lm.layers, nn.ModuleList()
@@ -114,7 +120,8 @@ class OffloadExecutor:
         self.num_layers = len(layers)
         self.dtype = lm.embed_tokens.weight.dtype
         self.num_resident = config.placement.num_resident(self.num_layers)  # the first layers: weights stay
-        self.resident = nn.ModuleList(copy.deepcopy(layer).to(self.device) for layer in layers[:self.num_resident])
+        self.resident = nn.ModuleList(layer if adopt else copy.deepcopy(layer).to(self.device)
+                                      for layer in layers[:self.num_resident])
         if config.compresses_weights:  # (resident layers hold the round trip dense: the same model at any share)
             _round_trip(self.resident)
         if self.num_resident < self.num_layers:
@@ -358,6 +365,10 @@ class BlockRun:
         """With check_buffers: `tensors` filled with NaN at the next sync (the schedule is done with them)."""
         if self.x.config.check_buffers:
             self.poison += tensors
+
+
+def _is_on(t: Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def _round_trip(layers: nn.ModuleList) -> None:
