@@ -83,6 +83,12 @@
 #              63 s generations and ~30 s start-up: ~6.5 min of its 570 s); it writes our best over Accelerate's
 #              best into the same offload-cap JSON. `offload-cap` is the two in one command (~11 min: over one
 #              device command's 10; run the halves). CAP_ANCHOR_BATCHES sets the anchor's batches
+#     offload-4bit issue 34: bench/offload.py under the 16 GiB cap, the search's bf16 policy (at most 256 prompts), then
+#              the same policy with 4-bit weights and KV cache (--compress both), into offload-cap-4bit-*.json (~4-5 min)
+#     offload-70b-ours, offload-70b-anchor issue 34: a Llama-2-70B-sized model (138 GB bf16) on one GPU under a cap of
+#              CAP_70B (72) GiB beside a host of 128 GiB: ours with only the streamed layers on the host (--streamed-only,
+#              automatic), then Accelerate in a process of its own (bench/accelerate_offload.py: the shared probe
+#              would build all 138 GB on the host first) at CAP_ANCHOR_BATCHES (64); one device command each
 #     fdpp     split-KV decode with FlashDecoding++'s unified maximum (issue 33; written without a GPU):
 #              its GPU tests (tests/test_unified_max.py), then bench/attention.py --unified-max (exact
 #              against unified decode, batches 1-256 x contexts 256-32K); fdpp-tests, fdpp-ab: each half
@@ -252,6 +258,17 @@ for suite in "$@"; do
             [ "$suite" = offload-cap-ours ] ||
                 step offload-cap-anchor timeout 570 python3 bench/offload.py "${cap[@]}" --anchor .probes/offload_probe.py \
                     --anchor-batches ${CAP_ANCHOR_BATCHES:-16 24 32} --probe-timeout 180 ;;
+        offload-4bit)  # issue 34: the 16 GiB cap's chosen bf16 policy, then the same with 4-bit weights and KV cache
+            step offload-4bit timeout 500 python3 bench/offload.py --preset llama-2-13b --gpu-cap 16 --prompt 512 --new 32 \
+                --batches 256 --other "" --compress both --dequant-rows --tag 4bit ;;
+        offload-70b-ours|offload-70b-anchor)  # issue 34: 70B (138 GB) beside 128 GiB of host under a 72 GiB cap
+            big=(--preset llama-2-70b --gpu-cap "${CAP_70B:-72}" --prompt 512 --new 32 --tag llama-2-70b)
+            [ "$suite" = offload-70b-anchor ] ||
+                step offload-70b-ours timeout 580 python3 bench/offload.py "${big[@]}" --batches "${BATCHES_70B:-64}" \
+                    --other "" --no-compress --dequant-rows
+            [ "$suite" = offload-70b-ours ] ||
+                step offload-70b-anchor timeout 580 python3 bench/offload.py "${big[@]}" --anchor bench/accelerate_offload.py \
+                    --probe-preset llama-2-70b --anchor-batches ${CAP_ANCHOR_BATCHES:-64} --probe-timeout 560 ;;
         fdpp|fdpp-tests|fdpp-ab)  # (the two steps fit one device command's 10 minutes together)
             [ "$suite" = fdpp-ab ] || step fdpp-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                 tests/test_unified_max.py

@@ -224,10 +224,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--probe-timeout", type=float, default=300.0, help="seconds per anchor process")
     ap.add_argument("--streamed-only", action="store_true", help="the host holds only the streamed layers, each "
                     "policy's resident ones drawn on the device (automatic where the model does not fit the host)")
+    ap.add_argument("--tag", default="", help="names the record: offload-cap-TAG-<device>-<date>.json (the anchor "
+                    "takes the same tag to find it)")
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args(argv)
     args.probe_new = args.probe_new or args.new
-    args.record = "offload-cap" if args.gpu_cap else "offload-attention" if args.flip_attention else "offload"
+    args.record = ("offload-cap" if args.gpu_cap else "offload-attention" if args.flip_attention else "offload") + \
+        (f"-{args.tag}" if args.tag else "")
     if args.gpu_cap:
         args.gpu_memory = args.gpu_cap
     if args.new < 2:
