@@ -106,9 +106,8 @@ def test_a_model_larger_than_the_host_keeps_only_its_streamed_layers_there(tmp_p
 
 def test_resident_layers_built_on_the_device_are_taken_as_they_are():
     import random
-
-    import torch
     from dataclasses import replace
+
     from bench.offload_model import random_model
     from batchmaker.cells.decoder_config import PRESETS
     from batchmaker.core.zigzag import Placement
