@@ -49,6 +49,7 @@ tries `--anchor-batches` and our best over Accelerate's best is recorded (the is
 """
 import argparse
 import gc
+import os
 import random
 import sys
 import time
@@ -298,7 +299,8 @@ def ours(args) -> None:
     title = (f"{args.preset} bf16, offload=auto {budget}, prompt {args.prompt}, new {args.new}, "
              f"{torch.cuda.get_device_name(device) if is_cuda(device) else 'CPU'}")
     record = {"title": title, "preset": args.preset, "dtype": "bfloat16", "prompt": args.prompt, "new": args.new,
-              "gpu_memory_gib": args.gpu_memory, "gpu_cap_gib": args.gpu_cap, "host_gib": host_bytes() / GIB,
+              "gpu_memory_gib": args.gpu_memory, "gpu_cap_gib": args.gpu_cap,
+              "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "host_gib": host_bytes() / GIB,
               "host_budget_gib": host / GIB,
               "host_holds": "the streamed layers" if args.streamed_only else "the whole model",
               "rates": rates.__dict__, "choices": choices, "chosen": chosen,
