@@ -284,7 +284,7 @@ for suite in "$@"; do
                        --tensor-parallel 2 --pipeline-parallel 2 ;;
         attention-long) step attention-long timeout 560 python3 bench/attention.py --long-sweep --out \
                             "bench/results/attention-long-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
-        verify19-tests) step verify19-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+        verify19-tests) step verify19-tests timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                             tests/test_gemv.py tests/test_sampling.py tests/test_skinny_routes.py tests/test_iteration_graphs.py ;;
         batch1)  # the graphed batch-1 (and 64) step against the weight floor at the bandwidth measured here
             bw=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.device_limits import measure; print(measure("cuda:0").copy_bytes_per_s)' 2>/dev/null || echo 3.0e12)
