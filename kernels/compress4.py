@@ -198,12 +198,14 @@ def gemv4(x: Tensor, c: Compressed, config: Gemv4Config | None = None, reference
     partials = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     kernels = load_kernels("triton_gemv4", "the 4-bit few-row projection kernel", "compress4.decompress")
     kernels.gemv4_kernel[(tiles, splits, row_blocks)](
-        flat, c.codes, c.scale, c.low, partials, rows, n, k, c.codes.shape[-2], k_per_split, GROUP=c.group,
+        flat, c.codes, c.scale, c.low, partials, rows, n, k, c.codes.shape[-2], k_per_split // config.block_k,
+        GROUP=c.group,
         BLOCK_M=16 if config.dot else 1, BLOCK_N=max(config.block_n, c.group), BLOCK_K=config.block_k,
         DOT=config.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
         enable_fp_fusion=False)  # (min + code x scale rounded twice, as decompress: no FMA)
     if splits > 1:
-        kernels.sum_splits_kernel[(-(-rows * n // SUM_BLOCK),)](partials, out, rows * n, splits, BLOCK=SUM_BLOCK)
+        kernels.sum_splits_kernel[(-(-rows * n // SUM_BLOCK),)](partials, out, rows * n, SPLITS=splits,
+                                                                 BLOCK=SUM_BLOCK)
     return out.reshape(*x.shape[:-1], n)
 
 

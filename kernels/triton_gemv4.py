@@ -19,7 +19,7 @@ import triton.language as tl
 
 
 @triton.jit
-def gemv4_kernel(x, codes, scale, low, partials, m, n, k, groups, k_per_split,
+def gemv4_kernel(x, codes, scale, low, partials, m, n, k, groups, STEPS: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT: tl.constexpr, PRECISION: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_N // GROUP  # whole groups a program
@@ -28,15 +28,16 @@ def gemv4_kernel(x, codes, scale, low, partials, m, n, k, groups, k_per_split,
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     byte = tl.arange(0, HALF)
-    k_end = tl.minimum(split * k_per_split + k_per_split, k)
+    k_end = tl.minimum((split + 1) * (STEPS * BLOCK_K), k)  # (a split: STEPS steps, the last one's cut at k)
     if DOT:
         even = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
         odd = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
     else:  # (one row: products summed over k at the end, not per step)
         even = tl.zeros([BLOCK_K, GROUPS, HALF], dtype=tl.float32)
         odd = tl.zeros([BLOCK_K, GROUPS, HALF], dtype=tl.float32)
-    for k0 in range(split * k_per_split, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for step in range(0, STEPS):  # (a constant trip count: compiled per shape, and the interpreter's loops
+        # take no loaded bound)
+        ks = (split * STEPS + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
         where = ks[:, None] * groups + g[None, :]  # [BLOCK_K, GROUPS]: each group's (scale, min), once
         ok = k_ok[:, None] & (g < groups)[None, :]
@@ -63,11 +64,11 @@ def gemv4_kernel(x, codes, scale, low, partials, m, n, k, groups, k_per_split,
 
 
 @triton.jit
-def sum_splits_kernel(partials, out, size, splits, BLOCK: tl.constexpr):
+def sum_splits_kernel(partials, out, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """out = partials.sum(0) in split order, rounded once to out's dtype; partials [splits, size] fp32."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < size
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, splits):
+    for s in range(0, SPLITS):
         acc += tl.load(partials + s * size + i, mask=ok, other=0.0)
     tl.store(out + i, acc.to(out.dtype.element_ty), mask=ok)

@@ -3,7 +3,14 @@ twin F.linear(x, decompress(c)): every candidate tile, 1 to 16 rows, N a multipl
 the tile, K not a multiple of the step, fp32, fp16 and bf16 -- in Triton's interpreter on the CPU
 and on a GPU (also under CUDA graph capture). The tolerance: the products' sum in another order
 (and split), so an error within a few units of the dtype's last place of sum |x| |w| (the bound
-of any reordering); in the interpreter bf16 is truncated (not rounded), so 2 units there."""
+of any reordering); in the interpreter bf16 is truncated (not rounded), so 2 units there. And
+bench/gemv4.py's CPU smoke run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +109,21 @@ def test_the_grid_fills_the_sms_with_no_empty_split():
             steps = -(-k // config.block_k)
             assert tiles * splits * row_blocks >= config.min_programs or splits == steps
     assert gemv4_config(1, 5120, 5120) in GEMV4_CONFIGS and gemv4_config(16, 5120, 5120).dot
+
+
+def test_the_sweep_runs_on_the_cpu_in_the_interpreter(tmp_path):
+    """bench/gemv4.py --smoke: every tile timed on tiny shapes through Triton's interpreter, within
+    fp32's error of the twin, and the JSON written where asked."""
+    pytest.importorskip("triton")
+    bench = Path(__file__).resolve().parent.parent / "bench" / "gemv4.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                          text=True, env=env, cwd=bench.parent.parent, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (path,) = tmp_path.glob("gemv4-smoke-*.json")
+    record = json.loads(path.read_text())
+    assert len(record["results"]) == 4 * 2 and record["limits"]["copy_bytes_per_s"] > 0
+    for result in record["results"]:
+        tiles = [v for name, v in result["methods"].items() if name.startswith("gemv4")]
+        assert len(tiles) == len(GEMV4_CONFIGS) and all(v["error"] < 1e-5 for v in tiles)
+        assert result["best"] in result["methods"] and result["methods"]["expand+F.linear"]["error"] == 0
