@@ -10,11 +10,15 @@ with copies of its last value (they widen no range) and the padding is dropped o
 `compress`/`decompress` are the PyTorch reference; `expand` runs the Triton kernel
 (kernels/triton_compress4.py) on a GPU for the two layouts it serves, a weight grouped along dim 0
 and a cache grouped along its last dimension, writing into a given buffer (FlexGen expands a
-layer's weights into a reused one). Not yet: the expansion fused into the projection.
+layer's weights into a reused one). `linear4` fuses the expansion into a projection of any number of
+rows, tile by tile; `gemv4` is the projection of a few rows (decode steps, <= GEMV4_MAX_ROWS), written
+for the bandwidth of the compressed bytes (kernels/triton_gemv4.py: wide output tiles, split-K).
+Both have the twin `F.linear(x, decompress(c))`.
 """
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from batchmaker.kernels.cell_launch import is_interpreting, load_kernels
@@ -105,7 +109,7 @@ def linear4(x: Tensor, c: Compressed, reference: bool = False) -> Tensor:
         raise ValueError(f"linear4: a [N, K] weight compressed along dim 0 and x [..., K] of its dtype expected, "
                          f"got weight {c.shape} (dim {c.dim}, {c.scale.dtype}) and x {tuple(x.shape)} {x.dtype}")
     if reference or not (x.is_cuda or is_interpreting()) or c.group & (c.group - 1):
-        return torch.nn.functional.linear(x, decompress(c))
+        return F.linear(x, decompress(c))
     n, k = c.shape
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
@@ -135,3 +139,75 @@ def compress_rows(x: Tensor, group: int = 64, reference: bool = False) -> Compre
     kernels.compress_kernel[(-(-rows // EXPAND_ROWS), groups)](x.contiguous(), codes, scale, low, rows, size,
                                                                GROUP=group, BLOCK_R=EXPAND_ROWS)
     return Compressed(codes, scale, low, tuple(x.shape), x.dim() - 1, group)
+
+
+@dataclass(frozen=True, slots=True)
+class Gemv4Config:
+    block_n: int  # outputs a program: block_n / 2 contiguous code bytes of each k row (128: one cache line)
+    block_k: int  # inputs a step
+    min_programs: int  # K is split until the grid has this many programs (an H100 has 132 SMs)
+    dot: bool  # tensor cores over rows padded to 16, or a multiply-add of one row (a program per row)
+    num_warps: int = 4
+
+
+GEMV4_MAX_ROWS = 16  # rows gemv4 serves (a tensor-core tile's; more: expand + a dense matmul, or linear4)
+GEMV4_CONFIGS = (  # the candidates bench/gemv4.py sweeps
+    Gemv4Config(256, 32, 528, dot=False), Gemv4Config(512, 16, 528, dot=False, num_warps=8),
+    Gemv4Config(128, 64, 528, dot=False),
+    Gemv4Config(256, 64, 528, dot=True), Gemv4Config(128, 64, 528, dot=True),
+    Gemv4Config(512, 32, 528, dot=True, num_warps=8), Gemv4Config(256, 128, 264, dot=True),
+    Gemv4Config(256, 64, 132, dot=True),  # (fewer splits: less of the partials' traffic at 16 rows)
+)
+
+
+def gemv4_config(rows: int, n: int, k: int) -> Gemv4Config:
+    """The tile for (rows, N, K). Unmeasured until a GPU sweep (bench/gemv4.py) says otherwise: one
+    row by multiply-adds, more by tensor cores; 256 outputs (128 code bytes a k row) a program and
+    about 4 programs an SM."""
+    return GEMV4_CONFIGS[0] if rows == 1 else GEMV4_CONFIGS[3]
+
+
+def gemv4_grid(config: Gemv4Config, rows: int, n: int, k: int, group: int = 64) -> tuple[int, int, int, int]:
+    """(output tiles, splits of K, row blocks, inputs a split) for `config`: K split in whole steps
+    until the grid has config.min_programs programs, no split empty."""
+    block_n = max(config.block_n, group)
+    tiles, row_blocks = -(-n // block_n), -(-rows // 16) if config.dot else rows
+    steps = -(-k // config.block_k)
+    splits = min(steps, max(1, -(-config.min_programs // (tiles * row_blocks))))
+    k_per_split = steps // splits * config.block_k  # (rounded down: at least `splits` splits)
+    return tiles, -(-k // k_per_split), row_blocks, k_per_split
+
+
+def gemv4(x: Tensor, c: Compressed, config: Gemv4Config | None = None, reference: bool = False) -> Tensor:
+    """x [..., K] @ W^T for a few rows (<= GEMV4_MAX_ROWS) and a weight W [N, K] compressed along
+    dim 0, read once as its codes: the Triton kernel on a GPU (or Triton's interpreter), else the
+    twin `F.linear(x, decompress(c))`. No host sync and allocations by torch.empty only (graphs
+    capture it)."""
+    if c.dim != 0 or len(c.shape) != 2 or x.shape[-1] != c.shape[1] or x.dtype != c.scale.dtype:
+        raise ValueError(f"gemv4: a [N, K] weight compressed along dim 0 and x [..., K] of its dtype expected, "
+                         f"got weight {c.shape} (dim {c.dim}, {c.scale.dtype}) and x {tuple(x.shape)} {x.dtype}")
+    n, k = c.shape
+    rows = x.numel() // k
+    if rows > GEMV4_MAX_ROWS:
+        raise ValueError(f"gemv4 serves 1 to {GEMV4_MAX_ROWS} rows, got {rows}: use linear4 or expand")
+    if reference or not (x.is_cuda or is_interpreting()) or c.group & (c.group - 1):
+        return F.linear(x, decompress(c))
+    config = config or gemv4_config(rows, n, k)
+    tiles, splits, row_blocks, k_per_split = gemv4_grid(config, rows, n, k, c.group)
+    flat = x.reshape(rows, k).contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    partials = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    kernels = load_kernels("triton_gemv4", "the 4-bit few-row projection kernel", "compress4.decompress")
+    kernels.gemv4_kernel[(tiles, splits, row_blocks)](
+        flat, c.codes, c.scale, c.low, partials, rows, n, k, c.codes.shape[-2], k_per_split // config.block_k,
+        GROUP=c.group,
+        BLOCK_M=16 if config.dot else 1, BLOCK_N=max(config.block_n, c.group), BLOCK_K=config.block_k,
+        DOT=config.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        enable_fp_fusion=False)  # (min + code x scale rounded twice, as decompress: no FMA)
+    if splits > 1:
+        kernels.sum_splits_kernel[(-(-rows * n // SUM_BLOCK),)](partials, out, rows * n, SPLITS=splits,
+                                                                 BLOCK=SUM_BLOCK)
+    return out.reshape(*x.shape[:-1], n)
+
+
+SUM_BLOCK = 1024  # outputs a program of the split-K sum

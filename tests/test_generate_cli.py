@@ -92,6 +92,19 @@ def test_compressed_weights_run_and_cut_at_each_length(tmp_path, whole):
     assert results(tmp_path / "kv.jsonl").keys() == whole.keys()
 
 
+def test_compressed_weights_without_offloading_give_the_offloaded_tokens(tmp_path, capsys):
+    """compress=weights alone: every layer resident as 4-bit codes (exec/offload_resident.py); on the
+    CPU the same products as the offloaded 4-bit run. A 4-bit cache needs the cache on the host."""
+    write_prompts(tmp_path / "in.jsonl")
+    assert generate(tmp_path, "offloaded.jsonl", *OFFLOAD, "--set", "compress=weights") == 0
+    assert generate(tmp_path, "resident.jsonl", "--set", "compress=weights") == 0
+    assert generate(tmp_path, "none.jsonl", "--set", "offload=none", "--set", "compress=weights") == 0
+    assert results(tmp_path / "resident.jsonl") == results(tmp_path / "offloaded.jsonl") == \
+        results(tmp_path / "none.jsonl")
+    assert generate(tmp_path, "kv.jsonl", "--set", "compress=kv") == 2
+    assert "a 4-bit cache on the device is not built" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"tokens": [1]}', "in.jsonl:2: id must be"),
     ('{"id": 7, "tokens": []}', "in.jsonl:2: tokens must be"),

@@ -6,7 +6,8 @@ on the GPU, bf16 and fp32, every token. With 4-bit weights: the codes made on th
 CPU's, and Triton's expansion (the GPU's default) gives the tokens of the PyTorch twin; the fused
 projection (`linear4`) those of the twin in fp32; a 4-bit host KV cache expanded and compressed by
 Triton gives the tokens of the twins (bit for bit the same codes). A share of resident layers
-(`weights_gpu`, dense or 4-bit) changes no token. The share's tests have not run on a GPU (written
+(`weights_gpu`) changes no token, dense or 4-bit by the twins; 4-bit by the kernels (resident
+codes through gemv4), none in fp32 and at most 10% in bf16. The share's tests have not run on a GPU (written
 on a machine without one). With the CPU attending over the host cache in decode steps
 (`cpu_attention`: q, k, v down and the output up on a stream of their own), the fp32 tokens are the
 resident model's; in bf16 the CPU's fp32 sums run in another order than the GPU's, so an attention
@@ -89,10 +90,20 @@ def test_compressed_weights_expanded_by_the_kernel_give_the_twins_tokens(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_resident_layers_of_4bit_weights_give_the_streamed_models_tokens(dtype):
-    """Resident layers hold the PyTorch twin's round trip dense; streamed ones are expanded by Triton."""
-    want = compressed_tokens(dtype, None)[1]
-    assert compressed_tokens(dtype, None, share=0.5)[1] == want
-    assert compressed_tokens(dtype, None, share=1.0)[1] == want
+    """Resident layers keep their codes on the device (exec/offload_resident.py). With the twins
+    (dequant="reference") their products are the streamed layers' bit for bit; with the kernels
+    (gemv4 in decode steps: sums in another order than cuBLAS's) fp32 gives the same tokens and bf16
+    at least 90% of them (a near tie may flip; the count printed)."""
+    for dequant in ("reference", None):
+        want = compressed_tokens(dtype, dequant)[1]
+        for share in (0.5, 1.0):
+            got = compressed_tokens(dtype, dequant, share=share)[1]
+            if dequant == "reference" or dtype == torch.float32:
+                assert got == want, (dequant, share)
+                continue
+            same = [a == b for g, w in zip(got, want) for a, b in zip(g, w)]
+            print(f"bf16, resident 4-bit layers at share {share}: {sum(same)} of {len(same)} tokens as streamed")
+            assert sum(same) >= 0.9 * len(same)
 
 
 def test_the_fused_projection_gives_the_twins_tokens_in_fp32():

@@ -7,7 +7,8 @@ resident layers under the same budget); the host bytes are what a block run's ar
 rounding, one chunk or many), 13B's host cache in 4 GiB chunks; and
 a policy's bound is never slower than the cost model's prediction, bound by the link where
 compute is free; with the CPU's attention the device holds the prompt's columns in its slots and no
-decode step's fp32 cache, the host the CPU's working set."""
+decode step's fp32 cache, the host the CPU's working set; 4-bit weights are counted as the executor
+holds them, resident or streamed."""
 import math
 import random
 
@@ -22,6 +23,7 @@ from batchmaker.exec import pinned_arena
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
 from batchmaker.exec.offload_auto import Rates, bound, choose, hardware, model_shape, predict
 from batchmaker.exec.offload_memory import ModelBytes, footprint
+from batchmaker.exec.offload_resident import resident_bytes
 from batchmaker.exec.pinned_arena import arena_bytes
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -178,3 +180,29 @@ def test_with_the_cpus_attention_the_slots_hold_the_prompt_and_the_host_the_work
     assert on_cpu.host - moved.host == model.decode_attention(gbs, prompt, generate) + staging
     kept = footprint(model, gbs, nb, prompt, generate, 0.0, True, False, cpu_attention=True)  # (a cache on the device)
     assert kept == footprint(model, gbs, nb, prompt, generate, 0.0, True, False)
+
+
+@pytest.mark.parametrize("placement", [Placement(False, True, True), Placement(True, True, True, weights_gpu=0.5),
+                                       Placement(True, True, True)], ids=str)
+def test_4bit_weights_are_counted_as_the_executor_keeps_them(placement):
+    """compress="weights": resident layers as their codes (exec/offload_resident.py) and one scratch
+    of the largest matrix, weight buffers dense beside their codes' staging, the host copy as codes."""
+    config = PRESETS["tiny-llama"]
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu", OffloadConfig(2, 2, placement, compress="weights"))
+    model = ModelBytes.of(config, torch.float32)
+    resident = placement.num_resident(config.num_layers)
+    assert resident * model.layer4 == resident_bytes(executor.resident)
+    if resident:
+        assert executor.scratch.numel() * 4 == model.largest_matrix
+    if resident < config.num_layers:
+        staged = sum(s.nbytes for s in executor.host_weights.staging[0] if s is not None)
+        assert staged == model.staging4
+        host = sum(t.nbytes for layer in executor.host_weights.layers for t in layer)
+        assert host == (config.num_layers - resident) * model.layer4
+    args = (model, 2, 2, 8, 4, placement.weights_gpu if placement.weights else 1.0, True, True)
+    dense, packed = footprint(*args), footprint(*args, compress_weights=True)
+    buffers = 2 * (model.layer + model.staging4) if resident < config.num_layers else 0
+    want = resident * model.layer4 + (model.largest_matrix if resident else 0) + buffers
+    dense_weights = resident * model.layer + (2 * model.layer if resident < config.num_layers else 0)
+    assert packed.device - dense.device == want - dense_weights
+    assert packed.host - dense.host == (config.num_layers - resident) * (model.layer4 - model.layer)

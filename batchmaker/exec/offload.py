@@ -4,7 +4,8 @@ out core/zigzag.py's operations in order.
 
 What the placement offloads lives in host storage between uses and moves through device buffers:
 each streamed layer's weights (exec/offload_weights.py: pinned beside a GPU, optionally 4-bit) into 2
-weight buffers (the first `Placement.num_resident` layers keep theirs on the device, loaded once),
+weight buffers (the first `Placement.num_resident` layers keep theirs on the device, loaded once;
+with compress="weights" as 4-bit codes there too: exec/offload_resident.py),
 each (layer, batch)'s KV cache (exec/offload_cache.py: optionally 4-bit) and each batch's hidden
 states into 3 batch buffers; a compute reads and writes device buffers only. A block's host tensors
 are views of one arena (exec/pinned_arena.py: a few large pinned allocations beside a GPU, not one
@@ -41,9 +42,10 @@ from batchmaker.core.zigzag import ATTENTION_OPS, BATCH_BUFFERS, WEIGHT_BUFFERS,
 from batchmaker.exec import offload_cache, pinned_arena
 from batchmaker.exec.offload_attention import CpuAttention
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts, KVPair
-from batchmaker.exec.offload_weights import DEQUANTS, GROUP, HostWeights, default_dequant, layer_tensors
+from batchmaker.exec.offload_resident import compress_resident
+from batchmaker.exec.offload_weights import DEQUANTS, HostWeights, default_dequant, layer_tensors
 from batchmaker.exec.pinned_arena import Empty
-from batchmaker.kernels.compress4 import Compressed, compress, decompress
+from batchmaker.kernels.compress4 import Compressed
 
 
 @dataclass(frozen=True)
@@ -52,21 +54,20 @@ class OffloadConfig:
     num_batches: int = 2  # GPU batches per block (FlexGen's block size = gpu_batch x num_batches)
     placement: Placement = Placement()
     check_buffers: bool = False  # NaN into a buffer the schedule is done with (tests)
-    compress: str | None = None  # 4-bit codes on the host: "weights" (exec/offload_weights.py), "kv" (the
-    # KV cache: BlockRun), or "both"
-    dequant: str | None = None  # how compressed tensors meet the compute (offload_weights.DEQUANTS; a cache
-    # is expanded by Triton unless "reference"); None: Triton on a GPU, the PyTorch twins elsewhere (fused is
-    # not the default: no GPU timing yet)
+    compress: str | None = None  # 4-bit codes: "weights" (every layer's matrices, streamed or resident:
+    # exec/offload_weights.py, exec/offload_resident.py), "kv" (the host's KV cache: BlockRun), or "both"
+    dequant: str | None = None  # how compressed tensors meet the compute (offload_weights.DEQUANTS, for
+    # streamed weights; a cache and resident weights use Triton unless "reference"); None: Triton on a GPU,
+    # the PyTorch twins elsewhere (fused is not the default for streamed weights: no GPU timing yet)
 
     def __post_init__(self):
         if self.gpu_batch < 1 or self.num_batches < 1:
             raise ValueError(f"gpu_batch and num_batches must be >= 1, got {self.gpu_batch}, {self.num_batches}")
         if self.compress not in (None, "weights", "kv", "both"):
             raise ValueError(f"compress={self.compress!r}: None, 'weights', 'kv' or 'both'")
-        if self.compresses_weights and not self.placement.weights:
-            raise ValueError("compress='weights' compresses offloaded weights: the placement keeps them on the device")
         if self.compresses_cache and not self.placement.cache:
-            raise ValueError("compress='kv' compresses the host's KV cache: the placement keeps it on the device")
+            raise ValueError("compress='kv' compresses the host's KV cache: the placement keeps it on the device "
+                             "(a 4-bit cache on the device is not built; offload the cache)")
         if self.compresses_cache and self.placement.cpu_attention:
             raise ValueError("cpu_attention attends over a dense host cache: not with compress='kv' or 'both'")
         if self.dequant is not None and (self.dequant not in DEQUANTS or not self.compress):
@@ -122,13 +123,13 @@ class OffloadExecutor:
         self.num_resident = config.placement.num_resident(self.num_layers)  # the first layers: weights stay
         self.resident = nn.ModuleList(layer if adopt else copy.deepcopy(layer).to(self.device)
                                       for layer in layers[:self.num_resident])
-        if config.compresses_weights:  # (resident layers hold the round trip dense: the same model at any share)
-            _round_trip(self.resident)
+        self.is_reference = (config.dequant or default_dequant(self.device)) == "reference"  # (the twins)
+        if config.compresses_weights:  # (4-bit codes on the device, one dense scratch for prompt steps)
+            self.scratch = compress_resident(self.resident, self.is_reference)
         if self.num_resident < self.num_layers:
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
             self.host_weights = HostWeights(layers[self.num_resident:], self.weight_buffers,
                                             config.compresses_weights, config.dequant or default_dequant(self.device))
-        self.is_reference = (config.dequant or default_dequant(self.device)) == "reference"  # (a cache's twins)
         if self.is_cuda:
             self.streams = {"in": torch.cuda.Stream(self.device), "out": torch.cuda.Stream(self.device)}
 
@@ -369,13 +370,6 @@ class BlockRun:
 
 def _is_on(t: Tensor, device: torch.device) -> bool:
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-
-
-def _round_trip(layers: nn.ModuleList) -> None:
-    """Each matrix replaced by its 4-bit round trip, on its device (what a streamed layer computes with)."""
-    for p in layers.parameters():
-        if p.dim() == 2:
-            p.data.copy_(decompress(compress(p.data, GROUP, dim=0)))
 
 
 class _SideStream:

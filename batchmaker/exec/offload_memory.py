@@ -23,9 +23,14 @@ holding, in the executor's order, the cache's (layer, batch) tensors and the hid
 offloaded and with `cpu_attention` the q | k | v and output staging (exec/offload_attention.py);
 the weights' host copy (the streamed share, FlexGen's count, unless the caller says what it
 holds); and with `cpu_attention` the CPU's decode working set (a batch's fp32 K, V and scores, not
-pinned). A 4-bit cache (compress=) is not counted: the search does not model compression.
+pinned). With `compress_weights` (compress="weights"; the search does not ask for it: it does not
+model compression) the weights are counted as the executor keeps them: resident layers as 4-bit
+codes plus one dense scratch of the largest matrix (exec/offload_resident.py), each weight buffer
+dense beside its codes' staging (dequant expand or reference; fused frees the dense matrices, so
+this over-counts it), the host copy as codes pinned a tensor each. A 4-bit cache is not counted.
 """
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +59,14 @@ class ModelBytes:
     head_dim: int
     itemsize: int
     tensors: tuple = ()  # bytes of each of a layer's tensors, in exec/offload_weights.layer_tensors' order
+    tensors4: tuple = ()  # the same with each matrix as its 4-bit codes, scales and mins (3 tensors, groups of 64)
+    staging4: int = 0  # the codes, scales and mins of a layer's matrices (a weight buffer's staging)
+    largest_matrix: int = 0  # bytes of a layer's largest matrix (a resident 4-bit layer's scratch)
+
+    @property
+    def layer4(self) -> int:
+        """One layer's bytes with its matrices 4-bit (the vectors stay dense)."""
+        return sum(self.tensors4)
 
     @classmethod
     def of(cls, config: DecoderConfig, dtype: torch.dtype) -> "ModelBytes":
@@ -61,10 +74,14 @@ class ModelBytes:
         itemsize = torch.finfo(dtype).bits // 8
         layer = sum(t.numel() for t in lm.layers[0].parameters())
         total = sum(t.numel() for t in lm.parameters())
-        tensors = tuple(t.numel() * itemsize for t in [*lm.layers[0].parameters(), *lm.layers[0].buffers()])
+        shapes = [t.shape for t in [*lm.layers[0].parameters(), *lm.layers[0].buffers()]]
+        tensors = tuple(math.prod(shape) * itemsize for shape in shapes)
+        tensors4 = tuple(b for shape in shapes for b in _compressed(shape, itemsize))
+        staging4 = sum(sum(_compressed(shape, itemsize)) for shape in shapes if len(shape) == 2)
+        largest = max((math.prod(shape) * itemsize for shape in shapes if len(shape) == 2), default=0)
         return cls(config.num_layers, layer * itemsize, (total - layer * config.num_layers) * itemsize,
                    config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                   config.head_dim, itemsize, tensors)
+                   config.head_dim, itemsize, tensors, tensors4, staging4, largest)
 
     def streamed_weights(self, streamed: np.ndarray, pinned: bool) -> np.ndarray:
         """The host bytes of `streamed` layers' weights as exec/offload_weights.HostWeights keeps
@@ -106,6 +123,15 @@ class ModelBytes:
         per_head = gpu_batch * self.head_dim * self.itemsize
         return (self.num_heads + 2 * self.num_kv_heads) * per_head, self.num_heads * per_head
 
+def _compressed(shape: tuple, itemsize: int, group: int = 64) -> tuple[int, ...]:
+    """Bytes of a tensor as exec/offload_weights keeps it: a matrix [N, K] as codes [K, N / group,
+    group / 2] and a scale and a min a group; anything else as it is."""
+    if len(shape) != 2:
+        return (math.prod(shape) * itemsize,)
+    groups = shape[1] * -(-shape[0] // group)
+    return groups * group // 2, groups * itemsize, groups * itemsize
+
+
 @functools.lru_cache(maxsize=4096)
 def _layers_arena(tensors: tuple, layers: int, chunk_bytes: int) -> int:
     """A pinned arena's bytes for `layers` layers of `tensors` (the search asks for the same few often)."""
@@ -114,11 +140,13 @@ def _layers_arena(tensors: tuple, layers: int, chunk_bytes: int) -> int:
 
 def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, wg: np.ndarray,
           cache_on_device: np.ndarray, hidden_on_device: np.ndarray, reserve: float = 0.0, pinned: bool = False,
-          host_weights: float | None = None, cpu_attention: bool = False) -> tuple[np.ndarray, np.ndarray]:
+          host_weights: float | None = None, cpu_attention: bool = False,
+          compress_weights: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(device, host) bytes [P] for placements given as the weights' share on the device `wg`
     (whole layers: the first floor(wg x layers)) and whether the cache and hidden states stay
     there. `host_weights`: the weights' host copy as the caller holds it (None: the streamed layers);
-    `cpu_attention`: a host cache is attended on the CPU in decode steps (`Placement.cpu_attention`)."""
+    `cpu_attention`: a host cache is attended on the CPU in decode steps (`Placement.cpu_attention`);
+    `compress_weights`: the layers' matrices as 4-bit codes (compress="weights"), on the device and the host."""
     wg, cache_on, hidden_on = (np.asarray(a, dtype=float) for a in (wg, cache_on_device, hidden_on_device))
     resident = np.floor(wg * model.num_layers + 1e-6)
     kv = 2 * model.kv_tensor(gpu_batch, prompt, generate)  # K and V of one (layer, batch)
@@ -127,16 +155,24 @@ def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, gene
     on_cpu = (cache_on == 0) & cpu_attention  # (the CPU attends in decode steps)
     working = np.where(on_cpu, model.working(gpu_batch, prompt, generate, decode_attends=False),
                        model.working(gpu_batch, prompt, generate))
-    device = (resident * model.layer + np.where(resident < model.num_layers, WEIGHT_BUFFERS * model.layer, 0)
-              + model.rest + working + reserve
+    if compress_weights:  # (resident codes and one scratch; weight buffers dense beside their staging)
+        weights_on_device = resident * model.layer4 + np.where(resident > 0, model.largest_matrix, 0) + \
+            np.where(resident < model.num_layers, WEIGHT_BUFFERS * (model.layer + model.staging4), 0)
+    else:
+        weights_on_device = resident * model.layer + np.where(resident < model.num_layers, WEIGHT_BUFFERS * model.layer, 0)
+    device = (weights_on_device + model.rest + working + reserve
               + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * slot)
               + np.where(hidden_on > 0, num_batches * hidden, BATCH_BUFFERS * hidden)
               + num_batches * gpu_batch * (prompt + generate) * 8)  # (prompts and tokens, int64)
     kv_host = np.where(cache_on > 0, 0, model.num_layers * num_batches)  # (K and V one tensor: offload_block.KVPair)
     staging = [(on_cpu.astype(int), n) for n in model.attention_staging(gpu_batch)]
     arena = arena_bytes([(kv_host, kv), (np.where(hidden_on > 0, 0, num_batches), hidden), *staging], pinned)
-    weights = model.streamed_weights(model.num_layers - resident, pinned) if host_weights is None \
-        else np.full_like(wg, host_weights)
+    if host_weights is not None:
+        weights = np.full_like(wg, host_weights)
+    elif compress_weights:  # (the codes pinned a tensor each: exec/offload_weights.HostWeights)
+        weights = (model.num_layers - resident) * sum(pinned_arena.pinned_size(b, pinned) for b in model.tensors4)
+    else:
+        weights = model.streamed_weights(model.num_layers - resident, pinned)
     host = weights + arena + np.where(on_cpu, model.decode_attention(gpu_batch, prompt, generate), 0)
     return device, host
 

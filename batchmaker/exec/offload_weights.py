@@ -10,15 +10,19 @@ compressed load moves about 0.28x the bytes of fp16 (0.14x of fp32). What the co
 is the round-tripped weights, by one of three `DEQUANTS`:
     reference  the PyTorch twin expands the staging into the dense weight buffer (the CPU's way)
     expand     the Triton kernel (`compress4.expand`) does, on a GPU; then the layer's own matmuls
-    fused      no dense weight on the device: each projection of the buffer runs `compress4.linear4`,
-               which expands tiles of the codes in registers just before its product
+    fused      no dense weight on the device: each projection of the buffer is a `Linear4`, which
+               runs `compress4.gemv4` for a few rows (decode steps) and `compress4.linear4` for
+               more, both expanding tiles of the codes in registers just before their products
 `default_dequant` picks expand on a GPU and the reference elsewhere; fused is an option until a GPU
-measurement chooses it (bench/offload.py times both on a 13B layer's shapes).
+measurement chooses it (bench/offload.py times both on a 13B layer's shapes). Layers resident on
+the device keep their codes there too, as `Linear4`s (exec/offload_resident.py).
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchmaker.kernels.compress4 import Compressed, compress, decompress, expand, linear4
+from batchmaker.kernels.cell_launch import is_interpreting
+from batchmaker.kernels.compress4 import GEMV4_MAX_ROWS, Compressed, compress, decompress, expand, gemv4, linear4
 from batchmaker.exec.pinned_arena import pin_in_place
 
 GROUP = 64  # FlexGen's group size
@@ -35,16 +39,27 @@ def layer_tensors(module: nn.Module) -> list[Tensor]:
 
 
 class Linear4(nn.Module):
-    """A projection whose weight stays 4-bit on the device (`dequant="fused"`): x W^T + b by
-    `linear4` over a weight buffer's staging codes, which each load refills."""
+    """A projection whose weight stays 4-bit on the device: x W^T + b by `gemv4` for a few rows
+    (<= GEMV4_MAX_ROWS: decode steps) and, for more, by `expand` into `scratch` then F.linear (a
+    resident layer's: exec/offload_resident.py) or by `linear4` (a weight buffer's staging, which
+    each load refills: `dequant="fused"`). Off the kernels (the CPU) or with `reference`, the twin
+    F.linear(x, decompress(codes), b): bit for bit the round-tripped model's projection."""
 
-    def __init__(self, stage: Compressed, bias: Tensor | None):
+    def __init__(self, codes: Compressed, bias: Tensor | None, scratch: Tensor | None = None, reference: bool = False):
         super().__init__()
-        self.stage = stage  # (not registered: codes are no parameters, and no NaN fits a uint8)
-        self.bias = bias
+        self.codes = codes  # (not registered: codes are no parameters, and no NaN fits a uint8)
+        self.bias, self.scratch, self.reference = bias, scratch, reference
 
     def forward(self, x: Tensor) -> Tensor:
-        out = linear4(x, self.stage)
+        if self.reference or not (x.is_cuda or is_interpreting()):
+            return F.linear(x, decompress(self.codes), self.bias)
+        n, k = self.codes.shape
+        if x.numel() <= GEMV4_MAX_ROWS * k:
+            out = gemv4(x, self.codes)
+        elif self.scratch is not None:  # (one dense matrix at a time: the executor runs one layer at a time)
+            return F.linear(x, expand(self.codes, self.scratch[:n * k].view(n, k)), self.bias)
+        else:
+            out = linear4(x, self.codes)
         return out if self.bias is None else out + self.bias
 
 
@@ -66,7 +81,7 @@ class HostWeights:
         self.staging = [[_staging(kept, self.device) for kept in self.layers[0]] for _ in buffers]
         if dequant == "fused":
             for module, tensors, staging in zip(buffers, self.buffers, self.staging):
-                _fuse(module, tensors, staging)
+                to_linear4(module, {id(t): stage for t, stage in zip(tensors, staging) if stage is not None})
 
     def _kept(self, t: Tensor, pin: bool, is_compressed: bool) -> Tensor | Compressed:
         """What the host keeps of the model's tensor `t`; `t` itself gives up its memory to it."""
@@ -109,13 +124,14 @@ def _staging(kept: Tensor | Compressed, device) -> Compressed | None:
                       torch.empty_like(kept.low, device=device), kept.shape, kept.dim, kept.group)
 
 
-def _fuse(module: nn.Module, tensors: list[Tensor], staging: list[Compressed | None]) -> None:
-    """Each nn.Linear of `module` whose weight is compressed becomes a Linear4 over its staging."""
-    where = {id(t): stage for t, stage in zip(tensors, staging) if stage is not None}
+def to_linear4(module: nn.Module, codes: dict[int, Compressed], scratch: Tensor | None = None,
+               reference: bool = False) -> None:
+    """Each nn.Linear of `module` whose weight's id is in `codes` becomes a Linear4 over those codes
+    (its dense weight goes); Llama's fused one-token path, which reads dense weights, is turned off."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and id(child.weight) in where:
-                setattr(parent, name, Linear4(where[id(child.weight)], child.bias))
+            if isinstance(child, nn.Linear) and id(child.weight) in codes:
+                setattr(parent, name, Linear4(codes[id(child.weight)], child.bias, scratch, reference))
                 child.weight.data = child.weight.data.new_empty(0)  # (no dense copy on the device)
-    if hasattr(module, "one_token"):  # (Llama's one-token path reads dense weights: the general path instead)
+    if hasattr(module, "one_token"):  # (the general path instead)
         module.one_token = None

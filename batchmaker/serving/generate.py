@@ -8,10 +8,13 @@ measures the machine and picks the policy (exec/offload_auto.py, printed with it
 `+cpu_attention` (with the cache) attends over the host cache on the CPU in decode steps.
 `gpu_memory=12GiB` bounds the device pool for auto; `gpu_batch=` and `num_batches=` override the
 policy's block, `weights_gpu=0.4` its share of offloaded weights kept on the device (the first 40%
-of the layers, never moved; core/zigzag.py `Placement`); `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
-as 4-bit codes (FlexGen's group-wise quantization), and `dequant=reference|expand|fused` says how
-they meet the compute (default: Triton's kernels on a GPU, the PyTorch twins elsewhere;
-exec/offload_weights.py, exec/offload_cache.py). These keys are the command's own; the rest of
+of the layers, never moved; core/zigzag.py `Placement`); `compress=weights|kv|both` keeps the layers'
+weights (offloaded or not: `compress=weights` alone runs the executor with everything on the
+device, the weights as 4-bit codes there), the host's KV cache or both as 4-bit codes (FlexGen's
+group-wise quantization; a 4-bit cache on the device is not built), and
+`dequant=reference|expand|fused` says how they meet the compute (default: Triton's kernels on a
+GPU, the PyTorch twins elsewhere; exec/offload_weights.py, exec/offload_resident.py,
+exec/offload_cache.py). These keys are the command's own; the rest of
 --set goes to the model.
 """
 import logging
@@ -83,8 +86,8 @@ def _convert(key: str, text: str):
         return text
     if key == "compress":
         if text not in ("weights", "kv", "both"):
-            raise UsageError(f"--set compress={text}: expected weights, kv or both (4-bit offloaded weights, host KV "
-                             "cache, or both)")
+            raise UsageError(f"--set compress={text}: expected weights, kv or both (4-bit weights, offloaded or "
+                             "resident; the host's KV cache; or both)")
         return text
     if key == "dequant":
         if text not in ("reference", "expand", "fused"):
