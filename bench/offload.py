@@ -64,7 +64,7 @@ from bench.common import write_results  # noqa: E402
 from bench.offload_anchor import anchor  # noqa: E402
 from bench.offload_dequant import time_dequant  # noqa: E402
 from bench.offload_model import fits_host, host_budget, is_cuda, random_model  # noqa: E402
-from bench.offload_names import compresses, parse_policy, placement_name, variant_of  # noqa: E402
+from bench.offload_names import parse_policy, placement_name, variant_of  # noqa: E402
 from batchmaker.cells.decoder import DecoderLM  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
@@ -105,7 +105,7 @@ def peaks(executor: OffloadExecutor) -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved(executor.device) / GIB}
 
 
-def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is_compressed: bool) -> dict:
+def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates) -> dict:
     """One block of `prompts`: the block, its prefill alone, the prediction, the bound, what moved, the peaks."""
     c = executor.config
     row = {"gpu_batch": c.gpu_batch, "num_batches": c.num_batches, "block": len(prompts),
@@ -113,16 +113,16 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
            "cpu_attention": c.placement.cpu_attention,
            "resident_layers": executor.num_resident, "compress": c.compress,
            "dequant": (c.dequant or default_dequant(executor.device)) if c.compress else None}
-    if not is_compressed:  # (the cost model's prediction and bound: also for a policy that fails)
-        p = predict(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new, **memory(args))
-        row["predicted"] = {"seconds": p.block_seconds, "prefill_seconds": p.prefill_seconds,
-                            "step_seconds": p.step_seconds, "tokens_per_s": c.block * args.new / p.block_seconds,
-                            "device_gib": p.footprint.device / GIB, "host_gib": p.footprint.host / GIB}
-        b = bound(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new)
-        row["bound"] = {"tokens_per_s": b.tokens_per_s, "binding": b.binding, "link_seconds": b.link,
-                        "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu, "cpu_seconds": b.cpu,
-                        "host_seconds": b.host}  # ((prefill,
-        # decode step))
+    # the cost model's prediction and bound (a 4-bit one with its codes counted), also for a policy that fails
+    p = predict(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new, **memory(args),
+                compress=c.compress)
+    row["predicted"] = {"seconds": p.block_seconds, "prefill_seconds": p.prefill_seconds,
+                        "step_seconds": p.step_seconds, "tokens_per_s": c.block * args.new / p.block_seconds,
+                        "device_gib": p.footprint.device / GIB, "host_gib": p.footprint.host / GIB}
+    b = bound(config, DTYPE, rates, c.placement, c.gpu_batch, c.num_batches, args.prompt, args.new, c.compress)
+    row["bound"] = {"tokens_per_s": b.tokens_per_s, "binding": b.binding, "link_seconds": b.link,
+                    "host_memory_seconds": b.host_memory, "gpu_seconds": b.gpu, "cpu_seconds": b.cpu,
+                    "host_seconds": b.host}  # (each (prefill, decode step))
     if executor.is_cuda:
         torch.cuda.reset_peak_memory_stats(executor.device)
     try:
@@ -136,12 +136,11 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates, is
     row.update(seconds=seconds, prefill_seconds=prefill, step_seconds=(seconds - prefill) / (args.new - 1),
                tokens_per_s=len(prompts) * args.new / seconds, **peaks(executor),
                moved_gb={k: v / 1e9 for k, v in moved.bytes.items()}, tokens=tokens)
-    if not is_compressed:
-        row["step_measured_over_predicted"] = row["step_seconds"] / p.step_seconds
-        row["step_within_20_percent"] = abs(row["step_measured_over_predicted"] - 1) <= 0.2  # (the issue's bar)
-        row["measured_over_predicted"] = seconds / p.block_seconds
-        row["over_bound"] = row["tokens_per_s"] / b.tokens_per_s
-        row["meets_0.7_of_bound"] = row["over_bound"] >= 0.7  # (the issue's bar, for the chosen policy)
+    row["step_measured_over_predicted"] = row["step_seconds"] / p.step_seconds
+    row["step_within_20_percent"] = abs(row["step_measured_over_predicted"] - 1) <= 0.2  # (the issue's bar)
+    row["measured_over_predicted"] = seconds / p.block_seconds
+    row["over_bound"] = row["tokens_per_s"] / b.tokens_per_s
+    row["meets_0.7_of_bound"] = row["over_bound"] >= 0.7  # (the issue's bar, for the chosen policy)
     print(f"  {row['tokens_per_s']:8.2f} tokens/s: block {seconds:.2f} s, prefill {prefill:.2f} s, decode step "
           f"{row['step_seconds'] * 1e3:.1f} ms" + (f" (predicted {row['predicted']['step_seconds'] * 1e3:.1f} ms, "
                                                     f"{row['predicted']['device_gib']:.2f} GiB; bound "
@@ -239,6 +238,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def describe(choice) -> dict:
+    """A search's choice as the record keeps it."""
+    return {"policy": choice.policy.__dict__, "describe": choice.describe(), "compress": choice.compress,
+            "predicted_step_seconds": choice.step_seconds, "predicted_tokens_per_s": choice.tokens_per_s,
+            "predicted_device_gib": choice.footprint.device / GIB, "predicted_host_gib": choice.footprint.host / GIB}
+
+
 def make_prompts(config, count: int, length: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(3, config.vocab_size) for _ in range(length)] for _ in range(count)]
@@ -259,6 +265,7 @@ def ours(args) -> None:
           f"{rates.device_memory / 1e9:.0f} GB/s, host per (GPU batch, layer) {rates.unit_seconds * 1e6:.0f} µs",
           flush=True)
     policies = {}  # name -> (gpu_batch, num_batches, placement, prompts in the run)
+    policies4 = {}  # the same for the 4-bit runs: the search's choice for --compress (auto-B* only)
     choices = {}
     args.streamed_only = args.streamed_only or not fits_host(config, device)
     if args.streamed_only:
@@ -270,13 +277,16 @@ def ours(args) -> None:
                         max_batches=min(b, args.max_batches), max_block=b, **memory(args),
                         cpu_attention={"auto": None, "on": True, "off": False}[args.cpu_attention])
         print(f"B={b}: {choice.describe()}", flush=True)
-        choices[f"auto-B{b}"] = {"policy": choice.policy.__dict__, "describe": choice.describe(),
-                                 "predicted_step_seconds": choice.step_seconds,
-                                 "predicted_tokens_per_s": choice.tokens_per_s,
-                                 "predicted_device_gib": choice.footprint.device / GIB,
-                                 "predicted_host_gib": choice.footprint.host / GIB}
+        choices[f"auto-B{b}"] = describe(choice)
         policies[f"auto-B{b}"] = (choice.policy.gpu_batch, choice.policy.num_batches, choice.placement,
                                   choice.policy.block)
+        if not args.no_compress:  # (the search's policy for the 4-bit runs: its codes counted, on the link too)
+            choice = choose(config, DTYPE, rates, args.gpu_memory * GIB, host, args.prompt, args.new, max_gpu_batch=b,
+                            max_batches=min(b, args.max_batches), max_block=b, **memory(args), compress=args.compress)
+            print(f"B={b}, 4-bit {args.compress}: {choice.describe()}", flush=True)
+            choices[f"auto-B{b}-4bit"] = describe(choice)
+            policies4[f"auto-B{b}"] = (choice.policy.gpu_batch, choice.policy.num_batches, choice.placement,
+                                       choice.policy.block)
     chosen = f"auto-B{max(args.batches)}"
     gbs, nb, placement, b = policies[chosen]
     for share in args.shares:
@@ -291,10 +301,7 @@ def ours(args) -> None:
     if args.other:
         gbs, nb, placement = parse_policy(args.other)
         policies[f"other-{gbs}x{nb}-{placement_name(placement)}"] = (gbs, nb, placement, gbs * nb)
-    prompts = make_prompts(config, max(b for *_, b in policies.values()), args.prompt)
-    groups = {}  # (the weights' placement) -> the policies that share one host copy of the model
-    for name, (_, _, placement, _) in policies.items():
-        groups.setdefault((placement.weights, placement.weights_gpu), []).append(name)
+    prompts = make_prompts(config, max(b for *_, b in [*policies.values(), *policies4.values()]), args.prompt)
     budget = f"gpu cap {args.gpu_cap:g}GiB" if args.gpu_cap else f"gpu_memory={args.gpu_memory:g}GiB"
     title = (f"{args.preset} bf16, offload=auto {budget}, prompt {args.prompt}, new {args.new}, "
              f"{torch.cuda.get_device_name(device) if is_cuda(device) else 'CPU'}")
@@ -308,23 +315,20 @@ def ours(args) -> None:
     tokens = {}
     for is_compressed in (False, True)[:1 if args.no_compress else 2]:
         lm = None
-        for names in groups.values():
-            runs = [n for n in names if not is_compressed or n.startswith("auto-B") and not variant_of(n)]
-            for name in [n for n in runs if is_compressed and not compresses(policies[n][2], args.compress)]:
-                print(f"{name}: keeps what --compress {args.compress} compresses on the device, no 4-bit run",
-                      flush=True)
-                runs.remove(name)
-            if not runs:
-                continue
+        these = policies4 if is_compressed else policies
+        groups = {}  # (the weights' placement) -> the policies that share one host copy of the model
+        for name, (_, _, placement, _) in these.items():
+            groups.setdefault((placement.weights, placement.weights_gpu), []).append(name)
+        for runs in groups.values():
             if lm is None or is_compressed or args.streamed_only:  # (bf16: one host model for every group; 4-bit
                 # codes replace its tensors; a model larger than the host: one per share, its resident layers there)
                 lm = None
                 gc.collect()
                 start = time.perf_counter()
-                resident = policies[runs[0]][2].num_resident(config.num_layers) if args.streamed_only else 0
+                resident = these[runs[0]][2].num_resident(config.num_layers) if args.streamed_only else 0
                 lm = random_model(config, device, resident=resident)
                 print(f"drew {args.preset} on the host in {time.perf_counter() - start:.1f} s", flush=True)
-            run_group(lm, runs, policies, is_compressed, prompts, args, config, rates, record, tokens)
+            run_group(lm, runs, these, is_compressed, prompts, args, config, rates, record, tokens)
         del lm
         gc.collect()
     if args.dequant_rows:
@@ -360,7 +364,7 @@ def run_group(lm: DecoderLM, names: list[str], policies: dict, is_compressed: bo
         executor = first.with_block(gbs, nb, placement)
         key = name + ("-4bit" if is_compressed else "")
         print(f"{key}: gpu_batch {gbs} x {nb}, {placement_name(placement)} on the host, {b} prompts", flush=True)
-        row = run_policy(executor, prompts[:b], args, config, rates, is_compressed)
+        row = run_policy(executor, prompts[:b], args, config, rates)
         tokens[key] = row.pop("tokens")
         if tokens[key] is None:  # (out of memory: what it held goes back before the next policy)
             gc.collect()

@@ -21,9 +21,9 @@ def parse_policy(text: str) -> tuple[int, int, Placement]:
 
 
 def compresses(placement: Placement, what: str) -> bool:
-    """Whether the executor takes `compress=what` with `placement` (it compresses what is offloaded,
-    and a cache the CPU attends over stays dense)."""
-    return (what == "kv" or placement.weights) and (what == "weights" or placement.cache and not placement.cpu_attention)
+    """Whether the executor takes `compress=what` with `placement` (weights anywhere: resident ones keep
+    their codes on the device; a cache only on the host, and not one the CPU attends over)."""
+    return what == "weights" or placement.cache and not placement.cpu_attention
 
 
 def variant_of(name: str) -> str | None:

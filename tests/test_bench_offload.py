@@ -44,8 +44,12 @@ def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatc
     assert set(systems) == {"auto-B2", "auto-B2-weights_gpu0", "other-1x2-weights+cache+hidden", "auto-B2-4bit"}
     for name, row in systems.items():
         assert row["block"] <= 2 and row["tokens_per_s"] > 0 and min(row["seconds"], row["prefill_seconds"]) > 0
+        assert row["predicted"]["step_seconds"] > 0 and row["bound"]["tokens_per_s"] > 0
+        if name == "auto-B2-4bit":  # (the search's policy for 4-bit weights: their codes fit the 30 MiB whole)
+            assert row["resident_layers"] == 8 and row["moved_gb"]["weights"] == 0 and row["compress"] == "weights"
+            assert record["choices"]["auto-B2-4bit"]["compress"] == "weights"
+            continue
         assert row["moved_gb"]["weights"] > 0 and row["offloaded"].startswith("weights")
-        assert ("predicted" in row) is (row["compress"] is None)
         assert row["resident_layers"] == (0 if name.startswith("other") or "weights_gpu0" in name else round(share * 8))
     streamed = systems["auto-B2-weights_gpu0"]  # (the same policy with every layer streamed: --shares 0)
     assert streamed["moved_gb"]["weights"] > systems["auto-B2"]["moved_gb"]["weights"]

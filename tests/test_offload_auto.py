@@ -92,3 +92,26 @@ def test_the_cpus_attention_is_chosen_where_it_is_predicted_faster(rates, on_cpu
         chosen = choose(LLAMA_13B, torch.bfloat16, rates, 16 * GIB, 400 * GIB, prompt=512, generate=32, max_block=64,
                         cpu_attention=forced)
         assert chosen.placement.cpu_attention is (forced and chosen.placement.cache)
+
+
+def test_a_policy_chosen_for_4_bit_counts_the_codes_and_keeps_a_4_bit_cache_on_the_host():
+    """`choose(compress=...)`: 4-bit weights fit where dense ones do not (the whole model resident,
+    by the codes' count), a 4-bit cache always lives on the host (the executor's only place for it)
+    and is attended on the device; the prediction of a compressed policy is faster than the same
+    policy dense (fewer bytes on the link) and its footprint counts the codes (less host memory)."""
+    from batchmaker.exec.offload import OffloadConfig
+    budget = 40 * MIB  # (bf16 small-llama is 51 MB: dense, some layers stream; 4-bit, all fit)
+    dense = choose(SMALL, torch.bfloat16, RATES, budget, 64 << 30, prompt=16, generate=16)
+    weights4 = choose(SMALL, torch.bfloat16, RATES, budget, 64 << 30, prompt=16, generate=16, compress="weights")
+    assert dense.placement.weights and not weights4.placement.weights and weights4.compress == "weights"
+    assert "4-bit weights" in weights4.describe()
+    for compress in ("kv", "both"):
+        choice = choose(SMALL, torch.bfloat16, RATES, 64 << 30, 64 << 30, prompt=16, generate=16, compress=compress)
+        assert choice.placement.cache and not choice.placement.cpu_attention
+        OffloadConfig(choice.policy.gpu_batch, choice.policy.num_batches, choice.placement, compress=compress)
+    placement = Placement(True, True, True, 0.25)
+    plain, packed = (predict(SMALL, torch.bfloat16, RATES, placement, 4, 2, prompt=16, generate=16, compress=c)
+                     for c in (None, "both"))
+    assert packed.step_seconds < plain.step_seconds and packed.footprint.host < plain.footprint.host
+    with pytest.raises(ValueError, match="compress"):
+        choose(SMALL, torch.bfloat16, RATES, budget, 64 << 30, prompt=16, generate=16, compress="all")

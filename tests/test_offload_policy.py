@@ -172,3 +172,34 @@ def test_the_search_attends_on_the_cpu_where_that_is_faster(link, cpu_flops, cpu
     assert rate == pytest.approx(want, rel=1e-9)  # (the search equals trying every policy both ways)
     alone = [search(MODEL_13B, hw, **kwargs, cpu_attention=(option,))[0] for option in (False, True)]
     assert rate == pytest.approx(max(alone)) and (alone[1] > alone[0]) is on_cpu
+
+
+def test_compressed_weights_and_cache_cross_the_link_at_their_ratio_and_are_expanded_on_the_gpu():
+    """FlexGen §5 in the cost model: a streamed layer and the host cache move `weight_ratio` and
+    `kv_ratio` of their dense bytes, and the GPU expands what crossed (codes read, values written)
+    at device memory's rate; a resident 4-bit layer multiplies its codes for up to CODE_ROWS rows and
+    is expanded per GPU batch beyond. Without the rate no expansion term; at ratio 1 nothing changes."""
+    from dataclasses import replace
+    from batchmaker.core.offload_policy import CODE_ROWS
+    hw = replace(T4, gpu_memory=300 * GB)
+    m, gbs, nb = OPT_6B, 4, 2
+    streamed = np.array([[0.0, 1.0, 0.0, 1.0, 1.0, 0.0]])  # weights and cache on the CPU
+    dense = layer_terms(m, hw, gbs, nb, streamed, kv_to_gpu=True)[1]
+    small = replace(m, weight_ratio=0.25, kv_ratio=0.5)
+    packed = layer_terms(small, hw, gbs, nb, streamed, kv_to_gpu=True)[1]
+    kv_mean = 4 * gbs * nb * (m.prompt + m.generate / 2) * m.hidden
+    w = m.layer_bytes
+    assert one(packed[0]) == pytest.approx((0.25 * w + 0.5 * kv_mean) / hw.ctog)
+    assert one(dense[0]) == pytest.approx((w + kv_mean) / hw.ctog)
+    assert one(packed[4]) - one(dense[4]) == pytest.approx((w * 1.25 + kv_mean * 1.5) / hw.gpu_memory)
+    assert one(layer_terms(small, T4, gbs, nb, streamed, kv_to_gpu=True)[1][4]) == \
+        pytest.approx(one(layer_terms(m, T4, gbs, nb, streamed, kv_to_gpu=True)[1][4]))  # (no rate: no term)
+    resident = np.array([[1.0, 0.0, 1.0, 0.0, 1.0, 0.0]])
+    few, many = (one(layer_terms(replace(m, weight_ratio=0.25), hw, rows, 3, resident, kv_to_gpu=True)[1][4])
+                 - one(layer_terms(m, hw, rows, 3, resident, kv_to_gpu=True)[1][4]) for rows in (CODE_ROWS, CODE_ROWS + 1))
+    assert few == pytest.approx(0.0) and many == pytest.approx(3 * w * 1.25 / hw.gpu_memory)
+
+
+def one(term) -> float:
+    """A term of one placement (a cost term is a scalar where it does not depend on the placement)."""
+    return float(np.ravel(term)[0])

@@ -41,6 +41,14 @@ launches, the slot's copies and sync; exec/offload_host.py), which the device's 
 (launches run ahead of it) but cannot outrun: comp becomes max(the GPU's, the host's). Without
 them a block of many small GPU batches looked as fast as one of few large ones; on one H100 the
 measured decode step of 64 batches of 3 ran 2.7x the prediction.
+
+Compression (FlexGen §5; `ModelShape.weight_ratio`, `kv_ratio`: the bytes a 4-bit tensor moves per
+dense byte, ~0.28 for groups of 64 in 16 bits): the link carries the streamed weights and the host
+cache at their compressed size, and the GPU expands what crossed (reading the codes, writing the
+values) at device memory's rate, beside its matmuls, once a step for a streamed layer; a resident
+layer kept 4-bit (exec/offload_resident.py) multiplies its codes directly for a GPU batch of up to
+CODE_ROWS rows and is expanded for each larger one (every prompt step). The memory the compressed
+tensors hold is the caller's count (`peaks`).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +63,8 @@ class ModelShape:
     intermediate: int  # h2
     prompt: int  # s
     generate: int  # n
+    weight_ratio: float = 1.0  # bytes a streamed layer moves per dense byte (4-bit codes: ~0.28; FlexGen §5)
+    kv_ratio: float = 1.0  # the same for the host's KV cache
 
     @property
     def layer_bytes(self) -> float:
@@ -118,26 +128,40 @@ def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, k
     wg, wc, cg, cc, hg, hc = p.T
     wd, cd, hd = 1 - wg - wc, 1 - cg - cc, 1 - hg - hc
     w, h1, s, bls = m.layer_bytes, m.hidden, m.prompt, gbs * nb
+    wr, kr = m.weight_ratio, m.kv_ratio
     kv_mean = mean_kv_bytes(m, bls)
-    pre = (((wc + wd) * w + 2 * (hc + hd) * s * h1 * bls) / hw.ctog,
-           (4 * (cc + cd) * (s + 1) * h1 * bls + 2 * (hc + hd) * s * h1 * bls) / hw.gtoc,
+    pre = (((wc + wd) * w * wr + 2 * (hc + hd) * s * h1 * bls) / hw.ctog,
+           (4 * (cc + cd) * (s + 1) * h1 * bls * kr + 2 * (hc + hd) * s * h1 * bls) / hw.gtoc,
            (wd * w + 2 * hd * s * h1 * bls) / hw.dtoc if hw.dtoc else np.where(wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * (s + 1) * h1 + 2 * hd * s * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
            _matmuls(hw, w, gbs, nb, gbs * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate))
-           + 4 * bls * s ** 2 * h1 / hw.bmm_flops,
+           + 4 * bls * s ** 2 * h1 / hw.bmm_flops + _expansion(hw, (wc + wd + nb * wg) * w, wr),
            np.zeros_like(wg),  # (the prompt step attends on the GPU)
            np.full_like(wg, nb * hw.unit_seconds))
     on_gpu = kv_to_gpu and not cpu_attention  # (a host cache's decode attention: moved to the GPU, or on the CPU)
     kv_moved = (cc + cd) * kv_mean if on_gpu else 0.0  # (the cache read in, every decode step)
     qkv, out = ((cc + cd) * 6 * h1 * bls, (cc + cd) * 2 * h1 * bls) if kv_to_gpu and cpu_attention else (0.0, 0.0)
-    dec = (((wc + wd) * w + 2 * (hc + hd) * h1 * bls + kv_moved + out) / hw.ctog,
+    dec = (((wc + wd) * w * wr + 2 * (hc + hd) * h1 * bls + kv_moved * kr + out) / hw.ctog,
            (2 * (hc + hd) * h1 * bls + qkv) / hw.gtoc,
            (4 * cd * kv_mean + wd * w + 2 * hd * h1 * bls) / hw.dtoc if hw.dtoc else np.where(cd + wd + hd > 0, np.inf, 0.0),
            (4 * cd * bls * h1 + 2 * hd * h1 * bls) / hw.ctod if hw.ctod else np.where(cd + hd > 0, np.inf, 0.0),
-           _matmuls(hw, w, gbs, nb, gbs * w) + (kv_mean if on_gpu else cg * kv_mean) / hw.bmm_flops,
+           _matmuls(hw, w, gbs, nb, gbs * w) + (kv_mean if on_gpu else cg * kv_mean) / hw.bmm_flops
+           + _expansion(hw, (wc + wd + (nb * wg if gbs > CODE_ROWS else 0.0)) * w, wr) + _expansion(hw, kv_moved, kr),
            np.zeros_like(wg) if on_gpu else (cc + cd) * cpu_attention_seconds(kv_mean, hw),
            np.full_like(wg, nb * hw.unit_seconds))
     return pre, dec
+
+
+CODE_ROWS = 16  # rows a resident 4-bit layer's projections multiply straight from the codes (kernels/compress4.py
+# GEMV4_MAX_ROWS); a GPU batch of more rows expands the layer first, as every prompt step does
+
+
+def _expansion(hw: Hardware, dense_bytes, ratio: float):
+    """The GPU's expansion of compressed bytes into `dense_bytes` (reading the codes, writing the
+    values) at device memory's rate; nothing where nothing is compressed or the rate is unmeasured."""
+    if ratio >= 1.0 or not hw.gpu_memory:
+        return 0.0
+    return dense_bytes * (1.0 + ratio) / hw.gpu_memory
 
 
 def _matmuls(hw: Hardware, w: float, gbs: int, nb: int, flops: float) -> float:

@@ -65,6 +65,7 @@ class Choice:
     tokens_per_s: float  # predicted
     step_seconds: float  # predicted: one decode step of the whole block (every layer)
     footprint: Footprint  # predicted: device and host bytes at the block's peak
+    compress: str | None = None  # what the policy was chosen for (OffloadConfig's compress)
 
     def describe(self) -> str:
         p = self.placement
@@ -77,7 +78,7 @@ class Choice:
                 f"(block {self.policy.block}); {weights}, {cache}, "
                 f"hidden states on {where(p.hidden)}; predicted decode step {self.step_seconds * 1e3:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s, device {self.footprint.device / 2**30:.2f} GiB, "
-                f"host {self.footprint.host / 2**30:.1f} GiB")
+                f"host {self.footprint.host / 2**30:.1f} GiB" + (f", 4-bit {self.compress}" if self.compress else ""))
 
 
 def _seconds(fn, repeats: int = 3) -> float:
@@ -138,10 +139,23 @@ def host_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def model_shape(config: DecoderConfig, prompt: int, generate: int) -> ModelShape:
-    """FlexGen's view of `config`: a gated MLP's three matrices as an OPT MLP 1.5x wider."""
+def model_shape(config: DecoderConfig, prompt: int, generate: int, compress: str | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> ModelShape:
+    """FlexGen's view of `config`: a gated MLP's three matrices as an OPT MLP 1.5x wider; with
+    `compress` ("weights", "kv", "both") the bytes a streamed layer and the host cache move per
+    dense byte, as exec/offload_memory.py counts their codes."""
     width = config.intermediate_size * (3 if config.family == "llama" else 2) // 2
-    return ModelShape(config.num_layers, config.hidden_size, width, prompt, generate)
+    model = ModelBytes.of(config, dtype) if compress else None
+    weight_ratio = model.layer4 / model.layer if compress in ("weights", "both") else 1.0
+    kv_ratio = sum(model.kv_tensor4(1, 1, 1)) / model.kv_tensor(1, 1, 1) if compress in ("kv", "both") else 1.0
+    return ModelShape(config.num_layers, config.hidden_size, width, prompt, generate, weight_ratio, kv_ratio)
+
+
+def _compresses(compress: str | None) -> tuple[bool, bool]:
+    """(weights, cache) of a `compress` setting (OffloadConfig's)."""
+    if compress not in (None, "weights", "kv", "both"):
+        raise ValueError(f"compress={compress!r}: None, 'weights', 'kv' or 'both'")
+    return compress in ("weights", "both"), compress in ("kv", "both")
 
 
 def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float) -> Hardware:
@@ -156,24 +170,33 @@ def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float)
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
            prompt: int, generate: int, max_gpu_batch: int = 64, max_batches: int = 64,
            max_block: int | None = None, reserve: float = 0.0, pinned: bool = False,
-           host_weights: float | None = None, cpu_attention: bool | None = None) -> Choice:
+           host_weights: float | None = None, cpu_attention: bool | None = None,
+           compress: str | None = None) -> Choice:
     """The fastest policy the executor runs within `device_bytes` and `host` bytes (and blocks of
     at most `max_block` sequences), each counted as exec/offload_memory.py counts the executor's
     tensors: `reserve` device bytes held back (CUDA_RESERVE on a GPU), host storage `pinned` (a
     GPU's), `host_weights` the weights' host copy the caller holds (None: the streamed layers).
-    `cpu_attention`: how a host cache is attended in decode steps (None: the search picks, per block)."""
+    `cpu_attention`: how a host cache is attended in decode steps (None: the search picks, per block).
+    `compress` (OffloadConfig's): the policy for 4-bit weights, cache or both, their bytes on the link
+    and in memory counted as compressed; a compressed cache lives on the host and is attended on the
+    device (the executor's only way for it), so the search keeps it there."""
+    weights4, cache4 = _compresses(compress)
     hw = hardware(rates, dtype, device_bytes, host)
-    shape = model_shape(config, prompt, generate)
+    shape = model_shape(config, prompt, generate, compress, dtype)
     model = ModelBytes.of(config, dtype)
     units = 16 / torch.finfo(dtype).bits  # (the cost model's 2-byte units)
 
     def executor_peaks(gbs: int, nb: int, grid: np.ndarray, on_cpu: bool) -> np.ndarray:
-        device, on_host = peaks(model, gbs, nb, prompt, generate, grid[:, 0], grid[:, 2] >= 1, grid[:, 4] >= 1,
-                                reserve, pinned, host_weights, cpu_attention=on_cpu)
+        cache_on = grid[:, 2] >= 1
+        device, on_host = peaks(model, gbs, nb, prompt, generate, grid[:, 0], cache_on, grid[:, 4] >= 1,
+                                reserve, pinned, host_weights, cpu_attention=on_cpu, compress_weights=weights4,
+                                compress_cache=cache4)
+        if cache4:  # (a 4-bit cache is the host's: a device cache does not fit)
+            device = np.where(cache_on, np.inf, device)
         disk = peak_bytes(shape, gbs, nb, grid, kv_to_gpu=True)[:, 2]  # (no disk tier: 0 holds nothing)
         return np.stack([device * units, on_host * units, disk], axis=1)
 
-    options = (False, True) if cpu_attention is None else (cpu_attention,)
+    options = (False,) if cache4 else (False, True) if cpu_attention is None else (cpu_attention,)
     rate, policy = search(shape, hw, step=1.0, max_gpu_batch=max_gpu_batch, max_batches=max_batches,
                           max_block=max_block, kv_to_gpu=True, weight_step=1 / config.num_layers, peaks=executor_peaks,
                           cpu_attention=options)
@@ -188,8 +211,8 @@ def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes
                           cpu_attention=policy.cpu_attention and policy.cg < 1)
     used = footprint(model, policy.gpu_batch, policy.num_batches, prompt, generate, policy.wg, policy.cg >= 1,
                      policy.hg >= 1, reserve=reserve, pinned=pinned, host_weights=host_weights,
-                     cpu_attention=placement.cpu_attention)
-    return Choice(policy, placement, rate, float(decode) * config.num_layers, used)
+                     cpu_attention=placement.cpu_attention, compress_weights=weights4, compress_cache=cache4)
+    return Choice(policy, placement, rate, float(decode) * config.num_layers, used, compress)
 
 
 @dataclass(frozen=True)
@@ -209,18 +232,19 @@ def _placement_array(config: DecoderConfig, placement: Placement) -> np.ndarray:
 
 def predict(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
             num_batches: int, prompt: int, generate: int, reserve: float = 0.0, pinned: bool = False,
-            host_weights: float | None = None) -> Prediction:
+            host_weights: float | None = None, compress: str | None = None) -> Prediction:
     """The cost model's times for a policy the executor runs (the weights' share on the device by
     whole layers, the cache and hidden states wholly on the host or the device), and its memory
-    (`reserve`, `pinned`, `host_weights`: as `choose`)."""
+    (`reserve`, `pinned`, `host_weights`, `compress`: as `choose`)."""
+    weights4, cache4 = _compresses(compress)
     hw = hardware(rates, dtype, 0.0, 0.0)
     p = _placement_array(config, placement)
     prefill, decode = (float(t[0]) * config.num_layers for t in
-                       layer_seconds(model_shape(config, prompt, generate), hw, gpu_batch, num_batches, p, kv_to_gpu=True,
-                                     cpu_attention=placement.cpu_attention))
+                       layer_seconds(model_shape(config, prompt, generate, compress, dtype), hw, gpu_batch, num_batches,
+                                     p, kv_to_gpu=True, cpu_attention=placement.cpu_attention))
     used = footprint(ModelBytes.of(config, dtype), gpu_batch, num_batches, prompt, generate, p[0, 0],
                      not placement.cache, not placement.hidden, reserve=reserve, pinned=pinned, host_weights=host_weights,
-                     cpu_attention=placement.cpu_attention)
+                     cpu_attention=placement.cpu_attention, compress_weights=weights4, compress_cache=cache4 and placement.cache)
     return Prediction(prefill + (generate - 1) * decode, prefill, decode, used)
 
 
@@ -242,13 +266,13 @@ class Bound:
 
 
 def bound(config: DecoderConfig, dtype: torch.dtype, rates: Rates, placement: Placement, gpu_batch: int,
-          num_batches: int, prompt: int, generate: int) -> Bound:
+          num_batches: int, prompt: int, generate: int, compress: str | None = None) -> Bound:
     """The slowest of the host link, host memory, the GPU, the CPU (its attention) and the host's
     issuing of the units for a policy, from the cost model's terms (`layer_terms`); host memory and
     the units count only where measured (`Rates.host_memory`, `Rates.unit_seconds`)."""
     hw = hardware(rates, dtype, 0.0, 0.0)
     units = 16 / torch.finfo(dtype).bits
-    shape = model_shape(config, prompt, generate)
+    shape = model_shape(config, prompt, generate, compress, dtype)
     pre, dec = layer_terms(shape, hw, gpu_batch, num_batches, _placement_array(config, placement), kv_to_gpu=True,
                            cpu_attention=placement.cpu_attention)
     layers = config.num_layers

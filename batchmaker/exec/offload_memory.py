@@ -23,11 +23,13 @@ holding, in the executor's order, the cache's (layer, batch) tensors and the hid
 offloaded and with `cpu_attention` the q | k | v and output staging (exec/offload_attention.py);
 the weights' host copy (the streamed share, FlexGen's count, unless the caller says what it
 holds); and with `cpu_attention` the CPU's decode working set (a batch's fp32 K, V and scores, not
-pinned). With `compress_weights` (compress="weights"; the search does not ask for it: it does not
-model compression) the weights are counted as the executor keeps them: resident layers as 4-bit
+pinned). With `compress_weights` (compress="weights"; the search passes it for a compressed
+executor) the weights are counted as the executor keeps them: resident layers as 4-bit
 codes plus one dense scratch of the largest matrix (exec/offload_resident.py), each weight buffer
 dense beside its codes' staging (dequant expand or reference; fused frees the dense matrices, so
-this over-counts it), the host copy as codes pinned a tensor each. A 4-bit cache is not counted.
+this over-counts it), the host copy as codes pinned a tensor each. With `compress_cache` (compress="kv")
+the host cache's K and V are codes, scales and mins in the arena, and the device holds each batch slot's
+codes staging (exec/offload_cache.py) and one store's codes beside the dense slots.
 """
 import functools
 import math
@@ -40,6 +42,7 @@ from batchmaker.cells.decoder import empty_decoder
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.core.zigzag import BATCH_BUFFERS, WEIGHT_BUFFERS
 from batchmaker.exec import pinned_arena
+from batchmaker.exec.offload_cache import kv_group
 from batchmaker.exec.pinned_arena import arena_bytes
 
 CUDA_RESERVE = 1 << 30  # bytes: the measured 13B peaks (allocated) sat within 1% of the count; reserved
@@ -97,6 +100,12 @@ class ModelBytes:
         """One (layer, batch)'s K or V: [prompt + generate - 1, B, Hkv, D]."""
         return (prompt + generate - 1) * gpu_batch * self.num_kv_heads * self.head_dim * self.itemsize
 
+    def kv_tensor4(self, gpu_batch: int, prompt: int, generate: int) -> tuple[int, int, int]:
+        """One (layer, batch)'s K or V as 4-bit codes (exec/offload_cache.py): codes, scales, mins."""
+        group = kv_group(self.head_dim)
+        rows = (prompt + generate - 1) * gpu_batch * self.num_kv_heads * (self.head_dim // group)
+        return rows * group // 2, rows * self.itemsize, rows * self.itemsize
+
     def hidden_tensor(self, gpu_batch: int, prompt: int) -> int:
         """One batch's hidden states between layers: [prompt, 2, B, H] (x and residual)."""
         return prompt * 2 * gpu_batch * self.hidden * self.itemsize
@@ -141,12 +150,14 @@ def _layers_arena(tensors: tuple, layers: int, chunk_bytes: int) -> int:
 def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, generate: int, wg: np.ndarray,
           cache_on_device: np.ndarray, hidden_on_device: np.ndarray, reserve: float = 0.0, pinned: bool = False,
           host_weights: float | None = None, cpu_attention: bool = False,
-          compress_weights: bool = False) -> tuple[np.ndarray, np.ndarray]:
+          compress_weights: bool = False, compress_cache: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(device, host) bytes [P] for placements given as the weights' share on the device `wg`
     (whole layers: the first floor(wg x layers)) and whether the cache and hidden states stay
     there. `host_weights`: the weights' host copy as the caller holds it (None: the streamed layers);
     `cpu_attention`: a host cache is attended on the CPU in decode steps (`Placement.cpu_attention`);
-    `compress_weights`: the layers' matrices as 4-bit codes (compress="weights"), on the device and the host."""
+    `compress_weights`: the layers' matrices as 4-bit codes (compress="weights"), on the device and the host;
+    `compress_cache`: a host cache as 4-bit codes (compress="kv"): its K and V codes in the arena, and on
+    the device each batch slot's codes staging beside its dense K and V, and one store's codes."""
     wg, cache_on, hidden_on = (np.asarray(a, dtype=float) for a in (wg, cache_on_device, hidden_on_device))
     resident = np.floor(wg * model.num_layers + 1e-6)
     kv = 2 * model.kv_tensor(gpu_batch, prompt, generate)  # K and V of one (layer, batch)
@@ -160,13 +171,16 @@ def peaks(model: ModelBytes, gpu_batch: int, num_batches: int, prompt: int, gene
             np.where(resident < model.num_layers, WEIGHT_BUFFERS * (model.layer + model.staging4), 0)
     else:
         weights_on_device = resident * model.layer + np.where(resident < model.num_layers, WEIGHT_BUFFERS * model.layer, 0)
-    device = (weights_on_device + model.rest + working + reserve
+    kv4 = model.kv_tensor4(gpu_batch, prompt, generate)
+    codes_staging = np.where(cache_on > 0, 0, (2 * BATCH_BUFFERS + 1) * sum(kv4)) if compress_cache else 0
+    device = (weights_on_device + model.rest + working + reserve + codes_staging
               + np.where(cache_on > 0, model.num_layers * num_batches * kv, BATCH_BUFFERS * slot)
               + np.where(hidden_on > 0, num_batches * hidden, BATCH_BUFFERS * hidden)
               + num_batches * gpu_batch * (prompt + generate) * 8)  # (prompts and tokens, int64)
     kv_host = np.where(cache_on > 0, 0, model.num_layers * num_batches)  # (K and V one tensor: offload_block.KVPair)
     staging = [(on_cpu.astype(int), n) for n in model.attention_staging(gpu_batch)]
-    arena = arena_bytes([(kv_host, kv), (np.where(hidden_on > 0, 0, num_batches), hidden), *staging], pinned)
+    cache_groups = [(2 * kv_host, b) for b in kv4] if compress_cache else [(kv_host, kv)]  # (codes: K and V apart)
+    arena = arena_bytes([*cache_groups, (np.where(hidden_on > 0, 0, num_batches), hidden), *staging], pinned)
     if host_weights is not None:
         weights = np.full_like(wg, host_weights)
     elif compress_weights:  # (the codes pinned a tensor each: exec/offload_weights.HostWeights)

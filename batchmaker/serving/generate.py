@@ -236,13 +236,11 @@ def _executor(lm, device: str, own: dict, num_prompts: int, prompt: int, generat
         dtype = lm.embed_tokens.weight.dtype
         device_bytes = own.get("gpu_memory") or _device_bytes(device) or CPU_DEVICE_BYTES
         is_cuda = torch.device(device).type == "cuda"  # (a GPU's workspace held back, its host storage pinned)
-        dense_cache = own.get("compress") not in ("kv", "both")  # (the CPU attends over a dense host cache only)
-        try:
+        try:  # (the search counts 4-bit codes where compress= asks for them, and keeps a 4-bit cache on the host)
             rates = measure(device, dtype, config=lm.config)  # (the host's cost per unit on this model's family)
             choice = choose(lm.config, dtype, rates, device_bytes, host_bytes(), prompt, generate,
                             max_gpu_batch=min(64, num_prompts), max_batches=min(64, num_prompts), max_block=num_prompts,
-                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda,
-                            cpu_attention=None if dense_cache else False)
+                            reserve=CUDA_RESERVE if is_cuda else 0.0, pinned=is_cuda, compress=own.get("compress"))
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(choice.describe(), file=sys.stderr, flush=True)
