@@ -84,7 +84,10 @@
 #              best into the same offload-cap JSON. `offload-cap` is the two in one command (~11 min: over one
 #              device command's 10; run the halves). CAP_ANCHOR_BATCHES sets the anchor's batches
 #     offload-4bit issue 34: bench/offload.py under the 16 GiB cap, the search's bf16 policy (at most 256 prompts), then
-#              the same policy with 4-bit weights and KV cache (--compress both), into offload-cap-4bit-*.json (~4-5 min)
+#              its policy for 4-bit weights and KV cache (--compress both), into offload-cap-4bit-*.json; then one prompt,
+#              bf16 and 4-bit weights, each decode step against its weight floor (offload-cap-4bit-b1-*; ~6-7 min in all)
+#     gemv4    issue 34: the 4-bit few-row projection (kernels/triton_gemv4.py): its GPU tests and those of the resident
+#              4-bit layers, then bench/gemv4.py's tile sweep on 13B's projections at 1-16 rows (~6-8 min)
 #     offload-70b-ours, offload-70b-anchor issue 34: a Llama-2-70B-sized model (138 GB bf16) on one GPU under a cap of
 #              CAP_70B (72) GiB beside a host of 128 GiB: ours with only the streamed layers on the host (--streamed-only,
 #              automatic), then Accelerate in a process of its own (bench/accelerate_offload.py: the shared probe
@@ -258,9 +261,17 @@ for suite in "$@"; do
             [ "$suite" = offload-cap-ours ] ||
                 step offload-cap-anchor timeout 570 python3 bench/offload.py "${cap[@]}" --anchor .probes/offload_probe.py \
                     --anchor-batches ${CAP_ANCHOR_BATCHES:-16 24 32} --probe-timeout 180 ;;
-        offload-4bit)  # issue 34: the 16 GiB cap's chosen bf16 policy, then the same with 4-bit weights and KV cache
-            step offload-4bit timeout 500 python3 bench/offload.py --preset llama-2-13b --gpu-cap 16 --prompt 512 --new 32 \
-                --batches 256 --other "" --compress both --dequant-rows --tag 4bit ;;
+        offload-4bit)  # issue 34: under the 16 GiB cap the search's bf16 policy, then its policy for 4-bit weights and KV
+            # cache (--compress both); then at one prompt bf16 and 4-bit weights (all 40 layers' codes resident), each
+            # step against its weight floor
+            step offload-4bit timeout 330 python3 bench/offload.py --preset llama-2-13b --gpu-cap 16 --prompt 512 --new 32 \
+                --batches 256 --other "" --compress both --dequant-rows --tag 4bit
+            step offload-4bit-b1 timeout 200 python3 bench/offload.py --preset llama-2-13b --gpu-cap 16 --prompt 512 \
+                --new 32 --batches 1 --other "" --compress weights --dequant-rows --tag 4bit-b1 ;;
+        gemv4)  # issue 34: the 4-bit few-row projection's GPU tests, then its tiles swept on 13B's shapes (bench/gemv4.py)
+            step gemv4-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gemv4.py \
+                tests/test_offload_resident4.py tests/test_compress4.py tests/test_offload_gpu.py
+            step gemv4-sweep timeout 330 python3 bench/gemv4.py --out bench/results ;;
         offload-70b-ours|offload-70b-anchor)  # issue 34: 70B (138 GB) beside 128 GiB of host under a 72 GiB cap
             big=(--preset llama-2-70b --gpu-cap "${CAP_70B:-72}" --prompt 512 --new 32 --tag llama-2-70b)
             [ "$suite" = offload-70b-anchor ] ||

@@ -45,6 +45,7 @@ def test_a_cpu_smoke_run_records_each_policy_and_the_anchor(tmp_path, monkeypatc
     for name, row in systems.items():
         assert row["block"] <= 2 and row["tokens_per_s"] > 0 and min(row["seconds"], row["prefill_seconds"]) > 0
         assert row["predicted"]["step_seconds"] > 0 and row["bound"]["tokens_per_s"] > 0
+        assert 0 < row["weight_floor_seconds"] and row["step_over_weight_floor"] > 0
         if name == "auto-B2-4bit":  # (the search's policy for 4-bit weights: their codes fit the 30 MiB whole)
             assert row["resident_layers"] == 8 and row["moved_gb"]["weights"] == 0 and row["compress"] == "weights"
             assert record["choices"]["auto-B2-4bit"]["compress"] == "weights"
