@@ -11,8 +11,8 @@ policy's block, `weights_gpu=0.4` its share of offloaded weights kept on the dev
 of the layers, never moved; core/zigzag.py `Placement`); `compress=weights|kv|both` keeps the offloaded weights, the host's KV cache or both
 as 4-bit codes (FlexGen's group-wise quantization), and `dequant=reference|expand|fused` says how
 they meet the compute (default: Triton's kernels on a GPU, the PyTorch twins elsewhere;
-exec/offload_weights.py, exec/offload_cache.py). These keys are the command's own; the rest of
---set goes to the model.
+exec/offload_weights.py, exec/offload_cache.py). These keys (parsed in serving/offload_options.py,
+which `serve` shares) are the command's own; the rest of --set goes to the model.
 """
 import logging
 import sys
