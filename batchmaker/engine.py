@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from batchmaker import collector
+from batchmaker.block_worker import offloaded_apart
 from batchmaker.core.admission import AdmissionBound, check_options
 from batchmaker.core.nodes import NodeQueue
 from batchmaker.core.processor import RequestProcessor
@@ -29,7 +30,7 @@ from batchmaker.errors import (BatchMakerError, CancelledError, DeadlineExceeded
                                EngineStoppedError, RankFailedError, UnknownModelError)
 from batchmaker.exec.worker import Worker, groups_by_model, make_worker, place_cell
 from batchmaker.forms import Generate
-from batchmaker.future import RequestFuture
+from batchmaker.future import RequestFuture, copy_state
 from batchmaker.generation import GenerativeModel
 from batchmaker.model import Model, cell_types_of, check_cell_sharing
 from batchmaker.registry import build_model
@@ -44,12 +45,13 @@ class Engine:
     def __init__(self, models: Iterable[Model | str], config: EngineConfig = EngineConfig()):
         self.config = config
         self.models = {m.name: m for m in (build_model(m) if isinstance(m, str) else m for m in models)}
-        self.cell_types = cell_types_of(self.models.values())  # model -> cell name -> CellType
+        self.blocks, cellular = offloaded_apart(self.models)  # offloaded models: a block worker each, no cells
+        self.cell_types = cell_types_of(cellular.values())  # model -> cell name -> CellType
         self._distinct = list({id(ct): ct for cts in self.cell_types.values() for ct in cts.values()}.values())
-        self.accounting = Accounting(self.models, config.num_latencies_kept)
+        self.accounting = Accounting(cellular, config.num_latencies_kept)
         self.structured = {name: (GenerativeModel if isinstance(m.forms[0], Generate) else StructuredModel)(
-            m, self.cell_types[name], self.accounting) for name, m in self.models.items() if m.forms}
-        check_cell_sharing(self.models, self.cell_types)
+            m, self.cell_types[name], self.accounting) for name, m in cellular.items() if m.forms}
+        check_cell_sharing(cellular, self.cell_types)
         self.workers: list[Worker] = []
         self._groups: dict[str, list] = {}  # model -> its tensor- or pipeline-parallel groups (exec/tensor_group.py)
         self.scheduler: Scheduler | None = None
@@ -101,6 +103,7 @@ class Engine:
             raise
         self._gc_before = collector.freeze(self.config.gc_young_threshold)  # (batchmaker/collector.py)
         self._hands_out_first = not all(hasattr(w, "stream") for w in self.workers)  # (a CPU launch computes)
+        self.blocks.start(self)
         self._running = True
         if thread:
             self._thread = threading.Thread(target=self._loop, name="batchmaker-manager", daemon=True)
@@ -112,6 +115,7 @@ class Engine:
         if not self._running:
             return
         self._stopping = True
+        self.blocks.stop()  # (its waiting requests fail; its running block ends first)
         if self._thread is not None:
             self._wake.set()
             self._thread.join()
@@ -145,6 +149,8 @@ class Engine:
         """
         future = RequestFuture(next(self._ids), model, inputs, priority, None, on_partial)
         error = self._check_submit(model, inputs, priority, deadline)
+        if error is None and model in self.blocks:  # (an offloaded model: its block worker, batchmaker/block_worker.py)
+            return self.blocks.submit(future, deadline)
         if error is None:
             error = self.bound.take(self.accounting.num_finished)
         if error is not None:
@@ -165,6 +171,8 @@ class Engine:
         ids = self._ids
         futures = [RequestFuture(next(ids), model, x) for x in inputs]
         error = self._check_submit(model, None, 0, None)
+        if error is None and model in self.blocks:
+            return [self.blocks.submit(f, None) for f in futures]
         taken = 0 if error is not None else self.bound.take_many(len(futures), self.accounting.num_finished)
         if taken < len(futures):
             refusal = error or self.bound.overloaded()
@@ -185,7 +193,7 @@ class Engine:
         waiter = loop.create_future()
 
         def done(f: RequestFuture) -> None:
-            loop.call_soon_threadsafe(_copy_state, f, waiter)
+            loop.call_soon_threadsafe(copy_state, f, waiter)
         self.submit(model, inputs, **options).add_done_callback(done)
         return await waiter
 
@@ -193,8 +201,9 @@ class Engine:
         return self.submit(model, inputs, **options).result(timeout).outputs
 
     def cancel(self, request_id: int) -> None:
-        self._cancels.append(request_id)
-        self._wake.set()
+        if not self.blocks.cancel(request_id):  # (a waiting request of an offloaded model fails at once)
+            self._cancels.append(request_id)
+            self._wake.set()
 
     def add_turn_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` runs on the manager thread once a turn's partials are streamed: after the
@@ -409,12 +418,3 @@ class Engine:
     def _release(self, node) -> None:
         self.workers[node.worker_id].release(node)
 
-
-def _copy_state(source: RequestFuture, waiter: asyncio.Future) -> None:
-    if waiter.cancelled():
-        return
-    error = source.exception()
-    if error is not None:
-        waiter.set_exception(error)
-    else:
-        waiter.set_result(source.result())

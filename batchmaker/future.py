@@ -175,3 +175,14 @@ def _call(fn, future: RequestFuture) -> None:
         fn(future)
     except Exception:  # a consumer's bug must not break the engine
         log.exception("done callback of request %s failed", future.request_id)
+
+
+def copy_state(source: RequestFuture, waiter) -> None:
+    """An asyncio future `waiter` takes `source`'s outcome (on its loop: Engine.submit_async)."""
+    if waiter.cancelled():
+        return
+    error = source.exception()
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(source.result())

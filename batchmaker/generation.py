@@ -144,31 +144,18 @@ class GenerativeModel(Finisher):
 
     def _check(self, f) -> tuple[np.ndarray, dict]:
         inputs = f.inputs
-        key = "prompt" if isinstance(inputs, dict) and "prompt" in inputs else "tokens"
+        key = prompt_key(inputs)
         check_keys(inputs, [key], OPTIONS)
+        prompt = check_prompt(inputs, key, self.tokenizer, self.vocab, self.name)
         if key == "prompt":
-            if self.tokenizer is None:
-                raise BadRequestError(f"model {self.name!r} has no tokenizer: send token ids as 'tokens'")
-            if not isinstance(inputs["prompt"], str):
-                raise BadRequestError(f"prompt: expected a string, got {type(inputs['prompt']).__name__}")
-            ids = self.tokenizer.encode(inputs["prompt"]).ids
-            if not ids:
-                raise BadRequestError("prompt: the text gives no tokens")
-            prompt = np.asarray(ids, dtype=np.int64)
             self._texts[f] = IncrementalDetokenizer(self.tokenizer)
-        else:
-            if isinstance(inputs["tokens"], (list, tuple)) and not inputs["tokens"]:
-                raise BadRequestError("tokens: the prompt is empty")
-            prompt = check_tokens(inputs["tokens"], self.vocab, "tokens")
         conversation = self.turns.of_request(inputs.get("conversation"))
         history = len(conversation.tokens) if conversation is not None else 0
         if history + len(prompt) >= self.max_len:
             what = f"{key}: {len(prompt)} tokens" + (f" after the conversation's {history}" if history else "")
             raise BadRequestError(f"{what}; the model's maximum is {self.max_len} "
                                   "(the prompt and at least one generated token)")
-        max_new = inputs.get("max_new_tokens", self.form.max_new_tokens)
-        if not is_int(max_new) or max_new < 0:
-            raise BadRequestError(f"max_new_tokens: expected an integer >= 0, got {max_new!r}")
+        max_new = check_max_new(inputs, self.form.max_new_tokens)
         if conversation is None and self.cell.kv.prefix_caching and max_new > 0 and "conversation" not in inputs:
             conversation = self.turns.match(prompt)  # (a stateless request continuing a cached context)
             if conversation is None:
@@ -179,15 +166,7 @@ class GenerativeModel(Finisher):
         if blocks > self.num_blocks - 1:
             raise BadRequestError(f"{total} tokens need {blocks} KV blocks; a worker's cache has {self.num_blocks - 1}")
         sampling = self._sampling(inputs)
-        ignore_eos = inputs.get("ignore_eos", False)
-        if type(ignore_eos) is not bool:
-            raise BadRequestError(f"ignore_eos: expected true or false, got {ignore_eos!r}")
-        stops = list(() if ignore_eos else self.eos)
-        extra = inputs.get("stop_token_ids", [])
-        if extra:
-            stops += check_tokens(extra, self.vocab, "stop_token_ids").tolist()
-        if len(stops) > MAX_STOPS:
-            raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(self.eos)} besides EOS")
+        stops = check_stops(inputs, self.eos, self.vocab)
         row = {"prompt_len": len(prompt), "max_new": int(max_new), **sampling,
                "stops": stops + [-1] * (MAX_STOPS - len(stops)), "priority": f.priority, "first": math.nan,
                "joined": math.nan, "streams": f.on_partial is not None, "history": history,
@@ -304,6 +283,47 @@ class GenerativeModel(Finisher):
         self.accounting.finished(owner, now - owner.arrival)
         owner.set_result(Result(outputs, None, (owner.arrival, first, now, first_token)))
 
+
+# a request's prompt and limits, checked (also for a decoder served offloaded: offloaded.py) -----------
+def prompt_key(inputs) -> str:
+    return "prompt" if isinstance(inputs, dict) and "prompt" in inputs else "tokens"
+
+
+def check_prompt(inputs: dict, key: str, tokenizer, vocab: int, name: str) -> np.ndarray:
+    """The prompt's token ids: `tokens` checked against the vocabulary, or `prompt` text encoded."""
+    if key == "prompt":
+        if tokenizer is None:
+            raise BadRequestError(f"model {name!r} has no tokenizer: send token ids as 'tokens'")
+        if not isinstance(inputs["prompt"], str):
+            raise BadRequestError(f"prompt: expected a string, got {type(inputs['prompt']).__name__}")
+        ids = tokenizer.encode(inputs["prompt"]).ids
+        if not ids:
+            raise BadRequestError("prompt: the text gives no tokens")
+        return np.asarray(ids, dtype=np.int64)
+    if isinstance(inputs["tokens"], (list, tuple)) and not inputs["tokens"]:
+        raise BadRequestError("tokens: the prompt is empty")
+    return check_tokens(inputs["tokens"], vocab, "tokens")
+
+
+def check_max_new(inputs: dict, default: int) -> int:
+    max_new = inputs.get("max_new_tokens", default)
+    if not is_int(max_new) or max_new < 0:
+        raise BadRequestError(f"max_new_tokens: expected an integer >= 0, got {max_new!r}")
+    return int(max_new)
+
+
+def check_stops(inputs: dict, eos: tuple, vocab: int) -> list[int]:
+    """The ids that end the request: the model's EOS (unless ignore_eos) and its stop_token_ids."""
+    ignore_eos = inputs.get("ignore_eos", False)
+    if type(ignore_eos) is not bool:
+        raise BadRequestError(f"ignore_eos: expected true or false, got {ignore_eos!r}")
+    stops = list(() if ignore_eos else eos)
+    extra = inputs.get("stop_token_ids", [])
+    if extra:
+        stops += check_tokens(extra, vocab, "stop_token_ids").tolist()
+    if len(stops) > MAX_STOPS:
+        raise BadRequestError(f"stop_token_ids: at most {MAX_STOPS - len(eos)} besides EOS")
+    return stops
 
 
 def _number(value, what: str, low: float, high: float) -> float:

@@ -10,8 +10,9 @@ if TYPE_CHECKING:
 
 def engine_stats(engine: "Engine") -> dict[str, Any]:
     processor = engine.processor
+    offloaded = engine.blocks.stats()  # model -> its block worker's counters (batchmaker/block_worker.py)
     return {
-        "num_live_requests": len(engine.accounting.live),
+        "num_live_requests": len(engine.accounting.live) + sum(o["waiting"] + o["running"] for o in offloaded.values()),
         "num_queued_requests": engine.num_accepted - engine.accounting.num_finished,  # accepted, not finished
         "max_requests": engine.config.max_requests,
         "num_live_nodes": (processor.num_live_nodes if processor else 0) + _num_live_structured(engine),
@@ -22,7 +23,8 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
                            for name, s in engine.structured.items() if getattr(s, "queue", None)},
         "kv_blocks_free": {name: [q.blocks.num_free for q in s.queue.sequences.values()]
                            for name, s in engine.structured.items() if getattr(s, "queue", None)},
-        "sequences": {name: _sequences(s.queue) for name, s in engine.structured.items() if getattr(s, "queue", None)},
+        "sequences": {name: _sequences(s.queue) for name, s in engine.structured.items() if getattr(s, "queue", None)}
+        | {name: {"running": o["running"], "waiting": o["waiting"]} for name, o in offloaded.items()},
         "conversations": {name: s.conversation_stats() for name, s in engine.structured.items()
                           if hasattr(s, "conversation_stats")},
         "num_tasks_in_flight": [w.num_in_flight for w in engine.workers],
@@ -30,7 +32,9 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "num_tasks": engine.num_tasks,
         "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(engine.batch_sizes).items())},
         "stage_ms": {k: v / 1e6 for k, v in engine.stage_ns.items()},
-        "latency_ms": {name: percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()},
+        "latency_ms": {name: percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()}
+        | {name: o["latency_ms"] for name, o in offloaded.items()},
+        "offloaded": offloaded,  # model -> waiting, running, block, num_blocks, num_tokens, block_sizes
         "broken": engine.broken(),  # model -> why its tensor-parallel group broke
     }
 

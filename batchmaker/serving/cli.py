@@ -115,9 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated registered names, or module:attribute naming a Model or a function "
                             "that returns one; the current directory is importable, as with `python -m`")
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="an option of the registered models served, e.g. --set hidden=1024 --set dtype=float16; "
-                            "MODEL.KEY=VALUE sets it for one model only, e.g. --set llama.checkpoint=DIR "
-                            "(repeatable; the keys are listed below)")
+                       help="an option of the registered models served, e.g. --set hidden=1024; MODEL.KEY=VALUE for "
+                            "one model only, e.g. --set llama.checkpoint=DIR (repeatable; keys below); generate's offload "
+                            "keys (llama.offload=auto ...) serve a decoder offloaded, in blocks, greedy only")
     serve.add_argument("--address", default=DEFAULT_ADDRESS, help="tcp://HOST:PORT or ipc:///PATH to bind")
     serve.add_argument("--devices", default="cpu", help="comma-separated: cpu, cuda:0, cuda:1, ... (one worker each)")
     serve.add_argument("--replicas", action="store_true",

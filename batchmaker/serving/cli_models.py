@@ -16,10 +16,13 @@ def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] 
     registered model with a `device` option (the decoders) is built on the first of `devices`
     unless told otherwise, so that large weights are placed once, where they run. Served over
     HTTP (`http`), a registered decoder gets prefix caching unless told otherwise: OpenAI clients
-    resend their history every turn, and ZeroMQ clients that never do need not pay for it."""
+    resend their history every turn, and ZeroMQ clients that never do need not pay for it. A
+    registered decoder given offload keys (`--set llama.offload=auto`: serving/offload_options.py)
+    is an OffloadedModel, served by a block worker through FlexGen's executor (block_worker.py)."""
     from batchmaker.errors import UnknownModelError
     from batchmaker.registry import load_model, registered_models
     from batchmaker.serving.model_options import SettingError, factory_options, parse_settings
+    from batchmaker.serving.offload_options import is_offloaded, offloaded_model, split_settings
 
     known = registered_models()
     unknown = [s for s in specs if ":" not in s and s not in known]
@@ -27,6 +30,7 @@ def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] 
         raise UsageError(str(UnknownModelError(unknown[0], known)) + "; or module:attribute for your own")
     if any(":" in s for s in specs) and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:attribute from the current directory, as `python -m` does
+    offload, settings = split_settings(settings, [s for s in specs if ":" not in s and "device" in factory_options(s)])
     try:
         per_model = parse_settings(settings, [s for s in specs if ":" not in s])
     except SettingError as e:
@@ -36,7 +40,7 @@ def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] 
             check_model_device(name, options.setdefault("device", devices[0]), devices)
             check_rank_devices(name, options["device"], options.get("tensor_parallel", 1), devices,
                                options.get("pipeline_parallel", 1))
-        if http and "prefix_caching" in factory_options(name):
+        if http and "prefix_caching" in factory_options(name) and not is_offloaded(offload.get(name, {})):
             options.setdefault("prefix_caching", True)
     models = []
     for spec in specs:
@@ -47,6 +51,9 @@ def load_models(specs: list[str], settings: list[str], devices: tuple[str, ...] 
                 raise UsageError(str(e)) from None
             continue
         try:  # the model checks its values: --set hidden=-1, a checkpoint that is not one, no safetensors
+            if is_offloaded(offload.get(spec, {})):
+                models.append(offloaded_model(spec, per_model[spec], offload[spec]))
+                continue
             models.append(load_model(spec, **per_model[spec]))
         except (TypeError, ValueError, RuntimeError, ImportError) as e:
             shown = " ".join(f"{k}={v}" for k, v in per_model[spec].items())
