@@ -63,13 +63,13 @@ from bench.capped_probe import apply_cap  # noqa: E402
 from bench.common import write_results  # noqa: E402
 from bench.offload_anchor import anchor  # noqa: E402
 from bench.offload_dequant import time_dequant  # noqa: E402
-from bench.offload_model import fits_host, host_budget, is_cuda, random_model  # noqa: E402
+from bench.offload_model import fits_host, host_budget, is_cuda, random_model, weight_floor  # noqa: E402
 from bench.offload_names import parse_policy, placement_name, variant_of  # noqa: E402
 from batchmaker.cells.decoder import DecoderLM  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
 from batchmaker.exec.offload_auto import bound, choose, host_bytes, measure, predict  # noqa: E402
-from batchmaker.exec.offload_memory import CUDA_RESERVE, ModelBytes  # noqa: E402
+from batchmaker.exec.offload_memory import CUDA_RESERVE  # noqa: E402
 from batchmaker.exec.offload_weights import default_dequant  # noqa: E402
 
 GIB = 1 << 30
@@ -136,7 +136,7 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates) ->
     row.update(seconds=seconds, prefill_seconds=prefill, step_seconds=(seconds - prefill) / (args.new - 1),
                tokens_per_s=len(prompts) * args.new / seconds, **peaks(executor),
                moved_gb={k: v / 1e9 for k, v in moved.bytes.items()}, tokens=tokens)
-    row["weight_floor_seconds"] = weight_floor(config, rates, executor.num_resident, c.compresses_weights)
+    row["weight_floor_seconds"] = weight_floor(config, rates, executor.num_resident, c.compresses_weights, DTYPE)
     row["step_over_weight_floor"] = row["step_seconds"] / row["weight_floor_seconds"]
     row["step_measured_over_predicted"] = row["step_seconds"] / p.step_seconds
     row["step_within_20_percent"] = abs(row["step_measured_over_predicted"] - 1) <= 0.2  # (the issue's bar)
@@ -238,16 +238,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.new < 2:
         ap.error("--new must be at least 2 (the decode step is measured from the block minus its prefill)")
     return args
-
-
-def weight_floor(config, rates, resident: int, compressed: bool) -> float:
-    """A decode step's floor from its weights alone (what a batch-1 step approaches): the resident
-    layers read once from device memory, the streamed ones across the host link, each at its
-    4-bit codes' size where compressed, and the head's matrix read once."""
-    model = ModelBytes.of(config, DTYPE)
-    layer = model.layer4 if compressed else model.layer
-    head = config.vocab_size * config.hidden_size * DTYPE.itemsize
-    return (resident * layer + head) / rates.device_memory + (config.num_layers - resident) * layer / rates.ctog
 
 
 def describe(choice) -> dict:

@@ -4,6 +4,7 @@ import torch
 
 from batchmaker.cells.decoder import INIT_STD, DecoderLM, empty_decoder, materialize
 from batchmaker.exec.offload_auto import host_bytes
+from batchmaker.exec.offload_memory import ModelBytes
 from batchmaker.exec.pinned_arena import arena_bytes, holding
 
 DTYPE = torch.bfloat16
@@ -70,3 +71,13 @@ def fits_host(config, device: str) -> bool:
     """Whether the whole model's host copy leaves a block at least a tenth of the host (else only
     the streamed layers live there: `random_model`'s `resident`)."""
     return host_budget(config, device) >= 0.1 * host_bytes()
+
+
+def weight_floor(config, rates, resident: int, compressed: bool, dtype=DTYPE) -> float:
+    """A decode step's floor from its weights alone (what a batch-1 step approaches): the resident
+    layers read once from device memory, the streamed ones across the host link, each at its
+    4-bit codes' size where compressed, and the head's matrix read once."""
+    model = ModelBytes.of(config, dtype)
+    layer = model.layer4 if compressed else model.layer
+    head = config.vocab_size * config.hidden_size * dtype.itemsize
+    return (resident * layer + head) / rates.device_memory + (config.num_layers - resident) * layer / rates.ctog
