@@ -86,6 +86,8 @@
 #     offload-4bit issue 34: bench/offload.py under the 16 GiB cap, the search's bf16 policy (at most 256 prompts), then
 #              its policy for 4-bit weights and KV cache (--compress both), into offload-cap-4bit-*.json; then one prompt,
 #              bf16 and 4-bit weights, each decode step against its weight floor (offload-cap-4bit-b1-*; ~6-7 min in all)
+#     gemv-sweep issue 33: bench/gemv.py's sweep of the batch-1 GEMV tiles on this device (CONFIGS are the H200's; on an
+#              H100 the GEMVs streamed 0.92 of the copy bandwidth, 2026-11-27), then the chained layer with and without PDL
 #     gemv4    issue 34: the 4-bit few-row projection (kernels/triton_gemv4.py): its GPU tests and those of the resident
 #              4-bit layers, then bench/gemv4.py's tile sweep on 13B's projections at 1-16 rows (~6-8 min)
 #     offload-70b-ours, offload-70b-anchor issue 34: a Llama-2-70B-sized model (138 GB bf16) on one GPU under a cap of
@@ -304,6 +306,9 @@ for suite in "$@"; do
                     --context 360 --attend engine --bandwidth "$bw" \
                     --out "bench/results/decode-profile-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
             done ;;
+        gemv-sweep)  # issue 33: the one-token GEMV's tiles on the device at hand (kernels/gemv.py CONFIGS came from an H200)
+            step gemv-sweep timeout 400 python3 bench/gemv.py --out \
+                "bench/results/gemv-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \
