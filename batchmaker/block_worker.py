@@ -120,7 +120,16 @@ class BlockWorker:
     def _run(self) -> None:
         with torch.inference_mode():
             while (block := self._form()) is not None:
-                self._generate(block)
+                try:
+                    self._generate(block)
+                except Exception as e:  # (anything past the block's generation: its unanswered requests fail,
+                    # the worker goes on)
+                    log.exception("model %s: answering a block failed", self.model.name)
+                    for future, _ in block:
+                        if not future.done():
+                            self._fail(future, CellError(f"model {self.model.name!r}: answering its block failed: {e}"))
+                    with self._cond:
+                        self._running.clear()
 
     def _form(self) -> list | None:
         """Wait for requests, gather, wait for an idle device, then take a block (None: stopping)."""
@@ -152,8 +161,17 @@ class BlockWorker:
         return [self._waiting.pop(i)[0] for i in late]
 
     def _take(self) -> list:
-        """The block: up to `block` waiting requests, higher priority first, then oldest (under the lock)."""
-        order = sorted(self._waiting, key=lambda i: (-self._waiting[i][0].priority, i))[:self.model.block]
+        """The block: up to `block` waiting requests, higher priority first, then oldest, each taken
+        only while the block stays within the model's positions (its longest prompt and its largest
+        count together: the cache the policy was sized for); the others wait (under the lock)."""
+        limit, width, count, order = self.model.executor.lm.config.max_positions, 0, 0, []
+        for i in sorted(self._waiting, key=lambda i: (-self._waiting[i][0].priority, i)):
+            ask = self._waiting[i][1]
+            if max(width, len(ask.prompt)) + max(count, ask.count) <= limit:
+                width, count = max(width, len(ask.prompt)), max(count, ask.count)
+                order.append(i)
+                if len(order) == self.model.block:
+                    break
         block = [self._waiting.pop(i) for i in order]
         self._running.update(order)
         return block
@@ -177,7 +195,12 @@ class BlockWorker:
             elif future.deadline is not None and future.deadline <= end:
                 self._fail(future, DeadlineExceededError(f"request {future.request_id} missed its deadline"))
             else:
-                outputs = answer(ask, rows[i], self.model.tokenizer)
+                try:  # (one request's answer, e.g. a token its tokenizer cannot decode, fails that request only)
+                    outputs = answer(ask, rows[i], self.model.tokenizer)
+                except Exception as e:
+                    log.exception("model %s: answering request %s failed", self.model.name, future.request_id)
+                    self._fail(future, CellError(f"model {self.model.name!r}: its reply failed: {e}"))
+                    continue
                 self.num_tokens += len(outputs["tokens"])
                 self._resolve(future, outputs, start, end)
 

@@ -192,6 +192,8 @@ def gemv4(x: Tensor, c: Compressed, config: Gemv4Config | None = None, reference
         raise ValueError(f"gemv4 serves 1 to {GEMV4_MAX_ROWS} rows, got {rows}: use linear4 or expand")
     if reference or not (x.is_cuda or is_interpreting()) or c.group & (c.group - 1):
         return F.linear(x, decompress(c))
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], n)
     config = config or gemv4_config(rows, n, k)
     tiles, splits, row_blocks, k_per_split = gemv4_grid(config, rows, n, k, c.group)
     flat = x.reshape(rows, k).contiguous()
@@ -199,8 +201,8 @@ def gemv4(x: Tensor, c: Compressed, config: Gemv4Config | None = None, reference
     partials = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     kernels = load_kernels("triton_gemv4", "the 4-bit few-row projection kernel", "compress4.decompress")
     kernels.gemv4_kernel[(tiles, splits, row_blocks)](
-        flat, c.codes, c.scale, c.low, partials, rows, n, k, c.codes.shape[-2], k_per_split // config.block_k,
-        GROUP=c.group,
+        flat, c.codes.contiguous(), c.scale.contiguous(), c.low.contiguous(), partials, rows, n, k,
+        c.codes.shape[-2], k_per_split // config.block_k, GROUP=c.group,
         BLOCK_M=16 if config.dot else 1, BLOCK_N=max(config.block_n, c.group), BLOCK_K=config.block_k,
         DOT=config.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
         enable_fp_fusion=False)  # (min + code x scale rounded twice, as decompress: no FMA)

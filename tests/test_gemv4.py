@@ -55,6 +55,10 @@ def test_gemv4_equals_the_twin_interpreted():
     x = torch.randn(2, 3, 100)  # (leading dimensions kept)
     c = compress(torch.randn(192, 100), 64, 0)
     assert gemv4(x, c).shape == (2, 3, 192)
+    assert gemv4(torch.randn(0, 100), c).shape == (0, 192)  # (no rows: no launch)
+    strided = type(c)(c.codes.repeat(2, 1, 1)[::2], c.scale, c.low, c.shape, c.dim, c.group)  # (codes not contiguous)
+    assert not strided.codes.is_contiguous()
+    _check(torch.randn(3, 100), strided)
 
 
 def test_gemv4_kernel_in_the_interpreter():

@@ -69,6 +69,27 @@ def test_the_host_bytes_are_what_a_block_runs_arena_holds(monkeypatch, placement
     assert counted - cpu_working == arena.reserved > 0
 
 
+@pytest.mark.parametrize("chunk", [None, 4096, 16384, 40960])  # (4 KiB: each codes tensor a chunk of its own)
+@pytest.mark.parametrize("placement", [Placement(True, True, True), Placement(False, True, False)], ids=str)
+def test_a_4bit_host_caches_bytes_are_what_its_arena_holds(monkeypatch, placement, chunk):
+    """compress="kv": the K and V codes, scales and mins of each (layer, batch), allocated field by
+    field (offload_cache.empty_codes_many) in the order the count takes them (`compress_cache`)."""
+    arenas = []
+    monkeypatch.setattr(pinned_arena, "holding", lambda pin, build, _holding=pinned_arena.holding, **kw: arenas.append(
+        _holding(pin, build, rounds=True, **kw)) or arenas[-1])
+    if chunk:
+        monkeypatch.setattr(pinned_arena, "CHUNK_BYTES", chunk)
+    config, (gbs, nb, prompt, generate) = PRESETS["tiny-llama"], (2, 3, 200, 5)  # (codes of 6.5 KB, scales of 3.3)
+    executor = OffloadExecutor(build_decoder(config, seed=3), "cpu", OffloadConfig(gbs, nb, placement, compress="kv"))
+    executor.generate_block([[k + 1] * prompt for k in range(gbs * nb)], generate)
+    model = ModelBytes.of(config, torch.float32)
+    count = [footprint(model, gbs, nb, prompt, generate, 0.0, False, not placement.hidden, pinned=pinned,
+                       host_weights=0.0, compress_cache=compressed).host
+             for pinned, compressed in ((True, True), (False, True), (False, False))]
+    ((arena, _),) = arenas
+    assert count[0] == arena.reserved > 0 and count[1] < count[2]  # (unrounded: the codes take less than fp32)
+
+
 def test_13bs_host_cache_takes_4_gib_chunks_not_a_power_of_two_a_tensor():
     """A block of 4 x 32 prompts of 512 + 32: 160 K | V tensors of 356 MB, 12 a chunk, and 4 hidden
     states in the last chunk's room: 14 chunks (56 GiB; a pinned allocation each took 82 GiB)."""

@@ -208,3 +208,50 @@ def test_over_zeromq(engines):
         assert partials == [{"tokens": expected[0]["tokens"]}] and stream.future.result(60).outputs == expected[0]
         assert client.infer("lstm", {"tokens": [1, 2, 3]})["h"] is not None
         assert "llama" in client.models() and client.stats()["offloaded"]["llama"]["num_blocks"] > 0
+
+
+def test_a_reply_that_fails_fails_its_request_only_and_the_worker_goes_on(checkpoint, monkeypatch):
+    """A request whose answer raises (e.g. a token its tokenizer cannot decode) fails with CellError;
+    the block's other requests are answered and later blocks still run."""
+    from batchmaker import block_worker
+    from batchmaker.errors import CellError
+    model, = load_models(["llama"], [f"checkpoint={checkpoint}", *OFFLOAD])
+    answer = block_worker.answer
+
+    def flaky(ask, row, tokenizer):
+        if ask.prompt == [66]:
+            raise ValueError("no such token")
+        return answer(ask, row, tokenizer)
+    monkeypatch.setattr(block_worker, "answer", flaky)
+    worker = BlockWorker(model).start(is_busy=lambda: False)
+    try:
+        bad, good = (worker.submit(RequestFuture(i, "llama", {"tokens": [t], "max_new_tokens": 2}))
+                     for i, t in ((0, 66), (1, 67)))
+        with pytest.raises(CellError, match="no such token"):
+            bad.result(60)
+        assert len(good.result(60).outputs["tokens"]) == 2
+        later = worker.submit(RequestFuture(2, "llama", {"tokens": [68], "max_new_tokens": 1}))
+        assert len(later.result(60).outputs["tokens"]) == 1
+    finally:
+        worker.stop()
+
+
+def test_a_block_stays_within_the_models_positions(checkpoint):
+    """A long prompt and a short one asking for many tokens do not share a block whose cache would
+    outgrow the context the policy was sized for (the longest prompt plus the largest count)."""
+    model, = load_models(["llama"], [f"checkpoint={checkpoint}", *OFFLOAD])
+    limit = model.executor.lm.config.max_positions
+    busy = threading.Event()
+    busy.set()
+    worker = BlockWorker(model).start(is_busy=busy.is_set)
+    try:
+        long = worker.submit(RequestFuture(0, "llama", {"tokens": [7] * (limit - 3), "max_new_tokens": 2}))
+        many = worker.submit(RequestFuture(1, "llama", {"tokens": [8, 9], "max_new_tokens": limit - 10}))
+        short = worker.submit(RequestFuture(2, "llama", {"tokens": [10], "max_new_tokens": 2}))
+        time.sleep(0.05)
+        busy.clear()
+        for f in (long, many, short):
+            f.result(120)
+        assert worker.stats()["num_blocks"] == 2 and worker.stats()["block_sizes"] == {1: 1, 2: 1}
+    finally:
+        worker.stop()

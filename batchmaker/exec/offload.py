@@ -42,7 +42,7 @@ from batchmaker.core.zigzag import ATTENTION_OPS, BATCH_BUFFERS, WEIGHT_BUFFERS,
 from batchmaker.exec import offload_cache, pinned_arena
 from batchmaker.exec.offload_attention import CpuAttention
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts, KVPair
-from batchmaker.exec.offload_resident import compress_resident
+from batchmaker.exec.offload_resident import resident_layers
 from batchmaker.exec.offload_weights import DEQUANTS, HostWeights, default_dequant, layer_tensors
 from batchmaker.exec.pinned_arena import Empty
 from batchmaker.kernels.compress4 import Compressed
@@ -121,11 +121,10 @@ class OffloadExecutor:
         self.num_layers = len(layers)
         self.dtype = lm.embed_tokens.weight.dtype
         self.num_resident = config.placement.num_resident(self.num_layers)  # the first layers: weights stay
-        self.resident = nn.ModuleList(layer if adopt else copy.deepcopy(layer).to(self.device)
-                                      for layer in layers[:self.num_resident])
         self.is_reference = (config.dequant or default_dequant(self.device)) == "reference"  # (the twins)
-        if config.compresses_weights:  # (4-bit codes on the device, one dense scratch for prompt steps)
-            self.scratch = compress_resident(self.resident, self.is_reference)
+        self.resident, self.scratch = resident_layers(  # (4-bit: codes on the device, a dense scratch for prompts)
+            layers[:self.num_resident], (lambda layer: layer) if adopt else lambda layer: copy.deepcopy(layer).to(
+                self.device), config.compresses_weights, self.is_reference)
         if self.num_resident < self.num_layers:
             self.weight_buffers = [copy.deepcopy(layers[0]).to(self.device) for _ in range(WEIGHT_BUFFERS)]
             self.host_weights = HostWeights(layers[self.num_resident:], self.weight_buffers,
@@ -227,8 +226,12 @@ class BlockRun:
         model's, exec/offload_memory.py): the KV cache (by layer, then batch), the hidden states, the
         CPU attention's staging; None for each kept on the device."""
         x, place, n = self.x, self.placement, len(self.batches)
-        cache = [[self._kv(cache_shape, empty, on_host=True) for _ in range(n)] for _ in range(x.num_layers)] \
-            if place.cache else None
+        if place.cache and self.is_compressed:  # (K and V codes of each (layer, batch), field by field)
+            codes = iter(offload_cache.empty_codes_many(cache_shape, x.dtype, empty, 2 * n * x.num_layers))
+            cache = [[(next(codes), next(codes)) for _ in range(n)] for _ in range(x.num_layers)]
+        else:
+            cache = [[self._kv(cache_shape, empty) for _ in range(n)] for _ in range(x.num_layers)] \
+                if place.cache else None
         hidden = [empty(hidden_shape, x.dtype) for _ in range(n)] if place.hidden else None
         staging = CpuAttention.staging(empty, x.lm.config, rows, x.dtype) if place.cpu_attention else None
         return cache, hidden, staging
@@ -236,9 +239,7 @@ class BlockRun:
     def _device_empty(self, shape: tuple, dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype, device=self.x.device)
 
-    def _kv(self, shape, empty: Empty, on_host: bool = False) -> KVPair | tuple:
-        if on_host and self.is_compressed:
-            return self._codes(shape, empty)
+    def _kv(self, shape, empty: Empty) -> KVPair | tuple:
         if self.is_compressed:  # (a device slot a load expands codes into: K and V apart)
             return empty(shape, self.x.dtype), empty(shape, self.x.dtype)
         return KVPair(empty((shape[0], 2, *shape[1:]), self.x.dtype))

@@ -34,6 +34,17 @@ def empty_codes(shape: tuple, dtype: torch.dtype, empty: Empty) -> Compressed:
                       tuple(shape), len(shape) - 1, group)
 
 
+def empty_codes_many(shape: tuple, dtype: torch.dtype, empty: Empty, count: int) -> list[Compressed]:
+    """`count` caches' codes as `empty_codes`, allocated field by field (every codes tensor, then every
+    scale, then every min): the order exec/offload_memory.py counts a block's arena in."""
+    group = kv_group(shape[-1])
+    lead = (*shape[:-1], shape[-1] // group)
+    codes = [empty((*lead, group // 2), torch.uint8) for _ in range(count)]
+    scales = [empty((*lead, 1), dtype) for _ in range(count)]
+    lows = [empty((*lead, 1), dtype) for _ in range(count)]
+    return [Compressed(c, s, low, tuple(shape), len(shape) - 1, group) for c, s, low in zip(codes, scales, lows)]
+
+
 def columns(c: Compressed, start: int, end: int) -> Compressed:
     """Columns [start, end) of a cache's codes (views)."""
     return Compressed(c.codes[start:end], c.scale[start:end], c.low[start:end], (end - start, *c.shape[1:]), c.dim,

@@ -16,19 +16,32 @@ from batchmaker.exec.offload_weights import GROUP, Linear4, to_linear4
 from batchmaker.kernels.compress4 import compress, decompress
 
 
-def compress_resident(layers: nn.ModuleList, reference: bool = False) -> Tensor | None:
-    """`layers` (on their device) with each matrix kept as its 4-bit codes there; returns the
-    shared dense scratch (None where there is no layer). `reference`: the PyTorch twins on a GPU too."""
-    linears = [m for m in layers.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        return None
-    largest = max(linears, key=lambda m: m.weight.numel()).weight
-    scratch = torch.empty(largest.numel(), dtype=largest.dtype, device=largest.device)
+def resident_layers(layers, to_device, compressed: bool, reference: bool = False) -> tuple[nn.ModuleList, Tensor | None]:
+    """The resident layers on their device, `to_device(layer)` bringing each there; with `compressed`
+    each matrix kept as its 4-bit codes, a layer compressed as soon as it arrives (so the device
+    holds one dense layer at a time beside the codes so far, never every resident layer dense), and
+    the shared dense scratch (None where nothing is compressed). `reference`: the PyTorch twins on a
+    GPU too."""
+    resident, scratch = nn.ModuleList(), None
+    for layer in layers:
+        layer = to_device(layer)
+        if compressed:
+            scratch = _compress_layer(layer, scratch, reference)
+        resident.append(layer)
+    return resident, scratch
+
+
+def _compress_layer(layer: nn.Module, scratch: Tensor | None, reference: bool) -> Tensor | None:
+    """`layer`'s nn.Linears as Linear4s over their codes (the dense matrices freed), sharing `scratch`
+    (made for the first layer: the size of its largest matrix, every layer's shapes alike)."""
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    if linears and scratch is None:
+        largest = max(linears, key=lambda m: m.weight.numel()).weight
+        scratch = torch.empty(largest.numel(), dtype=largest.dtype, device=largest.device)
     with torch.no_grad():
-        for layer in layers:
-            codes = {id(m.weight): compress(m.weight, GROUP, dim=0) for m in layer.modules() if isinstance(m, nn.Linear)}
-            to_linear4(layer, codes, scratch, reference)
-        for p in layers.parameters():  # (a matrix outside an nn.Linear, if any: its round trip, kept dense)
+        codes = {id(m.weight): compress(m.weight, GROUP, dim=0) for m in linears}
+        to_linear4(layer, codes, scratch, reference)
+        for p in layer.parameters():  # (a matrix outside an nn.Linear, if any: its round trip, kept dense)
             if p.dim() == 2:
                 p.copy_(decompress(compress(p, GROUP, dim=0)))
     return scratch
