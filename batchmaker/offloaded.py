@@ -37,17 +37,19 @@ class BlockWorkerConfig:
 @dataclass(frozen=True, eq=False)
 class OffloadedModel:
     """`executor`: an OffloadExecutor over the model (its block size is the block worker's);
-    `tokenizer`: the checkpoint's (text prompts), or None; `max_new_tokens`: a request's default."""
+    `tokenizer`: the checkpoint's (text prompts), or None; `max_new_tokens`: a request's default;
+    `checkpoint`: its directory, or None (the HTTP front reads its chat template there)."""
     name: str
     executor: Any  # exec/offload.py OffloadExecutor
     tokenizer: Any = None
     max_new_tokens: int = 64
     worker: BlockWorkerConfig = field(default_factory=BlockWorkerConfig)
+    checkpoint: str | None = None
 
     # what the fronts read of a served model (model.py Model's serving surface) ----------------------
     @property
     def cells(self) -> dict:
-        return {}  # (no cell of the engine's: the HTTP front does not serve it)
+        return {}  # (no cell of the engine's: the HTTP front serves it as an offloaded model, text_model.py)
 
     @property
     def batch_sizes(self) -> dict:

@@ -7,7 +7,8 @@ ZeroMQ socket (`batchmaker serve --http 127.0.0.1:8000`).
 The front runs its own asyncio loop on its own thread. A request is checked and tokenized there
 (openai_api.py), its choices are submitted to the engine (completion.py), and their tokens come
 back from the manager thread through a LoopBridge. A client that goes away cancels its choices at
-once (aiohttp's handler cancellation), and the engine frees their sequences.
+once (aiohttp's handler cancellation), and the engine frees their sequences. An offloaded model
+(batchmaker/offloaded.py) is served greedily, its tokens in one burst per block (offloaded_api.py).
 
     with Engine([build_model("llama", checkpoint=DIR)]) as engine, HttpFront(engine, HttpConfig(port=8000)):
         ...   # serve until the block ends (stop lets running requests finish for drain_timeout)
@@ -26,6 +27,7 @@ from batchmaker.serving.completion import Completion
 from batchmaker.serving.http_config import HttpConfig
 from batchmaker.serving.loop_bridge import LoopBridge
 from batchmaker.serving.metrics import Metrics
+from batchmaker.serving.offloaded_api import greedy_request
 from batchmaker.serving.openai_api import ApiError, GenerationRequest, parse_request
 from batchmaker.serving.openai_replies import DONE, Replies
 from batchmaker.serving.sse_writer import SseWriter
@@ -162,7 +164,10 @@ class HttpFront:
             name = body.get("model") if isinstance(body, dict) else None
             known = isinstance(name, str) and (name in self.models or name in self._others)
             model = name if known else ""  # (a label: served models' names only)
-            response, outcome = await self._run(request, parse_request(kind, body, self.models, self._others))
+            gen = parse_request(kind, body, self.models, self._others)
+            if gen.model.is_offloaded:  # (greedy, in blocks: serving/offloaded_api.py)
+                gen = greedy_request(body, gen)
+            response, outcome = await self._run(request, gen)
             return response
         except ApiError as e:
             outcome = "bad_request" if e.status < 500 else "error"

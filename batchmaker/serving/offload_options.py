@@ -176,4 +176,4 @@ def offloaded_model(name: str, options: dict, own: dict):
                                   lm.config.max_positions - generate, generate)
     finally:
         torch.set_num_threads(threads)
-    return OffloadedModel(name, executor, tokenizer, max_new)
+    return OffloadedModel(name, executor, tokenizer, max_new, checkpoint=options.get("checkpoint"))
