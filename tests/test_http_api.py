@@ -59,13 +59,7 @@ class Served:
         return openai.OpenAI(base_url=f"{self.front.url}/v1", api_key="unused", max_retries=0, timeout=60, **options)
 
     def metric(self, name: str, **labels) -> float:
-        """A sample's value on /metrics (0 when absent)."""
-        text = urllib.request.urlopen(f"{self.front.url}/metrics", timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return 0.0
+        return metric_at(self.front.url, name, **labels)
 
     def is_idle(self) -> bool:
         """No sequence runs or waits, and the only KV blocks in use are idle contexts' (prefix caching's)."""
@@ -73,6 +67,16 @@ class Served:
                 and self.metric("batchmaker_waiting_sequences", model="llama") == 0
                 and self.metric("batchmaker_kv_blocks_used", model="llama")
                 == self.metric("batchmaker_kv_blocks_cached", model="llama"))
+
+
+def metric_at(url: str, name: str, **labels) -> float:
+    """A sample's value on the front at `url`'s /metrics (0 when absent)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -356,21 +360,28 @@ def test_stop_drains_running_streams_then_cancels_them(served):
 
 
 # the command line ---------------------------------------------------------------------------------
+def serve_http(address: str, settings: list[str]) -> tuple[subprocess.Popen, str]:
+    """`batchmaker serve --models llama SETTINGS --http 127.0.0.1:0` in a process of its own, and its URL."""
+    proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address, "--models",
+                             "llama", *settings, "--http", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
+    url = None
+    while url is None:
+        line = proc.stderr.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError("the server exited")
+        url = (re.search(r"OpenAI-compatible HTTP API on (http://\S+)", line) or [None, None])[1]
+    return proc, url
+
+
 def test_batchmaker_serve_http_beside_zeromq(checkpoint):
     from batchmaker.serving.cli import main
     from batchmaker.serving.client import Client
 
     assert main(["serve", "--models", "llama", "--http", "0.0.0.0:8000"]) == 2  # beyond loopback: a key
     address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
-    proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address, "--models",
-                             "llama", "--set", f"llama.checkpoint={checkpoint}", "--set", "num_blocks=64",
-                             "--http", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
+    proc, url = serve_http(address, ["--set", f"llama.checkpoint={checkpoint}", "--set", "num_blocks=64"])
     try:
-        url = None
-        while url is None:
-            line = proc.stderr.readline()
-            assert line, "the server exited"
-            url = (re.search(r"OpenAI-compatible HTTP API on (http://\S+)", line) or [None, None])[1]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.completions.create(model="llama", prompt="Cellular batching", max_tokens=8, temperature=0,
                                           extra_body=LONG)

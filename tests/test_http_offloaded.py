@@ -11,9 +11,7 @@ the engine's decoder; an absent chat max_tokens is the model's max_new_tokens; w
 /metrics counts its requests; `batchmaker serve --http` serves it.
 """
 import json
-import re
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,7 +26,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("transformers")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from batchmaker import Engine, build_model  # noqa: E402
 from batchmaker.serving.cli_models import load_models  # noqa: E402
@@ -39,11 +36,10 @@ from helpers import wait_until  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from tiny_checkpoint import save_tiny_chat_model  # noqa: E402
+from test_http_api import MESSAGES, create, metric_at, serve_http, text_of  # noqa: E402  (the normal front tests' requests)
 
 OFFLOAD = ["llama.offload=weights+cache+hidden", "llama.gpu_batch=2", "llama.num_batches=2"]
-MESSAGES = [{"role": "system", "content": "You serve batches."}, {"role": "user", "content": "What is a cell?"}]
 LONG = {"ignore_eos": True}  # (random weights meet EOS early otherwise)
-AS_CONSOLE_SCRIPT = "import sys; sys.path.remove(''); from batchmaker.serving.cli import main; sys.exit(main())"
 
 
 @dataclass
@@ -55,12 +51,7 @@ class Front:
         return openai.OpenAI(base_url=f"{self.front.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def metric(self, name: str, **labels) -> float:
-        text = urllib.request.urlopen(f"{self.front.url}/metrics", timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return 0.0
+        return metric_at(self.front.url, name, **labels)
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +66,6 @@ def fronts(checkpoint):
     normal = Engine([build_model("llama", checkpoint=str(checkpoint), num_blocks=256)])
     with offloaded, normal, HttpFront(offloaded, HttpConfig(port=0)) as a, HttpFront(normal, HttpConfig(port=0)) as b:
         yield Front(offloaded, a), Front(normal, b)
-
-
-def create(client, kind: str, **options):
-    if kind == "chat":
-        return client.chat.completions.create(model="llama", messages=MESSAGES, **options)
-    return client.completions.create(model="llama", prompt="Cellular batching", **options)
-
-
-def text_of(choice) -> str:
-    return choice.message.content if hasattr(choice, "message") else choice.text
 
 
 def whole(client, kind: str, **options) -> tuple[str, str, tuple[int, int]]:
@@ -236,15 +217,8 @@ def test_batchmaker_serve_http_serves_it(checkpoint, fronts):
     _, normal = fronts
     want = whole(normal.client(), "completion", max_tokens=6, temperature=0, extra_body=LONG)[0]
     settings = [x for item in [f"llama.checkpoint={checkpoint}", *OFFLOAD] for x in ("--set", item)]
-    address = f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s"
-    proc = subprocess.Popen([sys.executable, "-c", AS_CONSOLE_SCRIPT, "serve", "--address", address,
-                             "--models", "llama", *settings, "--http", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
+    proc, url = serve_http(f"ipc://{tempfile.mkdtemp(prefix='bm-')}/s", settings)
     try:
-        url = None
-        while url is None:
-            line = proc.stderr.readline()
-            assert line, "the server exited"
-            url = (re.search(r"OpenAI-compatible HTTP API on (http://\S+)", line) or [None, None])[1]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         assert whole(client, "completion", max_tokens=6, extra_body=LONG)[0] == want
         proc.terminate()
