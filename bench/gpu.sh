@@ -272,7 +272,8 @@ for suite in "$@"; do
                 --new 32 --batches 1 --other "" --compress weights --dequant-rows --tag 4bit-b1 ;;
         gemv4)  # issue 34: the 4-bit few-row projection's GPU tests, then its tiles swept on 13B's shapes (bench/gemv4.py)
             step gemv4-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gemv4.py \
-                tests/test_offload_resident4.py tests/test_compress4.py tests/test_offload_gpu.py
+                tests/test_offload_resident4.py tests/test_compress4.py tests/test_offload_gpu.py \
+                tests/test_offload_serving_gpu.py
             step gemv4-sweep timeout 330 python3 bench/gemv4.py --out bench/results ;;
         offload-70b-ours|offload-70b-anchor)  # issue 34: 70B (138 GB) beside 128 GiB of host under a 72 GiB cap
             big=(--preset llama-2-70b --gpu-cap "${CAP_70B:-72}" --prompt 512 --new 32 --tag llama-2-70b)
