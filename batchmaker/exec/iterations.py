@@ -313,8 +313,11 @@ class IterationRunner:
         (the manager waits at most for the stages after this one)."""
         try:
             chosen = task.handle.wait()
-        except Exception as e:  # (a stage died or hung: the group is done)
-            task.error = RankFailedError(f"the pipeline's tokens did not come back: {type(e).__name__}: {e}")
+        except Exception as e:  # (a stage died or hung: the group is done; where the watcher broke it first,
+            # its reason, not the closed connection that its abort made the wait meet)
+            broken = self.ranks.broken
+            task.error = RankFailedError("the pipeline's tokens did not come back: "
+                                         + (broken if broken is not None else f"{type(e).__name__}: {e}"))
             self.ranks.abort(str(task.error))
         else:  # (the plans feed them: core/sequence_queue.py `stages`)
             task.sampled = chosen.numpy().copy()
