@@ -12,20 +12,11 @@ from helpers import needs_gpu
 
 from batchmaker.engine import Engine
 from batchmaker.serving.cli_models import load_models
+from test_offload_serving import checkpoint  # noqa: F401  (the tiny checkpoint fixture)
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 OFFLOAD = ["llama.offload=weights+cache+hidden", "llama.gpu_batch=2", "llama.num_batches=2"]
 PROMPTS = [[5, 6, 7], [9], [40, 41, 42, 43, 44, 45, 46, 47, 48], [3, 200], [77] * 20, [301, 302, 303, 304]]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from test_decoder_models import save_hf
-    from batchmaker.cells.decoder_config import PRESETS
-    path = tmp_path_factory.mktemp("offload-serving-gpu") / "model"
-    save_hf(PRESETS["tiny-llama"], path)
-    return path
 
 
 def test_served_blocks_give_the_executors_tokens_beside_an_lstm(checkpoint):
