@@ -112,14 +112,18 @@ def check(model: OffloadedModel, inputs) -> Ask | None:
     return Ask(prompt.tolist(), min(max_new, config.max_positions - len(prompt)), frozenset(stops), key == "prompt")
 
 
-def answer(ask: Ask, tokens: list[int], tokenizer) -> dict:
-    """The reply of a request whose block gave it `tokens` (`ask.count` of them): cut after its
-    first stop id ("stop", the id included, as the engine stops), else all ("length")."""
-    reason = "length"
+def cut(tokens: list[int], stops) -> tuple[list[int], str]:
+    """A block's tokens for one prompt up to and including its first stop id ("stop", as the engine
+    stops), else all of them ("length"); `batchmaker generate` cuts its blocks' rows the same way."""
     for i, token in enumerate(tokens):
-        if token in ask.stops:
-            tokens, reason = tokens[:i + 1], "stop"
-            break
+        if token in stops:
+            return tokens[:i + 1], "stop"
+    return tokens, "length"
+
+
+def answer(ask: Ask, tokens: list[int], tokenizer) -> dict:
+    """The reply of a request whose block gave it `tokens` (`ask.count` of them), `cut` at its stops."""
+    tokens, reason = cut(tokens, ask.stops)
     outputs = {"tokens": tokens, "finish_reason": reason}
     if ask.is_text:
         outputs["text"] = tokenizer.decode(tokens)

@@ -21,18 +21,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
+from batchmaker.cells.decoder_config import PRESETS, to_hf  # noqa: E402
 
 FILL = 0.001
 
 
 def hf_config(name: str):
+    """The preset as transformers' LlamaConfig (decoder_config.to_hf: what save_pretrained writes)."""
     from transformers import LlamaConfig
-    c = PRESETS[name]
-    return LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                       num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                       num_key_value_heads=c.num_kv_heads, vocab_size=c.vocab_size, max_position_embeddings=4096,
-                       rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, torch_dtype="bfloat16")
+    return LlamaConfig(**to_hf(PRESETS[name]))
 
 
 def placed_model(name: str, gpu_gib: int, device: str):

@@ -102,9 +102,8 @@ class ModelBytes:
 
     def kv_tensor4(self, gpu_batch: int, prompt: int, generate: int) -> tuple[int, int, int]:
         """One (layer, batch)'s K or V as 4-bit codes (exec/offload_cache.py): codes, scales, mins."""
-        group = kv_group(self.head_dim)
-        rows = (prompt + generate - 1) * gpu_batch * self.num_kv_heads * (self.head_dim // group)
-        return rows * group // 2, rows * self.itemsize, rows * self.itemsize
+        rows = (prompt + generate - 1) * gpu_batch * self.num_kv_heads
+        return _compressed((self.head_dim, rows), self.itemsize, kv_group(self.head_dim))  # (grouped along the head)
 
     def hidden_tensor(self, gpu_batch: int, prompt: int) -> int:
         """One batch's hidden states between layers: [prompt, 2, B, H] (x and residual)."""

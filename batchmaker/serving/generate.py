@@ -111,6 +111,7 @@ def _run_blocks(executor, lm, tokenizer, pending: list[PromptRecord], prompts: l
             executor.check([prompt], [record.max_new_tokens])
         except ValueError as e:
             raise UsageError(f"prompt {record.id!r}: {e}") from None
+    from batchmaker.offloaded import cut
     progress.begin()
     block, eos = executor.config.block, set(lm.config.eos_token_ids)
     for first in range(0, len(pending), block):
@@ -120,14 +121,6 @@ def _run_blocks(executor, lm, tokenizer, pending: list[PromptRecord], prompts: l
             tokens, reason = cut(tokens, eos)
             out.write(record, tokens, reason, tokenizer.decode(tokens) if record.prompt is not None else None)
             progress.add(len(tokens))
-
-
-def cut(tokens: list[int], eos: set) -> tuple[list[int], str]:
-    """Tokens up to and including the first EOS ("stop"), else all of them ("length")."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i + 1], "stop"
-    return tokens, "length"
 
 
 def _build(name: str, items: list[str]):
