@@ -88,6 +88,9 @@
 #              bf16 and 4-bit weights, each decode step against its weight floor (offload-cap-4bit-b1-*; ~6-7 min in all)
 #     gemv-sweep issue 33: bench/gemv.py's sweep of the batch-1 GEMV tiles on this device (CONFIGS are the H200's; on an
 #              H100 the GEMVs streamed 0.92 of the copy bandwidth, 2026-11-27), then the chained layer with and without PDL
+#     read-bound issue 33: bench/read_bound.py: a read-only kernel's bandwidth at 32 MB-2 GB, over a 7B's 128 weight
+#              matrices one launch each, and a dependent launch's time in a graph (the bounds under the batch-1
+#              step and short decode attention; ~2 min)
 #     gemv4    issue 34: the 4-bit few-row projection (kernels/triton_gemv4.py): its GPU tests and those of the resident
 #              4-bit layers, then bench/gemv4.py's tile sweep on 13B's projections at 1-16 rows (~6-8 min)
 #     offload-70b-ours, offload-70b-anchor issue 34: a Llama-2-70B-sized model (138 GB bf16) on one GPU under a cap of
@@ -307,6 +310,9 @@ for suite in "$@"; do
                     --context 360 --attend engine --bandwidth "$bw" \
                     --out "bench/results/decode-profile-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
             done ;;
+        read-bound)  # issue 33: the least any kernel takes to read a decode step's weights and attention's KV sizes
+            step read-bound timeout 300 python3 bench/read_bound.py --out \
+                "bench/results/read-bound-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         gemv-sweep)  # issue 33: the one-token GEMV's tiles on the device at hand (kernels/gemv.py CONFIGS came from an H200)
             step gemv-sweep timeout 400 python3 bench/gemv.py --out \
                 "bench/results/gemv-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;

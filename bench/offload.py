@@ -257,9 +257,9 @@ def ours(args) -> None:
     what it measured."""
     device, config = args.device, PRESETS[args.preset]
     if is_cuda(device):
-        torch.cuda.set_device(device)
-        if args.gpu_cap:  # (before anything is allocated on the device)
+        if args.gpu_cap:  # (before CUDA starts: the allocator reads its settings, expandable segments, then)
             apply_cap(args.gpu_cap, torch.device(device).index or 0)
+        torch.cuda.set_device(device)
     rates = measure(device, DTYPE, config=config)
     print(f"rates: host->device {rates.ctog / 1e9:.1f} GB/s, device->host {rates.gtoc / 1e9:.1f} GB/s, "
           f"matmul {rates.mm_flops / 1e12:.0f} TFLOP/s, CPU attention {rates.cpu_flops / 1e9:.1f} GFLOP/s "

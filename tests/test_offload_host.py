@@ -8,6 +8,7 @@ measured), the model follows the measured block-size curve (before: 1.2x-2.7x un
 the same 16 GiB cap the search leaves gpu_batch=3 x 64 for GPU batches of 16 or more. On the CPU:
 the unit cost is measured (positive, finite), a decode step's mask is the slice of the batch's pad
 keys the full mask equals, and the positions and rotary table are made once per (step, batch)."""
+import copy
 import random
 from dataclasses import replace
 
@@ -20,7 +21,7 @@ from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.offload_policy import (Hardware, ModelShape, best_placement, gpu_batch_sizes, layer_seconds,
                                             layer_terms, placements, search)
 from batchmaker.core.zigzag import Placement
-from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
+from batchmaker.exec.offload import BlockRun, OffloadConfig, OffloadExecutor
 from batchmaker.exec.offload_auto import Rates, bound, choose, predict
 from batchmaker.exec.offload_block import BatchAttend, BatchPrompts
 from batchmaker.exec.offload_host import tiny_like, unit_seconds
@@ -66,6 +67,27 @@ def test_the_hosts_issuing_bounds_a_step_beside_the_gpus_compute_not_on_top():
     p = np.array([[0.5, 0.5, 0.0, 1.0, 0.0, 1.0]])
     terms = layer_terms(m, link, 3, 8, p, kv_to_gpu=True)[1]
     assert layer_seconds(m, link, 3, 8, p, kv_to_gpu=True)[1][0] == pytest.approx(terms[0][0] + max(terms[1][0], 8 * u))
+
+
+def test_a_placement_that_moves_nothing_pays_the_resident_unit_cost():
+    m, u, r = MODEL_13B, 1e-3, 2e-4
+    hw = replace(FREE, unit_seconds=u, unit_seconds_resident=r)
+    moving = np.array([[0.5, 0.5, 1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]])
+    for nb in (1, 8):
+        assert layer_terms(m, hw, 1, nb, ON_GPU)[1][6][0] == pytest.approx(nb * r)
+        assert layer_terms(m, hw, 1, nb, moving)[1][6] == pytest.approx([nb * u] * 3)  # (weights, cache or hidden)
+    assert layer_terms(m, replace(hw, unit_seconds_resident=0.0), 1, 8, ON_GPU)[1][6][0] == pytest.approx(8 * u)
+
+
+def test_a_block_that_moves_nothing_issues_its_units_without_waiting():
+    lm = build_decoder(PRESETS["tiny-llama"], seed=0)
+    moves = {}
+    for name, placement in (("nothing", Placement(False, False, False)), ("cache", Placement(False, True, False)),
+                            ("weights", Placement(True, False, False, weights_gpu=0.5))):
+        executor = OffloadExecutor(copy.deepcopy(lm), "cpu", OffloadConfig(2, 2, placement))
+        run = BlockRun(executor, [BatchPrompts.of([[1, 2], [3]], 2, 100, "cpu") for _ in range(2)], 3)
+        moves[name] = run.moves
+    assert moves == {"nothing": False, "cache": True, "weights": True}
 
 
 @pytest.mark.parametrize("gpu_memory, unit", [(3e12, 1e-3), (3e12, 0.0), (0.0, 3e-4)])

@@ -86,6 +86,8 @@ class Hardware:
     cpu_memory: float = 0.0  # bytes/s host memory serves the CPU's attention (0: unmeasured, no term)
     gpu_memory: float = 0.0  # bytes/s device memory serves a GPU batch's weight reads (0: unmeasured, no term)
     unit_seconds: float = 0.0  # host seconds to issue one GPU batch of one layer (0: unmeasured, no term)
+    unit_seconds_resident: float = 0.0  # the same where nothing is offloaded (no slot waits on the GPU: the launches
+    # only, issued while the GPU runs); 0: unmeasured, unit_seconds counts
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, k
            _matmuls(hw, w, gbs, nb, gbs * (8 * s * h1 ** 2 + 4 * s * h1 * m.intermediate))
            + 4 * bls * s ** 2 * h1 / hw.bmm_flops + _expansion(hw, (wc + wd + nb * wg) * w, wr),
            np.zeros_like(wg),  # (the prompt step attends on the GPU)
-           np.full_like(wg, nb * hw.unit_seconds))
+           nb * _unit_seconds(hw, wg, cg, hg))
     on_gpu = kv_to_gpu and not cpu_attention  # (a host cache's decode attention: moved to the GPU, or on the CPU)
     kv_moved = (cc + cd) * kv_mean if on_gpu else 0.0  # (the cache read in, every decode step)
     qkv, out = ((cc + cd) * 6 * h1 * bls, (cc + cd) * 2 * h1 * bls) if kv_to_gpu and cpu_attention else (0.0, 0.0)
@@ -148,8 +150,15 @@ def layer_terms(m: ModelShape, hw: Hardware, gbs: int, nb: int, p: np.ndarray, k
            _matmuls(hw, w, gbs, nb, gbs * w) + (kv_mean if on_gpu else cg * kv_mean) / hw.bmm_flops
            + _expansion(hw, (wc + wd + (nb * wg if gbs > CODE_ROWS else 0.0)) * w, wr) + _expansion(hw, kv_moved, kr),
            np.zeros_like(wg) if on_gpu else (cc + cd) * cpu_attention_seconds(kv_mean, hw),
-           np.full_like(wg, nb * hw.unit_seconds))
+           nb * _unit_seconds(hw, wg, cg, hg))
     return pre, dec
+
+
+def _unit_seconds(hw: Hardware, wg, cg, hg):
+    """The host's seconds per unit for each placement: fewer where it keeps everything on the GPU
+    (exec/offload.py: a block that moves nothing never waits on the GPU between units)."""
+    resident = hw.unit_seconds_resident or hw.unit_seconds
+    return np.where((wg >= 1) & (cg >= 1) & (hg >= 1), resident, hw.unit_seconds)
 
 
 CODE_ROWS = 16  # rows a resident 4-bit layer's projections multiply straight from the codes (kernels/compress4.py

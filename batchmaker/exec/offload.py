@@ -216,6 +216,8 @@ class BlockRun:
         self.step_inputs: list[tuple | None] = [None] * len(batches)  # (step, positions, rotate) of each batch
         self.poison: list[Tensor] = []  # what the next sync fills with NaN (check_buffers)
         self.cpu_attention = CpuAttention(self, batches) if place.cpu_attention else None
+        self.moves = place.cache or place.hidden or executor.num_resident < executor.num_layers  # (anything between
+        # host and device: else no slot's buffers are reused and a sync waits for nothing)
         self.schedule = iter(())  # the operations not yet carried out (carry_out)
         for b, batch in enumerate(batches):  # the prompts' embeddings: "given" at (step 0, layer 0)
             embedded = executor.lm.embed(batch.tokens.t().flatten(), batch.positions(0))
@@ -327,8 +329,10 @@ class BlockRun:
             self.poison_after_sync(*layer_tensors(module))
 
     def sync(self, op: Op) -> None:
-        if self.x.is_cuda:  # (the compute of this slot, on the current stream, and the moves on the side streams
-            # it used: everything on them is this slot's, the previous sync having waited for the rest)
+        if self.x.is_cuda and (self.moves or self.poison):  # (the compute of this slot, on the current stream, and
+            # the moves on the side streams it used: everything on them is this slot's, the previous sync having
+            # waited for the rest; a block that moves nothing issues its computes without waiting: the GPU runs
+            # them in order on one stream, and the tokens' copy at the end is the block's one sync)
             torch.cuda.current_stream(self.x.device).synchronize()
             for name in self.used:
                 self.x.streams[name].synchronize()

@@ -56,6 +56,7 @@ class Rates:
     cpu_threads: int = 0  # torch's intra-op threads the CPU's rates were measured on (0: not said)
     device_memory: float = 0.0  # bytes/s device memory serves (a large copy on the device); 0: unmeasured
     unit_seconds: float = 0.0  # the executor's host seconds per (GPU batch, layer) of a decode step; 0: unmeasured
+    unit_seconds_resident: float = 0.0  # the same with nothing offloaded (no waits between units); 0: unmeasured
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,9 @@ def measure(device, dtype: torch.dtype, copy_bytes: int = 32 << 20, size: int | 
     memory = _copy_rate("cpu", 8 * copy_bytes)  # (beyond the caches)
     device_memory = _copy_rate(device, 8 * copy_bytes) if is_cuda else memory  # (a CPU's device pool: host memory)
     unit = unit_seconds(config or PRESETS["tiny-llama"], device, dtype)
+    resident = unit_seconds(config or PRESETS["tiny-llama"], device, dtype, placement=Placement(False, False, False))
     return Rates(ctog, gtoc, mm, cpu_attention_flops(dtype, 2 * copy_bytes), memory, torch.get_num_threads(),
-                 device_memory, unit)
+                 device_memory, unit, resident)
 
 
 def _copy_rate(device, nbytes: int) -> float:
@@ -164,7 +166,8 @@ def hardware(rates: Rates, dtype: torch.dtype, device_bytes: float, host: float)
     return Hardware(ctog=rates.ctog * units, gtoc=rates.gtoc * units, dtoc=0.0, ctod=0.0, mm_flops=rates.mm_flops,
                     bmm_flops=rates.mm_flops, cpu_flops=rates.cpu_flops, gpu_bytes=device_bytes * units,
                     cpu_bytes=host * units, disk_bytes=0.0, cpu_memory=rates.host_memory * units,
-                    gpu_memory=rates.device_memory * units, unit_seconds=rates.unit_seconds)
+                    gpu_memory=rates.device_memory * units, unit_seconds=rates.unit_seconds,
+                    unit_seconds_resident=rates.unit_seconds_resident)
 
 
 def choose(config: DecoderConfig, dtype: torch.dtype, rates: Rates, device_bytes: float, host: float,
