@@ -126,7 +126,8 @@ def run_policy(executor: OffloadExecutor, prompts: list, args, config, rates) ->
     if executor.is_cuda:
         torch.cuda.reset_peak_memory_stats(executor.device)
     try:
-        executor.generate_block(prompts, 1)  # (warm-up: kernels, cuBLAS, the block's pinned host cache allocated once)
+        executor.generate_block(prompts, 2)  # (warm-up: the prompt's and a decode step's kernels compiled (a resident
+        # 4-bit layer's few-row gemv4 runs in decode steps only), cuBLAS, the block's pinned host cache allocated once)
         prefill, _, _ = timed(executor, prompts, 1)
         seconds, tokens, moved = timed(executor, prompts, args.new)
     except torch.OutOfMemoryError as e:  # (under a cap: this policy's failure, not the run's)
