@@ -182,10 +182,10 @@ for suite in "$@"; do
         profile) step profile-lstm timeout 240 python3 bench/gpu_engine.py --model lstm --requests 20000 --cprofile --tag cprofile
                  step profile-treelstm timeout 240 python3 bench/gpu_engine.py --model treelstm --trees "$TREES" --requests 10000 --cprofile --tag cprofile ;;
         lstm16) step wmt-lstm-fp16 timeout 300 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" --rates $RATES_LSTM --tune ;;
-        lstm32) step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
+        lstm32) step wmt-lstm-fp32 timeout 150 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
         lstm) step wmt-lstm-fp16 timeout 160 python3 bench/wmt.py --model lstm --dtype fp16 "${proto[@]}" --rates $RATES_LSTM --tune
-              step wmt-lstm-fp32 timeout 75 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
-        seq2seq) step wmt-seq2seq-fp16 timeout 130 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" --rates $RATES_S2S --systems batchmaker bucketing request-level null ;;
+              step wmt-lstm-fp32 timeout 150 python3 bench/wmt.py --model lstm --dtype fp32 "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null ;;
+        seq2seq) step wmt-seq2seq-fp16 timeout 240 python3 bench/wmt.py --model seq2seq --dtype fp16 "${proto[@]}" --rates $RATES_S2S --systems batchmaker bucketing request-level null ;;
         treebank) step treebank-sst-fp16 timeout 220 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" --rates $RATES_TREE --tune --tune-caps 256 512 \
                       --tune-engine-batches ${TREE_ENGINE_BATCHES:-512 1024 2048} ;;
         serving) step wmt-lstm-zmq timeout 200 python3 bench/wmt.py --model lstm --dtype fp16 --mode zmq "${proto[@]}" --rates $RATES_LSTM --systems batchmaker bucketing null
