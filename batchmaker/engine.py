@@ -57,6 +57,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.processor: RequestProcessor | None = None
         self.batch_sizes: Counter = Counter()  # (cell type name, rows) -> tasks
+        self.num_rows: Counter = Counter()  # cell type name -> rows x steps its tasks needed (stats: cell_rows)
         self.num_tasks = 0
         # manager wall time per stage (turns that did something): admit, complete, schedule (=
         # form + launch: the scheduler's forming, the workers' planning and launching)
@@ -338,6 +339,7 @@ class Engine:
                 worker.submit(task)
                 self.num_tasks += task.num_steps
                 self.batch_sizes[(task.cell_type.name, task.batch)] += task.num_steps
+                self.num_rows[task.cell_type.name] += task.num_rows
                 progressed = True
             ns["launch"] += clock() - formed
         return progressed

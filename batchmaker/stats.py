@@ -31,12 +31,34 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "num_gathers_skipped": sum(w.num_gathers_skipped for w in engine.workers),
         "num_tasks": engine.num_tasks,
         "batch_sizes": {f"{k[0]}:{k[1]}": v for k, v in sorted(dict(engine.batch_sizes).items())},
+        "cell_rows": cell_rows(engine),
         "stage_ms": {k: v / 1e6 for k, v in engine.stage_ns.items()},
         "latency_ms": {name: percentiles(list(lat)) for name, lat in engine.accounting.latencies.items()}
         | {name: o["latency_ms"] for name, o in offloaded.items()},
         "offloaded": offloaded,  # model -> waiting, running, block, num_blocks, num_tokens, block_sizes
         "broken": engine.broken(),  # model -> why its tensor-parallel group broke
     }
+
+
+def cell_rows(engine: "Engine") -> dict[str, dict[str, int]]:
+    """Per cell type, rows x steps of its tasks (bench/baselines/cell_rows.py's columns): cell
+    steps launched; rows computed on these workers (a CPU worker steps a round's lanes while they
+    step, a CUDA worker every lane of the batch padded to its graph's size, or unpadded without
+    graphs, for every step of the round); as CUDA graphs would run them; every lane every step."""
+    types = {ct.name: ct for cts in engine.cell_types.values() for ct in cts.values()}
+    devices = {w.device.type for w in engine.workers if hasattr(w, "device")}
+    graphs = engine.config.cuda_graphs and "cuda" in devices
+    out: dict[str, dict[str, int]] = {}
+    for (name, rows), steps in list(engine.batch_sizes.items()):
+        c = out.setdefault(name, {"launches": 0, "computed": 0, "graphed": 0, "padded": 0})
+        c["launches"] += steps
+        ct = types.get(name)
+        c["graphed"] += (ct.bucket(rows) if ct is not None and rows <= ct.max_batch else rows) * steps
+        c["padded"] += rows * steps
+    for name, c in out.items():
+        cpu = engine.num_rows[name]
+        c["computed"] = c["graphed"] if graphs else c["padded"] if "cuda" in devices else cpu
+    return out
 
 
 def _sequences(queue) -> dict[str, int]:

@@ -55,6 +55,7 @@ class Trace:
     ok: np.ndarray  # bool: a result, not an error
     queueing: np.ndarray  # the system's own clock, seconds (nan where unknown)
     computation: np.ndarray
+    picks: np.ndarray | None = None  # int64: which of the requests each arrival offered
 
 
 class LoadGenerator:
@@ -118,7 +119,7 @@ class LoadGenerator:
                     self._pending = futures
         finally:
             gc.enable()
-        return Trace(rate, duration, start, arrivals, sent_at, done_at, ok, queueing, computation)
+        return Trace(rate, duration, start, arrivals, sent_at, done_at, ok, queueing, computation, picks)
 
     def settle(self, timeout: float = 120.0) -> bool:
         """Wait until the last point's requests have all finished (the next point starts clean)."""

@@ -161,9 +161,10 @@ def null_factory():
     return lambda: (NullSystem(), {"name": "null", "what": "resolves every request at once"})
 
 
-def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, slo: Slo):
+def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, slo: Slo, needs: dict | None = None):
     """measure(rate, repeat) -> point: one offered rate through the generator, summarized, with the
-    system's counters over the point."""
+    system's counters over the point; with `needs` (cell -> int64 [len(requests)]: the cell-rows
+    each request needs) also the offered requests' sum per cell (`cell_rows_needed`)."""
     def measure(rate: float, repeat: int) -> dict:
         before = system.stats()
         trace = gen.run_point(system.submit, requests, rate, protocol.duration_at(rate),
@@ -172,6 +173,9 @@ def measurer(system: System, gen: LoadGenerator, requests, protocol: Protocol, s
         settled = gen.settle()
         point = summarize(trace, protocol.warm)
         point.update(counters=counters(before, system.stats()), settled=settled, repeat=repeat)
+        if needs is not None:
+            point.update(num_offered=len(trace.picks),
+                         cell_rows_needed={cell: int(n[trace.picks].sum()) for cell, n in needs.items()})
         point["sustained"] = sustains(point, slo, protocol)
         lat = point["latency_ms"]
         print(f"  {system.name:15s} offered {rate:9.1f}/s achieved {point['achieved']:9.1f}/s  p50/p90/p99 "
@@ -344,14 +348,16 @@ def compare(comparisons: dict, results: dict, half: dict) -> dict:
 
 
 def counters(before: dict, after: dict) -> dict:
-    """The system's counters over one point: batches and mean batch per cell (or per batch), and
-    the other numeric counters' differences (stage timers, host and wait seconds)."""
+    """The system's counters over one point: batches and mean batch per cell (or per batch), cell-rows
+    per cell (bench/baselines/cell_rows.py), and the other numeric counters' differences (stage
+    timers, host and wait seconds)."""
     diff = _difference(after, before)
     sizes = diff.pop("batch_sizes", {}) or {}
     engine = diff.get("engine")
     if isinstance(engine, dict):  # the ablation: its engine's counters inside
         sizes = engine.pop("batch_sizes", {}) or {}
         diff.update({f"engine_{k}": v for k, v in engine.items() if k == "stage_ms"})
+        diff["cell_rows"] = engine.get("cell_rows", {})
         diff.pop("engine")
     by_cell: dict[str, list] = {}
     for key, count in sizes.items():
@@ -359,8 +365,8 @@ def counters(before: dict, after: dict) -> dict:
         by_cell.setdefault(cell or "batch", []).append((int(rows), count))
     diff["batches"] = {cell: {"num": sum(c for _, c in v), "mean_size": sum(r * c for r, c in v) / max(1, sum(c for _, c in v))}
                        for cell, v in by_cell.items()}
-    return {k: v for k, v in diff.items() if k in ("batches", "stage_ms", "engine_stage_ms", "admit_s", "host_s",
-                                                  "wait_s", "num_batches", "num_tasks")}
+    return {k: v for k, v in diff.items() if k in ("batches", "cell_rows", "stage_ms", "engine_stage_ms", "admit_s",
+                                                  "host_s", "wait_s", "num_batches", "num_tasks")}
 
 
 def _difference(after, before):

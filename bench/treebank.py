@@ -87,7 +87,7 @@ def factories(args) -> tuple[dict, dict]:
     return {name: make[name] for name in replica_runs.expand(args.systems, args)}, tuning
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     runner.add_common_args(parser)
     parser.add_argument("--systems", nargs="+", default=[runner.ENGINE, "graph-batching", runner.ABLATION, "null"],
@@ -103,7 +103,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-engine-batches", type=int, nargs="*", default=[],
                         help="the engine's cells per task tried with --tune (a task's host work is paid per task; "
                              "graph batching's cap counts trees, ~37 cells each on SST)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
 
     policy = runner.numerics(args)
     data = trees(args)

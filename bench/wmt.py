@@ -99,7 +99,7 @@ def factories(args) -> tuple[dict, dict]:
     return {name: make[name] for name in replica_runs.expand(args.systems, args)}, tuning
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="lstm", choices=["lstm", "seq2seq"])
     runner.add_common_args(parser)
@@ -117,8 +117,17 @@ def main(argv=None) -> int:
     parser.add_argument("--pick", default="oldest", choices=["oldest", "fullest", "round-robin"],
                         help="the strong bucketing's bucket pick (--tune picks it)")
     parser.add_argument("--max-decode", type=int, default=MAX_LENGTH)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
     args.paper_max_batch = args.paper_max_batch or (args.max_batch if args.model == "lstm" else 256)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     policy = runner.numerics(args)
     pairs = dataset(args)

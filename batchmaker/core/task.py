@@ -33,6 +33,11 @@ class Task:
     def num_steps(self) -> int:
         return 1
 
+    @property
+    def num_rows(self) -> int:
+        """Rows x steps its steps need (before padding to a graph's batch size)."""
+        return self.batch * self.num_steps
+
 
 @dataclass(slots=True, eq=False)
 class StepTask(Task):
@@ -82,6 +87,11 @@ class RoundTask(Task):
     @property
     def num_steps(self) -> int:
         return len(self.index)
+
+    @property
+    def num_rows(self) -> int:
+        """Lanes x steps while they step (a lane past its last step computes only when padded)."""
+        return int(self.num_active.sum())
 
 
 @dataclass(slots=True, eq=False)

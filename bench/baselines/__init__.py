@@ -7,7 +7,8 @@
   fixed-tree ideal;
 - request_level.py: the ablation, the engine itself with cellular batching turned off;
 - dynet_treelstm.py: DyNet's autobatching (CPU, optional `dynet38`), imported on demand;
-- null.py: the null system (the load generator's ceiling).
+- null.py: the null system (the load generator's ceiling);
+- cell_rows.py: the rows x steps each one's launches compute (bench/policy_bound.py reads them).
 """
 from .buckets import PICKS, Buckets
 from .bucketing import BucketingLSTM, BucketingSeq2Seq

@@ -33,6 +33,7 @@ from batchmaker.core.admission import check_keys, check_limit, check_token_lists
 from batchmaker.errors import BadRequestError
 from batchmaker.unfolders.seq2seq import BOS, EOS
 from .buckets import Buckets
+from .cell_rows import CellRows
 from .decoder_graphs import GreedyDecoder
 from .server import BatchServer, DeviceHandle, Pending, host_buffer, to_device
 
@@ -60,15 +61,20 @@ def padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 class PaddedEncoder:
     """Embedding + nn.LSTM over a padded batch of token arrays -> final (h, c) per row, on the
-    device, rows longest first; `rank[i]` is request i's row."""
+    device, rows longest first; `rank[i]` is request i's row. Its cell-rows go to `rows` under
+    `kind`: packed, each step runs the sequences still running (ATen's and cuDNN's packed LSTM),
+    so it computes the rows the batch needs; its padding is what it would cost unpacked."""
 
-    def __init__(self, cell, device: torch.device):
+    def __init__(self, cell, device: torch.device, rows: CellRows, kind: str):
         self.embedding = copy.deepcopy(cell.embedding).to(device).eval()
         self.lstm = lstm_like(copy.deepcopy(cell.lstm).to(device))
         self.device = device
+        self.rows, self.kind = rows, kind
 
     def __call__(self, sequences: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         tokens, lengths = padded(sequences)
+        needed = int(lengths.sum())
+        self.rows.add(self.kind, tokens.shape[1], needed, needed, tokens.size)
         order = np.argsort(-lengths, kind="stable")  # longest first, as a packed sequence wants
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order))
@@ -120,7 +126,7 @@ class BucketingLSTM(_BucketingServer):
         super().__init__(device, width, max_batch, pick, max_in_flight)
         cell = model.cells["lstm"]
         self.vocab = cell.embedding.num_embeddings
-        self.encoder = PaddedEncoder(cell, self.device)
+        self.encoder = PaddedEncoder(cell, self.device, self.cell_rows, "lstm")
 
     def admit(self, requests: list[Pending]) -> None:
         for r in self._admit_tokens(requests):
@@ -150,9 +156,10 @@ class BucketingSeq2Seq(_BucketingServer):
         super().__init__(device, width, max_batch, pick, max_in_flight)
         encoder, decoder = model.cells["encoder"], model.cells["decoder"]
         self.vocab, self.max_len = encoder.embedding.num_embeddings, max_len
-        self.encoder = PaddedEncoder(encoder, self.device)
+        self.encoder = PaddedEncoder(encoder, self.device, self.cell_rows, "encoder")
         self.decoder = GreedyDecoder(copy.deepcopy(decoder).to(self.device).eval(), self.device, max_batch,
-                                     graphs=graphs and self.device.type == "cuda", chunk=chunk)
+                                     graphs=graphs and self.device.type == "cuda", chunk=chunk,
+                                     rows=self.cell_rows, graphed=graphs)
 
     def config(self) -> dict:
         return {**super().config(), "decoder": self.decoder.config()}

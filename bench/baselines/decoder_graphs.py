@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .cell_rows import CellRows
+
 log = logging.getLogger("batchmaker.bench")
 
 
@@ -45,8 +47,13 @@ class _ChunkGraph:
 
 
 class GreedyDecoder:
-    def __init__(self, cell, device: torch.device, max_batch: int, graphs: bool, chunk: int = 4):
+    def __init__(self, cell, device: torch.device, max_batch: int, graphs: bool, chunk: int = 4,
+                 rows: CellRows | None = None, graphed: bool | None = None):
+        """rows: where its "decoder" cell-rows go; graphed: whether the same configuration runs
+        graphs on a GPU (default: `graphs`), for the rows it would compute there."""
         self.cell, self.device, self.chunk = cell, device, chunk
+        self.rows = rows if rows is not None else CellRows()
+        self.graphed = graphs if graphed is None else graphed
         self.graphs: dict[int, _ChunkGraph] = {}
         self.sizes = [1 << i for i in range(max(1, math.ceil(math.log2(max_batch))) + 1) if 1 << i <= max_batch]
         if self.sizes[-1] < max_batch:
@@ -74,6 +81,7 @@ class GreedyDecoder:
     def __call__(self, h: torch.Tensor, c: torch.Tensor, bos: int, steps: int) -> torch.Tensor:
         """Tokens [steps, B] (on the device) of greedy decoding from (h, c) [B, hidden]."""
         batch = h.shape[0]
+        self._count(batch, steps)
         if not self.graphs:
             token = torch.full((batch,), bos, dtype=torch.int64, device=self.device)
             out = []
@@ -92,3 +100,13 @@ class GreedyDecoder:
             g.graph.replay()
             out[j * self.chunk:(j + 1) * self.chunk].copy_(g.tokens)
         return out[:steps, :batch]
+
+    def _count(self, batch: int, steps: int) -> None:
+        """A batch's decoder cell-rows: eager, every row for the batch's longest decode; graphed,
+        rows padded to the graph's batch size for whole chunks of steps."""
+        chunks = -(-steps // self.chunk) * self.chunk
+        graphed = next(s for s in self.sizes if s >= batch) * chunks if self.graphed else batch * steps
+        if self.graphs:
+            self.rows.add("decoder", chunks, graphed, graphed, batch * steps)
+        else:
+            self.rows.add("decoder", steps, batch * steps, graphed, batch * steps)

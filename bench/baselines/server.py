@@ -28,6 +28,7 @@ import torch
 from batchmaker.errors import BadRequestError, CellError, EngineStoppedError, UnknownModelError
 from batchmaker.future import RequestFuture, resolve_many
 from batchmaker.core.request import Result
+from .cell_rows import CellRows
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +57,7 @@ class BatchServer:
         self.admit_s = 0.0  # the loop's time checking, parsing and filing requests
         self.host_s = 0.0  # the loop's time picking, launching (host side) and resolving batches
         self.wait_s = 0.0  # the loop's time waiting for the device's results
+        self.cell_rows = CellRows()  # rows x steps its launches compute (launch() counts them)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: deque[_InFlight] = deque()
         self._thread: threading.Thread | None = None
@@ -122,7 +124,8 @@ class BatchServer:
 
     def stats(self) -> dict:
         return {"batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "admit_s": self.admit_s, "host_s": self.host_s, "wait_s": self.wait_s}
+                "admit_s": self.admit_s, "host_s": self.host_s, "wait_s": self.wait_s,
+                "cell_rows": self.cell_rows.as_dict()}
 
     @staticmethod
     def fail(request: Pending, error: BaseException) -> None:

@@ -55,11 +55,8 @@ class _TreeServer(BatchServer):
         arrays, ok, errors = parse_trees([r.inputs["tree"] for r in good], self.vocab)
         for i, e in errors.items():
             self.fail(good[i], e)
-        n = arrays.num_leaves
-        leaf_at = np.cumsum(n) - n
-        child_at = leaf_at - np.arange(len(n))
-        for r, count, a, b in zip([good[i] for i in ok], n.tolist(), leaf_at.tolist(), child_at.tolist()):
-            r.parsed = (count, arrays.tokens[a:a + count], arrays.children[b:b + count - 1])
+        for r, parsed in zip([good[i] for i in ok], tree_tuples(arrays)):
+            r.parsed = parsed
             self.queue.append(r)
 
     def next_batch(self) -> list[Pending]:
@@ -84,6 +81,7 @@ class GraphBatchingTreeLSTM(_TreeServer):
     def __init__(self, model, device="cpu", max_trees: int = 64, max_in_flight: int = 2, graphs: bool = True):
         super().__init__(model, device, max_trees, max_in_flight)
         self.steps = TreeSteps(self.leaf, self.internal, self.device, rows=max_trees * 128 + 2, graphs=graphs)
+        self.graphed = graphs  # (on a GPU: internal levels padded to the graphs' sizes)
 
     def config(self) -> dict:
         return {**super().config(), "plan": "numpy over the batch's nodes", "parse": "bulk (parse_trees)",
@@ -96,7 +94,17 @@ class GraphBatchingTreeLSTM(_TreeServer):
         if plan.num_rows + 1 > steps.capacity:
             steps.ensure_rows(plan.num_rows)
             plan = LevelPlan([r.parsed for r in batch], pad=pad, scratch=steps.scratch, max_level=steps.max_level)
+        self._count(plan)
         return self._to_host(steps.run(plan, to_device(plan.index, self.device)))
+
+    def _count(self, plan: LevelPlan) -> None:
+        """The batch's cell-rows: its leaves in one call, each level at its (padded) size."""
+        leaves = plan.num_leaves
+        self.cell_rows.add("leaf", 1, leaves, leaves, leaves)
+        pad = self.steps.pad
+        nodes = sum(count for _, count, _ in plan.levels)
+        graphed = sum(pad(count) for _, count, _ in plan.levels) if self.graphed else nodes
+        self.cell_rows.add("internal", len(plan.levels), sum(size for _, _, size in plan.levels), graphed, nodes)
 
 
 class FixedTreeIdeal(_TreeServer):
@@ -128,6 +136,15 @@ class FixedTreeIdeal(_TreeServer):
             out = self.internal(h_l=h2[:, 0], c_l=c2[:, 0], h_r=h2[:, 1], c_r=c2[:, 1])
             h, c = out["h"], out["c"]
         return self._to_host(h)
+
+
+def tree_tuples(arrays) -> list[tuple]:
+    """(num_leaves, tokens, children) per tree of a parse_trees batch (views of its arrays)."""
+    n = arrays.num_leaves
+    leaf_at = np.cumsum(n) - n
+    child_at = leaf_at - np.arange(len(n))
+    return [(count, arrays.tokens[a:a + count], arrays.children[b:b + count - 1])
+            for count, a, b in zip(n.tolist(), leaf_at.tolist(), child_at.tolist())]
 
 
 def complete_leaves(tree: Tree) -> list[int] | None:
