@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
+from batchmaker.kernels.skinny_routes import median_replay_ms  # noqa: E402
 
 MB = 1e6
 SIZES_MB = (32, 64, 134, 268, 537, 1074, 2147)  # (268 and 537: decode attention's batch 1 x 16K and 32K reads)
@@ -80,15 +81,7 @@ def graph_us(calls: list, replays: int = 10) -> float:
             call()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
+    return median_replay_ms(graph, replays) * 1e3 / len(calls)
 
 
 def by_size(dev, read_gbps: float) -> list[dict]:
