@@ -3,9 +3,6 @@
 block shapes; then a layer's four projections in a chain of `layers` layers, with and without
 programmatic dependent launch, against the cuBLAS path with the fused norm and SiLU kernels
 between its GEMVs (what a Llama layer ran before). Bandwidth = weight bytes / time.
-Split-K: each projection's SPLIT_TILES fastest tiles again with split_k 2, 4 and 8 (where K has that
-many BLOCK_K steps: `split_k_sweep`, `best_split_k`), and the chain with each swept projection's best
-split-K config (`splitk_ms`, `splitk_pdl_ms`) and with the faster of its two bests (`mixed_*`).
 
     python bench/gemv.py --out bench/results/gemv-NVIDIA-H200-DATE.json
 """
@@ -14,7 +11,6 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,13 +21,6 @@ from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.kernels import gemv  # noqa: E402
 from batchmaker.kernels.fused_decoder import add_rms_norm, silu_mul  # noqa: E402
 from batchmaker.kernels.skinny_routes import median_replay_ms  # noqa: E402
-
-
-SPLITS, SPLIT_TILES = (2, 4, 8), 4  # split-K: the splits tried on each projection's SPLIT_TILES fastest tiles
-
-
-def shape_key(key: tuple[int, int, bool]) -> str:
-    return ",".join(map(str, map(int, key)))  # "n,k,silu", as decode_profile.py --gemv-configs reads them
 
 
 def graph_ms(fn, replays: int = 20) -> float:
@@ -99,53 +88,36 @@ def main() -> None:
     current = list(dict.fromkeys(gemv.CONFIGS.values()))
     plain = [gemv.GemvConfig(bn, bk, nwarps, 1) for bn, bk, nwarps in itertools.product((4, 8, 16), (512, 1024), (4, 8))]
     candidates = {"all": candidates + dot, "dot": current + dot, "plain": current + plain}[args.sweep]
-    best, best_split = {}, {}  # (n, k, silu) -> (config, ms): split_k 1, and split_k > 1
-
-    def sweep(name, configs, entries, bests):
-        n, k, silu = key = shapes[name]
-        nbytes = w[name][0].numel() * 2
-        for cfg in configs:
-            gemv.CONFIGS[key] = cfg
-            try:
-                ms = graph_ms(ours(name)) / args.layers
-            except Exception as e:  # a config the compiler refuses (registers, shared memory)
-                entries.append({"config": repr(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
-                continue
-            entries.append({"config": repr(cfg), "ms": ms, "tb_per_s": nbytes / ms / 1e9})
-            if key not in bests or ms < bests[key][1]:
-                bests[key] = (cfg, ms)
-
+    best = {}
     for name, (n, k, silu) in shapes.items():
         if args.only and name not in args.only:
             continue
         nbytes = w[name][0].numel() * 2
-        row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": [],
-               "split_k_sweep": []}
-        sweep(name, [cfg for cfg in candidates if (2 * n if silu else n) % cfg.block_n == 0], row["sweep"], best)
-        fastest = sorted((e for e in row["sweep"] if "ms" in e), key=lambda e: e["ms"])[:SPLIT_TILES]
-        tiles = [next(c for c in candidates if repr(c) == e["config"]) for e in fastest]
-        sweep(name, [replace(c, split_k=s) for c in tiles for s in SPLITS if s <= -(-k // c.block_k)],
-              row["split_k_sweep"], best_split)
+        row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": []}
+        for cfg in candidates:
+            if (2 * n if silu else n) % cfg.block_n:  # (gate | up: pairs of rows)
+                continue
+            gemv.CONFIGS[(n, k, silu)] = cfg
+            try:
+                ms = graph_ms(ours(name)) / args.layers
+            except Exception as e:  # a config the compiler refuses (registers, shared memory)
+                row["sweep"].append({"config": cfg.__repr__(), "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            row["sweep"].append({"config": repr(cfg), "ms": ms, "tb_per_s": nbytes / ms / 1e9})
+            if (n, k, silu) not in best or ms < best[(n, k, silu)][1]:
+                best[(n, k, silu)] = (cfg, ms)
         cfg, ms = best[(n, k, silu)]
         gemv.CONFIGS[(n, k, silu)] = cfg
         row.update(best=repr(cfg), best_ms=ms, best_tb_per_s=nbytes / ms / 1e9,
                    cublas_tb_per_s=nbytes / row["cublas_ms"] / 1e9, weight_bytes=nbytes)
-        split = ""
-        if (n, k, silu) in best_split:
-            split_cfg, split_ms = best_split[(n, k, silu)]
-            row.update(best_split_k=repr(split_cfg), best_split_k_ms=split_ms,
-                       best_split_k_tb_per_s=nbytes / split_ms / 1e9)
-            split = f"; split-K {split_ms * 1e3:.1f} us ({row['best_split_k_tb_per_s']:.2f} TB/s) with {split_cfg}"
         report["shapes"][name] = row
         print(f"{name:8s} n={n} k={k}: cuBLAS{' + small kernels' if name in ('qkv', 'gate_up') else ''} "
               f"{row['cublas_ms'] * 1e3:.1f} us ({row['cublas_tb_per_s']:.2f} TB/s), ours {ms * 1e3:.1f} us "
-              f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}{split}", flush=True)
+              f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}", flush=True)
 
     # what decode_profile.py --gemv-configs reads
-    report["best"] = {shape_key(key): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
+    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
                       for key, (c, _) in best.items()}
-    report["best_split_k"] = {shape_key(key): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot, c.split_k]
-                              for key, (c, _) in best_split.items()}  # (GemvConfig(*values))
     layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
 
     def chain_ours(pdl: bool):
@@ -167,19 +139,11 @@ def main() -> None:
             hidden = lin(silu_mul(lin(normed, w["gate_up"][layer])), w["down"][layer])
 
     chain = {"cublas_ms": graph_ms(chain_cublas)}
-    mixed = {key: min(cfg_ms, best_split.get(key, cfg_ms), key=lambda c: c[1]) for key, cfg_ms in best.items()}
-    runs = [(("ours", "pdl"), {})]  # (labels without PDL, with PDL; the configs put over CONFIGS' current ones)
-    if best_split:
-        runs += [(("splitk", "splitk_pdl"), best_split), (("mixed", "mixed_pdl"), mixed)]
-        chain["mixed_configs"] = {shape_key(key): repr(cfg) for key, (cfg, _) in mixed.items()}
-    for labels, configs in runs:
-        for key, (cfg, _) in configs.items():  # (graph_ms's first run, outside the capture, allocates split-K buffers)
-            gemv.CONFIGS[key] = cfg
-        for pdl, label in zip((False, True), labels):
-            try:
-                chain[f"{label}_ms"] = graph_ms(lambda: chain_ours(pdl))
-            except Exception as e:
-                chain[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+    for pdl in (False, True):
+        try:
+            chain["pdl_ms" if pdl else "ours_ms"] = graph_ms(lambda: chain_ours(pdl))
+        except Exception as e:
+            chain["pdl_error" if pdl else "ours_error"] = f"{type(e).__name__}: {e}"[:300]
     chain["bytes"] = layer_bytes * args.layers
     chain["floor_ms"] = chain["bytes"] / 4.23e12 * 1e3
     report["chain"] = chain

@@ -25,12 +25,6 @@ cores or on tensor cores (`GemvConfig.dot`: deeper weight pipelines); `CONFIGS` 
 projection, and the norm reads its input NORM_K values a pass. `norm_qkv_rope` also rotates q and
 k and writes k and v into the paged cache in its epilogue (each program holds whole rotation pairs
 of one head), which saves the RoPE kernel's launch and round trips per layer.
-
-`GemvConfig.split_k` > 1 splits each row tile's K over that many programs (more, shorter programs:
-the read-bound sweep streams faster so); the last program of a tile sums the fp32 partials in
-split order (deterministic) and runs the epilogue. Its workspace and counters are allocated once
-per (device, rows, splits) on the first launch (`split_k_buffers`), which must come before any
-graph capture. `CONFIGS` keep split_k 1 until a GPU sweep (bench/gemv.py) says otherwise.
 """
 from dataclasses import dataclass, replace
 
@@ -50,7 +44,6 @@ class GemvConfig:
     num_warps: int
     num_stages: int
     dot: bool = False  # tensor cores (weight tiles pipelined num_stages deep through shared memory) or CUDA cores
-    split_k: int = 1  # programs a row tile's K is split over (1: one program streams whole rows; see split_k_buffers)
 
 
 # (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes) and the
@@ -174,27 +167,6 @@ def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
     return can_rope(n_out, head_dim, pick_config(n_out, k_in, False).block_n)
 
 
-_split_k_buffers: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor]] = {}
-
-
-def split_k_buffers(device: torch.device, rows: int, splits: int) -> tuple[Tensor, Tensor]:
-    """What the launches of `splits` > 1 over a weight of `rows` rows share on `device`: the partial sums
-    [splits, rows] fp32 and the per-tile arrival counters [rows] int32 (tiles <= rows), zero between launches
-    (each tile's last program resets its counter). Allocated on the first such launch and kept: a CUDA graph
-    that replays the launch uses them as they are. Launches on one device must not overlap (one stream, or
-    PDL's wait, which comes before a program touches them): two on concurrent streams would share a counter.
-    The first launch must not be inside a graph capture (a capture does not run the counters' zeroing, and
-    their memory would come from the graph's pool): raises there; run the step once before capturing it."""
-    key = (device, rows, splits)
-    if key not in _split_k_buffers:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the split-K gemv's buffers ({rows} rows, {splits} splits) are allocated on its "
-                               "first launch, which must not be captured: run the step once before capturing it")
-        _split_k_buffers[key] = (torch.empty(splits, rows, dtype=torch.float32, device=device),
-                                 torch.zeros(rows, dtype=torch.int32, device=device))
-    return _split_k_buffers[key]
-
-
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
             silu: bool, pdl: bool, rope: RopeTarget | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if not (x.is_cuda or is_interpreting()):
@@ -210,9 +182,6 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)
     assert not config.dot or (min(config.block_n, config.block_k) >= 16
                               and (x.dtype != torch.float32 or is_interpreting())), (config, x.dtype)
-    steps = -(-k_in // config.block_k)  # BLOCK_K steps a row
-    assert 1 <= config.split_k <= steps, (k_in, config)  # (each slice at least one step)
-    parts, counts = split_k_buffers(x.device, rows, config.split_k) if config.split_k > 1 else (x, x)  # (unread)
     x = x.contiguous()
     norm = norm_weight is not None
     has_residual = residual is not None
@@ -225,10 +194,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         rope_args = (rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slots, *rope.k_cache.stride()[:3],
                      *rope.v_cache.stride()[:3], rope.num_q_heads, rope.num_kv_heads)
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
-    _load_kernels().gemv_kernel[(rows // config.block_n, config.split_k)](
+    _load_kernels().gemv_kernel[(rows // config.block_n,)](
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
-        n_out, k_in, weight.stride(0), eps, *rope_args, x if bias is None else bias.contiguous(), parts, counts,
-        NORM=norm, RESIDUAL=has_residual, SILU=silu, BIAS=bias is not None, SPLIT_K=config.split_k,
+        n_out, k_in, weight.stride(0), eps, *rope_args, x if bias is None else bias.contiguous(),
+        NORM=norm, RESIDUAL=has_residual, SILU=silu, BIAS=bias is not None,
         ROPE=rope is not None, DOT=config.dot, EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -30,23 +30,6 @@ projection (8 rows a program: 4.14 TB/s against 3.75 with a gate and an up accum
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
 in triton_decoder.py computes it) and stores q, or k and v into the paged KV cache at the token's slot.
-
-With SPLIT_K = S > 1 a row tile's K is split over S programs, grid (row tiles, S): program (t, s)
-streams slice s of the BLOCK_K steps (spread evenly; the last slice ends at K, masked) into fp32
-partial sums, stores them to a workspace [S, rows], and counts itself at tile t's int32 counter
-with an atomic (acq_rel, after a CTA barrier so every thread's partial is stored before the
-release). The program that counts S - 1, the last to arrive, reads the S partials from L2 (.cg)
-in split order, so the sum has the same bits whatever the order of arrival (no float atomics),
-resets the counter to 0 for the next launch or graph replay, and runs the epilogue above (bias,
-SiLU pairs, RoPE and the cache write) as the unsplit kernel does. Every program still sums the
-squares of the whole input row, so its slice is normalized exactly as without the split; program
-(0, 0) alone writes the residual sum. Nothing touches the input, the workspace or the counters
-before PDL's wait. Why: a program of 8 rows streams 64-176 KB (all of K), so a 4096-row projection
-has only 512 programs with long loops; a read-only kernel over the same matrices
-(bench/read_bound.py, H100) streams 8-30% faster with many short programs (4096 elements, one
-iteration) than with long spans (8192 x 16), and the gemvs reach 2.6-3.0 TB/s against ~3.0-3.1 for
-pure reads (bench/results/gemv-NVIDIA-H100-80GB-HBM3-2026-11-27.json). SPLIT_K = 1 is the unsplit
-kernel, unchanged.
 """
 import triton
 import triton.language as tl
@@ -120,19 +103,18 @@ def _rows(pid, n_out, ROPE: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_lo, k_hi, k_in, stride_w, eps, write_sum,
+def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
                         NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
-    # w[rows, k_lo:k_hi] . in[k_lo:k_hi] (the whole row but with SPLIT_K): a [BLOCK_N, BLOCK_K] fp32
-    # accumulator, reduced once; the norm's 1 / rms is still of the whole input row
-    cols = k_lo + tl.arange(0, BLOCK_K)
+    # w[rows] . in: a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
+    cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     first = cols < k_in
     w_first = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
     acc = w_first.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, k_hi - k_lo, BLOCK_K):
+    for k0 in range(BLOCK_K, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
         x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, NORM, RESIDUAL, EVEN_K)
@@ -141,7 +123,7 @@ def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_lo, k_hi, 
 
 
 @triton.jit
-def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_lo, k_hi, k_in, stride_w, eps, write_sum,
+def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
     # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
@@ -152,7 +134,7 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_lo, k_hi
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, k_in, BLOCK_K):
         c = k0 + cols
         m = c < k_in
         xt = _input_tile(x_ptr, r_ptr, nw_ptr, c[None, :], is_x & m[None, :], inv_rms, NORM, RESIDUAL,
@@ -205,47 +187,25 @@ def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, st
 
 
 @triton.jit
-def _k_slice(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (t, s)'s columns [k_lo, k_hi): slice s of SPLIT_K, whole BLOCK_K steps spread evenly (slices differ
-    # by at most one step; each has one at least: _launch checks SPLIT_K <= the steps); the last ends at k_in
-    steps = tl.cdiv(k_in, BLOCK_K)
-    split = tl.program_id(1)
-    k_lo = split * steps // SPLIT_K * BLOCK_K
-    k_hi = tl.minimum((split + 1) * steps // SPLIT_K * BLOCK_K, k_in)
-    return k_lo, k_hi
-
-
-@triton.jit
-def _arrive(part_ptr, count_ptr, pid, out, BLOCK_N: tl.constexpr):
-    # store this program's partial sums [BLOCK_N] at part[split, tile rows] and count its arrival at the tile;
-    # returns how many of the tile's programs arrived before it (SPLIT_K - 1: this one is the last)
-    num_rows = tl.num_programs(0) * BLOCK_N
-    tile = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(part_ptr + tl.program_id(1) * num_rows + tile, out)
-    tl.debug_barrier()  # every thread's partial stored before the release below (one thread does the atomic)
-    return tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _gather(part_ptr, count_ptr, pid, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the last program of a tile: the sum of its SPLIT_K partials in split order (the same bits whatever the
-    # order of arrival), read from L2 (.cg: L1 is not coherent), after the acquire; resets the tile's counter
-    tl.debug_barrier()  # after the acquire (by one thread), before any thread's loads
-    num_rows = tl.num_programs(0) * BLOCK_N
-    tile = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = tl.load(part_ptr + tile, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):
-        out += tl.load(part_ptr + s * num_rows + tile, cache_modifier=".cg")
-    tl.store(count_ptr + pid, 0)  # the next launch (or graph replay) starts at 0: it runs after this one ends
-    return out
-
-
-@triton.jit
-def _epilogue(out_ptr, pid, rows, out, b_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko,
-              stride_kh, stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, SILU: tl.constexpr,
-              ROPE: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-              CACHE_BLOCK: tl.constexpr):
-    # the row sums `out` (fp32) of tile pid: the bias, then stored (SiLU pairs), or rotated with k and v cached
+def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
+                cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+                stride_vh, num_q_heads, num_kv_heads, b_ptr,
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
+                PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False):
+    # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
+    # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
+    # outputs a program;
+    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
+    # BIAS: b[n] added to each row's sum in fp32 before its one rounding (cuBLAS's bias epilogue; Qwen2's q | k | v)
+    pid = tl.program_id(0)
+    rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
+    if DOT:
+        out = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
+                                    NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+    else:
+        out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
+                                  NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     if BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
     if ROPE:
@@ -253,43 +213,3 @@ def _epilogue(out_ptr, pid, rows, out, b_ptr, cos_ptr, sin_ptr, k_cache, v_cache
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
     else:
         _store(out_ptr, pid, rows, out, SILU, BLOCK_N)
-
-
-@triton.jit
-def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stride_w, eps,
-                cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
-                stride_vh, num_q_heads, num_kv_heads, b_ptr, part_ptr, count_ptr,
-                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
-                PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False,
-                SPLIT_K: tl.constexpr = 1):
-    # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
-    # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
-    # outputs a program;
-    # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
-    # BIAS: b[n] added to each row's sum in fp32 before its one rounding (cuBLAS's bias epilogue; Qwen2's q | k | v);
-    # SPLIT_K > 1: the grid is (row tiles, SPLIT_K), program (t, s) sums K slice s of tile t's rows into
-    # part_ptr [SPLIT_K, rows] fp32, and the last of a tile's programs to count itself at count_ptr [tiles] int32
-    # (zero before the launch, zero after) sums the partials and runs the epilogue
-    pid = tl.program_id(0)
-    rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
-    if SPLIT_K == 1:
-        k_lo, k_hi, write_sum = 0, k_in, pid == 0
-    else:
-        k_lo, k_hi = _k_slice(k_in, SPLIT_K, BLOCK_K)
-        write_sum = (pid == 0) & (tl.program_id(1) == 0)  # the residual sum: still written by one program
-    if DOT:
-        out = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_lo, k_hi, k_in, stride_w, eps,
-                                    write_sum, NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
-    else:
-        out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_lo, k_hi, k_in, stride_w, eps,
-                                  write_sum, NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
-    if SPLIT_K == 1:
-        _epilogue(out_ptr, pid, rows, out, b_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko,
-                  stride_kh, stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, SILU, ROPE, BIAS, BLOCK_N,
-                  HEAD_DIM, CACHE_BLOCK)
-    elif _arrive(part_ptr, count_ptr, pid, out, BLOCK_N) == SPLIT_K - 1:
-        out = _gather(part_ptr, count_ptr, pid, SPLIT_K, BLOCK_N)
-        _epilogue(out_ptr, pid, rows, out, b_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko,
-                  stride_kh, stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, SILU, ROPE, BIAS, BLOCK_N,
-                  HEAD_DIM, CACHE_BLOCK)
