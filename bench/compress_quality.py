@@ -27,21 +27,13 @@ from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS  # noqa: E402
 from batchmaker.core.zigzag import Placement  # noqa: E402
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor  # noqa: E402
-from batchmaker.kernels.compress4 import compress, decompress  # noqa: E402
+from batchmaker.exec.offload_resident import round_tripped  # noqa: E402
 from bench.common import write_results  # noqa: E402
 
 MODELS = {"tiny-llama": PRESETS["tiny-llama"], "tiny-opt": PRESETS["tiny-opt"],
           "llama-h512": replace(PRESETS["tiny-llama"], hidden_size=512, intermediate_size=1376, num_layers=4,
                                 num_heads=8, num_kv_heads=8, head_dim=64, vocab_size=2048)}
 CACHE_ON_HOST = Placement(False, True, False)  # (a 4-bit KV cache lives on the host: compress="kv" needs it there)
-
-
-def round_tripped(lm):
-    with torch.no_grad():
-        for p in lm.layers.parameters():
-            if p.dim() == 2:
-                p.copy_(decompress(compress(p, 64, dim=0)))
-    return lm
 
 
 def logits_error(config, seed: int, prompts: list[list[int]]) -> dict:

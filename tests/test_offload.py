@@ -21,7 +21,8 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.zigzag import Placement, zigzag
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
-from batchmaker.kernels.compress4 import compress, decompress
+from batchmaker.exec.offload_resident import round_tripped
+from batchmaker.kernels.compress4 import compress
 
 PLACEMENTS = [Placement(*p) for p in itertools.product((True, False), repeat=3)] + \
     [Placement(weights, True, hidden, cpu_attention=True) for weights, hidden in itertools.product((True, False), repeat=2)]
@@ -106,15 +107,6 @@ def test_compressed_weights_give_the_tokens_of_the_round_tripped_model(placement
     assert tokens == [resident_greedy(reference, p, 6) for p in prompts]
     plain = 6 * sum(p.numel() * 4 for p in reference.layers.parameters())  # (fp32, once a step)
     assert 0.12 * plain < moved.bytes["weights"] < 0.16 * plain  # (36 bytes a group of 64 instead of 256, + norms)
-
-
-def round_tripped(lm):
-    """`lm` with its layers' matrices replaced by their 4-bit round trip (kernels/compress4.py)."""
-    with torch.no_grad():
-        for p in lm.layers.parameters():
-            if p.dim() == 2:
-                p.copy_(decompress(compress(p, 64, dim=0)))
-    return lm
 
 
 @pytest.mark.parametrize("gpu_batch, num_batches", [(2, 3), (5, 1)])

@@ -14,8 +14,8 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.zigzag import Placement
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
+from batchmaker.exec.offload_resident import round_tripped
 from batchmaker.exec.offload_weights import Linear4
-from batchmaker.kernels.compress4 import compress, decompress
 
 
 def prompts(vocab: int, lengths=(3, 7, 1, 5)) -> list[list[int]]:
@@ -27,11 +27,7 @@ def round_tripped_greedy(preset: str, n: int) -> list[list[int]]:
     """The reference: the resident model with its layers' matrices round-tripped through 4 bits,
     each prompt alone, the whole sequence re-run per token."""
     config = PRESETS[preset]
-    lm = build_decoder(config, seed=3)
-    with torch.no_grad():
-        for p in lm.layers.parameters():
-            if p.dim() == 2:
-                p.copy_(decompress(compress(p, 64, dim=0)))
+    lm = round_tripped(build_decoder(config, seed=3))
     out = []
     for prompt in prompts(config.vocab_size):
         seq = list(prompt)

@@ -16,9 +16,8 @@ from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
 from batchmaker.core.zigzag import Placement
 from batchmaker.exec.offload import OffloadConfig, OffloadExecutor
-from batchmaker.exec.offload_resident import resident_bytes
+from batchmaker.exec.offload_resident import resident_bytes, round_tripped
 from batchmaker.exec.offload_weights import Linear4
-from batchmaker.kernels.compress4 import compress, decompress
 
 LENGTHS = (3, 12, 1, 5)  # (gpu_batch 2: a prompt step of 2 x 12 = 24 rows; decode steps of 2)
 
@@ -30,12 +29,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def model(preset: str, dtype: torch.dtype, round_trip: bool = False):
     lm = build_decoder(PRESETS[preset], seed=5, dtype=dtype)
-    if round_trip:
-        with torch.no_grad():
-            for p in lm.layers.parameters():
-                if p.dim() == 2:
-                    p.copy_(decompress(compress(p, 64, dim=0)))
-    return lm
+    return round_tripped(lm) if round_trip else lm
 
 
 def tokens(preset: str, dtype: torch.dtype, placement: Placement, compress_weights: bool, n: int = 6,

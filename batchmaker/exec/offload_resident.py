@@ -51,3 +51,14 @@ def resident_bytes(layers: nn.ModuleList) -> int:
     """Device bytes of `layers` as compress_resident leaves them: codes, (scale, min) and what stays dense."""
     codes = sum(m.codes.nbytes for m in layers.modules() if isinstance(m, Linear4))
     return codes + sum(t.numel() * t.element_size() for t in [*layers.parameters(), *layers.buffers()])
+
+
+def round_tripped(lm: nn.Module) -> nn.Module:
+    """`lm` (in place) with its decoder layers' matrices replaced by their 4-bit round trip: the
+    dense model that 4-bit weights compute as (norms, biases, the embedding and the head untouched)."""
+    with torch.no_grad():
+        for p in lm.layers.parameters():
+            if p.dim() == 2:
+                p.copy_(decompress(compress(p, GROUP, dim=0)))
+    return lm
+
