@@ -76,6 +76,10 @@ class Placement:
         """Whether `layer`'s weights cross the link each step."""
         return layer >= self.num_resident(num_layers)
 
+    def moves_anything(self, num_layers: int) -> bool:
+        """Whether anything crosses the link: streamed weights, a host cache or host hidden states."""
+        return self.cache or self.hidden or self.num_resident(num_layers) < num_layers
+
     def moves_cache(self, step: int) -> bool:
         """Whether step `step`'s cache crosses the link (a decode step's stays on the host with cpu_attention)."""
         return self.cache and not (self.cpu_attention and step > 0)

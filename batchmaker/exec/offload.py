@@ -216,8 +216,8 @@ class BlockRun:
         self.step_inputs: list[tuple | None] = [None] * len(batches)  # (step, positions, rotate) of each batch
         self.poison: list[Tensor] = []  # what the next sync fills with NaN (check_buffers)
         self.cpu_attention = CpuAttention(self, batches) if place.cpu_attention else None
-        self.moves = place.cache or place.hidden or executor.num_resident < executor.num_layers  # (anything between
-        # host and device: else no slot's buffers are reused and a sync waits for nothing)
+        self.moves = place.moves_anything(executor.num_layers)  # (else no slot's buffers are reused and a sync
+        # waits for nothing)
         self.schedule = iter(())  # the operations not yet carried out (carry_out)
         for b, batch in enumerate(batches):  # the prompts' embeddings: "given" at (step 0, layer 0)
             embedded = executor.lm.embed(batch.tokens.t().flatten(), batch.positions(0))

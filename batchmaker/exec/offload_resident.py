@@ -61,4 +61,3 @@ def round_tripped(lm: nn.Module) -> nn.Module:
             if p.dim() == 2:
                 p.copy_(decompress(compress(p, GROUP, dim=0)))
     return lm
-
