@@ -1,10 +1,13 @@
 """Where a decode step's GPU time goes: the decoder's forward + head + argmax for B sequences at a
 fixed context, as one CUDA graph (timed) and eagerly under the profiler (kernels by name), against
 the weight-bytes floor (parameters x bytes / copy bandwidth), and the kernels one step launches
-(per step, per layer, by name). Two ways to attend (--attend): `fused` (kernels/paged_attention.py
-PagedAttend bounded by the step's context: K/V written inside the RoPE kernel, decode without
-split-KV up to SHORT_CONTEXT_LEN) and `engine` (what exec/iterations.py runs today: write_kv, then
-paged_attention bounded by the block table's width, max_positions).
+(per step, per layer, by name). Three ways to attend (--attend), all through PagedAttend
+(kernels/paged_attention.py; a Llama layer writes K/V in its RoPE step, at batch 1 inside the q | k |
+v projection): `engine` bounded as the engine's decode graphs are (core/iteration_shapes.py
+GraphShapes.of: SHORT_CONTEXT_LEN for contexts up to it, else the block table's width,
+max_positions): what exec/iterations.py replays; `fused` bounded by the step's own context; and
+`separate`, K/V written and RoPE applied by kernels of their own, bounded by max_positions (what this
+script called `engine` until the twenty-fourth session: not what the engine runs).
 
     python bench/decode_profile.py --preset llama-2-7b --batch 1 64 --context 360
 """
@@ -40,15 +43,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=360)
     ap.add_argument("--bandwidth", type=float, default=4.23e12)
-    ap.add_argument("--attend", nargs="+", choices=("fused", "engine"), default=["fused", "engine"])
+    ap.add_argument("--attend", nargs="+", choices=("fused", "engine", "separate"), default=["engine"])
     ap.add_argument("--engine-window", type=float, default=0.0,
                     help="also profile the engine decoding one request for this many seconds: GPU busy fraction")
     ap.add_argument("--gemv-configs", default=None,
                     help="a bench/gemv.py JSON: its fastest block shapes for the one-token projections")
-    ap.add_argument("--one-token", choices=("gemv", "gemv-rope", "cublas"), default="gemv",
-                    help="batch-1 projections: fused matrix-vector products (gemv-rope: RoPE and the K/V write inside "
-                         "q | k | v), or cuBLAS with the small kernels (cells/llama.py OneTokenConfig)")
+    ap.add_argument("--one-token", choices=("gemv", "gemv-rope", "cublas"), default="gemv-rope",
+                    help="batch-1 projections: fused matrix-vector products (gemv-rope, the engine's default: RoPE and "
+                         "the K/V write inside q | k | v), or cuBLAS with the small kernels (cells/llama.py "
+                         "OneTokenConfig)")
     ap.add_argument("--no-pdl", action="store_true", help="the matrix-vector products without PDL")
+    ap.add_argument("--eager-only", action="store_true",
+                    help="run each step eagerly 4 times and stop (for a kernel profiler such as ncu: no graph, no "
+                         "torch profiler)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.gemv_configs:
@@ -58,7 +65,7 @@ def main() -> None:
             gemv.CONFIGS[(n, k, bool(silu))] = gemv.GemvConfig(*shape)
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
-    from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv
+    from batchmaker.kernels.paged_attention import SHORT_CONTEXT_LEN, PagedAttend, paged_attention, write_kv
     config, dev = PRESETS[args.preset], torch.device("cuda")
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     if hasattr(lm, "set_one_token"):
@@ -75,8 +82,10 @@ def main() -> None:
         kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, batch, args.context,
                                                                                        dev)
         scale = config.head_dim ** -0.5
-        if how == "fused":
-            attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, scale, max_context_len=args.context)
+        if how in ("fused", "engine"):
+            bound = args.context if how == "fused" else \
+                SHORT_CONTEXT_LEN if args.context <= SHORT_CONTEXT_LEN else config.max_positions
+            attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, scale, max_context_len=bound)
         else:
             def attend(layer, q, k, v):
                 write_kv(k, v, kc[layer], vc[layer], slots)
@@ -87,9 +96,11 @@ def main() -> None:
             return lm.head(lm(tokens, positions, attend)).argmax(-1)
 
         with torch.inference_mode():
-            for _ in range(3):
+            for _ in range(4 if args.eager_only else 3):
                 step()
             torch.cuda.synchronize()
+            if args.eager_only:
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()

@@ -37,10 +37,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--sweep", choices=("all", "dot", "plain"), default="all",
+    ap.add_argument("--sweep", choices=("all", "dot", "plain", "prefetch"), default="all",
                     help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS); plain: only the "
-                         "CUDA-core kernel's")
-    ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down"), default=None,
+                         "CUDA-core kernel's; prefetch: the CUDA-core kernel's with the next tile loaded ahead (and "
+                         "the current CONFIGS)")
+    ap.add_argument("--head", action="store_true", help="also sweep the LM head's product (not in the chain)")
+    ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down", "head"), default=None,
                     help="sweep these projections only (the chain uses CONFIGS for the others)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -50,11 +52,14 @@ def main() -> None:
     qkv_n = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
 
-    def weights(n, k):
-        return [torch.randn(n, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
+    def weights(n, k, count):
+        return [torch.randn(n, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(count)]
 
     shapes = {"qkv": (qkv_n, h, False), "o": (h, h, False), "gate_up": (i, h, True), "down": (h, i, False)}
-    w = {name: weights(2 * n if silu else n, k) for name, (n, k, silu) in shapes.items()}
+    if args.head:  # the LM head (4 copies: 1 GB and more, none from L2)
+        shapes["head"] = (c.vocab_size, h, False)
+    w = {name: weights(2 * n if silu else n, k, 4 if name == "head" else args.layers)
+         for name, (n, k, silu) in shapes.items()}
     x = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}
     res = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}
     nw = torch.ones(h, device=dev, dtype=dt)
@@ -68,6 +73,8 @@ def main() -> None:
             return lambda: [gemv.norm_linear(x[name], res[name], nw, 1e-5, wl) for wl in w[name]]
         if name == "gate_up":
             return lambda: [gemv.norm_gate_up(x[name], res[name], nw, 1e-5, wl) for wl in w[name]]
+        if name == "head":  # (the final norm, no residual)
+            return lambda: [gemv.norm_linear(x[name], None, nw, 1e-5, wl) for wl in w[name]]
         return lambda: [gemv.linear(x[name], wl) for wl in w[name]]
 
     def cublas(name):
@@ -87,19 +94,28 @@ def main() -> None:
                 itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 5))]
     current = list(dict.fromkeys(gemv.CONFIGS.values()))
     plain = [gemv.GemvConfig(bn, bk, nwarps, 1) for bn, bk, nwarps in itertools.product((4, 8, 16), (512, 1024), (4, 8))]
-    candidates = {"all": candidates + dot, "dot": current + dot, "plain": current + plain}[args.sweep]
+    prefetch = [gemv.GemvConfig(bn, bk, nwarps, 1, prefetch=1) for bn, bk, nwarps in
+                ((8, 512, 8), (8, 1024, 4), (4, 1024, 4), (16, 512, 8))]  # (the first H100 sweep's best four)
+    prefetch += [gemv.GemvConfig(bn, bk, nwarps, 1, prefetch=2) for bn, bk, nwarps in
+                 ((8, 256, 4), (8, 256, 8), (8, 512, 4), (8, 512, 8), (4, 512, 4), (4, 512, 8), (4, 1024, 8),
+                  (16, 256, 8), (16, 512, 8), (2, 1024, 4), (2, 2048, 8))]
+    prefetch += [gemv.GemvConfig(bn, bk, nwarps, 1, prefetch=depth) for bn, bk, nwarps, depth in  # (long rows a
+                 ((1, 1024, 4, 2), (1, 2048, 4, 2), (1, 2048, 8, 2), (1, 4096, 8, 1), (2, 4096, 8, 1),  # program: down)
+                  (2, 2048, 4, 2), (2, 2048, 8, 1), (2, 1024, 8, 2), (4, 2048, 8, 2), (8, 1024, 8, 2), (4, 1024, 4, 2))]
+    candidates = {"all": candidates + dot + prefetch, "dot": current + dot, "plain": current + plain,
+                  "prefetch": current + prefetch}[args.sweep]
     best = {}
     for name, (n, k, silu) in shapes.items():
         if args.only and name not in args.only:
             continue
         nbytes = w[name][0].numel() * 2
-        row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / args.layers, "sweep": []}
+        row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / len(w[name]), "sweep": []}
         for cfg in candidates:
-            if (2 * n if silu else n) % cfg.block_n:  # (gate | up: pairs of rows)
-                continue
+            if (2 * n if silu else n) % cfg.block_n or (name == "qkv" and cfg.block_n % 2):  # (gate | up: pairs of
+                continue  # rows; q | k | v: RoPE's pairs)
             gemv.CONFIGS[(n, k, silu)] = cfg
             try:
-                ms = graph_ms(ours(name)) / args.layers
+                ms = graph_ms(ours(name)) / len(w[name])
             except Exception as e:  # a config the compiler refuses (registers, shared memory)
                 row["sweep"].append({"config": cfg.__repr__(), "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
@@ -116,9 +132,10 @@ def main() -> None:
               f"({row['best_tb_per_s']:.2f} TB/s) with {cfg}", flush=True)
 
     # what decode_profile.py --gemv-configs reads
-    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot]
+    report["best"] = {",".join(map(str, map(int, key))): [c.block_n, c.block_k, c.num_warps, c.num_stages, c.dot,
+                                                          c.prefetch]
                       for key, (c, _) in best.items()}
-    layer_bytes = sum(w[name][0].numel() * 2 for name in shapes)
+    layer_bytes = sum(w[name][0].numel() * 2 for name in shapes if name != "head")
 
     def chain_ours(pdl: bool):
         hidden, residual = x["qkv"], res["qkv"]

@@ -91,6 +91,9 @@
 #     read-bound issue 33: bench/read_bound.py: a read-only kernel's bandwidth at 32 MB-2 GB, over a 7B's 128 weight
 #              matrices one launch each, and a dependent launch's time in a graph (the bounds under the batch-1
 #              step and short decode attention; ~2 min)
+#     ncu-step issue 33: Nsight Compute on the engine's batch-1 step (bench/decode_profile.py --attend engine
+#              --eager-only: layer 1 of the third eager step, its six kernels) and on the read-only kernel over the same
+#              four matrices (bench/read_bound.py --eager-only): time, DRAM throughput, occupancy, warp stalls (~2 min)
 #     gemv4    issue 34: the 4-bit few-row projection (kernels/triton_gemv4.py): its GPU tests and those of the resident
 #              4-bit layers, then bench/gemv4.py's tile sweep on 13B's projections at 1-16 rows (~6-8 min)
 #     offload-70b-ours, offload-70b-anchor issue 34: a Llama-2-70B-sized model (138 GB bf16) on one GPU under a cap of
@@ -310,6 +313,15 @@ for suite in "$@"; do
                     --context 360 --attend engine --bandwidth "$bw" \
                     --out "bench/results/decode-profile-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
             done ;;
+        ncu-step)  # issue 33: where the step's kernels wait (caches flushed before each kernel, clocks as they run)
+            ncu_args=(--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+                      --section LaunchStats --section WarpStateStats --section SchedulerStats --section SourceCounters)
+            # (a step launches 193 of these: 6 a layer and the head's; skip two steps and layer 0)
+            step ncu-step timeout 300 ncu "${ncu_args[@]}" -k 'regex:gemv_kernel|paged_attention_kernel|combine_splits' \
+                -s 392 -c 6 python3 bench/decode_profile.py --preset llama-2-7b --batch 1 --context 360 --attend engine \
+                --eager-only
+            step ncu-read timeout 120 ncu "${ncu_args[@]}" -k 'regex:^read$' -s 4 -c 4 python3 bench/read_bound.py \
+                --eager-only ;;
         read-bound)  # issue 33: the least any kernel takes to read a decode step's weights and attention's KV sizes
             step read-bound timeout 300 python3 bench/read_bound.py --out \
                 "bench/results/read-bound-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;

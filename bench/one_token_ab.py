@@ -3,8 +3,9 @@ forms of the one-token projections, captured in one process and replayed in inte
 that the comparison does not ride on which machine or minute each form ran (the graph step's median
 moved 3.86-4.18 ms between leases of one H200 kind for the same code).
 
-A form: which gate | up and down kernels run (kernels/gemv.py CONFIGS). Floor: weight bytes / copy
-bandwidth.
+A form: which kernels the projections run (kernels/gemv.py CONFIGS, by projection; the head's too).
+Attention bounded as the engine's decode graphs bound it. Floor: the weight bytes a step reads (an
+untied embedding's one row a token left out, as bench/decode_profile.py) / the copy bandwidth.
 
     python bench/one_token_ab.py --out bench/results/one-token-ab-NVIDIA-H200-DATE.json
 """
@@ -23,47 +24,69 @@ from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E402
 from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
 from batchmaker.kernels import gemv  # noqa: E402
-from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
+from batchmaker.kernels.paged_attention import SHORT_CONTEXT_LEN, PagedAttend  # noqa: E402
+from bench.chat_roofline import head_parameters  # noqa: E402
 from bench.decode_profile import decode_inputs  # noqa: E402
+from bench.device_limits import measure  # noqa: E402
 
-DOWN_DOT = gemv.GemvConfig(32, 256, 4, 6, dot=True)
-PLAIN = gemv.GemvConfig(8, 1024, 4, 1)
-FORMS = {  # name -> (gate | up config, down config)
-    "pairs+down-dot": (PLAIN, DOWN_DOT),
-    "pairs+down-plain": (PLAIN, PLAIN),
-    "pairs16+down-dot": (gemv.GemvConfig(16, 512, 4, 1), DOWN_DOT),
-    "pairs-dot+down-dot": (gemv.GemvConfig(32, 128, 4, 3, dot=True), DOWN_DOT),
+H200_TABLE = {name: gemv.GemvConfig(8, 1024, 4, 1) for name in ("qkv", "o", "gate_up", "down", "head")}
+# name -> its configs by projection, over H200_TABLE (kernels/gemv.py CONFIGS before the twenty-fourth session, the
+# head's the default): the H100 prefetch sweeps' best per projection (`bench/gemv.py --sweep prefetch --head`, two
+# runs; sweep-a became CONFIGS), and mixes. "configs": CONFIGS as they are.
+FORMS = {
+    "configs": None,
+    "h200-table": {},
+    "sweep-a": {"o": gemv.GemvConfig(8, 512, 8, 1, prefetch=2), "gate_up": gemv.GemvConfig(8, 1024, 4, 1, prefetch=1),
+                "down": gemv.GemvConfig(2, 2048, 8, 1, prefetch=2), "head": gemv.GemvConfig(4, 1024, 4, 1, prefetch=1)},
+    "sweep-b": {"qkv": gemv.GemvConfig(4, 2048, 8, 1, prefetch=2), "o": gemv.GemvConfig(2, 1024, 4, 1, prefetch=2),
+                "gate_up": gemv.GemvConfig(2, 2048, 4, 1, prefetch=2), "down": gemv.GemvConfig(1, 4096, 8, 1, prefetch=1),
+                "head": gemv.GemvConfig(2, 2048, 8, 1, prefetch=1)},
+    "a-down-b": {"o": gemv.GemvConfig(8, 512, 8, 1, prefetch=2), "gate_up": gemv.GemvConfig(8, 1024, 4, 1, prefetch=1),
+                 "down": gemv.GemvConfig(1, 4096, 8, 1, prefetch=1), "head": gemv.GemvConfig(4, 1024, 4, 1, prefetch=1)},
+    "prefetch-8": {name: gemv.GemvConfig(8, 512, 8, 1, prefetch=2) for name in ("o", "down", "head")},
+    "down-only": {"down": gemv.GemvConfig(2, 2048, 8, 1, prefetch=2)},
 }
+
+
+def projections(config) -> dict[str, tuple[int, int, bool]]:
+    """A Llama layer's one-token products (and the head's) by name: their CONFIGS keys."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"qkv": ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, h, False), "o": (h, h, False),
+            "gate_up": (i, h, True), "down": (h, i, False), "head": (config.vocab_size, h, False)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--context", type=int, default=360)
-    ap.add_argument("--bandwidth", type=float, default=4.23e12)
+    ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: the copy bandwidth measured now)")
+    ap.add_argument("--forms", nargs="+", choices=tuple(FORMS), default=list(FORMS))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=50, help="graph replays per form per round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     config, dev = PRESETS[args.preset], torch.device("cuda")
-    h, i = config.hidden_size, config.intermediate_size
+    keys = projections(config)
+    configs = {name: gemv.pick_config(*key) for name, key in keys.items()}
+    forms = {name: configs if FORMS[name] is None else {**H200_TABLE, **FORMS[name]} for name in args.forms}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
+    bound = SHORT_CONTEXT_LEN if args.context <= SHORT_CONTEXT_LEN else config.max_positions  # (the engine's graphs')
     attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, config.head_dim ** -0.5,
-                         max_context_len=args.context)
+                         max_context_len=bound)
     graphs, outputs = {}, {}
     with torch.inference_mode():
         lm.set_one_token(OneTokenConfig())
-        for name, (gate_up, down) in FORMS.items():
-            gemv.CONFIGS[(i, h, True)] = gate_up  # gate | up (pairs of rows)
-            gemv.CONFIGS[(h, i, False)] = down
+        for name, configs in forms.items():
+            for projection, cfg in configs.items():
+                gemv.CONFIGS[keys[projection]] = cfg
             for _ in range(3):
                 lm.head(lm(tokens, positions, attend))
             torch.cuda.synchronize()
             graphs[name] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[name]):
                 outputs[name] = lm.head(lm(tokens, positions, attend)).argmax(-1)
-        times = {name: [] for name in FORMS}
+        times = {name: [] for name in forms}
         for _ in range(args.rounds):
             for name, graph in graphs.items():
                 graph.replay()  # (one untimed: the previous form's tail)
@@ -74,16 +97,17 @@ def main() -> None:
                 end.record()
                 end.synchronize()
                 times[name].append(start.elapsed_time(end) / args.replays)
-    floor_ms = num_parameters(config) * 2 / args.bandwidth * 1e3
+    bandwidth = args.bandwidth or measure("cuda:0").copy_bytes_per_s
+    read = num_parameters(config) - head_parameters(config)[1]  # (as decode_profile.py: an untied embedding's rows)
+    floor_ms = read * 2 / bandwidth * 1e3
     report = {"device": torch.cuda.get_device_name(), "preset": args.preset, "context": args.context,
-              "floor_ms": floor_ms, "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+              "attention_bound": bound, "bandwidth": bandwidth, "floor_ms": floor_ms,
+              "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
               "same_token": len({int(t) for t in outputs.values()}) == 1, "forms": {}}
     for name, ms in times.items():
-        gate_up, down = FORMS[name]
         median = statistics.median(ms)
-        report["forms"][name] = {"gate_up": repr(gate_up), "down": repr(down),
-                                 "graph_step_ms_median": median, "vs_floor": median / floor_ms,
-                                 "rounds_ms": ms}
+        report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name].items()},
+                                 "graph_step_ms_median": median, "vs_floor": median / floor_ms, "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)
     if args.out:

@@ -109,10 +109,7 @@ def by_size(dev, read_gbps: float) -> list[dict]:
 
 
 def weight_chain(dev, preset: str, copy_gbps: float) -> dict:
-    c = PRESETS[preset]
-    h, i = c.hidden_size, c.intermediate_size
-    qkv_n = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    shapes = {"qkv": (qkv_n, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
+    c, shapes = PRESETS[preset], layer_shapes(preset)
     mats = [(name, torch.randn(n, k, device=dev, dtype=torch.bfloat16)) for _ in range(c.num_layers)
             for name, (n, k) in shapes.items()]
     out = torch.empty(-(-max(m.numel() for _, m in mats) // 2048), device=dev, dtype=torch.float32)
@@ -140,6 +137,24 @@ def weight_chain(dev, preset: str, copy_gbps: float) -> dict:
     return record
 
 
+def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """A decoder layer's projection matrices [N, K] by name, in a step's order."""
+    c = PRESETS[preset]
+    h, i = c.hidden_size, c.intermediate_size
+    return {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, h), "o": (h, h), "gate_up": (2 * i, h),
+            "down": (h, i)}
+
+
+def eager_layer(dev, preset: str, tile: tuple[int, int, int] = (4096, 1, 8)) -> None:
+    """One layer's four matrices read eagerly three times each (a kernel profiler's target)."""
+    mats = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n, k in layer_shapes(preset).values()]
+    out = torch.empty(-(-max(m.numel() for m in mats) // tile[0]), device=dev, dtype=torch.float32)
+    for _ in range(3):
+        for m in mats:
+            read(m, out, tile)
+    torch.cuda.synchronize()
+
+
 def launch_chain(dev, count: int = 256) -> dict:
     x = torch.zeros(1, device=dev, dtype=torch.float32)
     touch = _kernels()[1]
@@ -152,7 +167,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--eager-only", action="store_true",
+                    help="read one layer's four matrices with the best tile, 3 times eagerly, and stop (for ncu)")
     args = ap.parse_args()
+    if args.eager_only:
+        return eager_layer(torch.device("cuda"), args.preset)
     from bench.attention import read_bandwidth
     from bench.device_limits import measure
     dev = torch.device("cuda")

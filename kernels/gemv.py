@@ -44,16 +44,20 @@ class GemvConfig:
     num_warps: int
     num_stages: int
     dot: bool = False  # tensor cores (weight tiles pipelined num_stages deep through shared memory) or CUDA cores
+    prefetch: int = 0  # CUDA cores: weight tiles loaded this many (0-2) ahead of their products (registers hold 1 more)
 
 
-# (n_out, k_in, silu) -> config: from bench/gemv.py's sweeps on an H200 (the Llama-2-7B shapes) and the
-# graphed batch-1 step (bench/one_token_ab.py): the tensor-core down projection streams faster alone (3.99
-# against 3.57 TB/s) but made the graphed step slower (3.875 against 3.795 ms), so every projection is 8 rows
+# (n_out, k_in, silu) -> config: the Llama-2-7B shapes, chosen on an H100 by the graphed batch-1 step
+# (bench/one_token_ab.py, twenty-fourth session: 4.824 ms against 4.964 with the H200's earlier table, every
+# projection 8 rows without prefetch) among each projection's best of `bench/gemv.py --sweep prefetch --head`.
+# A projection's fastest tile alone is not the step's: two sweeps' per-projection bests (1-2 rows a program for
+# o, gate | up and down) made the step slower (4.921 ms) than these. Not re-measured on an H200.
 CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (12288, 4096, False): GemvConfig(8, 1024, 4, 1),  # q | k | v
-    (4096, 4096, False): GemvConfig(8, 1024, 4, 1),  # o
-    (11008, 4096, True): GemvConfig(8, 1024, 4, 1),  # gate | up: 4 (gate, up) row pairs a program
-    (4096, 11008, False): GemvConfig(8, 1024, 4, 1),  # down
+    (4096, 4096, False): GemvConfig(8, 512, 8, 1, prefetch=2),  # o
+    (11008, 4096, True): GemvConfig(8, 1024, 4, 1, prefetch=1),  # gate | up: 4 (gate, up) row pairs a program
+    (4096, 11008, False): GemvConfig(2, 2048, 8, 1, prefetch=2),  # down: 2 rows of 11008 a program
+    (32000, 4096, False): GemvConfig(4, 1024, 4, 1, prefetch=1),  # the LM head (its final norm inside)
 }
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
@@ -198,7 +202,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
         n_out, k_in, weight.stride(0), eps, *rope_args, x if bias is None else bias.contiguous(),
         NORM=norm, RESIDUAL=has_residual, SILU=silu, BIAS=bias is not None,
-        ROPE=rope is not None, DOT=config.dot, EVEN_K=k_in % config.block_k == 0,
+        ROPE=rope is not None, DOT=config.dot, PREFETCH=0 if config.dot else config.prefetch,
+        EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_options(x, pdl))

@@ -237,8 +237,9 @@ def paged_attention_kernel(
     CAPPED: tl.constexpr, UNIFIED: tl.constexpr = False,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
-    # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile)
-    wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
+    # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile). With PDL, the work item and
+    # the sequence's metadata are read before the wait: a step's plan is on the device before its first
+    # layer's kernels run, and no kernel writes it (nothing is written before the wait)
     kv_head, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
     if WORK:
         item = tl.load(work + tl.program_id(1))
@@ -254,6 +255,7 @@ def paged_attention_kernel(
     q_start = tl.load(query_start + seq)
     q_end = tl.load(query_start + seq + 1, mask=is_seq, other=0)
     ctx = tl.load(context_lens + seq, mask=is_seq, other=0)
+    wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
     if seq == num_seqs:
         if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
             _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, D_PAD, BLOCK_M)
@@ -378,11 +380,11 @@ def combine_splits_kernel(
 ):
     # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse); UNIFIED, a row
     # none of whose slices is flagged: sum_j o_j / sum_j s_j (triton_unified_max.combine_row)
-    wait_for_input(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)
     splits = tl.arange(0, SPLITS_PAD)
     num_parts = tl.where(t < tl.load(query_start + num_seqs), num_splits, 0)  # padding tokens: none
+    wait_for_input(PDL)  # (the plan's query_start read before it, as paged_attention_kernel does)
     is_split = splits < num_parts
     part_row = (splits * num_tokens + t) * num_q_heads + h
     if UNIFIED:  # sums (lse where flagged) and flags, triton_unified_max.py

@@ -5,7 +5,8 @@ kernels/gemv.py launches them; imported lazily there, so its twins import where 
 
 A program of `gemv_kernel` computes BLOCK_N outputs (BLOCK_N / 2 with SILU, below). On CUDA cores it streams its BLOCK_N rows of the weight
 [N, K] in [BLOCK_N, BLOCK_K] tiles, keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the
-end (summing each tile's products at once instead measured no faster). With NORM, every program
+end (summing each tile's products at once instead measured no faster); with PREFETCH it issues each
+tile's loads one or two tiles before its products, so that tiles are always in flight. With NORM, every program
 first sums the squares of its input row (K values, NORM_K at a time, from L2 after the first
 program reads them), then normalizes each tile of the input as it goes, rounding where
 HF's RMSNorm rounds; program 0 writes the residual sum. With PDL (programmatic dependent launch)
@@ -105,20 +106,45 @@ def _rows(pid, n_out, ROPE: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
                         NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
-    # w[rows] . in: a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, PREFETCH: tl.constexpr):
+    # w[rows] . in: a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once. PREFETCH (1 or 2): each tile's loads
+    # are issued that many tiles before its products (registers hold PREFETCH + 1 tiles; with 2, the first two
+    # tiles are loaded before the wait)
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     first = cols < k_in
-    w_first = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
+    w = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
+    if PREFETCH == 2:
+        w_next = tl.load(w_rows + (BLOCK_K + cols)[None, :], mask=(BLOCK_K + cols < k_in)[None, :], other=0.0)
     inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
     x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
-    acc = w_first.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, k_in, BLOCK_K):
-        c = k0 + cols
-        m = c < k_in
-        x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, NORM, RESIDUAL, EVEN_K)
-        acc += _load(w_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
+    if PREFETCH == 2:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(BLOCK_K, k_in, BLOCK_K):
+            c = k0 + cols
+            ahead = c + BLOCK_K  # (past k_in on the last step: masked)
+            w_after = tl.load(w_rows + ahead[None, :], mask=(ahead < k_in)[None, :], other=0.0)
+            x_next = _input_tile(x_ptr, r_ptr, nw_ptr, c, c < k_in, inv_rms, NORM, RESIDUAL, EVEN_K)
+            acc += w.to(tl.float32) * x[None, :]
+            w, w_next, x = w_next, w_after, x_next
+        acc += w.to(tl.float32) * x[None, :]
+    elif PREFETCH == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(BLOCK_K, k_in, BLOCK_K):
+            c = k0 + cols
+            m = c < k_in
+            w_next = _load(w_rows + c[None, :], m[None, :], EVEN_K)
+            x_next = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, NORM, RESIDUAL, EVEN_K)
+            acc += w.to(tl.float32) * x[None, :]
+            w, x = w_next, x_next
+        acc += w.to(tl.float32) * x[None, :]
+    else:
+        acc = w.to(tl.float32) * x[None, :]
+        for k0 in range(BLOCK_K, k_in, BLOCK_K):
+            c = k0 + cols
+            m = c < k_in
+            x = _input_tile(x_ptr, r_ptr, nw_ptr, c, m, inv_rms, NORM, RESIDUAL, EVEN_K)
+            acc += _load(w_rows + c[None, :], m[None, :], EVEN_K).to(tl.float32) * x[None, :]
     return tl.sum(acc, axis=1)
 
 
@@ -192,7 +218,8 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
                 stride_vh, num_q_heads, num_kv_heads, b_ptr,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
                 PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False):
+                NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False,
+                PREFETCH: tl.constexpr = 0):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
     # outputs a program;
@@ -205,7 +232,7 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
                                     NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
     else:
         out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
-                                  NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+                                  NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K, PREFETCH)
     if BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
     if ROPE:

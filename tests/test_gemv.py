@@ -107,13 +107,14 @@ def test_kernels_in_the_interpreter(monkeypatch):
         monkeypatch.setitem(gemv.CONFIGS, (48, 192, silu), gemv.GemvConfig(16, 64, 8, 3))
     check(48, 192, torch.float32, "cpu")
     monkeypatch.setattr(gemv, "NORM_K", 64)  # the norm in several passes (96: the last one masked)
-    for dot in (False, True):  # both kernels (96: a masked last tile)
-        for n_out, k_in in ((48, 192), (16, 96)):
+    kernels = ({}, {"dot": True}, {"prefetch": 1}, {"prefetch": 2})  # the four loops (96: a masked last tile)
+    for kernel in kernels:
+        for n_out, k_in in ((48, 192), (16, 96), (16, 64)):  # (64: prefetch's loop never runs)
             for silu in (False, True):
-                monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 64, 4, 3, dot=dot))
+                monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 64, 4, 3, **kernel))
             check(n_out, k_in, torch.float32, "cpu")
-    for dot in (False, True):  # RoPE in the epilogue: 2 programs a head, GQA (4 q heads a kv head), a masked tile
-        monkeypatch.setitem(gemv.CONFIGS, ((8 + 2 * 2) * 32, 96, False), gemv.GemvConfig(16, 64, 4, 3, dot=dot))
+    for kernel in kernels:  # RoPE in the epilogue: 2 programs a head, GQA (4 q heads a kv head), a masked tile
+        monkeypatch.setitem(gemv.CONFIGS, ((8 + 2 * 2) * 32, 96, False), gemv.GemvConfig(16, 64, 4, 3, **kernel))
         check_rope(8, 2, 32, 96, torch.float32, "cpu")
     # the whole one-token forward (fp32; can_gemv takes CPU tensors here), RoPE inside q | k | v
     monkeypatch.setattr(gemv, "can_gemv", lambda x, weight: x.shape[0] == 1)
@@ -135,9 +136,11 @@ def test_the_interpreter_in_a_subprocess():
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
-@pytest.mark.parametrize("kernel", ("configured", "plain", "dot", "dot-masked", "plain-pairs"))
+@pytest.mark.parametrize("kernel", ("configured", "plain", "prefetch", "prefetch2", "dot", "dot-masked", "plain-pairs"))
 def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
     configs = {"plain": gemv.GemvConfig(8, min(k_in, 1024), 4, 1),
+               "prefetch": gemv.GemvConfig(8, min(k_in, 512), 4, 1, prefetch=1),
+               "prefetch2": gemv.GemvConfig(8, min(k_in, 512), 8, 1, prefetch=2),
                "dot": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True),
                # a last tile past k_in: 64 in one 128-wide tile, 11008 in 512-wide ones (none divides 4096)
                "dot-masked": gemv.GemvConfig(16, 128 if k_in == 64 else 512, 4, 3, dot=True),
@@ -155,11 +158,13 @@ def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("heads", ((32, 32, 128), (32, 8, 128), (8, 2, 64)))  # Llama-2-7B, GQA (Llama-3-8B), small
-@pytest.mark.parametrize("kernel", ("configured", "plain16", "dot"))
+@pytest.mark.parametrize("kernel", ("configured", "plain16", "prefetch", "prefetch2", "dot"))
 def test_rope_epilogue_equals_the_twin(dtype, pdl, heads, kernel, monkeypatch):
     num_q_heads, num_kv_heads, head_dim = heads
     n_out = (num_q_heads + 2 * num_kv_heads) * head_dim
-    configs = {"plain16": gemv.GemvConfig(16, 512, 4, 1), "dot": gemv.GemvConfig(32, 128, 4, 3, dot=True)}
+    configs = {"plain16": gemv.GemvConfig(16, 512, 4, 1), "prefetch": gemv.GemvConfig(8, 512, 4, 1, prefetch=1),
+               "prefetch2": gemv.GemvConfig(8, 512, 8, 1, prefetch=2),
+               "dot": gemv.GemvConfig(32, 128, 4, 3, dot=True)}
     if kernel in configs:
         monkeypatch.setitem(gemv.CONFIGS, (n_out, 4096, False), configs[kernel])
     check_rope(num_q_heads, num_kv_heads, head_dim, 4096, dtype, "cuda", seed=n_out, pdl=pdl)
