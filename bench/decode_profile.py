@@ -60,6 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.gemv_configs:
         from batchmaker.kernels import gemv
+        gemv.DEVICE_CONFIGS.clear()  # (the file's configs run on any device)
         for key, shape in json.loads(Path(args.gemv_configs).read_text())["best"].items():
             n, k, silu = map(int, key.split(","))
             gemv.CONFIGS[(n, k, bool(silu))] = gemv.GemvConfig(*shape)

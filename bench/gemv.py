@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
+    gemv.DEVICE_CONFIGS.clear()  # (the sweep sets CONFIGS: no device's table stands before them)
     c, dev, dt = PRESETS[args.preset], torch.device("cuda"), torch.bfloat16
     h, i = c.hidden_size, c.intermediate_size
     qkv_n = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim

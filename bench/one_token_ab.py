@@ -67,7 +67,8 @@ def main() -> None:
     args = ap.parse_args()
     config, dev = PRESETS[args.preset], torch.device("cuda")
     keys = projections(config)
-    configs = {name: gemv.pick_config(*key) for name, key in keys.items()}
+    configs = {name: gemv.pick_config(*key, device=dev) for name, key in keys.items()}  # (this device's)
+    gemv.DEVICE_CONFIGS.clear()  # (each form sets CONFIGS)
     forms = {name: configs if FORMS[name] is None else {**H200_TABLE, **FORMS[name]} for name in args.forms}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)

@@ -26,6 +26,7 @@ projection, and the norm reads its input NORM_K values a pass. `norm_qkv_rope` a
 k and writes k and v into the paged cache in its epilogue (each program holds whole rotation pairs
 of one head), which saves the RoPE kernel's launch and round trips per layer.
 """
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,6 +60,12 @@ CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (4096, 11008, False): GemvConfig(2, 2048, 8, 1, prefetch=2),  # down: 2 rows of 11008 a program
     (32000, 4096, False): GemvConfig(4, 1024, 4, 1, prefetch=1),  # the LM head (its final norm inside)
 }
+# Tables that replace CONFIGS' entries on a device whose name holds the key: on an H200 the table before the
+# twenty-fourth session (its own sweeps) ran the step faster than the H100's (3.652 against 3.690 ms,
+# bench/one_token_ab.py); its head took the default tile.
+DEVICE_CONFIGS: dict[str, dict[tuple[int, int, bool], GemvConfig]] = {
+    "H200": {key: GemvConfig(8, 1024, 4, 1) for key in CONFIGS},
+}
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
 
@@ -73,8 +80,19 @@ def default_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
 
 
-def pick_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
-    return CONFIGS.get((n_out, k_in, silu)) or default_config(n_out, k_in, silu)
+def pick_config(n_out: int, k_in: int, silu: bool, device: torch.device | None = None) -> GemvConfig:
+    """The device's table's config for this shape (DEVICE_CONFIGS), else CONFIGS', else the default."""
+    key = (n_out, k_in, silu)
+    name = _device_name(device) if device is not None and device.type == "cuda" else ""
+    for part, table in DEVICE_CONFIGS.items():
+        if part in name and key in table:
+            return table[key]
+    return CONFIGS.get(key) or default_config(n_out, k_in, silu)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 def can_gemv(x: Tensor, weight: Tensor) -> bool:
@@ -168,7 +186,7 @@ def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: 
 def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
     """Whether `norm_qkv_rope` runs for this q | k | v weight (its configured tile holds whole rotation pairs)."""
     n_out, k_in = weight.shape
-    return can_rope(n_out, head_dim, pick_config(n_out, k_in, False).block_n)
+    return can_rope(n_out, head_dim, pick_config(n_out, k_in, False, weight.device).block_n)
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
@@ -180,7 +198,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     assert x.shape == (1, k_in) and weight.shape[1] == k_in and weight.stride(1) == 1, (x.shape, weight.shape)
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
     assert bias is None or (not silu and bias.shape == (weight.shape[0],)), (silu, None if bias is None else bias.shape)
-    config = pick_config(n_out, k_in, silu)
+    config = pick_config(n_out, k_in, silu, x.device)
     rows = 2 * n_out if silu else n_out  # with SILU, pairs of gate and up rows
     assert rows % config.block_n == 0 and (not silu or config.block_n % 2 == 0), (n_out, config)
     # the tensor-core kernel: tl.dot's 16-row minimum, and 16-bit operands (fp32 would round to TF32 on a GPU)

@@ -33,7 +33,8 @@ context and write a normalized partial output and its log-sum-exp. With COMBINE,
 tile's programs to finish merges them, in the same launch: each program counts itself in on the
 tile's counter (an atomic add that releases its partials), and the one that brings it to
 num_splits reads every partial (acquired; loads that bypass L1) and puts the counter back to 0 for
-the next launch. Without COMBINE `combine_splits_kernel` merges them (a second launch). Slices are
+the next launch. Without COMBINE `combine_splits_kernel` merges them (a second launch; both merges are in
+triton_split_merge.py). Slices are
 cut from the sequence's actual context length, read on the device, so the split count is the only
 host-side choice and the launch stays capturable in a CUDA graph.
 
@@ -46,37 +47,13 @@ import triton
 import triton.language as tl
 
 from batchmaker.kernels.triton_pdl import wait_for_input
-from batchmaker.kernels.triton_unified_max import combine_row, combine_tile, slice_flags
+from batchmaker.kernels.triton_split_merge import SHAPE_ARGS, _combine_tile, _load_rows, _store_rows
+from batchmaker.kernels.triton_split_merge import combine_splits_kernel  # noqa: F401 (launched from here)
+from batchmaker.kernels.triton_unified_max import combine_tile, slice_flags
 from batchmaker.kernels.triton_write_kv import write_kv_kernel  # noqa: F401 (launched from here: paged_attention.py)
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so keyless rows make no NaNs
-
-
-@triton.jit
-def _load_rows(ptrs, rows_ok, offs_d, D: tl.constexpr, D_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
-    # ptrs [R, D_PAD] of rows of a head; rows_ok [R] (read with ROW_MASK only). Columns from D on
-    # (a head size that is not a power of two) read 0; D == D_PAD builds no column mask.
-    if D == D_PAD:
-        if ROW_MASK:
-            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
-        else:
-            x = tl.load(ptrs)
-    else:
-        if ROW_MASK:
-            x = tl.load(ptrs, mask=rows_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    return x
-
-
-@triton.jit
-def _store_rows(ptrs, x, rows_ok, offs_d, D: tl.constexpr, D_PAD: tl.constexpr):
-    # x [R, D_PAD] to ptrs where rows_ok [R], its columns below D only
-    if D == D_PAD:
-        tl.store(ptrs, x, mask=rows_ok[:, None])
-    else:
-        tl.store(ptrs, x, mask=rows_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -114,25 +91,45 @@ def _key_range(first, kv_end, window, split, num_splits, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, gap_at, gap,
+def _step_start(step, gap_at, gap, MASKED: tl.constexpr, WINDOWED: tl.constexpr):
+    # the first position of a step of _attend's loop (MASKED and WINDOWED: steps from gap_at on sit gap later)
+    if MASKED and WINDOWED:
+        return step + tl.where(step >= gap_at, gap, 0)
+    return step
+
+
+@triton.jit
+def _block_ids(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # the cache block of each of a step's positions start .. start + BLOCK_N - 1 (0 from hi on: not read)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    return tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, block, kv_head, lo, hi, gap_at, gap,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window, softcap_log2,
             phi_log2, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             MASKED: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
-            UNIFIED: tl.constexpr):
+            UNIFIED: tl.constexpr, AHEAD: tl.constexpr):
     # online softmax of q_tile [M, D_PAD] (queries at context positions pos [M]) over positions [lo, hi),
     # carrying the running output acc [M, D_PAD], max m_i [M] and sum l_i [M]. Unless MASKED, every
     # position of the range is below hi and visible to every row (no position masks); MASKED and
     # WINDOWED, a row at p sees p - window + 1 .. p only, and the gap positions from gap_at (whole
     # steps from lo) are left out. CAPPED: scores soft-capped before the masks. UNIFIED: 2^(s - phi)
     # summed as they come (triton_unified_max.py), m_i [M, BN] the largest score each lane saw.
+    # AHEAD: block holds the first step's block ids (_block_ids) and each step loads the next one's before
+    # its own K/V, so that the table's round trip is never between a step and its K/V (split launches: the
+    # batch-1 step 4.805 against 4.829 ms; unsplit, where Triton pipelines the loop 3 deep, it measured
+    # slower: batch 16 at 360 positions 45 against 39 us, H100); else each step loads its own
     offs_d = tl.arange(0, D_PAD)
     for step in range(lo, hi - gap, BLOCK_N):
-        start = step
-        if MASKED and WINDOWED:  # (steps from gap_at on sit gap positions later)
-            start = step + tl.where(step >= gap_at, gap, 0)
+        start = _step_start(step, gap_at, gap, MASKED, WINDOWED)
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < hi
-        if MASKED:
+        if AHEAD:
+            block_next = _block_ids(table_row, _step_start(step + BLOCK_N, gap_at, gap, MASKED, WINDOWED), hi,
+                                    BLOCK_N, BLOCK_SIZE)
+        elif MASKED:
             block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=in_range, other=0)
         else:
             block = tl.load(table_row + offs_n // BLOCK_SIZE)
@@ -162,30 +159,37 @@ def _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo
             v = _load_rows(v_cache + v_rows[:, None] + offs_d[None, :], in_range, offs_d, D, D_PAD, MASKED)  # [BN, D_PAD]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        if AHEAD:
+            block = block_next
     return acc, m_i, l_i
 
 
 @triton.jit
-def _walk(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, full, mid, hi,
+def _walk(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, block, kv_head, lo, full, mid, hi,
           stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window, softcap_log2, phi_log2,
           D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-          PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr, UNIFIED: tl.constexpr):
+          PRECISION: tl.constexpr, WINDOWED: tl.constexpr, CAPPED: tl.constexpr, UNIFIED: tl.constexpr,
+          AHEAD: tl.constexpr):
     # a program's positions [lo, hi): [full, mid) without masks, then the masked rest (WINDOWED: [lo,
-    # full) and [mid, hi) in one masked loop: two would hold more registers)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, full, mid, 0, 0,
+    # full) and [mid, hi) in one masked loop: two would hold more registers). AHEAD: block is _block_ids at full
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, block, kv_head, full, mid, 0, 0,
                             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
                             softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, False, PRECISION, WINDOWED, CAPPED,
-                            UNIFIED)
+                            UNIFIED, AHEAD)
     if WINDOWED:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, hi, full,
+        if AHEAD:
+            block = _block_ids(table_row, _step_start(lo, full, mid - full, True, True), hi, BLOCK_N, BLOCK_SIZE)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, block, kv_head, lo, hi, full,
                                 mid - full, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                                 scale_log2, window, softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True,
-                                PRECISION, WINDOWED, CAPPED, UNIFIED)
+                                PRECISION, WINDOWED, CAPPED, UNIFIED, AHEAD)
     else:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, mid, hi, 0, 0,
+        if AHEAD:
+            block = _block_ids(table_row, mid, hi, BLOCK_N, BLOCK_SIZE)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, block, kv_head, mid, hi, 0, 0,
                                 stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
                                 softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, True, PRECISION, WINDOWED,
-                                CAPPED, UNIFIED)
+                                CAPPED, UNIFIED, AHEAD)
     return acc, m_i, l_i
 
 
@@ -204,18 +208,14 @@ def _recompute_flagged(q, k_cache, v_cache, part_out, part_lse, part_flag, table
                         is_row, offs_d, D, D_PAD, True)
     part_row = (split * num_tokens + q_start + tok) * num_q_heads + head
     bad = tl.load(part_flag + part_row, mask=is_row, other=0) != 0
+    block = _block_ids(table_row, full, hi, BLOCK_N, BLOCK_SIZE)
     acc, m_i, l_i = _walk(tl.zeros([M, D_PAD], tl.float32), tl.full([M], NO_SCORE, tl.float32),
-                          tl.zeros([M], tl.float32), q_tile, ctx - n + tok, k_cache, v_cache, table_row, kv_head, lo,
+                          tl.zeros([M], tl.float32), q_tile, ctx - n + tok, k_cache, v_cache, table_row, block, kv_head, lo,
                           full, mid, hi, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-                          None, None, None, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, False, False, False)
+                          None, None, None, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, False, False, False, True)
     l_i = tl.where(bad, l_i, 1.0)  # (a flagged row has a key: l_i >= 1)
     _store_rows(part_out + part_row[:, None] * D + offs_d[None, :], acc / l_i[:, None], bad, offs_d, D, D_PAD)
     tl.store(part_lse + part_row, m_i + tl.log2(l_i), mask=bad)
-
-
-# The batch's counts vary from launch to launch: not specialized (Triton would otherwise compile a
-# variant for each count that is 1 or a multiple of 16, in the middle of serving).
-SHAPE_ARGS = ["num_seqs", "num_tokens", "num_splits"]
 
 
 @triton.jit(do_not_specialize=[*SHAPE_ARGS, "window"])  # (a window of 1, or of 16's multiples: no variant of its own)
@@ -237,9 +237,9 @@ def paged_attention_kernel(
     CAPPED: tl.constexpr, UNIFIED: tl.constexpr = False,
 ):
     # grid: (Hkv * num_splits, S + 1, query tiles); the extra sequence S zeroes the padding tokens.
-    # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile). With PDL, the work item and
-    # the sequence's metadata are read before the wait: a step's plan is on the device before its first
-    # layer's kernels run, and no kernel writes it (nothing is written before the wait)
+    # WORK: (Hkv * num_splits, items, 1), each item naming its (sequence, tile). With PDL, the work item, the
+    # sequence's metadata and its first block ids are read before the wait: a step's plan is on the device
+    # before its first layer's kernels run, and no kernel writes it (nothing is written before the wait)
     kv_head, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
     if WORK:
         item = tl.load(work + tl.program_id(1))
@@ -250,23 +250,13 @@ def paged_attention_kernel(
         seq, tile = tl.program_id(1), tl.num_programs(2) - 1 - tl.program_id(2)
     M: tl.constexpr = BLOCK_M * G_PAD
     offs_d = tl.arange(0, D_PAD)
-    # the sequence's metadata, loaded at once (a dependent load each would add a round trip to every program)
+    # the sequence's metadata, loaded at once (a dependent load each would add a round trip to every program),
+    # the program's range of positions and its first step's block ids: all before the wait
     is_seq = seq < num_seqs
     q_start = tl.load(query_start + seq)
     q_end = tl.load(query_start + seq + 1, mask=is_seq, other=0)
     ctx = tl.load(context_lens + seq, mask=is_seq, other=0)
-    wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
-    if seq == num_seqs:
-        if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
-            _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, D_PAD, BLOCK_M)
-        return
     n = q_end - q_start
-    if tile * BLOCK_M >= n:
-        return
-    tok, head, is_row = _tile_rows(tile, kv_head, n, G, G_PAD, BLOCK_M)
-    pos = ctx - n + tok  # [M] context position of each row's query
-    q_tile = _load_rows(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                        is_row, offs_d, D, D_PAD, True)
     first = ctx - n + tile * BLOCK_M  # the tile's first query position
     kv_end = ctx - n + tl.minimum(tile * BLOCK_M + BLOCK_M, n)  # one past the tile's last query position
     lo, hi = _key_range(first, kv_end, window, split, num_splits, BLOCK_N, IS_SPLIT, WINDOWED)
@@ -278,15 +268,29 @@ def paged_attention_kernel(
         full = tl.minimum(lo + tl.cdiv(tl.maximum(kv_end - window - lo, 0), BLOCK_N) * BLOCK_N, hi)
     mid = full + tl.maximum(tl.minimum(hi, first + 1) - full, 0) // BLOCK_N * BLOCK_N
     table_row = block_tables + seq * stride_bt
+    block = _block_ids(table_row, full, tl.where(is_seq, hi, 0), BLOCK_N, BLOCK_SIZE)  # (the padding's: none; unsplit
+    # launches load their steps' as they go, _attend's AHEAD)
+    wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
+    if seq == num_seqs:
+        if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
+            _zero_padding(out, q_start, num_tokens, tile, kv_head, stride_ot, stride_oh, G, G_PAD, D, D_PAD, BLOCK_M)
+        return
+    if tile * BLOCK_M >= n:
+        return
+    tok, head, is_row = _tile_rows(tile, kv_head, n, G, G_PAD, BLOCK_M)
+    pos = ctx - n + tok  # [M] context position of each row's query
+    q_tile = _load_rows(q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        is_row, offs_d, D, D_PAD, True)
     acc = tl.zeros([M, D_PAD], tl.float32)
     l_i = tl.zeros([M], tl.float32)
     if UNIFIED:
         m_i = tl.full([M, BLOCK_N], NO_SCORE, tl.float32)
     else:
         m_i = tl.full([M], NO_SCORE, tl.float32)
-    acc, m_i, l_i = _walk(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, kv_head, lo, full, mid, hi,
+    acc, m_i, l_i = _walk(acc, m_i, l_i, q_tile, pos, k_cache, v_cache, table_row, block, kv_head, lo, full, mid, hi,
                           stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, window,
-                          softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, WINDOWED, CAPPED, UNIFIED)
+                          softcap_log2, phi_log2, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, WINDOWED, CAPPED, UNIFIED,
+                          IS_SPLIT)
     if UNIFIED:  # (split decode, no window or cap) sums from phi; flagged rows: this slice again, exact
         tl.static_assert(IS_SPLIT and not WINDOWED and not CAPPED)
         bad = slice_flags(m_i, is_row, lo_log2, hi_log2, NO_SCORE)
@@ -340,66 +344,3 @@ def _zero_padding(out, first, num_tokens, tile, kv_head, stride_ot, stride_oh,
         is_row = (tok < tl.minimum(t0 + BLOCK_M, num_tokens)) & (rows % G_PAD < G)
         _store_rows(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], zeros, is_row,
                     offs_d, D, D_PAD)
-
-
-@triton.jit
-def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_heads, num_splits, stride_ot,
-                  stride_oh, D: tl.constexpr, D_PAD: tl.constexpr):
-    # rows (tok [M], head [M]) of out = sum_j w_j o_j / sum_j w_j, w_j = 2^(lse_j - max lse), from the
-    # partials other programs wrote (.cg: from L2, never a stale L1 line)
-    offs_d = tl.arange(0, D_PAD)
-    top = tl.full(tok.shape, float("-inf"), tl.float32)
-    for j in range(num_splits):
-        lse = tl.load(part_lse + (j * num_tokens + tok) * num_q_heads + head, mask=is_row, other=float("-inf"),
-                      cache_modifier=".cg")
-        top = tl.maximum(top, lse)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros(tok.shape, tl.float32)
-    acc = tl.zeros([tok.shape[0], D_PAD], tl.float32)
-    for j in range(num_splits):
-        row = (j * num_tokens + tok) * num_q_heads + head
-        w = tl.exp2(tl.load(part_lse + row, mask=is_row, other=float("-inf"), cache_modifier=".cg") - top)
-        if D == D_PAD:
-            o_ok = is_row[:, None]
-        else:
-            o_ok = is_row[:, None] & (offs_d[None, :] < D)
-        o = tl.load(part_out + row[:, None] * D + offs_d[None, :], mask=o_ok, other=0.0, cache_modifier=".cg")
-        total += w
-        acc += w[:, None] * o
-    result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    _store_rows(out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                result.to(out.dtype.element_ty), is_row, offs_d, D, D_PAD)
-
-
-@triton.jit(do_not_specialize=SHAPE_ARGS)
-def combine_splits_kernel(
-    part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
-    part_flag, flags, phi_log2,  # UNIFIED: as paged_attention_kernel's (else None)
-    num_seqs, num_tokens, num_q_heads, num_splits, stride_ot, stride_oh,
-    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr, UNIFIED: tl.constexpr = False,
-):
-    # grid: (T, Hq); out[t, h] = sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse); UNIFIED, a row
-    # none of whose slices is flagged: sum_j o_j / sum_j s_j (triton_unified_max.combine_row)
-    t, h = tl.program_id(0), tl.program_id(1)
-    offs_d = tl.arange(0, D_PAD)
-    splits = tl.arange(0, SPLITS_PAD)
-    num_parts = tl.where(t < tl.load(query_start + num_seqs), num_splits, 0)  # padding tokens: none
-    wait_for_input(PDL)  # (the plan's query_start read before it, as paged_attention_kernel does)
-    is_split = splits < num_parts
-    part_row = (splits * num_tokens + t) * num_q_heads + h
-    if UNIFIED:  # sums (lse where flagged) and flags, triton_unified_max.py
-        o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
-        flag = tl.load(part_flag + part_row, mask=is_split, other=0)
-        result = combine_row(o, tl.load(part_lse + part_row, mask=is_split, other=0.0), flag, phi_log2)
-        tl.store(flags + t * num_q_heads + h, tl.max(flag, 0))
-    else:
-        lse = tl.load(part_lse + part_row, mask=is_split, other=float("-inf"))
-        top = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS_PAD], 0 for empty slices
-        o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
-        total = tl.sum(w, 0)
-        result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
-    if D == D_PAD:
-        tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty))
-    else:
-        tl.store(out + t * stride_ot + h * stride_oh + offs_d, result.to(out.dtype.element_ty), mask=offs_d < D)

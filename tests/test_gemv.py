@@ -92,6 +92,25 @@ def test_default_configs_divide_the_outputs():
         assert not silu or config.block_n % 2 == 0, config
 
 
+@pytest.fixture(autouse=True)
+def no_device_tables(monkeypatch):
+    """The tests set CONFIGS: no device's table (DEVICE_CONFIGS) stands before them."""
+    monkeypatch.setattr(gemv, "DEVICE_CONFIGS", {})
+
+
+def test_a_device_table_stands_before_configs(monkeypatch):
+    h200 = gemv.GemvConfig(8, 1024, 4, 1)
+    monkeypatch.setattr(gemv, "DEVICE_CONFIGS", {"H200": {(4096, 4096, False): h200}})
+    monkeypatch.setattr(gemv, "_device_name", lambda device: "NVIDIA H200")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gemv.pick_config(4096, 4096, False, cuda) is h200  # (a name that holds the key)
+    assert gemv.pick_config(4096, 4096, False, cpu) is gemv.CONFIGS[(4096, 4096, False)]
+    assert gemv.pick_config(4096, 11008, False, cuda) is gemv.CONFIGS[(4096, 11008, False)]  # (not in its table)
+    monkeypatch.setattr(gemv, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert gemv.pick_config(4096, 4096, False, cuda) is gemv.CONFIGS[(4096, 4096, False)]
+    assert gemv.pick_config(48, 192, False, cuda) == gemv.default_config(48, 192, False)
+
+
 def test_can_gemv_takes_one_16_bit_token_on_cuda_only():
     x, weight = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not gemv.can_gemv(x, weight)  # (the CPU)
