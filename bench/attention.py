@@ -306,6 +306,11 @@ def main(argv=None) -> None:
     parser.add_argument("--ragged-sweep", action="store_true", help="only decode batches of differing contexts, swept")
     parser.add_argument("--long-sweep", action="store_true", help="only decode batches of 1-8 at 8K-32K positions, "
                                                                   "split 8-128 ways (LONG_SPLITS)")
+    parser.add_argument("--long-shapes", nargs="+", default=None, metavar="BATCH:CONTEXT",
+                        help="--long-sweep over these shapes (default LONG_SHAPES)")
+    parser.add_argument("--long-splits", type=int, nargs="+", default=None, help="--long-sweep's split counts")
+    parser.add_argument("--long-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS:STAGES",
+                        help="--long-sweep's decode tiles (default 64:4:2 64:4:3 128:4:3)")
     parser.add_argument("--window", type=int, help="a sliding window (issue 33); no SDPA comparison then")
     parser.add_argument("--softcap", type=float, help="soft-capped scores (issue 33); no SDPA comparison then")
     parser.add_argument("--unified-max", action="store_true",
@@ -354,8 +359,10 @@ def main(argv=None) -> None:
     elif args.ragged_sweep:
         record["sweep"] = ragged_sweep(args, device, ceilings)
     elif args.long_sweep:
-        record["sweep"] = short_sweep(args, device, ceilings, LONG_SHAPES, LONG_SPLITS,
-                                      ((64, 4, 2), (64, 4, 3), (128, 4, 3)))
+        shapes = [tuple(map(int, x.split(":"))) for x in args.long_shapes] if args.long_shapes else LONG_SHAPES
+        tiles = [tuple(map(int, x.split(":"))) for x in args.long_tiles] if args.long_tiles else \
+            ((64, 4, 2), (64, 4, 3), (128, 4, 3))
+        record["sweep"] = short_sweep(args, device, ceilings, shapes, args.long_splits or LONG_SPLITS, tiles)
     elif args.sweep or args.short_sweep or args.prefill_sweep:
         record["sweep"] = (short_sweep if args.short_sweep else prefill_sweep if args.prefill_sweep else sweep)(
             args, device, ceilings)
