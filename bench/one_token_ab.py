@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=360)
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: the copy bandwidth measured now)")
     ap.add_argument("--forms", nargs="+", choices=tuple(FORMS), default=list(FORMS))
+    ap.add_argument("--gemv-configs", default=None,
+                    help="a bench/gemv.py JSON: its best configs as one more form, `file` (over H200_TABLE)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=50, help="graph replays per form per round")
     ap.add_argument("--out", default=None)
@@ -70,6 +72,12 @@ def main() -> None:
     configs = {name: gemv.pick_config(*key, device=dev) for name, key in keys.items()}  # (this device's)
     gemv.DEVICE_CONFIGS.clear()  # (each form sets CONFIGS)
     forms = {name: configs if FORMS[name] is None else {**H200_TABLE, **FORMS[name]} for name in args.forms}
+    if args.gemv_configs:
+        names = {key: name for name, key in keys.items()}
+        best = json.loads(Path(args.gemv_configs).read_text())["best"]
+        forms["file"] = {**H200_TABLE, **{names[(n, k, bool(silu))]: gemv.GemvConfig(*shape) for (n, k, silu), shape in
+                                          ((tuple(map(int, key.split(","))), shape) for key, shape in best.items())
+                                          if (n, k, bool(silu)) in names}}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = SHORT_CONTEXT_LEN if args.context <= SHORT_CONTEXT_LEN else config.max_positions  # (the engine's graphs')

@@ -52,7 +52,7 @@ class GemvConfig:
 # (bench/one_token_ab.py, twenty-fourth session: 4.824 ms against 4.964 with the H200's earlier table, every
 # projection 8 rows without prefetch) among each projection's best of `bench/gemv.py --sweep prefetch --head`.
 # A projection's fastest tile alone is not the step's: two sweeps' per-projection bests (1-2 rows a program for
-# o, gate | up and down) made the step slower (4.921 ms) than these. Not re-measured on an H200.
+# o, gate | up and down) made the step slower (4.921 ms) than these. An H200 has its own (below).
 CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (12288, 4096, False): GemvConfig(8, 1024, 4, 1),  # q | k | v
     (4096, 4096, False): GemvConfig(8, 512, 8, 1, prefetch=2),  # o
@@ -60,11 +60,18 @@ CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
     (4096, 11008, False): GemvConfig(2, 2048, 8, 1, prefetch=2),  # down: 2 rows of 11008 a program
     (32000, 4096, False): GemvConfig(4, 1024, 4, 1, prefetch=1),  # the LM head (its final norm inside)
 }
-# Tables that replace CONFIGS' entries on a device whose name holds the key: on an H200 the table before the
-# twenty-fourth session (its own sweeps) ran the step faster than the H100's (3.652 against 3.690 ms,
-# bench/one_token_ab.py); its head took the default tile.
+# Tables that replace CONFIGS' entries on a device whose name holds the key. An H200's: its own prefetch sweep's
+# best per projection (`bench/gemv.py --sweep prefetch --head` on an H200), its step 3.630 ms against 3.688 with
+# the table before the twenty-fourth session (every projection 8 x 1,024) and 3.721 with the H100's (CONFIGS),
+# bench/one_token_ab.py --gemv-configs.
 DEVICE_CONFIGS: dict[str, dict[tuple[int, int, bool], GemvConfig]] = {
-    "H200": {key: GemvConfig(8, 1024, 4, 1) for key in CONFIGS},
+    "H200": {
+        (12288, 4096, False): GemvConfig(8, 1024, 4, 1),
+        (4096, 4096, False): GemvConfig(8, 512, 8, 1, prefetch=2),
+        (11008, 4096, True): GemvConfig(8, 1024, 4, 1),
+        (4096, 11008, False): GemvConfig(8, 512, 8, 1, prefetch=2),
+        (32000, 4096, False): GemvConfig(8, 1024, 4, 1, prefetch=1),
+    },
 }
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
 
