@@ -37,6 +37,13 @@ def decode_inputs(config, batch: int, context: int, device, block_size: int = 16
     return kc, vc, tables, query_start, context_lens, positions, slots, tokens
 
 
+def engine_bound(config, context: int) -> int:
+    """The attention bound of the engine's decode graph at this context (core/iteration_shapes.py
+    GraphShapes.of: SHORT_CONTEXT_LEN up to it, else the block table's width, max_positions)."""
+    from batchmaker.kernels.paged_attention import SHORT_CONTEXT_LEN
+    return SHORT_CONTEXT_LEN if context <= SHORT_CONTEXT_LEN else config.max_positions
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
@@ -60,13 +67,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.gemv_configs:
         from batchmaker.kernels import gemv
+        from bench.gemv import best_configs
         gemv.DEVICE_CONFIGS.clear()  # (the file's configs run on any device)
-        for key, shape in json.loads(Path(args.gemv_configs).read_text())["best"].items():
-            n, k, silu = map(int, key.split(","))
-            gemv.CONFIGS[(n, k, bool(silu))] = gemv.GemvConfig(*shape)
+        gemv.CONFIGS.update(best_configs(args.gemv_configs))
     from batchmaker.cells.decoder import build_decoder
     from batchmaker.cells.decoder_config import PRESETS, num_parameters
-    from batchmaker.kernels.paged_attention import SHORT_CONTEXT_LEN, PagedAttend, paged_attention, write_kv
+    from batchmaker.kernels.paged_attention import PagedAttend, paged_attention, write_kv
     config, dev = PRESETS[args.preset], torch.device("cuda")
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     if hasattr(lm, "set_one_token"):
@@ -84,8 +90,7 @@ def main() -> None:
                                                                                        dev)
         scale = config.head_dim ** -0.5
         if how in ("fused", "engine"):
-            bound = args.context if how == "fused" else \
-                SHORT_CONTEXT_LEN if args.context <= SHORT_CONTEXT_LEN else config.max_positions
+            bound = args.context if how == "fused" else engine_bound(config, args.context)
             attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, scale, max_context_len=bound)
         else:
             def attend(layer, q, k, v):

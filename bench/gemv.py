@@ -23,6 +23,21 @@ from batchmaker.kernels.fused_decoder import add_rms_norm, silu_mul  # noqa: E40
 from batchmaker.kernels.skinny_routes import median_replay_ms  # noqa: E402
 
 
+def projections(config) -> dict[str, tuple[int, int, bool]]:
+    """A Llama layer's one-token products and the LM head's, by name: their kernels/gemv.py CONFIGS keys
+    (n_out, k_in, silu; gate | up's n_out is the intermediate size, its weight twice as many rows)."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"qkv": ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, h, False), "o": (h, h, False),
+            "gate_up": (i, h, True), "down": (h, i, False), "head": (config.vocab_size, h, False)}
+
+
+def best_configs(path) -> dict[tuple[int, int, bool], "gemv.GemvConfig"]:
+    """The fastest config per CONFIGS key in a JSON this script wrote (its "best")."""
+    best = json.loads(Path(path).read_text())["best"]
+    return {(n, k, bool(silu)): gemv.GemvConfig(*shape)
+            for (n, k, silu), shape in ((tuple(map(int, key.split(","))), shape) for key, shape in best.items())}
+
+
 def graph_ms(fn, replays: int = 20) -> float:
     """Median ms of one replay of `fn` captured as a CUDA graph."""
     fn()
@@ -49,16 +64,15 @@ def main() -> None:
     import triton
     gemv.DEVICE_CONFIGS.clear()  # (the sweep sets CONFIGS: no device's table stands before them)
     c, dev, dt = PRESETS[args.preset], torch.device("cuda"), torch.bfloat16
-    h, i = c.hidden_size, c.intermediate_size
-    qkv_n = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    h = c.hidden_size
     g = torch.Generator(device=dev).manual_seed(0)
 
     def weights(n, k, count):
         return [torch.randn(n, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(count)]
 
-    shapes = {"qkv": (qkv_n, h, False), "o": (h, h, False), "gate_up": (i, h, True), "down": (h, i, False)}
-    if args.head:  # the LM head (4 copies: 1 GB and more, none from L2)
-        shapes["head"] = (c.vocab_size, h, False)
+    shapes = projections(c)
+    if not args.head:  # (with it: 4 copies of the LM head, 1 GB and more, none from L2)
+        del shapes["head"]
     w = {name: weights(2 * n if silu else n, k, 4 if name == "head" else args.layers)
          for name, (n, k, silu) in shapes.items()}
     x = {name: torch.randn(1, k, device=dev, dtype=dt, generator=g) for name, (n, k, silu) in shapes.items()}

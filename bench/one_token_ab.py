@@ -24,10 +24,11 @@ from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E402
 from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
 from batchmaker.kernels import gemv  # noqa: E402
-from batchmaker.kernels.paged_attention import SHORT_CONTEXT_LEN, PagedAttend  # noqa: E402
+from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
 from bench.chat_roofline import head_parameters  # noqa: E402
-from bench.decode_profile import decode_inputs  # noqa: E402
+from bench.decode_profile import decode_inputs, engine_bound  # noqa: E402
 from bench.device_limits import measure  # noqa: E402
+from bench.gemv import best_configs, projections  # noqa: E402
 
 H200_TABLE = {name: gemv.GemvConfig(8, 1024, 4, 1) for name in ("qkv", "o", "gate_up", "down", "head")}
 # name -> its configs by projection, over H200_TABLE (kernels/gemv.py CONFIGS before the twenty-fourth session, the
@@ -46,13 +47,6 @@ FORMS = {
     "prefetch-8": {name: gemv.GemvConfig(8, 512, 8, 1, prefetch=2) for name in ("o", "down", "head")},
     "down-only": {"down": gemv.GemvConfig(2, 2048, 8, 1, prefetch=2)},
 }
-
-
-def projections(config) -> dict[str, tuple[int, int, bool]]:
-    """A Llama layer's one-token products (and the head's) by name: their CONFIGS keys."""
-    h, i = config.hidden_size, config.intermediate_size
-    return {"qkv": ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, h, False), "o": (h, h, False),
-            "gate_up": (i, h, True), "down": (h, i, False), "head": (config.vocab_size, h, False)}
 
 
 def main() -> None:
@@ -74,20 +68,18 @@ def main() -> None:
     forms = {name: configs if FORMS[name] is None else {**H200_TABLE, **FORMS[name]} for name in args.forms}
     if args.gemv_configs:
         names = {key: name for name, key in keys.items()}
-        best = json.loads(Path(args.gemv_configs).read_text())["best"]
-        forms["file"] = {**H200_TABLE, **{names[(n, k, bool(silu))]: gemv.GemvConfig(*shape) for (n, k, silu), shape in
-                                          ((tuple(map(int, key.split(","))), shape) for key, shape in best.items())
-                                          if (n, k, bool(silu)) in names}}
+        forms["file"] = {**H200_TABLE, **{names[key]: cfg for key, cfg in best_configs(args.gemv_configs).items()
+                                          if key in names}}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
-    bound = SHORT_CONTEXT_LEN if args.context <= SHORT_CONTEXT_LEN else config.max_positions  # (the engine's graphs')
+    bound = engine_bound(config, args.context)
     attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, config.head_dim ** -0.5,
                          max_context_len=bound)
     graphs, outputs = {}, {}
     with torch.inference_mode():
         lm.set_one_token(OneTokenConfig())
-        for name, configs in forms.items():
-            for projection, cfg in configs.items():
+        for name, table in forms.items():
+            for projection, cfg in table.items():
                 gemv.CONFIGS[keys[projection]] = cfg
             for _ in range(3):
                 lm.head(lm(tokens, positions, attend))

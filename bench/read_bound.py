@@ -139,10 +139,9 @@ def weight_chain(dev, preset: str, copy_gbps: float) -> dict:
 
 def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
     """A decoder layer's projection matrices [N, K] by name, in a step's order."""
-    c = PRESETS[preset]
-    h, i = c.hidden_size, c.intermediate_size
-    return {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, h), "o": (h, h), "gate_up": (2 * i, h),
-            "down": (h, i)}
+    from bench.gemv import projections
+    return {name: (2 * n if silu else n, k) for name, (n, k, silu) in projections(PRESETS[preset]).items()
+            if name != "head"}
 
 
 def eager_layer(dev, preset: str, tile: tuple[int, int, int] = (4096, 1, 8)) -> None:

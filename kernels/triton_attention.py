@@ -210,9 +210,10 @@ def _recompute_flagged(q, k_cache, v_cache, part_out, part_lse, part_flag, table
     bad = tl.load(part_flag + part_row, mask=is_row, other=0) != 0
     block = _block_ids(table_row, full, hi, BLOCK_N, BLOCK_SIZE)
     acc, m_i, l_i = _walk(tl.zeros([M, D_PAD], tl.float32), tl.full([M], NO_SCORE, tl.float32),
-                          tl.zeros([M], tl.float32), q_tile, ctx - n + tok, k_cache, v_cache, table_row, block, kv_head, lo,
-                          full, mid, hi, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, scale_log2,
-                          None, None, None, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, False, False, False, True)
+                          tl.zeros([M], tl.float32), q_tile, ctx - n + tok, k_cache, v_cache, table_row, block,
+                          kv_head, lo, full, mid, hi, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                          scale_log2, None, None, None, D, D_PAD, BLOCK_N, BLOCK_SIZE, PRECISION, False, False, False,
+                          True)
     l_i = tl.where(bad, l_i, 1.0)  # (a flagged row has a key: l_i >= 1)
     _store_rows(part_out + part_row[:, None] * D + offs_d[None, :], acc / l_i[:, None], bad, offs_d, D, D_PAD)
     tl.store(part_lse + part_row, m_i + tl.log2(l_i), mask=bad)
@@ -268,8 +269,9 @@ def paged_attention_kernel(
         full = tl.minimum(lo + tl.cdiv(tl.maximum(kv_end - window - lo, 0), BLOCK_N) * BLOCK_N, hi)
     mid = full + tl.maximum(tl.minimum(hi, first + 1) - full, 0) // BLOCK_N * BLOCK_N
     table_row = block_tables + seq * stride_bt
-    block = _block_ids(table_row, full, tl.where(is_seq, hi, 0), BLOCK_N, BLOCK_SIZE)  # (the padding's: none; unsplit
-    # launches load their steps' as they go, _attend's AHEAD)
+    block = tl.zeros([BLOCK_N], tl.int32)  # (unsplit launches load each step's as they go: _attend's AHEAD)
+    if IS_SPLIT:
+        block = _block_ids(table_row, full, tl.where(is_seq, hi, 0), BLOCK_N, BLOCK_SIZE)  # (the padding's: none)
     wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
     if seq == num_seqs:
         if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
