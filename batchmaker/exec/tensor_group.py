@@ -309,9 +309,8 @@ class TensorGroup:
     def send(self, plan) -> None:
         """Every other rank runs `plan` next (call before running it here)."""
         self.check()
-        dead = [p.name for p in self.processes if not p.is_alive()]
-        if dead:
-            self.fail(f"ranks exited: {', '.join(dead)}")
+        if self._exited():
+            self.fail("a rank exited")
         if not self._serving:
             self._serving = True
             serving_timeouts(self.groups, self.device)
@@ -325,10 +324,20 @@ class TensorGroup:
 
     def fail(self, reason: str) -> None:
         """The group cannot go on (a rank died or hung, or an iteration failed midway): stop its
-        ranks, and fail this and every later iteration at once."""
+        ranks, and fail this and every later iteration at once. Where a rank this group started
+        has exited, that is the reason (a collective it left fails on rank 0 before the watcher's
+        next tick: its error, a closed connection, would hide the cause)."""
+        if dead := self._exited(within=WATCH_S):
+            reason = f"ranks exited: {', '.join(dead)}"
         self.abort(reason)
         self.close()
         raise RankFailedError(f"the tensor-parallel group is broken: {self.broken}")
+
+    def _exited(self, within: float = 0.0) -> list[str]:
+        """The ranks this group started that have exited, or do within `within` s (a rank that
+        was killed closes its pipes and sockets a moment before it can be reaped)."""
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], within) if self.processes else ()
+        return [p.name for p in self.processes if p.sentinel in ended]
 
     def close(self) -> None:
         """Stop every other rank (they exit once they read STOP, or when their pipe closes); the
