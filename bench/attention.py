@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_launch import fit_head, head_pad, window_bound
 from batchmaker.kernels.paged_attention import AttentionConfig, paged_attention, pick_launch, wide_prompt
 
@@ -190,16 +191,20 @@ def short_sweep(args, device, ceilings: dict, shapes=((1, 360), (1, 1024), (1, 2
                 configs=((32, 4, 3), (64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 3), (64, 4, 2))) -> list[dict]:
     """Batch-1 decode at short contexts (latency-bound: a few µs of K/V per layer), or the `shapes`
     (batch, context) given: every split count and decode tile shape, against the automatic choice and SDPA."""
-    rows = []
+    rows, default = [], decode_row.ROW_DECODE
     for batch, ctx in shapes:
         ctxs = Contexts(batch, ctx, 1, args, device, dense=True)
+        decode_row.ROW_DECODE = default  # (the automatic choice's)
         rows.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device), "auto": True})
         ctxs.dense = None
         for splits in splits_swept:
-            for block_n, warps, stages in configs:
-                cfg = AttentionConfig(16, block_n, warps, stages)
-                rows.append({**measure(ctxs, args, device, ceilings, config=cfg, num_splits=splits),
-                             "config": [16, block_n, warps, stages], "num_splits": splits})
+            for tile in configs:  # (BLOCK_N, WARPS, STAGES) of the tiled kernel, or ("row", BLOCK_N, WARPS)
+                if tile[0] == "row":
+                    decode_row.ROW_DECODE, kw = decode_row.RowTile(*tile[1:]), {}
+                else:
+                    kw = {"config": AttentionConfig(16, *tile)}
+                rows.append({**measure(ctxs, args, device, ceilings, num_splits=splits, **kw),
+                             "config": [16, *tile] if kw else list(tile), "num_splits": splits})
         del ctxs
     return rows
 
@@ -310,7 +315,11 @@ def main(argv=None) -> None:
                         help="--long-sweep over these shapes (default LONG_SHAPES)")
     parser.add_argument("--long-splits", type=int, nargs="+", default=None, help="--long-sweep's split counts")
     parser.add_argument("--long-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS:STAGES",
-                        help="--long-sweep's decode tiles (default 64:4:2 64:4:3 128:4:3)")
+                        help="--long-sweep's decode tiles (default 64:4:2 64:4:3 128:4:3; row:BLOCK_N:WARPS: the "
+                             "one-row loop's, kernels/decode_row.py)")
+    parser.add_argument("--row-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS",
+                        help="decode shapes with each of these one-row loop tiles in turn ('off': the tiled kernel; "
+                             "kernels/decode_row.py; the row loop runs where G = 1)")
     parser.add_argument("--window", type=int, help="a sliding window (issue 33); no SDPA comparison then")
     parser.add_argument("--softcap", type=float, help="soft-capped scores (issue 33); no SDPA comparison then")
     parser.add_argument("--unified-max", action="store_true",
@@ -337,8 +346,12 @@ def main(argv=None) -> None:
             if batch * ctx > args.max_tokens:
                 continue
             ctxs = Contexts(batch, ctx, 1, args, device, dense=plain)
-            decode.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device)})
-            print("decode", decode[-1], flush=True)
+            for tile in args.row_tiles or [None]:  # (interleaved: the same contexts, one after the other)
+                if tile is not None:
+                    decode_row.ROW_DECODE = decode_row.parse_tile(tile)
+                decode.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device),
+                               "row_tile": repr(decode_row.ROW_DECODE)})
+                print("decode", decode[-1], flush=True)
             del ctxs
     for spec in args.prefill:
         batch, ctx = map(int, spec.split(":"))
@@ -360,7 +373,8 @@ def main(argv=None) -> None:
         record["sweep"] = ragged_sweep(args, device, ceilings)
     elif args.long_sweep:
         shapes = [tuple(map(int, x.split(":"))) for x in args.long_shapes] if args.long_shapes else LONG_SHAPES
-        tiles = [tuple(map(int, x.split(":"))) for x in args.long_tiles] if args.long_tiles else \
+        tiles = [tuple(int(v) if v.isdigit() else v for v in x.split(":")) for x in args.long_tiles] \
+            if args.long_tiles else \
             ((64, 4, 2), (64, 4, 3), (128, 4, 3))
         record["sweep"] = short_sweep(args, device, ceilings, shapes, args.long_splits or LONG_SPLITS, tiles)
     elif args.sweep or args.short_sweep or args.prefill_sweep:

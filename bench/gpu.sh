@@ -45,6 +45,11 @@
 #     verify18: the eighteenth session's GPU code not yet run (one GPU, ~7 min expected): the offloading GPU
 #              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
+#     row-tests, row-ab, row-long, row-step  issue 33's one-row decode loop (kernels/triton_decode_row.py, for G = 1):
+#              its GPU tests with paged attention's and the variants' (~3 min, estimated);
+#              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (default off 32:4 16:4 32:8
+#              64:8) in turn (~5 min); the long shapes that missed 0.95 at 16-64 slices (~3 min); generation
+#              against HF and the graphed batch-1 step with each tile (~4 min)
 #     attention-long issue 33 (not run yet; ~3-5 min estimated): decode at 8K-32K positions, batches 1-8, split 8-128
 #              ways (bench/attention.py --long-sweep): the slices past MAX_SPLITS that batches 1-4 may need for
 #              >= 0.95 of the read bandwidth (0.90-0.94 with 8 programs an SM on an H100, 2026-11-26)
@@ -328,6 +333,23 @@ for suite in "$@"; do
         gemv-sweep)  # issue 33: the one-token GEMV's tiles on the device at hand (kernels/gemv.py CONFIGS came from an H200)
             step gemv-sweep timeout 400 python3 bench/gemv.py --out \
                 "bench/results/gemv-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+        row-tests)  # issue 33: the one-row decode loop (kernels/triton_decode_row.py) and the launches beside it
+            step row-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
+                tests/test_paged_attention.py tests/test_attention_variants.py ;;
+        row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
+            step row-ab timeout 420 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
+                --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 64:8} --out \
+                "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+        row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles
+            step row-long timeout 360 python3 bench/attention.py --long-sweep --long-shapes 1:16384 1:32768 2:16384 \
+                4:8192 --long-splits 16 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8} --out \
+                "bench/results/attention-row-long-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+        row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
+            # loop's tiles and without it, interleaved rounds
+            step row-generation timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_generation_gpu.py
+            step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8} \
+                --rounds 10 --out \
+                "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \

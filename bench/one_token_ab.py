@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E402
 from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
-from batchmaker.kernels import gemv  # noqa: E402
+from batchmaker.kernels import decode_row, gemv  # noqa: E402
 from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
 from bench.chat_roofline import head_parameters  # noqa: E402
 from bench.decode_profile import decode_inputs, engine_bound  # noqa: E402
@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", choices=tuple(FORMS), default=list(FORMS))
     ap.add_argument("--gemv-configs", default=None,
                     help="a bench/gemv.py JSON: its best configs as one more form, `file` (over H200_TABLE)")
+    ap.add_argument("--row-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS",
+                    help="each form again with each of these row-loop tiles ('off': the tiled kernel; "
+                         "kernels/decode_row.py); default: ROW_DECODE as it is")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=50, help="graph replays per form per round")
     ap.add_argument("--out", default=None)
@@ -70,6 +73,9 @@ def main() -> None:
         names = {key: name for name, key in keys.items()}
         forms["file"] = {**H200_TABLE, **{names[key]: cfg for key, cfg in best_configs(args.gemv_configs).items()
                                           if key in names}}
+    rows = {"": decode_row.ROW_DECODE} if not args.row_tiles else {f"@row-{t}": decode_row.parse_tile(t)
+                                                                    for t in args.row_tiles}
+    forms = {name + suffix: (table, tile) for name, table in forms.items() for suffix, tile in rows.items()}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = engine_bound(config, args.context)
@@ -78,7 +84,8 @@ def main() -> None:
     graphs, outputs = {}, {}
     with torch.inference_mode():
         lm.set_one_token(OneTokenConfig())
-        for name, table in forms.items():
+        for name, (table, tile) in forms.items():
+            decode_row.ROW_DECODE = tile  # (what the graph captures)
             for projection, cfg in table.items():
                 gemv.CONFIGS[keys[projection]] = cfg
             for _ in range(3):
@@ -107,7 +114,8 @@ def main() -> None:
               "same_token": len({int(t) for t in outputs.values()}) == 1, "forms": {}}
     for name, ms in times.items():
         median = statistics.median(ms)
-        report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name].items()},
+        report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name][0].items()},
+                                 "row_tile": repr(forms[name][1]),
                                  "graph_step_ms_median": median, "vs_floor": median / floor_ms, "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)

@@ -13,6 +13,9 @@ engine's own index arrays must start 16-byte aligned too (exec/iteration_buffers
 
     compile_variants(k_cache[0], v_cache[0], num_q_heads, max_blocks, max_positions, windows, softcap)
 
+Decode launches of one query head per kv head take kernels/triton_decode_row.py's loop instead
+(kernels/decode_row.py): its variants are one per way of merging slices.
+
 A model with sliding windows or soft-capped scores launches the kernel with those features
 (constexpr flags: variants of their own), and Gemma 2's layers alternate windowed and global: each
 variant compiles once per feature set the model's layers have.
@@ -21,6 +24,7 @@ import itertools
 
 import torch
 
+from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
                                                 AttentionConfig, _pow2, decode_whole_config, head_pad, pick_config,
@@ -85,12 +89,34 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
                 max_blocks * block_size if is_windowed else None, softcap)
     unified = [(cfg, splits) for cfg, splits, work in variants if splits > 1 and not work and cfg.block_m * _pow2(
         group) <= 16] if unified_max is not None and not any(windows) and softcap is None else []
-    for cfg, splits in unified:  # (one new token: a decode launch)
-        q = torch.zeros(1, num_q_heads, head_dim, dtype=k_cache.dtype, device=device)
-        context = min(SCRATCH_CONTEXT, max_blocks * block_size)
-        _launch(q, k_cache, v_cache, torch.empty_like(q), tables, torch.tensor([0, 1], dtype=torch.int32, device=device),
-                torch.tensor([context], dtype=torch.int32, device=device), 1, head_dim ** -0.5, context, cfg, splits,
-                None, None, None, unified_max)
+    context = min(SCRATCH_CONTEXT, max_blocks * block_size)
+    for cfg, splits in unified:
+        _decode(k_cache, v_cache, num_q_heads, tables, context, cfg, splits, unified_max)
+    rows = _row_variants(variants, group, softcap, unified_max) if False in windowed else []
+    for splits in rows:  # (no tile named: kernels/decode_row.py's loop)
+        _decode(k_cache, v_cache, num_q_heads, tables, context, None, splits)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(variants) * len(windowed) + len(unified)
+    return len(variants) * len(windowed) + len(unified) + len(rows)
+
+
+def _decode(k_cache, v_cache, num_q_heads: int, tables, context: int, cfg, splits: int, unified_max=None) -> None:
+    # a decode launch (one new token) of a sequence of `context` positions in block 0
+    device, head_dim = k_cache.device, k_cache.shape[3]
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=k_cache.dtype, device=device)
+    _launch(q, k_cache, v_cache, torch.empty_like(q), tables, torch.tensor([0, 1], dtype=torch.int32, device=device),
+            torch.tensor([context], dtype=torch.int32, device=device), 1, head_dim ** -0.5, context, cfg, splits, None,
+            None, None, unified_max)
+
+
+def _row_variants(variants, group: int, softcap: float | None, unified_max: float | None) -> list[int]:
+    """A split count for each way the row loop's decode launches merge (none; in the kernel; the
+    combine launch of each width) among `variants`' decode launches, where a model's unwindowed
+    layers take it (decode_row.runs_rows; with a unified maximum its split launches do not)."""
+    if not decode_row.runs_rows(group, 1, None, None, None, softcap, False):
+        return []
+    merges = {}
+    for cfg, splits, work in variants:
+        if not work and cfg.block_m * _pow2(group) <= 16 and (splits == 1 or unified_max is None):
+            merges.setdefault(1 if splits == 1 else 0 if splits <= COMBINE_MAX_SPLITS else _pow2(splits), splits)
+    return sorted(merges.values())

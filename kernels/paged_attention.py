@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_HEAD_DIM, MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN,
                                                 SHORT_CONTEXT_LEN, SHORT_MAX_SPLITS, AttentionConfig, _pow2,
@@ -261,18 +262,23 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     if unified and flags is None:
         flags = torch.empty(q.shape[:2], dtype=torch.int8, device=q.device)
     phi_log2, lo_log2, hi_log2 = bounds_log2(unified_max, q.dtype) if unified else (None, None, None)
-    kernels.paged_attention_kernel[(num_kv_heads * num_splits, *grid)](
-        q, k_cache, v_cache, out, part_out, part_lse, part_flag, flags if unified else None,
-        part_lse if counters is None else counters, block_tables, query_start, context_lens,
-        query_start if items is None else items, scale * LOG2_E, window,
-        None if softcap is None else softcap * LOG2_E, phi_log2, lo_log2, hi_log2, num_seqs, num_tokens, num_q_heads,
-        num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0),
-        G=group, G_PAD=_pow2(group), D=head_dim, D_PAD=head_pad(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_SIZE=block_size, IS_SPLIT=is_split, COMBINE=combine, PRECISION=dot_precision(q.dtype),
-        WORK=items is not None, WINDOWED=window is not None, CAPPED=softcap is not None, UNIFIED=unified,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q, PDL))
+    if decode_row.runs_rows(group, max_query_len, items, config, window, softcap, unified):
+        decode_row.launch_rows(q, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, query_start,
+                               context_lens, scale * LOG2_E, num_splits, pdl_options(q, PDL))
+    else:
+        kernels.paged_attention_kernel[(num_kv_heads * num_splits, *grid)](
+            q, k_cache, v_cache, out, part_out, part_lse, part_flag, flags if unified else None,
+            part_lse if counters is None else counters, block_tables, query_start, context_lens,
+            query_start if items is None else items, scale * LOG2_E, window,
+            None if softcap is None else softcap * LOG2_E, phi_log2, lo_log2, hi_log2, num_seqs, num_tokens,
+            num_q_heads, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_tables.stride(0),
+            G=group, G_PAD=_pow2(group), D=head_dim, D_PAD=head_pad(head_dim), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, IS_SPLIT=is_split, COMBINE=combine,
+            PRECISION=dot_precision(q.dtype), WORK=items is not None, WINDOWED=window is not None,
+            CAPPED=softcap is not None, UNIFIED=unified, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_options(q, PDL))
     if is_split and not combine:
         kernels.combine_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, query_start, part_flag, flags if unified else None, phi_log2, num_seqs,

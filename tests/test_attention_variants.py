@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchmaker.cells.decoder_cell import KVSettings
+from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_variants import compile_variants, launch_variants
 from batchmaker.kernels.attention_launch import window_bound
 from batchmaker.kernels.paged_attention import COMBINE_MAX_SPLITS, _pow2, plan_launch, small_tokens
@@ -61,11 +62,17 @@ _VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IS_SPLIT", "COMBIN
             "CAPPED")
 
 
-def _kernel_launches(cfg, n: int, combine: bool, work: bool, windowed: bool = False, capped: bool = False) -> set:
-    attention = ("paged_attention_kernel", tuple(sorted({
-        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-        "IS_SPLIT": n > 1,
-        "COMBINE": combine, "WORK": work, "WINDOWED": windowed, "CAPPED": capped}.items())))
+def _kernel_launches(cfg, n: int, combine: bool, work: bool, windowed: bool = False, capped: bool = False,
+                     rows: bool = False) -> set:
+    """`rows`: the launch is the row loop's (kernels/decode_row.py), its tile ROW_DECODE's."""
+    if rows:
+        tile = decode_row.ROW_DECODE
+        attention = ("decode_row_kernel", tuple(sorted({"BLOCK_N": tile.block_n, "num_warps": tile.num_warps,
+                                                        "IS_SPLIT": n > 1, "COMBINE": combine}.items())))
+    else:
+        attention = ("paged_attention_kernel", tuple(sorted({
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "IS_SPLIT": n > 1, "COMBINE": combine, "WORK": work, "WINDOWED": windowed, "CAPPED": capped}.items())))
     combine_launch = ("combine_splits_kernel", (("SPLITS_PAD", _pow2(n)), ("num_warps", 1)))
     return {attention} | ({combine_launch} if n > 1 and not combine else set())
 
@@ -87,6 +94,7 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     from batchmaker.exec.iterations import IterationRunner
     recorder = _Recorder()
     monkeypatch.setattr(paged_attention, "_load_kernels", lambda: recorder)
+    monkeypatch.setattr(decode_row, "load_kernels", lambda *names: recorder)
     for module in (attention_variants, paged_attention):  # (the device's answer, on this CPU)
         monkeypatch.setattr(module, "wide_prompt", lambda device, row_bytes: wide)
     kv_heads, max_blocks = 32 // group, -(-max_positions // block)
@@ -105,7 +113,8 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
             (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, 8, 16, 64, 128, 512, 2048), sorted({*range(16, width + 1, 37), width}),
             (None, 1, 4, 16, 100, 1000)):
         for window in {*windows} or {0}:
-            flags = (items is not None, window > 0, softcap is not None)
+            rows = decode_row.runs_rows(group, query, items, None, window or None, softcap, False)
+            flags = (items is not None, window > 0, softcap is not None, rows)
             capped = window_bound(bound, window or None, query)
             served |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, capped, 132, True, num_items=items,
                                                     wide=wide), *flags)
@@ -113,6 +122,9 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
                                                     wide=wide), *flags)
     # (a window compiles the launches of every bound: those a window as long as the context reaches)
     assert recorder.launched == wanted and served <= wanted
+    unwindowed = not windows or 0 in windows
+    assert any(name == "decode_row_kernel" for name, _ in recorder.launched) == (group == 1 and unwindowed
+                                                                                 and softcap is None)
     assert any(("BLOCK_N", 128) in key and ("BLOCK_M", 128 // group) in key
                for name, key in recorder.launched if name == "paged_attention_kernel") == wide
 

@@ -1,0 +1,56 @@
+"""When and how paged_attention.py launches the one-row decode loop (kernels/triton_decode_row.py)
+instead of its tiled kernel: decode launches (one new token a sequence, every sequence's programs,
+no work list) of models with one query head per kv head (G = 1), without a sliding window, a soft
+cap or the unified maximum, and without a caller's tile config (tests and sweeps that name a tile
+get the tiled kernel). The split count and how slices merge are the planner's
+(attention_launch.plan_launch), as for the tiled kernel; the combine launch is paged_attention's.
+
+`ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere;
+benchmarks set it (bench/attention.py --row-tiles).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from batchmaker.kernels.attention_launch import head_pad
+from batchmaker.kernels.cell_launch import load_kernels
+
+
+@dataclass(frozen=True, slots=True)
+class RowTile:
+    block_n: int  # positions a step (the row lanes of each program's online softmax)
+    num_warps: int
+
+
+ROW_DECODE: RowTile | None = RowTile(32, 4)
+
+
+def parse_tile(spec: str) -> RowTile | None:
+    """"BLOCK_N:WARPS" as a RowTile; "off": None (benchmarks' flags)."""
+    if spec == "off":
+        return None
+    block_n, warps = map(int, spec.split(":"))
+    return RowTile(block_n, warps)
+
+
+def runs_rows(group: int, max_query_len: int, items, config, window, softcap, unified: bool) -> bool:
+    """Whether a launch with these arguments (paged_attention._launch's) takes the row loop."""
+    return (ROW_DECODE is not None and group == 1 and max_query_len == 1 and items is None and config is None
+            and window is None and softcap is None and not unified)
+
+
+def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, query_start,
+                context_lens, scale_log2: float, num_splits: int, pdl: dict) -> None:
+    """decode_row_kernel over every (head, slice, sequence) + the padding tokens' program; split,
+    its partials into part_out and part_lse (merged in the kernel where `counters` is given)."""
+    tile = ROW_DECODE
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
+    kernels = load_kernels("triton_decode_row", "the row decode kernel", "reference_paged_attention")
+    kernels.decode_row_kernel[(num_heads * num_splits, num_seqs + 1)](
+        q, k_cache, v_cache, out, part_out, part_lse, part_lse if counters is None else counters, block_tables,
+        query_start, context_lens, scale_log2, num_seqs, num_tokens, num_heads, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0),
+        D=head_dim, D_PAD=head_pad(head_dim), BLOCK_N=tile.block_n, BLOCK_SIZE=k_cache.shape[1],
+        IS_SPLIT=num_splits > 1, COMBINE=counters is not None, num_warps=tile.num_warps, **pdl)

@@ -1,0 +1,124 @@
+"""Decode attention for one query row per kv head (G = 1: Llama-2's, OPT's heads), without tensor
+cores: paged_attention.py launches it for decode launches of such models (`ROW_DECODE`), and its
+twin is reference_paged_attention, as for triton_attention.py's kernel.
+
+Why a loop of its own: triton_attention.py's decode tile pads the query to 16 rows of a dot, and
+its 2-stage pipeline waits for every copy in flight at each step's top and issues the next step's
+copies after this step's products (its SASS, twenty-fourth session), with 9 block-wide barriers a
+step: a program never overlaps its loads with its own work (1 x 16K positions read at 0.90 of the
+read bandwidth, H100). Here a program streams its slice's K/V rows into registers a step ahead of
+the step it computes, and their block ids two steps ahead (the ids feed the rows' addresses), so
+that one step's loads are in flight while the step before is reduced. Each of the BLOCK_N row
+lanes keeps its own online softmax (maximum, sum and output of the positions it saw: no reduction
+across lanes in the loop, so no barrier); the lanes merge once, at the end. A score is a dot of q
+and a K row, reduced within the threads that hold the row (warp shuffles).
+
+One program per (kv head, slice, sequence); grid (Hkv * num_splits, S + 1), the extra sequence
+zeroing the padding tokens, as triton_attention.py's. Split, a program writes its slice's
+normalized output and log-sum-exp, merged by the last program of the row (COMBINE) or by
+combine_splits_kernel (triton_split_merge.py).
+"""
+import triton
+import triton.language as tl
+
+from batchmaker.kernels.triton_pdl import wait_for_input
+from batchmaker.kernels.triton_split_merge import SHAPE_ARGS, _combine_tile, _load_rows
+
+NO_SCORE = tl.constexpr(-1.0e30)  # a lane's maximum before any key: finite, so keyless lanes make no NaNs
+
+
+@triton.jit
+def _ids(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # the cache block of each position start .. start + BLOCK_N - 1 (0 from hi on: not read)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    return tl.load(table_row + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
+
+
+@triton.jit
+def _rows(cache, block, start, hi, head, stride_b, stride_o, stride_h, offs_d, D: tl.constexpr,
+          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # [BLOCK_N, D_PAD] rows of positions start .. (0 from hi on, and in the columns past D)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    rows = block.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_o + head * stride_h
+    return _load_rows(cache + rows[:, None] + offs_d[None, :], offs_n < hi, offs_d, D, D_PAD, True)
+
+
+@triton.jit(do_not_specialize=SHAPE_ARGS)
+def decode_row_kernel(
+    q, k_cache, v_cache, out,  # q, out: [T, H, D]; caches [num_blocks, BLOCK_SIZE, H, D] (G = 1: H heads each)
+    part_out, part_lse, counters,  # split: fp32 [num_splits, T, H, D], [num_splits, T, H]; COMBINE: int32 [H * T]
+    block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
+    scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr,
+    COMBINE: tl.constexpr, PDL: tl.constexpr,
+):
+    # a sequence has 0 or 1 new token (decode; padded sequences 0), at position ctx - 1. Before the PDL
+    # wait: the sequence's metadata, the slice, and its first two steps' block ids (no kernel writes them)
+    head, split, seq = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits, tl.program_id(1)
+    offs_d = tl.arange(0, D_PAD)
+    is_seq = seq < num_seqs
+    t = tl.load(query_start + seq)
+    n = tl.load(query_start + seq + 1, mask=is_seq, other=0) - t
+    ctx = tl.load(context_lens + seq, mask=is_seq, other=0)
+    lo, hi = 0, ctx
+    if IS_SPLIT:  # (whole steps a slice; the last slices of a short context are empty: an lse of -inf)
+        chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, ctx)
+    hi = tl.where(n > 0, hi, 0)
+    table_row = block_tables + seq * stride_bt
+    block = _ids(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
+    block_next = _ids(table_row, lo + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+    wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
+    if seq == num_seqs:
+        if split == 0 and (not IS_SPLIT or COMBINE):  # (else the combine kernel zeroes them)
+            zeros = tl.zeros([D_PAD], out.dtype.element_ty)
+            for pad in range(t, num_tokens):
+                tl.store(out + pad * stride_ot + head * stride_oh + offs_d, zeros, mask=offs_d < D)
+        return
+    if n == 0:
+        return
+    q_row = tl.load(q + t * stride_qt + head * stride_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    q_row = q_row * scale_log2  # (scores in log2 units: the softmax takes exp2)
+    m_i = tl.full([BLOCK_N], NO_SCORE, tl.float32)  # per lane: the largest score, the sum, the output
+    l_i = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    k = _rows(k_cache, block, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_d, D, D_PAD, BLOCK_N, BLOCK_SIZE)
+    v = _rows(v_cache, block, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_d, D, D_PAD, BLOCK_N, BLOCK_SIZE)
+    for step in range(lo, hi, BLOCK_N):
+        k_next = _rows(k_cache, block_next, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_d, D,
+                       D_PAD, BLOCK_N, BLOCK_SIZE)
+        v_next = _rows(v_cache, block_next, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_d, D,
+                       D_PAD, BLOCK_N, BLOCK_SIZE)
+        block_next = _ids(table_row, step + 2 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+        scores = tl.sum(k.to(tl.float32) * q_row[None, :], 1)  # [BLOCK_N]
+        scores = tl.where(step + tl.arange(0, BLOCK_N) < hi, scores, float("-inf"))
+        m_new = tl.maximum(m_i, scores)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        m_i = m_new
+        k, v = k_next, v_next
+    top = tl.max(m_i, 0)  # the lanes merged: each lane's share rescaled to the largest maximum
+    w = tl.exp2(m_i - top)
+    total = tl.sum(l_i * w, 0)
+    has_key = total > 0.0  # false for a slice that ends before its row's position
+    o = tl.sum(acc * w[:, None], 0) / tl.where(has_key, total, 1.0)  # [D_PAD]
+    if IS_SPLIT:
+        part_row = (split * num_tokens + t) * num_q_heads + head
+        tl.store(part_out + part_row * D + offs_d, o, mask=offs_d < D)
+        tl.store(part_lse + part_row, tl.where(has_key, top + tl.log2(tl.where(has_key, total, 1.0)),
+                                               float("-inf")))
+        if COMBINE:
+            counter = counters + head * num_tokens + t
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                one = tl.arange(0, 1)
+                _combine_tile(part_out, part_lse, out, t + one, head + one, one == 0, num_tokens, num_q_heads,
+                              num_splits, stride_ot, stride_oh, D, D_PAD)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(out + t * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=offs_d < D)
