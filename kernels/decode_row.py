@@ -5,8 +5,14 @@ cap or the unified maximum, and without a caller's tile config (tests and sweeps
 get the tiled kernel). The split count and how slices merge are the planner's
 (attention_launch.plan_launch), as for the tiled kernel; the combine launch is paged_attention's.
 
-`ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere;
-benchmarks set it (bench/attention.py --row-tiles).
+`ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere:
+None until a GPU has measured the loop faster (written in the twenty-fifth session, a session
+without device time: equal to the twin in Triton's interpreter, compiled for sm_90a on the CPU).
+`ROW_TILE` is the tile to measure first; benchmarks set either (bench/attention.py --row-tiles).
+A step's rows are held in registers, K's and V's, this step's and the next's: heads whose rows
+are wider than ROW_BYTES (a 16-bit head of 128) step fewer positions, in proportion (compiled for
+sm_90a at 4 warps and 32 positions of 256-byte rows: 144 registers a thread, none spilled; fp32
+heads of 128 took 208, and 32 positions of 16-bit heads of 256 took 254).
 """
 from dataclasses import dataclass
 
@@ -22,7 +28,9 @@ class RowTile:
     num_warps: int
 
 
-ROW_DECODE: RowTile | None = RowTile(32, 4)
+ROW_TILE = RowTile(32, 4)
+ROW_DECODE: RowTile | None = None
+ROW_BYTES = 256
 
 
 def parse_tile(spec: str) -> RowTile | None:
@@ -45,6 +53,8 @@ def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, coun
     its partials into part_out and part_lse (merged in the kernel where `counters` is given)."""
     tile = ROW_DECODE
     num_tokens, num_heads, head_dim = q.shape
+    row_bytes = head_pad(head_dim) * q.element_size()
+    block_n = max(1, tile.block_n * ROW_BYTES // row_bytes) if row_bytes > ROW_BYTES else tile.block_n
     num_seqs = block_tables.shape[0]
     kernels = load_kernels("triton_decode_row", "the row decode kernel", "reference_paged_attention")
     kernels.decode_row_kernel[(num_heads * num_splits, num_seqs + 1)](
@@ -52,5 +62,5 @@ def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, coun
         query_start, context_lens, scale_log2, num_seqs, num_tokens, num_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
-        D=head_dim, D_PAD=head_pad(head_dim), BLOCK_N=tile.block_n, BLOCK_SIZE=k_cache.shape[1],
+        D=head_dim, D_PAD=head_pad(head_dim), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, COMBINE=counters is not None, num_warps=tile.num_warps, **pdl)

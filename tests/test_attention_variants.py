@@ -81,18 +81,22 @@ FEATURES = {"none": ((), None), "alternating windows and a cap": ((16, 0, 16), 5
             "a cap": ((), 30.0)}  # (each layer's sliding window, the soft cap), as DecoderConfig has them
 
 
+@pytest.mark.parametrize("row", (None, decode_row.ROW_TILE), ids=("tiles", "row-loop"))
 @pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("wide", (False, True))
 @pytest.mark.parametrize("group,max_positions,block", [(1, 4096, 16), (4, 4090, 16), (8, 2048, 16), (2, 700, 8)])
-def test_compile_variants_launches_what_serving_launches(group, max_positions, block, wide, features, monkeypatch):
+def test_compile_variants_launches_what_serving_launches(group, max_positions, block, wide, features, row,
+                                                         monkeypatch):
     """The kernels compile_variants launches (constexprs recorded in place of Triton) are those
     the planner picks over a sweep of batches up to the block table's width, a block past
     max_positions where it is no multiple of the block size (an unbounded launch's bound); with
     the device's prompt tiles either way (wide_prompt); for each of the layers' windows (none,
-    or one: a launch of its own, whose bound the window caps) with the model's cap or without."""
+    or one: a launch of its own, whose bound the window caps) with the model's cap or without; with
+    the one-row decode loop on (kernels/decode_row.py) and off."""
     from batchmaker.kernels import attention_variants, paged_attention
     from batchmaker.exec.iterations import IterationRunner
     recorder = _Recorder()
+    monkeypatch.setattr(decode_row, "ROW_DECODE", row)
     monkeypatch.setattr(paged_attention, "_load_kernels", lambda: recorder)
     monkeypatch.setattr(decode_row, "load_kernels", lambda *names: recorder)
     for module in (attention_variants, paged_attention):  # (the device's answer, on this CPU)
@@ -123,8 +127,8 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     # (a window compiles the launches of every bound: those a window as long as the context reaches)
     assert recorder.launched == wanted and served <= wanted
     unwindowed = not windows or 0 in windows
-    assert any(name == "decode_row_kernel" for name, _ in recorder.launched) == (group == 1 and unwindowed
-                                                                                 and softcap is None)
+    assert any(name == "decode_row_kernel" for name, _ in recorder.launched) == (
+        row is not None and group == 1 and unwindowed and softcap is None)
     assert any(("BLOCK_N", 128) in key and ("BLOCK_M", 128 // group) in key
                for name, key in recorder.launched if name == "paged_attention_kernel") == wide
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchmaker.kernels import decode_row
+from batchmaker.kernels.attention_variants import compile_variants
 from batchmaker.kernels.paged_attention import AttentionConfig, paged_attention
 from helpers import interpreter, needs_gpu, run_interpreted
 from test_paged_attention import check_kernel, make_case
@@ -14,7 +15,9 @@ from test_paged_attention import check_kernel, make_case
 
 @pytest.fixture
 def row_launches(monkeypatch):
-    """The row loop's launches in a test (a list of their split counts)."""
+    """The row loop on (ROW_TILE where ROW_DECODE is off) and its launches in a test (a list of
+    their split counts)."""
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.ROW_DECODE or decode_row.ROW_TILE)
     launched, launch = [], decode_row.launch_rows
 
     def counted(*args):
@@ -25,6 +28,7 @@ def row_launches(monkeypatch):
 
 
 def test_only_plain_decode_of_one_query_head_per_kv_head_takes_the_row_loop(monkeypatch):
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.ROW_TILE)
     plain = dict(group=1, max_query_len=1, items=None, config=None, window=None, softcap=None, unified=False)
     assert decode_row.runs_rows(**plain)
     for change in ({"group": 2}, {"max_query_len": 2}, {"items": object()}, {"config": AttentionConfig(16, 64, 4, 2)},
@@ -45,6 +49,20 @@ def decode_cases(device="cpu", dtype=torch.float32, head_dims=(32, 24, 48)):
             yield case, {"num_splits": splits}
 
 
+def test_tiles_parse_and_wide_rows_step_fewer_positions(monkeypatch):
+    assert decode_row.parse_tile("off") is None and decode_row.parse_tile("16:2") == decode_row.RowTile(16, 2)
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.RowTile(32, 4))
+    steps = []
+    monkeypatch.setattr(decode_row, "load_kernels", lambda *names: type("K", (), {"decode_row_kernel": type(
+        "L", (), {"__getitem__": lambda self, grid: lambda *a, **kw: steps.append(kw["BLOCK_N"])})()}))
+    for dtype, head_dim in ((torch.bfloat16, 128), (torch.bfloat16, 80), (torch.float32, 64), (torch.float32, 128),
+                            (torch.bfloat16, 256), (torch.float32, 256), (torch.float32, 24)):
+        q, cache = torch.zeros(1, 2, head_dim, dtype=dtype), torch.zeros(3, 16, 2, head_dim, dtype=dtype)
+        decode_row.launch_rows(q, cache, cache, q, q, q, None, torch.zeros(1, 3, dtype=torch.int32),
+                               torch.zeros(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, 1, {})
+    assert steps == [32, 32, 32, 16, 16, 8, 32]  # (rows of up to ROW_BYTES step the tile's positions)
+
+
 @interpreter
 @pytest.mark.parametrize("block_n,warps", [(32, 4), (16, 2)])
 def test_the_row_loop_equals_the_twin_in_the_interpreter(block_n, warps, monkeypatch, row_launches):
@@ -53,6 +71,7 @@ def test_the_row_loop_equals_the_twin_in_the_interpreter(block_n, warps, monkeyp
     for case, kw in cases:
         check_kernel(case, **kw)
     assert len(row_launches) == len(cases) and sorted(set(row_launches)) == [1, 2, 3, 5, 9]
+    check_kernel(make_case([1, 1], [130, 7], 2, 1, 64, 16, torch.float32, seed=3))  # (fp32 rows of 256 bytes)
 
 
 @interpreter
@@ -60,6 +79,9 @@ def test_the_tiled_kernel_keeps_grouped_heads_and_named_tiles_in_the_interpreter
     check_kernel(make_case([1, 1], [90, 40], 2, 2, 32, 16, seed=1), num_splits=2)
     check_kernel(make_case([1, 1], [90, 40], 2, 1, 32, 16, seed=1), config=AttentionConfig(16, 64, 4, 2))
     assert row_launches == []
+    k = torch.randn(3, 4, 2, 16)  # (the engine's compiles before serving: each way of merging once)
+    compile_variants(k, torch.randn_like(k), num_q_heads=2, max_blocks=64, max_positions=512)
+    assert row_launches == [1, 2, 5]
 
 
 def test_the_interpreter_in_a_subprocess():
