@@ -8,16 +8,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Listener
 from pathlib import Path
 
 import pytest
+import torch
 
 from batchmaker import Engine
 from batchmaker.errors import BatchMakerError, RankFailedError
 from batchmaker.exec.rank_lifeline import STOP_GRACE_S
-from batchmaker.exec.tensor_group import HANG_S, WATCH_S
+from batchmaker.exec.tensor_group import HANG_S, WATCH_S, TensorGroup
 from batchmaker.registry import build_model
 from helpers import ipc_address, wait_until
 from test_replicas import is_running
@@ -103,6 +105,26 @@ def test_a_server_whose_rank_dies_answers_internal_and_exits():
         proc.kill()
         proc.wait(10)
     assert not any(is_running(pid) for pid in ranks)
+
+
+@pytest.mark.parametrize("exits", [True, False])
+def test_a_group_that_fails_names_a_rank_that_exited_as_the_reason(exits):
+    """rank 0's iteration fails on a collective (gloo: the connection closed) a moment before the
+    watcher sees the rank's process end: the group's reason is the rank's exit, not the collective's
+    error; where no rank exited, the error given is the reason."""
+    rank = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0 if exits else 60,),
+                                                        name="batchmaker-rank-1", daemon=True)
+    rank.start()
+    if exits:
+        wait_until(lambda: not rank.is_alive(), timeout=30)
+    group = TensorGroup.__new__(TensorGroup)  # (the group's state, without its processes' start)
+    group.processes, group.pipes, group.groups, group.broken = [rank], [], [], None
+    group.device, group.lm, group._closing, group._lock = torch.device("cpu"), None, False, threading.Lock()
+    error = "an iteration failed on rank 0: RuntimeError: Connection closed by peer"
+    with pytest.raises(RankFailedError, match="the tensor-parallel group is broken"):
+        group.fail(error)
+    assert group.broken == ("ranks exited: batchmaker-rank-1" if exits else error)
+    assert not rank.is_alive()  # (ended by the failure)
 
 
 ENGINE_IN_A_CHILD = """
