@@ -50,6 +50,9 @@
 #              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (default off 32:4 16:4 32:8
 #              64:8) in turn (~5 min); the long shapes that missed 0.95 at 16-64 slices (~3 min); generation
 #              against HF and the graphed batch-1 step with each tile (~4 min)
+#     gemv-table  issue 33: a preset's GEMV tiles (TABLE_PRESET, default qwen2.5-7b, whose shapes are in no table):
+#              bench/gemv.py --sweep prefetch --head, then bench/one_token_ab.py with the sweep's bests as a form (not
+#              run yet; the Llama-2-7B sweeps took ~3-4 min each)
 #     attention-long issue 33 (not run yet; ~3-5 min estimated): decode at 8K-32K positions, batches 1-8, split 8-128
 #              ways (bench/attention.py --long-sweep): the slices past MAX_SPLITS that batches 1-4 may need for
 #              >= 0.95 of the read bandwidth (0.90-0.94 with 8 programs an SM on an H100, 2026-11-26)
@@ -340,16 +343,29 @@ for suite in "$@"; do
             step row-ab timeout 420 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
                 --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 64:8} --out \
                 "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
-        row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles
-            step row-long timeout 360 python3 bench/attention.py --long-sweep --long-shapes 1:16384 1:32768 2:16384 \
+        row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles;
+            # then batch-1/4 short contexts (the batch-1 step's), where up to 4 slices merge in the kernel
+            name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
+            step row-long timeout 300 python3 bench/attention.py --long-sweep --long-shapes 1:16384 1:32768 2:16384 \
                 4:8192 --long-splits 16 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8} --out \
-                "bench/results/attention-row-long-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                "bench/results/attention-row-long-$name.json"
+            step row-short timeout 200 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 4:360 1:2048 \
+                --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:16:4 row:16:2 row:8:2} \
+                --out "bench/results/attention-row-short-$name.json" ;;
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
             step row-generation timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_generation_gpu.py
             step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8} \
                 --rounds 10 --out \
                 "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+        gemv-table)  # a preset's one-token tiles on this device (TABLE_PRESET, default qwen2.5-7b: in no table yet): the
+            # prefetch sweep of its projections and head, then its graphed step with the sweep's bests against CONFIGS
+            preset=${TABLE_PRESET:-qwen2.5-7b}
+            sweep="bench/results/gemv-prefetch-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+            step "gemv-table-sweep-$preset" timeout 400 python3 bench/gemv.py --preset "$preset" --sweep prefetch --head \
+                --out "$sweep"
+            step "gemv-table-step-$preset" timeout 150 python3 bench/one_token_ab.py --preset "$preset" --forms configs \
+                --gemv-configs "$sweep" --rounds 10 --out "${sweep/gemv-prefetch-/one-token-ab-}" ;;
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \
