@@ -48,7 +48,8 @@
 #     row-tests, row-ab, row-long, row-step  issue 33's one-row decode loop (kernels/triton_decode_row.py, for G = 1):
 #              its GPU tests with paged attention's and the variants' (~3 min, estimated);
 #              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (default off 32:4 16:4 32:8
-#              64:8) in turn (~5 min); the long shapes that missed 0.95 at 16-64 slices (~3 min); generation
+#              64:8) in turn (~5 min); the long shapes that missed 0.95 at 8-64 slices (wave fill: the row loop holds
+#              3 programs an SM at 4 warps of 144 registers), short ones at 1-8 (~4 min); generation
 #              against HF and the graphed batch-1 step with each tile (~4 min)
 #     gemv-table  issue 33: a preset's GEMV tiles (TABLE_PRESET, default qwen2.5-7b, whose shapes are in no table):
 #              bench/gemv.py --sweep prefetch --head, then bench/one_token_ab.py with the sweep's bests as a form (not
@@ -347,7 +348,7 @@ for suite in "$@"; do
             # then batch-1/4 short contexts (the batch-1 step's), where up to 4 slices merge in the kernel
             name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
             step row-long timeout 300 python3 bench/attention.py --long-sweep --long-shapes 1:16384 1:32768 2:16384 \
-                4:8192 --long-splits 16 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8} --out \
+                4:8192 --long-splits 8 12 16 24 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8} --out \
                 "bench/results/attention-row-long-$name.json"
             step row-short timeout 200 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 4:360 1:2048 \
                 --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:16:4 row:16:2 row:8:2} \

@@ -2,8 +2,9 @@
 instead of its tiled kernel: decode launches (one new token a sequence, every sequence's programs,
 no work list) of models with one query head per kv head (G = 1), without a sliding window, a soft
 cap or the unified maximum, and without a caller's tile config (tests and sweeps that name a tile
-get the tiled kernel). The split count and how slices merge are the planner's
-(attention_launch.plan_launch), as for the tiled kernel; the combine launch is paged_attention's.
+get the tiled kernel). The split count is the planner's (attention_launch.plan_launch), as for the
+tiled kernel; up to the tile's `merge_max` slices merge in the kernel, more in paged_attention's
+combine launch.
 
 `ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere:
 None until a GPU has measured the loop faster (written in the twenty-fifth session, a session
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchmaker.kernels.attention_launch import head_pad
+from batchmaker.kernels.attention_launch import COMBINE_MAX_SPLITS, _pow2, head_pad
 from batchmaker.kernels.cell_launch import load_kernels
 
 
@@ -26,6 +27,8 @@ from batchmaker.kernels.cell_launch import load_kernels
 class RowTile:
     block_n: int  # positions a step (the row lanes of each program's online softmax)
     num_warps: int
+    merge_max: int = COMBINE_MAX_SPLITS  # slices the last program merges (all its loads at once); more: the
+    # combine launch (the tiled kernel's in-kernel merge, a loop over slices, lost to it beyond 4: H200)
 
 
 ROW_TILE = RowTile(32, 4)
@@ -34,11 +37,13 @@ ROW_BYTES = 256
 
 
 def parse_tile(spec: str) -> RowTile | None:
-    """"BLOCK_N:WARPS" as a RowTile; "off": None (benchmarks' flags)."""
-    if spec == "off":
-        return None
-    block_n, warps = map(int, spec.split(":"))
-    return RowTile(block_n, warps)
+    """"BLOCK_N:WARPS[:MERGE_MAX]" as a RowTile; "off": None (benchmarks' flags)."""
+    return None if spec == "off" else RowTile(*map(int, spec.split(":")))
+
+
+def merges_in_kernel(num_splits: int, have_counters: bool) -> bool:
+    """Whether a row launch of `num_splits` slices merges them in its last program (COMBINE)."""
+    return have_counters and 1 < num_splits <= ROW_DECODE.merge_max
 
 
 def runs_rows(group: int, max_query_len: int, items, config, window, softcap, unified: bool) -> bool:
@@ -63,4 +68,5 @@ def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, coun
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         D=head_dim, D_PAD=head_pad(head_dim), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
-        IS_SPLIT=num_splits > 1, COMBINE=counters is not None, num_warps=tile.num_warps, **pdl)
+        IS_SPLIT=num_splits > 1, COMBINE=counters is not None, SPLITS_PAD=_pow2(num_splits) if counters is not None
+        else 1, num_warps=tile.num_warps, **pdl)

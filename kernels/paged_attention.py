@@ -251,18 +251,20 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
                                            None if items is None else len(items),
                                            wide_prompt(q.device, head_pad(head_dim) * q.element_size()),
                                            (head_pad(head_dim), q.element_size()))
+    unified = runs_unified(unified_max, max_query_len, num_splits, items)
+    rows = decode_row.runs_rows(group, max_query_len, items, config, window, softcap, unified)
+    combine = decode_row.merges_in_kernel(num_splits, available is not None) if rows else combine
     counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)
     is_split = num_splits > 1
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=q.device) if is_split else out
     part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device) if is_split else out
-    unified = runs_unified(unified_max, max_query_len, num_splits, items)
     part_flag = torch.empty(part_out.shape[:3], dtype=torch.int8, device=q.device) if unified else None
     if unified and flags is None:
         flags = torch.empty(q.shape[:2], dtype=torch.int8, device=q.device)
     phi_log2, lo_log2, hi_log2 = bounds_log2(unified_max, q.dtype) if unified else (None, None, None)
-    if decode_row.runs_rows(group, max_query_len, items, config, window, softcap, unified):
+    if rows:
         decode_row.launch_rows(q, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, query_start,
                                context_lens, scale * LOG2_E, num_splits, pdl_options(q, PDL))
     else:

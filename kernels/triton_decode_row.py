@@ -15,14 +15,15 @@ and a K row, reduced within the threads that hold the row (warp shuffles).
 
 One program per (kv head, slice, sequence); grid (Hkv * num_splits, S + 1), the extra sequence
 zeroing the padding tokens, as triton_attention.py's. Split, a program writes its slice's
-normalized output and log-sum-exp, merged by the last program of the row (COMBINE) or by
-combine_splits_kernel (triton_split_merge.py).
+normalized output and log-sum-exp, merged by the last program of the row (COMBINE: it loads every
+slice at once, where the tiled kernel's merge loops over them) or by combine_splits_kernel
+(triton_split_merge.py), both by its `slice_weights`.
 """
 import triton
 import triton.language as tl
 
 from batchmaker.kernels.triton_pdl import wait_for_input
-from batchmaker.kernels.triton_split_merge import SHAPE_ARGS, _combine_tile, _load_rows
+from batchmaker.kernels.triton_split_merge import SHAPE_ARGS, _load_rows, slice_weights
 
 NO_SCORE = tl.constexpr(-1.0e30)  # a lane's maximum before any key: finite, so keyless lanes make no NaNs
 
@@ -52,7 +53,7 @@ def decode_row_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    COMBINE: tl.constexpr, PDL: tl.constexpr,
+    COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     # a sequence has 0 or 1 new token (decode; padded sequences 0), at position ctx - 1. Before the PDL
     # wait: the sequence's metadata, the slice, and its first two steps' block ids (no kernel writes them)
@@ -112,13 +113,19 @@ def decode_row_kernel(
         tl.store(part_out + part_row * D + offs_d, o, mask=offs_d < D)
         tl.store(part_lse + part_row, tl.where(has_key, top + tl.log2(tl.where(has_key, total, 1.0)),
                                                float("-inf")))
-        if COMBINE:
+        if COMBINE:  # the last of the row's programs merges every slice, loading them all at once
             counter = counters + head * num_tokens + t
             tl.debug_barrier()  # every thread's partials stored before the release below
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                one = tl.arange(0, 1)
-                _combine_tile(part_out, part_lse, out, t + one, head + one, one == 0, num_tokens, num_q_heads,
-                              num_splits, stride_ot, stride_oh, D, D_PAD)
+                splits = tl.arange(0, SPLITS_PAD)
+                rows = (splits * num_tokens + t) * num_q_heads + head
+                is_split = splits < num_splits
+                w = slice_weights(tl.load(part_lse + rows, mask=is_split, other=float("-inf"), cache_modifier=".cg"))
+                parts = tl.load(part_out + rows[:, None] * D + offs_d[None, :], other=0.0, cache_modifier=".cg",
+                                mask=is_split[:, None] & (offs_d[None, :] < D))  # (.cg: from L2, never a stale L1)
+                merged = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)  # (the row's own slice has its key)
+                tl.store(out + t * stride_ot + head * stride_oh + offs_d, merged.to(out.dtype.element_ty),
+                         mask=offs_d < D)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(out + t * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=offs_d < D)

@@ -70,6 +70,13 @@ def _combine_tile(part_out, part_lse, out, tok, head, is_row, num_tokens, num_q_
                 result.to(out.dtype.element_ty), is_row, offs_d, D, D_PAD)
 
 
+@triton.jit
+def slice_weights(lse):
+    # a row's slices' weights in its merge, 2^(lse_j - max lse) [S]: 0 for an empty slice (lse -inf)
+    top = tl.max(lse, 0)
+    return tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+
+
 @triton.jit(do_not_specialize=SHAPE_ARGS)
 def combine_splits_kernel(
     part_out, part_lse, out, query_start,  # partials as above; out [T, Hq, D]
@@ -92,9 +99,7 @@ def combine_splits_kernel(
         result = combine_row(o, tl.load(part_lse + part_row, mask=is_split, other=0.0), flag, phi_log2)
         tl.store(flags + t * num_q_heads + h, tl.max(flag, 0))
     else:
-        lse = tl.load(part_lse + part_row, mask=is_split, other=float("-inf"))
-        top = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS_PAD], 0 for empty slices
+        w = slice_weights(tl.load(part_lse + part_row, mask=is_split, other=float("-inf")))  # [SPLITS_PAD]
         o = _load_rows(part_out + part_row[:, None] * D + offs_d[None, :], is_split, offs_d, D, D_PAD, True)
         total = tl.sum(w, 0)
         result = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)

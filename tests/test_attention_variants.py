@@ -65,10 +65,11 @@ _VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IS_SPLIT", "COMBIN
 def _kernel_launches(cfg, n: int, combine: bool, work: bool, windowed: bool = False, capped: bool = False,
                      rows: bool = False) -> set:
     """`rows`: the launch is the row loop's (kernels/decode_row.py), its tile ROW_DECODE's."""
-    if rows:
-        tile = decode_row.ROW_DECODE
+    if rows:  # (its own merge: up to the tile's merge_max slices in the kernel, a variant per padded count)
+        tile, combine = decode_row.ROW_DECODE, decode_row.merges_in_kernel(n, True)
         attention = ("decode_row_kernel", tuple(sorted({"BLOCK_N": tile.block_n, "num_warps": tile.num_warps,
-                                                        "IS_SPLIT": n > 1, "COMBINE": combine}.items())))
+                                                        "IS_SPLIT": n > 1, "COMBINE": combine,
+                                                        "SPLITS_PAD": _pow2(n) if combine else 1}.items())))
     else:
         attention = ("paged_attention_kernel", tuple(sorted({
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

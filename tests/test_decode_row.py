@@ -8,7 +8,7 @@ import torch
 
 from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_variants import compile_variants
-from batchmaker.kernels.paged_attention import AttentionConfig, paged_attention
+from batchmaker.kernels.paged_attention import AttentionConfig
 from helpers import interpreter, needs_gpu, run_interpreted
 from test_paged_attention import check_kernel, make_case
 
@@ -50,7 +50,8 @@ def decode_cases(device="cpu", dtype=torch.float32, head_dims=(32, 24, 48)):
 
 
 def test_tiles_parse_and_wide_rows_step_fewer_positions(monkeypatch):
-    assert decode_row.parse_tile("off") is None and decode_row.parse_tile("16:2") == decode_row.RowTile(16, 2)
+    assert decode_row.parse_tile("off") is None and decode_row.parse_tile("16:2") == decode_row.RowTile(16, 2, 4)
+    assert decode_row.parse_tile("16:2:8").merge_max == 8
     monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.RowTile(32, 4))
     steps = []
     monkeypatch.setattr(decode_row, "load_kernels", lambda *names: type("K", (), {"decode_row_kernel": type(
@@ -64,9 +65,9 @@ def test_tiles_parse_and_wide_rows_step_fewer_positions(monkeypatch):
 
 
 @interpreter
-@pytest.mark.parametrize("block_n,warps", [(32, 4), (16, 2)])
-def test_the_row_loop_equals_the_twin_in_the_interpreter(block_n, warps, monkeypatch, row_launches):
-    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.RowTile(block_n, warps))
+@pytest.mark.parametrize("tile", ["32:4", "16:2:32"])  # (the second merges every split count in the kernel)
+def test_the_row_loop_equals_the_twin_in_the_interpreter(tile, monkeypatch, row_launches):
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.parse_tile(tile))
     cases = list(decode_cases())
     for case, kw in cases:
         check_kernel(case, **kw)
@@ -81,7 +82,7 @@ def test_the_tiled_kernel_keeps_grouped_heads_and_named_tiles_in_the_interpreter
     assert row_launches == []
     k = torch.randn(3, 4, 2, 16)  # (the engine's compiles before serving: each way of merging once)
     compile_variants(k, torch.randn_like(k), num_q_heads=2, max_blocks=64, max_positions=512)
-    assert row_launches == [1, 2, 5]
+    assert row_launches == [1, 2, 4, 8]  # (unsplit, then each width of the merge up to 512 // 64 slices)
 
 
 def test_the_interpreter_in_a_subprocess():
