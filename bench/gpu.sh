@@ -47,8 +47,8 @@
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
 #     row-tests, row-ab, row-long, row-step  issue 33's one-row decode loop (kernels/triton_decode_row.py, for G = 1):
 #              its GPU tests with paged attention's and the variants' (~3 min, estimated);
-#              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (default off 32:4 16:4 32:8
-#              64:8) in turn (~5 min); the long shapes that missed 0.95 at 8-64 slices (wave fill: the row loop holds
+#              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (BLOCK_N:WARPS[:MERGE_MAX],
+#              default off 32:4 16:4 32:8 32:4:32) in turn (~5 min); the long shapes that missed 0.95 at 8-64 slices (wave fill: the row loop holds
 #              3 programs an SM at 4 warps of 144 registers), short ones at 1-8 (~4 min); generation
 #              against HF and the graphed batch-1 step with each tile (~4 min)
 #     gemv-table  issue 33: a preset's GEMV tiles (TABLE_PRESET, default qwen2.5-7b, whose shapes are in no table):
@@ -342,7 +342,7 @@ for suite in "$@"; do
                 tests/test_paged_attention.py tests/test_attention_variants.py ;;
         row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
             step row-ab timeout 420 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
-                --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 64:8} --out \
+                --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 32:4:32} --out \
                 "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles;
             # then batch-1/4 short contexts (the batch-1 step's), where up to 4 slices merge in the kernel
@@ -351,12 +351,12 @@ for suite in "$@"; do
                 4:8192 --long-splits 8 12 16 24 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8} --out \
                 "bench/results/attention-row-long-$name.json"
             step row-short timeout 200 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 4:360 1:2048 \
-                --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:16:4 row:16:2 row:8:2} \
+                --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:32:4:8 row:16:4:8 row:16:2:8} \
                 --out "bench/results/attention-row-short-$name.json" ;;
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
             step row-generation timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_generation_gpu.py
-            step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8} \
+            step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_STEP_TILES:-off 32:4 32:4:8 16:4:8} \
                 --rounds 10 --out \
                 "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         gemv-table)  # a preset's one-token tiles on this device (TABLE_PRESET, default qwen2.5-7b: in no table yet): the
