@@ -20,6 +20,12 @@ split launches only); --against also compares combine_splits_kernel's PTX. Needs
     git show b9fe573:kernels/triton_attention.py > /tmp/before_unified.py
     python bench/attention_fit.py --against /tmp/before_unified.py --heads 64 80 128 256 --dtypes bf16 fp32 \
         --features none unified --out bench/results/attention-fit-sm90-unified.json
+    python bench/attention_fit.py --rows 32:4 16:4 32:8 32:4:32 --heads 64 80 128 256 --dtypes bf16 fp32 \
+        --out bench/results/attention-fit-sm90-row.json   # the one-row decode loop (issue 33)
+
+Stride arguments are compiled as the runtime specializes them where the head size is a multiple of
+16 (divisible by 16: 128-bit loads); before the twenty-fifth session only the pointers were, and
+the register counts of the files from then may be off for it.
 """
 import argparse
 import importlib.util
@@ -73,12 +79,27 @@ def _compile(kernel, dtype: str, consts: dict, optional: dict, num_warps: int, n
                                                                      else "fp32" if n.endswith("_log2")
                                                                      else "i32")
              for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types[n].startswith("*")}
+    strided = consts.get("D", 1) % 16 == 0  # (the runtime's: the strides are multiples of the head size)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if types[n].startswith("*") or (strided and n.startswith("stride"))}
     compiled = triton.compile(ASTSource(kernel, types, consts, aligned), target=TARGET,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = re.sub(r"\.section\s+\.debug.*", "", compiled.asm["ptx"], flags=re.DOTALL)
     ptx = re.sub(r"^\s*(\.loc|\.file|//|\$L__tmp\d+:).*\n", "", ptx, flags=re.MULTILINE)
     return ptx, compiled.metadata.shared
+
+
+def compile_row(head_dim: int, dtype: str, tile, split: bool, merge_pad: int):
+    """(PTX, shared bytes) of the one-row decode loop (kernels/triton_decode_row.py) with `tile`
+    (decode_row.RowTile; its positions a step as launch_rows fits them to the head), split or not,
+    merging `merge_pad` (padded) slices in the kernel (0: the combine launch merges them)."""
+    from batchmaker.kernels import decode_row, triton_decode_row
+    row_bytes = head_pad(head_dim) * (4 if dtype == "fp32" else 2)
+    block_n = max(1, tile.block_n * decode_row.ROW_BYTES // row_bytes) if row_bytes > decode_row.ROW_BYTES \
+        else tile.block_n
+    consts = {"D": head_dim, "D_PAD": head_pad(head_dim), "BLOCK_N": block_n, "BLOCK_SIZE": 16, "IS_SPLIT": split,
+              "COMBINE": merge_pad > 0, "SPLITS_PAD": max(merge_pad, 1), "PDL": True}
+    return _compile(triton_decode_row.decode_row_kernel, dtype, consts, {}, tile.num_warps, 1)
 
 
 def registers(ptx: str) -> tuple[int, int]:
@@ -108,8 +129,13 @@ def main() -> None:
                         help="compile with a sliding window and/or a soft cap too")
     parser.add_argument("--against", help="an older kernels/triton_attention.py: compare PTX at power-of-two heads "
                                            "(features none only)")
+    parser.add_argument("--rows", nargs="+", default=None, metavar="BLOCK_N:WARPS[:MERGE_MAX]",
+                        help="instead: the one-row decode loop's tiles (kernels/decode_row.py), unsplit, split with "
+                             "the combine launch, and merging MERGE_MAX slices in the kernel")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.rows:
+        return write(args, fit_rows(args))
     old = None
     if args.against:
         spec = importlib.util.spec_from_file_location("old_attention", args.against)
@@ -140,6 +166,28 @@ def main() -> None:
                        == compile_combine(triton_attention.combine_splits_kernel, head_dim, dtype, splits_pad)[0]}
                 rows.append(row)
                 print(row, flush=True)
+    write(args, rows)
+
+
+def fit_rows(args) -> list[dict]:
+    """--rows: each tile's registers, spills and shared memory per head and dtype, and the programs
+    an SM holds by its registers (65,536 a multiprocessor, allocated 8 a thread at a time)."""
+    from batchmaker.kernels.decode_row import parse_tile
+    rows = []
+    for head_dim, dtype, spec in itertools.product(args.heads, args.dtypes, args.rows):
+        tile = parse_tile(spec)
+        for split, merge_pad in ((False, 0), (True, 0), (True, 1 << (tile.merge_max - 1).bit_length())):
+            ptx, shared = compile_row(head_dim, dtype, tile, split, merge_pad)
+            regs, spills = registers(ptx)
+            row = {"kernel": "decode_row_kernel", "head_dim": head_dim, "dtype": dtype, "tile": spec,
+                   "split": split, "merge_in_kernel": merge_pad, "registers": regs, "spill_bytes": spills,
+                   "shared_bytes": shared, "programs_per_sm": 65536 // (-(-regs // 8) * 8 * 32 * tile.num_warps)}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def write(args, rows: list[dict]) -> None:
     Path(args.out).write_text(json.dumps({"command": "python bench/attention_fit.py " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v),
         "triton": triton.__version__, "target": "sm_90a (compiled on the CPU)", "rows": rows}, indent=1))

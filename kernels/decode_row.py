@@ -11,9 +11,10 @@ None until a GPU has measured the loop faster (written in the twenty-fifth sessi
 without device time: equal to the twin in Triton's interpreter, compiled for sm_90a on the CPU).
 `ROW_TILE` is the tile to measure first; benchmarks set either (bench/attention.py --row-tiles).
 A step's rows are held in registers, K's and V's, this step's and the next's: heads whose rows
-are wider than ROW_BYTES (a 16-bit head of 128) step fewer positions, in proportion (compiled for
-sm_90a at 4 warps and 32 positions of 256-byte rows: 144 registers a thread, none spilled; fp32
-heads of 128 took 208, and 32 positions of 16-bit heads of 256 took 254).
+are wider than ROW_BYTES (a 16-bit head of 128) step fewer positions, in proportion: unfitted, 32
+positions of fp32 heads of 128 took 208 registers a thread and 16-bit heads of 256 took 254;
+fitted, the tile 32:4 compiles to 68-146 registers at heads of 64-256 in bf16 and fp32, none spilled
+(sm_90a on the CPU, bench/attention_fit.py --rows, bench/results/attention-fit-sm90-row.json).
 """
 from dataclasses import dataclass
 

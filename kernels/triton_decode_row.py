@@ -120,10 +120,11 @@ def decode_row_kernel(
                 splits = tl.arange(0, SPLITS_PAD)
                 rows = (splits * num_tokens + t) * num_q_heads + head
                 is_split = splits < num_splits
-                w = slice_weights(tl.load(part_lse + rows, mask=is_split, other=float("-inf"), cache_modifier=".cg"))
+                weights = slice_weights(tl.load(part_lse + rows, mask=is_split, other=float("-inf"),
+                                                cache_modifier=".cg"))
                 parts = tl.load(part_out + rows[:, None] * D + offs_d[None, :], other=0.0, cache_modifier=".cg",
                                 mask=is_split[:, None] & (offs_d[None, :] < D))  # (.cg: from L2, never a stale L1)
-                merged = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)  # (the row's own slice has its key)
+                merged = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)  # (its last slice has a key)
                 tl.store(out + t * stride_ot + head * stride_oh + offs_d, merged.to(out.dtype.element_ty),
                          mask=offs_d < D)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

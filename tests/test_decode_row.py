@@ -109,3 +109,15 @@ def test_llama_heads_at_long_contexts_as_the_planner_splits_them(max_context_len
     case = make_case([1, 1, 1], lens, 32, 1, 128, 16, torch.bfloat16, "cuda", seed=5)
     check_kernel(case, max_context_len=max_context_len)
     assert len(row_launches) == 1
+
+
+@pytest.mark.parametrize("head_dim,dtype,tile,split,merge_pad", [
+    (128, "bf16", "32:4", False, 0), (128, "bf16", "32:4", True, 0), (128, "bf16", "32:4", True, 4),
+    (80, "fp32", "16:4:8", True, 8), (256, "bf16", "32:4:32", True, 32), (48, "fp16", "32:4", True, 2)])
+def test_the_row_loop_compiles_for_hopper_on_the_cpu(head_dim, dtype, tile, split, merge_pad):
+    """Triton's compile for sm_90a (no GPU): what the interpreter does not check (a variable whose
+    shape a branch changes failed here, not there), with no spills (bench/attention_fit.py --rows)."""
+    pytest.importorskip("triton")
+    fit = pytest.importorskip("bench.attention_fit")
+    ptx, _ = fit.compile_row(head_dim, dtype, decode_row.parse_tile(tile), split, merge_pad)
+    assert fit.registers(ptx)[1] == 0
