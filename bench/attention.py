@@ -10,6 +10,10 @@ measured copy bandwidth and against torch SDPA on the same contexts stored dense
     python bench/attention.py --out gemma2.json --heads 16 --kv-heads 8 --head-dim 256 \
         --window 4096 --softcap 50 --contexts 2048 8192  # Gemma 2 9B's local layers (issue 33)
     python bench/attention.py --out fdpp.json --unified-max   # decode: exact against a unified maximum (issue 33)
+    python bench/attention.py --out row.json --row-tiles off 32:4 16:4   # each decode shape with the one-row
+                                         # loop off and with each tile in turn (kernels/decode_row.py; G = 1)
+    python bench/attention.py --out long.json --long-sweep --long-tiles 64:4:2 row:32:4 row:32:4:32
+                                         # split counts x tiles, the row loop's as row:BLOCK_N:WARPS[:MERGE_MAX]
 
 --unified-max: decode at batches 1-256 and contexts 256-32K (at most --max-tokens positions in all),
 each launch as paged_attention plans it, timed exact, with a unified maximum (--phi, the scores'
