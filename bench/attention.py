@@ -356,6 +356,7 @@ def main(argv=None) -> None:
                 decode.append({**measure(ctxs, args, device, ceilings), **auto_choice(ctxs, args, device),
                                "row_tile": repr(decode_row.ROW_DECODE)})
                 print("decode", decode[-1], flush=True)
+                ctxs.dense = None  # (SDPA once a shape)
             del ctxs
     for spec in args.prefill:
         batch, ctx = map(int, spec.split(":"))

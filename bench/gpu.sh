@@ -341,7 +341,7 @@ for suite in "$@"; do
             step row-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
                 tests/test_paged_attention.py tests/test_attention_variants.py ;;
         row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
-            step row-ab timeout 420 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
+            step row-ab timeout 340 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
                 --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 32:4:32} --out \
                 "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles;
