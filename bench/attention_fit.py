@@ -98,7 +98,7 @@ def compile_row(head_dim: int, dtype: str, tile, split: bool, merge_pad: int):
     block_n = max(1, tile.block_n * decode_row.ROW_BYTES // row_bytes) if row_bytes > decode_row.ROW_BYTES \
         else tile.block_n
     consts = {"D": head_dim, "D_PAD": head_pad(head_dim), "BLOCK_N": block_n, "BLOCK_SIZE": 16, "IS_SPLIT": split,
-              "COMBINE": merge_pad > 0, "SPLITS_PAD": max(merge_pad, 1), "PDL": True}
+              "COMBINE": merge_pad > 0, "SPLITS_PAD": max(merge_pad, 1), "BF16": dtype == "bf16", "PDL": True}
     return _compile(triton_decode_row.decode_row_kernel, dtype, consts, {}, tile.num_warps, 1)
 
 

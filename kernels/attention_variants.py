@@ -92,7 +92,7 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
     context = min(SCRATCH_CONTEXT, max_blocks * block_size)
     for cfg, splits in unified:
         _decode(k_cache, v_cache, num_q_heads, tables, context, cfg, splits, unified_max)
-    rows = _row_variants(max_positions, group, softcap, unified_max) if False in windowed else []
+    rows = _row_variants(max_positions, group, softcap, unified_max, k_cache) if False in windowed else []
     for splits in rows:  # (no tile named: kernels/decode_row.py's loop)
         _decode(k_cache, v_cache, num_q_heads, tables, context, None, splits)
     if device.type == "cuda":
@@ -109,12 +109,13 @@ def _decode(k_cache, v_cache, num_q_heads: int, tables, context: int, cfg, split
             None, None, unified_max)
 
 
-def _row_variants(max_positions: int, group: int, softcap: float | None, unified_max: float | None) -> list[int]:
+def _row_variants(max_positions: int, group: int, softcap: float | None, unified_max: float | None,
+                  k_cache: torch.Tensor) -> list[int]:
     """A split count for each variant of the row loop (kernels/decode_row.py) that some decode launch
     of up to max_positions positions reaches, where a model's unwindowed layers take it: unsplit, and
     each power-of-two class of slice counts (the merge's width, in the kernel or the combine launch's),
     up to the most slices the planner cuts that bound into; with a unified maximum, unsplit only."""
-    if not decode_row.runs_rows(group, 1, None, None, None, softcap, False):
+    if not decode_row.runs_rows(group, 1, None, None, None, softcap, False, k_cache):
         return []
     cap = MAX_SPLITS if max_positions >= LONG_SPLIT_CONTEXT else SHORT_MAX_SPLITS
     most = 1 if unified_max is not None else min(cap, max(1, max_positions // FEW_PROGRAMS_SPLIT_LEN))

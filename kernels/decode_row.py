@@ -6,15 +6,18 @@ get the tiled kernel). The split count is the planner's (attention_launch.plan_l
 tiled kernel; up to the tile's `merge_max` slices merge in the kernel, more in paged_attention's
 combine launch.
 
+It takes 16-bit caches of even head sizes (bf16, fp16), which it loads as 32-bit words; fp32 caches
+keep the tiled kernel.
+
 `ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere:
 None until a GPU has measured the loop faster (written in the twenty-fifth session, a session
 without device time: equal to the twin in Triton's interpreter, compiled for sm_90a on the CPU).
 `ROW_TILE` is the tile to measure first; benchmarks set either (bench/attention.py --row-tiles).
-A step's rows are held in registers, K's and V's, this step's and the next's: heads whose rows
-are wider than ROW_BYTES (a 16-bit head of 128) step fewer positions, in proportion: unfitted, 32
-positions of fp32 heads of 128 took 208 registers a thread and 16-bit heads of 256 took 254;
-fitted, the tile 32:4 compiles to 68-146 registers at heads of 64-256 in bf16 and fp32, none spilled
-(sm_90a on the CPU, bench/attention_fit.py --rows, bench/results/attention-fit-sm90-row.json).
+A program holds two steps' K and V rows in registers: heads whose rows are wider than ROW_BYTES
+(a 16-bit head of 128) step fewer positions, in proportion (32 positions of heads of 256 took 254
+registers a thread unfitted). Fitted, the tile 32:4 compiles to 72-144 registers at heads of
+64-256, 16:4 to 40-77, none spilled (sm_90a on the CPU, bench/attention_fit.py --rows,
+bench/results/attention-fit-sm90-row.json).
 """
 from dataclasses import dataclass
 
@@ -47,10 +50,13 @@ def merges_in_kernel(num_splits: int, have_counters: bool) -> bool:
     return have_counters and 1 < num_splits <= ROW_DECODE.merge_max
 
 
-def runs_rows(group: int, max_query_len: int, items, config, window, softcap, unified: bool) -> bool:
-    """Whether a launch with these arguments (paged_attention._launch's) takes the row loop."""
+def runs_rows(group: int, max_query_len: int, items, config, window, softcap, unified: bool, rows: torch.Tensor
+              ) -> bool:
+    """Whether a launch with these arguments (paged_attention._launch's; `rows`: q or a cache, [..., D] of
+    their dtype) takes the row loop: 16-bit heads of an even size (it loads them as 32-bit words)."""
     return (ROW_DECODE is not None and group == 1 and max_query_len == 1 and items is None and config is None
-            and window is None and softcap is None and not unified)
+            and window is None and softcap is None and not unified and rows.element_size() == 2
+            and rows.shape[-1] % 2 == 0)
 
 
 def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, query_start,
@@ -59,6 +65,7 @@ def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, coun
     its partials into part_out and part_lse (merged in the kernel where `counters` is given)."""
     tile = ROW_DECODE
     num_tokens, num_heads, head_dim = q.shape
+    assert k_cache.shape[2] == num_heads and q.element_size() == 2 and head_dim % 2 == 0, (q.shape, k_cache.shape)
     row_bytes = head_pad(head_dim) * q.element_size()
     block_n = max(1, tile.block_n * ROW_BYTES // row_bytes) if row_bytes > ROW_BYTES else tile.block_n
     num_seqs = block_tables.shape[0]
@@ -70,4 +77,4 @@ def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, coun
         block_tables.stride(0),
         D=head_dim, D_PAD=head_pad(head_dim), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, COMBINE=counters is not None, SPLITS_PAD=_pow2(num_splits) if counters is not None
-        else 1, num_warps=tile.num_warps, **pdl)
+        else 1, BF16=q.dtype == torch.bfloat16, num_warps=tile.num_warps, **pdl)

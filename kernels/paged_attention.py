@@ -237,9 +237,8 @@ def small_tokens(group: int) -> int:
 def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, max_query_len: int, scale: float,
             bound: int, config, num_splits, items, window: int | None = None, softcap: float | None = None,
             unified_max: float | None = None, flags: torch.Tensor | None = None) -> None:
-    """One kernel launch (+ the combine's): over every sequence and max_query_len's tiles, or over
-    `items` ((sequence, tile) each); a window bounds the positions a tile reads (window_bound);
-    a split decode launch with `unified_max` sums from it (`runs_unified`)."""
+    """One launch (+ the combine's) over every sequence's tiles or `items` ((sequence, tile) each), or the row loop
+    (decode_row.runs_rows); a window bounds what a tile reads; split decode with `unified_max` sums from it."""
     kernels = _load_kernels()
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, block_size, num_kv_heads = block_tables.shape[0], k_cache.shape[1], k_cache.shape[2]
@@ -252,7 +251,7 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
                                            wide_prompt(q.device, head_pad(head_dim) * q.element_size()),
                                            (head_pad(head_dim), q.element_size()))
     unified = runs_unified(unified_max, max_query_len, num_splits, items)
-    rows = decode_row.runs_rows(group, max_query_len, items, config, window, softcap, unified)
+    rows = decode_row.runs_rows(group, max_query_len, items, config, window, softcap, unified, q)
     combine = decode_row.merges_in_kernel(num_splits, available is not None) if rows else combine
     counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)

@@ -6,12 +6,17 @@ Why a loop of its own: triton_attention.py's decode tile pads the query to 16 ro
 its 2-stage pipeline waits for every copy in flight at each step's top and issues the next step's
 copies after this step's products (its SASS, twenty-fourth session), with 9 block-wide barriers a
 step: a program never overlaps its loads with its own work (1 x 16K positions read at 0.90 of the
-read bandwidth, H100). Here a program streams its slice's K/V rows into registers a step ahead of
-the step it computes, and their block ids two steps ahead (the ids feed the rows' addresses), so
-that one step's loads are in flight while the step before is reduced. Each of the BLOCK_N row
-lanes keeps its own online softmax (maximum, sum and output of the positions it saw: no reduction
-across lanes in the loop, so no barrier); the lanes merge once, at the end. A score is a dot of q
-and a K row, reduced within the threads that hold the row (warp shuffles).
+read bandwidth, H100). Here a program streams its slice's K/V rows into registers ahead of the
+step it reduces, two steps an iteration (a, b): b's rows are issued before a is reduced and the
+next a's before b is, so two steps' loads are in flight at once, and their block ids are loaded a
+whole iteration ahead (the ids feed the rows' addresses). The rows are 16-bit and loaded as 32-bit
+words, two columns a word (the even one low), unpacked to fp32 where used, so that the registers
+the loads write are the ones the loop carries: carried as 16-bit values, the loop's edge repacked
+every prefetched row and so waited there for the loads it had just issued (ptxas's PRMTs, in the
+SASS of the first version). Each of the BLOCK_N row lanes keeps its own online softmax (maximum,
+sum and output of the positions it saw: no reduction across lanes in the loop, so no barrier); the
+lanes merge once, at the end. A score is a dot of q and a K row, reduced within the threads that
+hold the row (warp shuffles).
 
 One program per (kv head, slice, sequence); grid (Hkv * num_splits, S + 1), the extra sequence
 zeroing the padding tokens, as triton_attention.py's. Split, a program writes its slice's
@@ -23,7 +28,7 @@ import triton
 import triton.language as tl
 
 from batchmaker.kernels.triton_pdl import wait_for_input
-from batchmaker.kernels.triton_split_merge import SHAPE_ARGS, _load_rows, slice_weights
+from batchmaker.kernels.triton_split_merge import SHAPE_ARGS, slice_weights
 
 NO_SCORE = tl.constexpr(-1.0e30)  # a lane's maximum before any key: finite, so keyless lanes make no NaNs
 
@@ -36,12 +41,39 @@ def _ids(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _rows(cache, block, start, hi, head, stride_b, stride_o, stride_h, offs_d, D: tl.constexpr,
-          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    # [BLOCK_N, D_PAD] rows of positions start .. (0 from hi on, and in the columns past D)
+def _words(cache, block, start, hi, head, stride_b, stride_o, stride_h, offs_w, D: tl.constexpr, D_PAD: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # [BLOCK_N, D_PAD // 2] 32-bit words of the 16-bit rows of positions start .. (two columns a word, the
+    # even one low; 0 from hi on and past D): a step's registers are the loads' own, never repacked
     offs_n = start + tl.arange(0, BLOCK_N)
-    rows = block.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_o + head * stride_h
-    return _load_rows(cache + rows[:, None] + offs_d[None, :], offs_n < hi, offs_d, D, D_PAD, True)
+    rows = (block.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_o + head * stride_h) // 2
+    ptrs = cache.to(tl.pointer_type(tl.int32)) + rows[:, None] + offs_w[None, :]
+    if D == D_PAD:
+        return tl.load(ptrs, mask=(offs_n < hi)[:, None], other=0)
+    return tl.load(ptrs, mask=(offs_n < hi)[:, None] & (offs_w[None, :] < D // 2), other=0)
+
+
+@triton.jit
+def _halves(words, BF16: tl.constexpr):
+    # the two 16-bit values of each word as fp32: (the even columns', the odd columns')
+    if BF16:
+        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+    return ((words & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _step(acc_e, acc_o, m_i, l_i, k, v, q_e, q_o, start, hi, BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+    # the lanes' online softmax over one step's positions start .. (those from hi on left out)
+    k_e, k_o = _halves(k, BF16)
+    scores = tl.sum(k_e * q_e[None, :] + k_o * q_o[None, :], 1)  # [BLOCK_N]: within each row's threads
+    scores = tl.where(start + tl.arange(0, BLOCK_N) < hi, scores, float("-inf"))
+    m_new = tl.maximum(m_i, scores)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new)
+    v_e, v_o = _halves(v, BF16)
+    return (acc_e * alpha[:, None] + p[:, None] * v_e, acc_o * alpha[:, None] + p[:, None] * v_o, m_new,
+            l_i * alpha + p)
 
 
 @triton.jit(do_not_specialize=SHAPE_ARGS)
@@ -51,14 +83,15 @@ def decode_row_kernel(
     block_tables, query_start, context_lens,  # int [S, max_blocks], [S + 1], [S]
     scale_log2, num_seqs, num_tokens, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    stride_bt,
+    stride_bt,  # (the caches' in elements, all even)
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
 ):
-    # a sequence has 0 or 1 new token (decode; padded sequences 0), at position ctx - 1. Before the PDL
-    # wait: the sequence's metadata, the slice, and its first two steps' block ids (no kernel writes them)
+    # 16-bit caches (bf16, else fp16), D even. A sequence has 0 or 1 new token (decode; padded sequences 0),
+    # at position ctx - 1. Before the PDL wait: the sequence's metadata, the slice, and its first three
+    # steps' block ids (no kernel writes them)
     head, split, seq = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits, tl.program_id(1)
-    offs_d = tl.arange(0, D_PAD)
+    offs_w = tl.arange(0, D_PAD // 2)  # word columns; a head's even columns 2w, odd 2w + 1
     is_seq = seq < num_seqs
     t = tl.load(query_start + seq)
     n = tl.load(query_start + seq + 1, mask=is_seq, other=0) - t
@@ -70,53 +103,62 @@ def decode_row_kernel(
         hi = tl.minimum(lo + chunk, ctx)
     hi = tl.where(n > 0, hi, 0)
     table_row = block_tables + seq * stride_bt
-    block = _ids(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
-    block_next = _ids(table_row, lo + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+    ids_a = _ids(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
+    ids_b = _ids(table_row, lo + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+    ids_a2 = _ids(table_row, lo + 2 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
     wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
+    even = 2 * offs_w
     if seq == num_seqs:
         if split == 0 and (not IS_SPLIT or COMBINE):  # (else the combine kernel zeroes them)
-            zeros = tl.zeros([D_PAD], out.dtype.element_ty)
+            zeros = tl.zeros([D_PAD // 2], out.dtype.element_ty)
             for pad in range(t, num_tokens):
-                tl.store(out + pad * stride_ot + head * stride_oh + offs_d, zeros, mask=offs_d < D)
+                tl.store(out + pad * stride_ot + head * stride_oh + even, zeros, mask=even < D)
+                tl.store(out + pad * stride_ot + head * stride_oh + even + 1, zeros, mask=even < D)
         return
     if n == 0:
         return
-    q_row = tl.load(q + t * stride_qt + head * stride_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    q_row = q_row * scale_log2  # (scores in log2 units: the softmax takes exp2)
+    q_row = q + t * stride_qt + head * stride_qh
+    q_e = tl.load(q_row + even, mask=even < D, other=0.0).to(tl.float32) * scale_log2  # (log2 units: exp2)
+    q_o = tl.load(q_row + even + 1, mask=even < D, other=0.0).to(tl.float32) * scale_log2
     m_i = tl.full([BLOCK_N], NO_SCORE, tl.float32)  # per lane: the largest score, the sum, the output
     l_i = tl.zeros([BLOCK_N], tl.float32)
-    acc = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    k = _rows(k_cache, block, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_d, D, D_PAD, BLOCK_N, BLOCK_SIZE)
-    v = _rows(v_cache, block, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_d, D, D_PAD, BLOCK_N, BLOCK_SIZE)
-    for step in range(lo, hi, BLOCK_N):
-        k_next = _rows(k_cache, block_next, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_d, D,
-                       D_PAD, BLOCK_N, BLOCK_SIZE)
-        v_next = _rows(v_cache, block_next, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_d, D,
-                       D_PAD, BLOCK_N, BLOCK_SIZE)
-        block_next = _ids(table_row, step + 2 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
-        scores = tl.sum(k.to(tl.float32) * q_row[None, :], 1)  # [BLOCK_N]
-        scores = tl.where(step + tl.arange(0, BLOCK_N) < hi, scores, float("-inf"))
-        m_new = tl.maximum(m_i, scores)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-        m_i = m_new
-        k, v = k_next, v_next
+    acc_e = tl.zeros([BLOCK_N, D_PAD // 2], tl.float32)
+    acc_o = tl.zeros([BLOCK_N, D_PAD // 2], tl.float32)
+    k_a = _words(k_cache, ids_a, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N, BLOCK_SIZE)
+    v_a = _words(v_cache, ids_a, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N, BLOCK_SIZE)
+    # two steps an iteration, a and b: b's rows are issued before a is reduced, the next a's before b is, so
+    # two steps' loads are in flight at once and no register the loads write is copied across the loop's edge
+    # (one step an iteration copied the prefetched rows at its end: it waited there for the loads it had issued)
+    for step in range(lo, hi, 2 * BLOCK_N):
+        k_b = _words(k_cache, ids_b, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
+                     BLOCK_N, BLOCK_SIZE)
+        v_b = _words(v_cache, ids_b, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
+                     BLOCK_N, BLOCK_SIZE)
+        ids_b = _ids(table_row, step + 3 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+        acc_e, acc_o, m_i, l_i = _step(acc_e, acc_o, m_i, l_i, k_a, v_a, q_e, q_o, step, hi, BLOCK_N, BF16)
+        k_a = _words(k_cache, ids_a2, step + 2 * BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,
+                     D_PAD, BLOCK_N, BLOCK_SIZE)
+        v_a = _words(v_cache, ids_a2, step + 2 * BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D,
+                     D_PAD, BLOCK_N, BLOCK_SIZE)
+        ids_a2 = _ids(table_row, step + 4 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+        acc_e, acc_o, m_i, l_i = _step(acc_e, acc_o, m_i, l_i, k_b, v_b, q_e, q_o, step + BLOCK_N, hi, BLOCK_N, BF16)
     top = tl.max(m_i, 0)  # the lanes merged: each lane's share rescaled to the largest maximum
     w = tl.exp2(m_i - top)
     total = tl.sum(l_i * w, 0)
     has_key = total > 0.0  # false for a slice that ends before its row's position
-    o = tl.sum(acc * w[:, None], 0) / tl.where(has_key, total, 1.0)  # [D_PAD]
+    o_e = tl.sum(acc_e * w[:, None], 0) / tl.where(has_key, total, 1.0)  # [D_PAD // 2]
+    o_o = tl.sum(acc_o * w[:, None], 0) / tl.where(has_key, total, 1.0)
     if IS_SPLIT:
         part_row = (split * num_tokens + t) * num_q_heads + head
-        tl.store(part_out + part_row * D + offs_d, o, mask=offs_d < D)
+        tl.store(part_out + part_row * D + even, o_e, mask=even < D)
+        tl.store(part_out + part_row * D + even + 1, o_o, mask=even < D)
         tl.store(part_lse + part_row, tl.where(has_key, top + tl.log2(tl.where(has_key, total, 1.0)),
                                                float("-inf")))
         if COMBINE:  # the last of the row's programs merges every slice, loading them all at once
             counter = counters + head * num_tokens + t
             tl.debug_barrier()  # every thread's partials stored before the release below
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                offs_d = tl.arange(0, D_PAD)
                 splits = tl.arange(0, SPLITS_PAD)
                 rows = (splits * num_tokens + t) * num_q_heads + head
                 is_split = splits < num_splits
@@ -124,9 +166,12 @@ def decode_row_kernel(
                                                 cache_modifier=".cg"))
                 parts = tl.load(part_out + rows[:, None] * D + offs_d[None, :], other=0.0, cache_modifier=".cg",
                                 mask=is_split[:, None] & (offs_d[None, :] < D))  # (.cg: from L2, never a stale L1)
-                merged = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)  # (its last slice has a key)
+                total = tl.sum(weights, 0)  # (> 0 for a row with a key; guarded as the combine launch's)
+                merged = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
                 tl.store(out + t * stride_ot + head * stride_oh + offs_d, merged.to(out.dtype.element_ty),
                          mask=offs_d < D)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(out + t * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=offs_d < D)
+        out_row = out + t * stride_ot + head * stride_oh
+        tl.store(out_row + even, o_e.to(out.dtype.element_ty), mask=even < D)
+        tl.store(out_row + even + 1, o_o.to(out.dtype.element_ty), mask=even < D)

@@ -103,7 +103,7 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     for module in (attention_variants, paged_attention):  # (the device's answer, on this CPU)
         monkeypatch.setattr(module, "wide_prompt", lambda device, row_bytes: wide)
     kv_heads, max_blocks = 32 // group, -(-max_positions // block)
-    k = torch.zeros(2, block, kv_heads, 16)
+    k = torch.zeros(2, block, kv_heads, 16, dtype=torch.bfloat16)  # (16-bit: the row loop's too)
     windows, softcap = FEATURES[features]
     config = types.SimpleNamespace(num_heads=32, max_positions=max_positions, attention_windows=windows,
                                    attn_softcap=softcap)
@@ -118,7 +118,7 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
             (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, 8, 16, 64, 128, 512, 2048), sorted({*range(16, width + 1, 37), width}),
             (None, 1, 4, 16, 100, 1000)):
         for window in {*windows} or {0}:
-            rows = decode_row.runs_rows(group, query, items, None, window or None, softcap, False)
+            rows = decode_row.runs_rows(group, query, items, None, window or None, softcap, False, k)
             flags = (items is not None, window > 0, softcap is not None, rows)
             capped = window_bound(bound, window or None, query)
             served |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, capped, 132, True, num_items=items,
@@ -149,14 +149,17 @@ def test_the_interpreter_in_a_subprocess():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_no_launch_compiles_after_the_variants_did():
+@pytest.mark.parametrize("kv_heads,row", [(8, None), (32, decode_row.ROW_TILE)], ids=("gqa", "row-loop"))
+def test_no_launch_compiles_after_the_variants_did(kv_heads, row, monkeypatch):
     """After compile_variants, paged attention over random mixed batches (decodes, chunks, work
-    lists, long contexts: split) compiles nothing new (the runtime's compile hook counts)."""
+    lists, long contexts: split) compiles nothing new (the runtime's compile hook counts); with
+    one query head per kv head and the row loop on, half the batches decode only (its launches)."""
     from triton import knobs
 
     from batchmaker.kernels.attention_work import work_lists
     from batchmaker.kernels.paged_attention import paged_attention
-    heads, kv_heads, dim, block, max_blocks = 32, 8, 128, 16, 256
+    monkeypatch.setattr(decode_row, "ROW_DECODE", row)
+    heads, dim, block, max_blocks = 32, 128, 16, 256
     k = torch.randn(2048, block, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     compile_variants(k, v, heads, max_blocks, max_blocks * block)
@@ -166,8 +169,8 @@ def test_no_launch_compiles_after_the_variants_did():
         gen = torch.Generator().manual_seed(0)
         for trial in range(40):
             seqs = int(torch.randint(1, 80, (), generator=gen))
-            lens = [1 if torch.rand((), generator=gen) < 0.8 else int(torch.randint(2, 600, (), generator=gen))
-                    for _ in range(seqs)]
+            lens = [1 if torch.rand((), generator=gen) < 0.8 or (row and trial % 2) else
+                    int(torch.randint(2, 600, (), generator=gen)) for _ in range(seqs)]
             ctxs = [min(max_blocks * block, q + int(torch.randint(0, 4000, (), generator=gen))) for q in lens]
             tables = torch.randint(1, 2048, (seqs, max_blocks), dtype=torch.int32, device="cuda")
             starts = torch.tensor([0] + lens).cumsum(0)
