@@ -343,7 +343,8 @@ for suite in "$@"; do
         row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
             step row-ab timeout 340 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
                 --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 32:4:32} --out \
-                "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+            python3 bench/row_report.py bench/results/attention-row-ab-*-$(date +%F).json ;;
         row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles;
             # then batch-1/4 short contexts (the batch-1 step's), where up to 4 slices merge in the kernel
             name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
@@ -352,13 +353,15 @@ for suite in "$@"; do
                 "bench/results/attention-row-long-$name.json"
             step row-short timeout 200 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 4:360 1:2048 \
                 --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:32:4:8 row:16:4:8 row:16:2:8} \
-                --out "bench/results/attention-row-short-$name.json" ;;
+                --out "bench/results/attention-row-short-$name.json"
+            python3 bench/row_report.py "bench/results/attention-row-long-$name.json" "bench/results/attention-row-short-$name.json" ;;
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
             step row-generation timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_generation_gpu.py
             step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_STEP_TILES:-off 32:4 32:4:8 16:4:8} \
                 --rounds 10 --out \
-                "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+            python3 bench/row_report.py bench/results/one-token-row-*-$(date +%F).json ;;
         gemv-table)  # a preset's one-token tiles on this device (TABLE_PRESET, default qwen2.5-7b: in no table yet): the
             # prefetch sweep of its projections and head, then its graphed step with the sweep's bests against CONFIGS
             preset=${TABLE_PRESET:-qwen2.5-7b}

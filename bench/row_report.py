@@ -1,0 +1,64 @@
+"""The one-row decode loop's A/B in a few lines a shape (kernels/decode_row.py; issue 33): reads what
+`bench/gpu.sh row-ab row-long row-step` wrote and prints, per decode shape, each tile's time and
+fraction of the read bandwidth beside the tiled kernel's, and the batch-1 step per tile against
+its floor. What a merge of `ROW_DECODE` is decided on.
+
+    python bench/row_report.py bench/results/attention-row-ab-*.json bench/results/attention-row-long-*.json \
+        bench/results/attention-row-short-*.json bench/results/one-token-row-*.json
+"""
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def tile_name(row: dict) -> str:
+    """A decode row's kernel: 'off' (the tiled kernel, automatic), the row tile's spec, or a swept tile."""
+    if "row_tile" in row:  # (--row-tiles: the automatic plan with ROW_DECODE set or None)
+        tile = row["row_tile"]
+        if tile == "None":
+            return "off"
+        fields = dict(part.split("=") for part in tile[tile.index("(") + 1:-1].split(", "))
+        return f"{fields['block_n']}:{fields['num_warps']}:{fields['merge_max']}"
+    if row.get("auto"):
+        return "auto"
+    config = row["config"]
+    return ("row:" + ":".join(map(str, config[1:])) if config[0] == "row" else
+            "tiled:" + ":".join(map(str, config[1:]))) + f"/{row['num_splits']}"
+
+
+def attention(record: dict) -> list[str]:
+    lines = [f"{record['device']}: read {record['read_GBps']:.0f} GB/s"]
+    shapes = defaultdict(dict)
+    for row in record["decode"] + record.get("sweep", []):
+        shapes[(row["batch"], row["context"])][tile_name(row)] = row
+    for (batch, context), rows in sorted(shapes.items()):
+        base = rows.get("off") or rows.get("auto")
+        best = min(rows.items(), key=lambda kv: kv[1]["us"])
+        cells = "  ".join(f"{name} {r['us']:.1f}us {r['of_read']:.3f}" for name, r in
+                          sorted(rows.items(), key=lambda kv: kv[1]["us"])[:6])
+        ratio = f"  best/base {best[1]['us'] / base['us']:.3f}" if base else ""
+        lines.append(f"{batch:3d} x {context:6d}: {cells}{ratio}")
+    return lines
+
+
+def step(record: dict) -> list[str]:
+    lines = [f"{record['device']}: {record['preset']} batch-1 step, floor {record['floor_ms']:.3f} ms"]
+    for name, form in sorted(record["forms"].items(), key=lambda kv: kv[1]["graph_step_ms_median"]):
+        ms = form["rounds_ms"]
+        lines.append(f"  {name:24s} {form['graph_step_ms_median']:.4f} ms  {form['vs_floor']:.4f}x  "
+                     f"(rounds {min(ms):.4f}-{max(ms):.4f}) {form.get('row_tile', '')}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    for path in parser.parse_args().files:
+        record = json.loads(Path(path).read_text())
+        print(f"== {path}")
+        print("\n".join(step(record) if "forms" in record else attention(record)))
+
+
+if __name__ == "__main__":
+    main()
