@@ -324,9 +324,8 @@ class TensorGroup:
 
     def fail(self, reason: str) -> None:
         """The group cannot go on (a rank died or hung, or an iteration failed midway): stop its
-        ranks, and fail this and every later iteration at once. Where a rank this group started
-        has exited, that is the reason (a collective it left fails on rank 0 before the watcher's
-        next tick: its error, a closed connection, would hide the cause)."""
+        ranks, and fail this and every later iteration at once. A started rank that exited is the
+        reason (a collective it left may fail here, a connection closed, before the watcher wakes)."""
         if dead := self._exited(within=WATCH_S):
             reason = f"ranks exited: {', '.join(dead)}"
         self.abort(reason)
@@ -334,8 +333,7 @@ class TensorGroup:
         raise RankFailedError(f"the tensor-parallel group is broken: {self.broken}")
 
     def _exited(self, within: float = 0.0) -> list[str]:
-        """The ranks this group started that have exited, or do within `within` s (a rank that
-        was killed closes its pipes and sockets a moment before it can be reaped)."""
+        """The started ranks that exited, or do within `within` s (killed, one closes its sockets first)."""
         ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], within) if self.processes else ()
         return [p.name for p in self.processes if p.sentinel in ended]
 
