@@ -126,12 +126,14 @@ def hf_model(lm, config):
     import transformers
     from batchmaker.cells.checkpoint import hf_names
     from batchmaker.cells.decoder_config import to_hf
+    from batchmaker.cells.rotary_layout import to_rotary_layout
     hf_config = transformers.AutoConfig.for_model(**to_hf(config))
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)
     state = {}
     for name, tensor in lm.state_dict().items():
         names = hf_names(config, name)
+        tensor = to_rotary_layout(config, name, tensor, inverse=True)  # (partial rotary: the checkpoint's rows)
         for hf_name, part in zip(names, _split(tensor, names, config)):
             state[hf_name] = part
     if "lm_head.weight" not in state:

@@ -12,6 +12,7 @@ import torch
 
 from batchmaker.cells.decoder import DecoderLM, empty_decoder, materialize
 from batchmaker.cells.decoder_config import DecoderConfig, from_hf
+from batchmaker.cells.rotary_layout import to_rotary_layout
 
 _QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 
@@ -137,6 +138,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device="
         parts = [(s[:] if piece is None else piece.cut_part(i, s)).to(device=device, dtype=dtype)
                  for i, s in enumerate(stored)]
         state[local] = (parts[0] if len(parts) == 1 else torch.cat(parts)) if piece is None else piece.join(parts)
+    for local, tensor in state.items():  # (q's and k's rows for partial rotary: cells/rotary_layout.py)
+        state[local] = to_rotary_layout(model.config, local, tensor)
     return materialize(model, state, device)
 
 

@@ -15,7 +15,7 @@ FAMILIES = ("llama", "opt")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # (cells/gemma.py)
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)  # model_types the Llama family runs
 ACTIVATIONS = {"llama": ("silu", "gelu_pytorch_tanh"), "opt": ("relu", "gelu")}  # (Llama: gelu for Gemma's GeGLU)
-ROPE_TYPES = ("linear", "llama3")  # besides none
+ROPE_TYPES = ("linear", "llama3", "longrope")  # besides none
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding legacy)
 
 
@@ -52,6 +52,8 @@ class DecoderConfig:
     final_softcap: float | None = None  # the logits soft-capped the same way (Gemma 2, 3)
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); (): no layer has one
     local_rope_theta: float | None = None  # Gemma 3: the RoPE base of the layers with a window (unscaled)
+    rotary_dim: int | None = None  # Llama family: the head's leading dims RoPE rotates (Phi-3's partial_rotary_factor;
+    # the weights' rows are laid out for it: cells/rotary_layout.py); None: all of them
     shards: int = 1  # a rank's share of a model split over this many (cells/tensor_parallel.py): heads, kv
     # heads, intermediate_size and vocab_size are the rank's
 
@@ -66,7 +68,7 @@ class DecoderConfig:
                              f"({self.num_kv_heads})")
         if self.family == "opt":
             self._check_opt()
-        rope_type(self.rope_scaling_dict)  # raises on unsupported scaling
+        self._check_rope()
         if (self.model_type in GEMMA) != (self.activation == "gelu_pytorch_tanh") and self.family == "llama":
             raise ValueError(f"{self.model_type or 'llama'} with activation {self.activation!r}: Gemma's MLP is "
                              f"gelu_pytorch_tanh-gated, the others' silu-gated")
@@ -76,6 +78,21 @@ class DecoderConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} {value!r}: a positive number or None expected")
+
+    def _check_rope(self):
+        kind = rope_type(self.rope_scaling_dict)  # raises on unsupported scaling
+        rotated = self.rotary_dim or self.head_dim
+        if self.rotary_dim is not None and (self.family != "llama" or rotated % 2 or not 2 <= rotated <= self.head_dim):
+            raise ValueError(f"rotary_dim {self.rotary_dim}: an even number of a head's dims (<= head_dim "
+                             f"{self.head_dim}) of a Llama-family model expected")
+        if kind == "longrope":
+            scaling = self.rope_scaling_dict
+            for key in ("short_factor", "long_factor"):
+                if len(scaling.get(key) or ()) != rotated // 2:
+                    raise ValueError(f"longrope {key}: {rotated // 2} factors (one per rotated pair) expected, got "
+                                     f"{len(scaling.get(key) or ())}")
+            if not scaling.get("original_max_position_embeddings"):
+                raise ValueError("longrope: original_max_position_embeddings (where the long factors start) missing")
 
     def _check_opt(self):
         if not self.do_layer_norm_before:
@@ -139,7 +156,8 @@ def scaling_tuple(scaling: dict | None) -> tuple | None:
     kind = rope_type(scaling)
     if kind == "default":
         return None
-    pairs = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
+    pairs = {k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()
+             if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}  # (lists: longrope's factors)
     pairs["rope_type"] = kind
     return tuple(sorted(pairs.items()))
 
@@ -233,17 +251,20 @@ def _llama_from_hf(c: dict) -> DecoderConfig:
     model_type = c["model_type"]
     if model_type in GEMMA:
         return _gemma_from_hf(c)
+    head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
     partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial}: rotary embeddings over part of each head are not "
-                         f"supported yet")
+    if partial != 1.0 and model_type != "phi3":
+        raise ValueError(f"partial_rotary_factor {partial}: rotary embeddings over part of each head are supported "
+                         f"for model_type phi3 (as transformers runs them), not {model_type}")
+    if rope_type(rope) == "longrope" and "original_max_position_embeddings" not in rope:
+        rope = dict(rope, original_max_position_embeddings=c.get("original_max_position_embeddings"))
     return DecoderConfig(
         model_type="" if model_type == "llama" else model_type, qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
         family="llama", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=num_heads,
         num_kv_heads=c.get("num_key_value_heads") or num_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+        head_dim=head_dim, rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         max_positions=c["max_position_embeddings"], norm_eps=c.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         rope_scaling=scaling_tuple(rope), activation=c.get("hidden_act", "silu"),
@@ -392,6 +413,8 @@ def _llama_like_to_hf(c: DecoderConfig, common: dict) -> dict:
                     sliding_window=max(c.layer_windows, default=None) or None,
                     layer_types=[("sliding" if w else "full") + "_attention" for w in c.layer_windows] or None)
     out.update(hidden_act=c.activation, sliding_window=None, use_sliding_window=False)
+    if c.rotary_dim is not None:
+        out["partial_rotary_factor"] = c.rotary_dim / c.head_dim
     if c.model_type == "qwen3":
         out["attention_bias"] = c.attention_bias
     return out

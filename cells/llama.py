@@ -1,4 +1,5 @@
-"""Llama: RMSNorm, rotary position embeddings (with linear or llama3 scaling), SwiGLU, GQA.
+"""Llama: RMSNorm, rotary position embeddings (with linear, llama3 or longrope scaling, over all of
+a head or part of it: cells/rotary_layout.py), SwiGLU, GQA.
 
 Numerics follow HF's modeling_llama: RMSNorm in float32 and cast back before the weight; RoPE in
 the rotate-half layout (the two halves of each head are the pairs rotated together), cos/sin
@@ -118,18 +119,41 @@ class Rotary:
         return fn(q, k, v, self.cos, self.sin, k_cache, v_cache, slots)
 
 
-def rope_inv_freq(config: DecoderConfig) -> Tensor:
-    """float32 [D/2] on the CPU: theta^(-2i/D), scaled as `config.rope_scaling` says."""
-    dim = config.head_dim
+def rope_inv_freq(config: DecoderConfig, long: bool = False) -> Tensor:
+    """float32 [D/2] on the CPU: theta^(-2i/R) over the R rotated dims (all D, or Phi-3's partial
+    rotary: then 0 for the pairs past R/2, which hold the dims passed through: cells/rotary_layout.py),
+    scaled as `config.rope_scaling` says (longrope: its short factors, or `long` ones)."""
+    dim = config.rotary_dim or config.head_dim
     # explicit device: stays real (and CPU) when the model is built on the meta device
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     scaling = config.rope_scaling_dict
     kind = rope_type(scaling)
     if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return _llama3_scaled(inv_freq, scaling, config.max_positions)
-    return inv_freq
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling, config.max_positions)
+    elif kind == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2, device="cpu")])
+
+
+def longrope(config: DecoderConfig) -> tuple[int, float] | None:
+    """(original_max_position_embeddings, attention factor) of a longrope model (Phi-3.5), else None.
+    A token at a position from the first on rotates by the long factors, before it by the short ones;
+    both scale cos and sin by the attention factor (transformers': sqrt(1 + ln(s) / ln(original)),
+    s = max_position_embeddings / original, unless the config gives `factor` or `attention_factor`).
+    transformers picks the factors per forward, by its longest sequence: one request at a time, its
+    decode steps as here, but a prompt longer than the original rotates every token by the long
+    factors, where here its tokens before the original position keep the short ones."""
+    scaling = config.rope_scaling_dict
+    if rope_type(scaling) != "longrope":
+        return None
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_positions / original
+    attention = scaling.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return original, attention
 
 
 def _llama3_scaled(inv_freq: Tensor, scaling: dict, max_positions: int) -> Tensor:
@@ -155,6 +179,13 @@ class LlamaLM(DecoderLM):
         self.norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # float32 [D/2]
+        self.longrope = longrope(c)  # (None, or where the long factors start and cos/sin's scale)
+        if self.longrope is not None:
+            pairs = (c.rotary_dim or c.head_dim) // 2  # (the pairs passed through keep cos 1: not scaled)
+            scale = torch.ones(c.head_dim // 2, device="cpu")
+            scale[:pairs] = self.longrope[1]
+            self.register_buffer("long_inv_freq", rope_inv_freq(c, long=True), persistent=False)
+            self.register_buffer("rope_scale", scale, persistent=False)
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.tokens(tokens)
@@ -174,6 +205,12 @@ class LlamaLM(DecoderLM):
         return super().head(hidden)
 
     def rotary(self, positions: Tensor) -> Rotary:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2], float32
+        inv_freq = self.inv_freq[None, :]
+        if self.longrope is not None:  # (per token, on the device: graphs replay it)
+            inv_freq = torch.where((positions >= self.longrope[0])[:, None], self.long_inv_freq, inv_freq)
+        freqs = positions[:, None].float() * inv_freq  # [T, D/2], float32
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.longrope is not None:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         dtype = self.embed_tokens.weight.dtype
-        return Rotary(freqs.cos().to(dtype), freqs.sin().to(dtype))
+        return Rotary(cos.to(dtype), sin.to(dtype))

@@ -102,16 +102,3 @@ def test_a_sliding_window_that_binds_is_served_on_the_cpu_and_built_for_the_gpu(
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=4096)))  # (never binds)
     assert build_model("llama", checkpoint=str(tmp_path)).cells["decoder"].config.attention_windows == ()
-
-
-def test_partial_rotary_and_longrope_are_refused_when_built(tmp_path):
-    save("phi3", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    for change, message in [({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
-                            ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                               "long_factor": [2.0] * 8}}, "longrope")]:
-        changed = dict(config, **change)
-        changed.pop("rope_parameters", None)
-        (tmp_path / "config.json").write_text(json.dumps(changed))
-        with pytest.raises(ValueError, match=message):
-            build_model("llama", checkpoint=str(tmp_path))
