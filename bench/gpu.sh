@@ -50,7 +50,8 @@
 #              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (BLOCK_N:WARPS[:MERGE_MAX],
 #              default off 32:4 16:4 32:8 32:4:32) in turn (~5 min); the long shapes that missed 0.95 at 8-64 slices (wave fill: the row loop holds
 #              3 programs an SM at 4 warps of 144 registers), short ones at 1-8 (~4 min); generation
-#              against HF and the graphed batch-1 step with each tile (~4 min)
+#              against HF (with partial rotary and longrope's bf16 test) and the graphed batch-1 step with each
+#              tile (~4 min)
 #     gemv-table  issue 33: a preset's GEMV tiles (TABLE_PRESET, default qwen2.5-7b, whose shapes are in no table):
 #              bench/gemv.py --sweep prefetch --head, then bench/one_token_ab.py with the sweep's bests as a form (not
 #              run yet; the Llama-2-7B sweeps took ~3-4 min each)
@@ -357,7 +358,8 @@ for suite in "$@"; do
             python3 bench/row_report.py "bench/results/attention-row-long-$name.json" "bench/results/attention-row-short-$name.json" ;;
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
-            step row-generation timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_generation_gpu.py
+            step row-generation timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_generation_gpu.py \
+                tests/test_partial_rotary.py  # (and Phi-3.5's RoPE: partial rotary, longrope, bf16 against transformers)
             step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_STEP_TILES:-off 32:4 32:4:8 16:4:8} \
                 --rounds 10 --out \
                 "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"

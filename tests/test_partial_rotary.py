@@ -14,7 +14,7 @@ import torch
 from batchmaker.cells.checkpoint import load_checkpoint
 from batchmaker.cells.rotary_layout import rotary_permutation, to_rotary_layout
 from batchmaker.registry import build_model
-from helpers import save_perturbed
+from helpers import needs_gpu, save_perturbed
 from test_generation import hf_greedy
 from test_tensor_parallel_engine import serve
 
@@ -40,14 +40,7 @@ def save(name: str, path) -> torch.nn.Module:
 def hf_cached_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy tokens one request at a time with its KV cache (as `generate` runs:
     longrope picks its factors per forward, by its longest position)."""
-    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # (transformers 5.x)
-    out = []
-    with torch.no_grad():
-        step = hf(torch.tensor([prompt]), use_cache=True)
-        for _ in range(n):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = hf(torch.tensor([[out[-1]]]), use_cache=True, **{key: step[key]})
-    return out
+    return hf_cached_reference(hf, prompt, n)[0]
 
 
 def test_the_layout_pairs_the_rotated_dims_as_transformers_does_and_inverts():
@@ -79,6 +72,9 @@ def test_logits_equal_transformers(name, tmp_path):
         with torch.no_grad():
             expected = hf(tokens[None]).logits[0]
         torch.testing.assert_close(model.dense_logits(tokens), expected, atol=1e-4, rtol=1e-4)
+    ours = model.layers[1].attn.qkv_proj.weight  # (bench/chat.hf_model's way back to transformers' rows)
+    back = to_rotary_layout(model.config, "layers.1.attn.qkv_proj.weight", ours, inverse=True)
+    assert torch.equal(back, hf.model.layers[1].self_attn.qkv_proj.weight)
 
 
 @pytest.mark.parametrize("name, tp", [("partial-0.5", 1), ("partial-0.5", 2), ("partial-longrope", 1),
@@ -112,3 +108,44 @@ def test_configs_the_engine_cannot_run_are_refused_when_built(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(dict(config, **change)))
         with pytest.raises(ValueError, match=message):
             build_model("llama", checkpoint=str(tmp_path))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_on_the_gpu_matches_transformers_up_to_near_ties(tmp_path, no_tf32):
+    """Partial rotary and longrope through the GPU paths (the fused RoPE kernels, the one-token
+    chain's RoPE, CUDA-graph decode): 40 mixed prompts within the original positions, 32 new tokens
+    each (crossing it), against transformers in bf16 one request at a time with its cache, under
+    tests/test_generation_gpu.py's near-tie rule."""
+    gpu = pytest.importorskip("test_generation_gpu")
+    config = dict(TINY, vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                  partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 32 for i in range(24)],
+                                "long_factor": [2.0 + i / 4 for i in range(24)]})
+    torch.manual_seed(11)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**config))
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30)  # (logits spread over several units: ties become rare)
+    hf.save_pretrained(tmp_path)
+    hf = hf.to("cuda", torch.bfloat16).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 4096) for _ in range(rng.randint(1, 64))] for _ in range(40)]
+    ours = gpu.serve(str(tmp_path), "bf16", prompts, 32, rng)
+    results = [gpu.near_tie_or_equal(tokens, *hf_cached_reference(hf, prompt, 32), gpu.NEAR_TIE)
+               for prompt, tokens in zip(prompts, ours)]
+    print(f"{sum(r[0] for r in results)}/40 identical, {sum(r[1] for r in results)}/40 identical or near-tie")
+    assert sum(r[1] for r in results) >= 0.95 * len(prompts)
+
+
+def hf_cached_reference(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """hf_cached_greedy's tokens on hf's device, with each step's logits (the near-tie rule's)."""
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    out, seen = [], []
+    with torch.no_grad():
+        step = hf(torch.tensor([prompt], device=hf.device), use_cache=True)
+        for _ in range(n):
+            seen.append(step.logits[0, -1].float())
+            out.append(int(seen[-1].argmax()))
+            step = hf(torch.tensor([[out[-1]]], device=hf.device), use_cache=True, **{key: step[key]})
+    return out, seen
