@@ -145,7 +145,9 @@ def longrope(config: DecoderConfig) -> tuple[int, float] | None:
     s = max_position_embeddings / original, unless the config gives `factor` or `attention_factor`).
     transformers picks the factors per forward, by its longest sequence: one request at a time, its
     decode steps as here, but a prompt longer than the original rotates every token by the long
-    factors, where here its tokens before the original position keep the short ones."""
+    factors, where here its tokens before the original position keep the short ones. Per position,
+    a token's K is a function of the tokens before it alone (not of its request's prompt length, its
+    batch or its chunking), so prefix and conversation caches stay exact."""
     scaling = config.rope_scaling_dict
     if rope_type(scaling) != "longrope":
         return None
