@@ -359,7 +359,7 @@ for suite in "$@"; do
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
             step row-generation timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_generation_gpu.py \
-                tests/test_partial_rotary.py  # (and Phi-3.5's RoPE: partial rotary, longrope, bf16 against transformers)
+                tests/test_rope_scaling.py  # (and Phi-3.5's RoPE: partial rotary, longrope, bf16 against transformers)
             step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_STEP_TILES:-off 32:4 32:4:8 16:4:8} \
                 --rounds 10 --out \
                 "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"

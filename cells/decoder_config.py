@@ -15,7 +15,8 @@ FAMILIES = ("llama", "opt")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # (cells/gemma.py)
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)  # model_types the Llama family runs
 ACTIVATIONS = {"llama": ("silu", "gelu_pytorch_tanh"), "opt": ("relu", "gelu")}  # (Llama: gelu for Gemma's GeGLU)
-ROPE_TYPES = ("linear", "llama3", "longrope")  # besides none
+ROPE_TYPES = ("linear", "llama3", "longrope", "yarn")  # besides none (cells/rope.py)
+ROPE_ALIASES = {"su": "longrope"}  # (Phi-3's first configs)
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding legacy)
 
 
@@ -85,6 +86,12 @@ class DecoderConfig:
         if self.rotary_dim is not None and (self.family != "llama" or rotated % 2 or not 2 <= rotated <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim}: an even number of a head's dims (<= head_dim "
                              f"{self.head_dim}) of a Llama-family model expected")
+        if kind in ("longrope", "yarn") and self.model_type in GEMMA:
+            raise ValueError(f"{kind} RoPE scaling with {self.model_type}: not supported (Gemma's RoPE takes "
+                             f"linear scaling)")
+        if kind == "yarn" and not (self.rope_scaling_dict.get("factor") or
+                                   self.rope_scaling_dict.get("original_max_position_embeddings")):
+            raise ValueError("yarn RoPE scaling: `factor` or `original_max_position_embeddings` expected")
         if kind == "longrope":
             scaling = self.rope_scaling_dict
             for key in ("short_factor", "long_factor"):
@@ -142,10 +149,11 @@ class DecoderConfig:
 
 
 def rope_type(scaling: dict | None) -> str:
-    """"default", "linear" or "llama3" for a rope scaling dict (HF's `rope_type`, or legacy `type`)."""
+    """"default" or one of ROPE_TYPES for a rope scaling dict (HF's `rope_type`, or legacy `type`; ROPE_ALIASES)."""
     if not scaling:
         return "default"
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = ROPE_ALIASES.get(kind, kind)
     if kind != "default" and kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {kind!r}; supported: none, {', '.join(ROPE_TYPES)}")
     return kind

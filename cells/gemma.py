@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, rms_normalized
 from batchmaker.cells.decoder_config import DecoderConfig
-from batchmaker.cells.llama import GatedMLP, Rotary, rope_inv_freq
+from batchmaker.cells.llama import GatedMLP, Rotary
+from batchmaker.cells.rope import rope_inv_freq
 from batchmaker.kernels.fused_decoder import add_rms_norm, can_fuse, rms_norm, silu_mul
 from batchmaker.kernels.skinny import project
 

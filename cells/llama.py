@@ -1,5 +1,5 @@
-"""Llama: RMSNorm, rotary position embeddings (with linear, llama3 or longrope scaling, over all of
-a head or part of it: cells/rotary_layout.py), SwiGLU, GQA.
+"""Llama: RMSNorm, rotary position embeddings (their frequencies and scaling in cells/rope.py, over
+all of a head or part of it: cells/rotary_layout.py), SwiGLU, GQA.
 
 Numerics follow HF's modeling_llama: RMSNorm in float32 and cast back before the weight; RoPE in
 the rotate-half layout (the two halves of each head are the pairs rotated together), cos/sin
@@ -10,14 +10,14 @@ HF runs. A forward of one token on CUDA (a batch-1 decode step) runs each layer 
 matrix-vector products with the norms and SiLU x up inside them (kernels/gemv.py), RoPE and the
 K/V cache write inside the first (when the attend is a paged cache's), plus attention.
 """
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, reduced
-from batchmaker.cells.decoder_config import DecoderConfig, rope_type
+from batchmaker.cells.decoder_config import DecoderConfig
+from batchmaker.cells.rope import long_factors_from, rope_inv_freq, rope_scale
 from batchmaker.kernels import gemv
 from batchmaker.kernels.skinny import project
 from batchmaker.kernels.fused_decoder import (add_rms_norm, can_fuse, reference_add_rms_norm, reference_rms_norm,
@@ -119,57 +119,6 @@ class Rotary:
         return fn(q, k, v, self.cos, self.sin, k_cache, v_cache, slots)
 
 
-def rope_inv_freq(config: DecoderConfig, long: bool = False) -> Tensor:
-    """float32 [D/2] on the CPU: theta^(-2i/R) over the R rotated dims (all D, or Phi-3's partial
-    rotary: then 0 for the pairs past R/2, which hold the dims passed through: cells/rotary_layout.py),
-    scaled as `config.rope_scaling` says (longrope: its short factors, or `long` ones)."""
-    dim = config.rotary_dim or config.head_dim
-    # explicit device: stays real (and CPU) when the model is built on the meta device
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
-    scaling = config.rope_scaling_dict
-    kind = rope_type(scaling)
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        inv_freq = _llama3_scaled(inv_freq, scaling, config.max_positions)
-    elif kind == "longrope":
-        factors = scaling["long_factor" if long else "short_factor"]
-        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
-    return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2, device="cpu")])
-
-
-def longrope(config: DecoderConfig) -> tuple[int, float] | None:
-    """(original_max_position_embeddings, attention factor) of a longrope model (Phi-3.5), else None.
-    A token at a position from the first on rotates by the long factors, before it by the short ones;
-    both scale cos and sin by the attention factor (transformers': sqrt(1 + ln(s) / ln(original)),
-    s = max_position_embeddings / original, unless the config gives `factor` or `attention_factor`).
-    transformers picks the factors per forward, by its longest sequence: one request at a time, its
-    decode steps as here, but a prompt longer than the original rotates every token by the long
-    factors, where here its tokens before the original position keep the short ones. Per position,
-    a token's K is a function of the tokens before it alone (not of its request's prompt length, its
-    batch or its chunking), so prefix and conversation caches stay exact."""
-    scaling = config.rope_scaling_dict
-    if rope_type(scaling) != "longrope":
-        return None
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or config.max_positions / original
-    attention = scaling.get("attention_factor") or (
-        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
-    return original, attention
-
-
-def _llama3_scaled(inv_freq: Tensor, scaling: dict, max_positions: int) -> Tensor:
-    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    context = scaling.get("original_max_position_embeddings", max_positions)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (context / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
-    is_medium = (wavelen >= context / high) & (wavelen <= context / low)
-    return torch.where(is_medium, blended, scaled)
-
-
 class LlamaLM(DecoderLM):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -181,13 +130,10 @@ class LlamaLM(DecoderLM):
         self.norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # float32 [D/2]
-        self.longrope = longrope(c)  # (None, or where the long factors start and cos/sin's scale)
-        if self.longrope is not None:
-            pairs = (c.rotary_dim or c.head_dim) // 2  # (the pairs passed through keep cos 1: not scaled)
-            scale = torch.ones(c.head_dim // 2, device="cpu")
-            scale[:pairs] = self.longrope[1]
+        self.long_from = long_factors_from(c)  # (longrope: the first position rotated by the long factors)
+        if self.long_from is not None:
             self.register_buffer("long_inv_freq", rope_inv_freq(c, long=True), persistent=False)
-            self.register_buffer("rope_scale", scale, persistent=False)
+        self.register_buffer("rope_scale", rope_scale(c), persistent=False)  # (None, or cos and sin's scale)
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.tokens(tokens)
@@ -208,11 +154,11 @@ class LlamaLM(DecoderLM):
 
     def rotary(self, positions: Tensor) -> Rotary:
         inv_freq = self.inv_freq[None, :]
-        if self.longrope is not None:  # (per token, on the device: graphs replay it)
-            inv_freq = torch.where((positions >= self.longrope[0])[:, None], self.long_inv_freq, inv_freq)
+        if self.long_from is not None:  # (per token, on the device: graphs replay it)
+            inv_freq = torch.where((positions >= self.long_from)[:, None], self.long_inv_freq, inv_freq)
         freqs = positions[:, None].float() * inv_freq  # [T, D/2], float32
         cos, sin = freqs.cos(), freqs.sin()
-        if self.longrope is not None:
+        if self.rope_scale is not None:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         dtype = self.embed_tokens.weight.dtype
         return Rotary(cos.to(dtype), sin.to(dtype))

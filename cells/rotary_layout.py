@@ -6,7 +6,7 @@ cos/sin [T, D/2] (kernels/fused_decoder.py, the one-token GEMV's RoPE). Attentio
 sums over a head's dims, unchanged when q and k permute them alike, so the checkpoint's q and k rows
 (and a per-head norm's weights) are permuted once, at load, so that pair i < R/2 of the kernels'
 pairing is transformers' pair i, and the pass-through dims fill pairs R/2 .. D/2 - 1, which rotate
-by a frequency of 0 (cos 1, sin 0: cells/llama.rope_inv_freq pads with zeros). V, o and the cache's
+by a frequency of 0 (cos 1, sin 0: cells/rope.rope_inv_freq pads with zeros). V, o and the cache's
 values are untouched; the cache holds K in this layout, which only attention reads.
 """
 import torch

@@ -199,8 +199,8 @@ def test_family_presets_count_the_parameters_of_transformers_models(name):
 
 
 def test_config_rejects_unsupported():
-    with pytest.raises(ValueError, match="yarn"):
-        from_hf({**to_hf(TINY_LLAMA), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="dynamic"):  # (dynamic NTK: frequencies that move with the length)
+        from_hf({**to_hf(TINY_LLAMA), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match="do_layer_norm_before"):
         from_hf({**to_hf(TINY_OPT), "do_layer_norm_before": False})
     with pytest.raises(ValueError, match="word_embed_proj_dim"):

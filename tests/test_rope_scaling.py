@@ -1,9 +1,10 @@
-"""Phi-3.5's and Phi-4-mini's RoPE (issue 33): rotary embeddings over part of each head
-(`partial_rotary_factor`, as a layout of q's and k's rows: cells/rotary_layout.py) and longrope
+"""RoPE beyond Llama 2's (issue 33): Phi-3.5's and Phi-4-mini's rotary embeddings over part of each
+head (`partial_rotary_factor`, as a layout of q's and k's rows: cells/rotary_layout.py) and longrope
 (short factors before `original_max_position_embeddings`, long ones from it, cos and sin scaled),
-loaded from the checkpoints transformers saves: logits and greedy tokens equal to transformers'
-(fp32, CPU; longrope against its generation with a KV cache, one request at a time), also split
-over two ranks; configs the engine cannot run refused when built."""
+and YaRN (Qwen2.5's long contexts; cells/rope.py), loaded from the checkpoints transformers saves:
+logits and greedy tokens equal to transformers' (fp32, CPU; longrope against its generation with a
+KV cache, one request at a time), also split over two ranks; configs the engine cannot run refused
+when built."""
 import inspect
 import json
 import random
@@ -33,8 +34,16 @@ PARTIAL = {"partial-0.5": dict(partial_rotary_factor=0.5),
                                           "long_factor": [3.0 + i for i in range(12)]})}
 
 
+YARN = {"qwen2-yarn": dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        "llama-yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                         "beta_fast": 16, "beta_slow": 2})}
+CLASSES = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+
+
 def save(name: str, path) -> torch.nn.Module:
-    return save_perturbed(transformers.Phi3Config, transformers.Phi3ForCausalLM, {**TINY, **PARTIAL[name]}, path)
+    config_class, model_class = CLASSES.get(name.split("-")[0], (transformers.Phi3Config, transformers.Phi3ForCausalLM))
+    return save_perturbed(config_class, model_class, {**TINY, **PARTIAL.get(name, YARN.get(name))}, path)
 
 
 def hf_cached_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -61,24 +70,26 @@ def load_checkpoint_config(hf_config: dict):
     return from_hf(dict(hf_config, model_type="phi3"))
 
 
-@pytest.mark.parametrize("name", list(PARTIAL))
+@pytest.mark.parametrize("name", [*PARTIAL, *YARN])
 def test_logits_equal_transformers(name, tmp_path):
     hf = save(name, tmp_path)
     model = load_checkpoint(tmp_path)
-    assert model.config.rotary_dim == {"partial-0.5": 12, "partial-longrope": 18, "longrope": None}[name]
+    assert model.config.rotary_dim == {"partial-0.5": 12, "partial-longrope": 18}.get(name)
     generator = torch.Generator().manual_seed(2)
-    for length in (1, 7, ORIGINAL):  # (longrope: within the original positions, the short factors)
+    for length in (1, 7, ORIGINAL) if "longrope" in name else (1, 7, 100):  # (longrope: within the original
+        # positions, the short factors; yarn's frequencies are the same at every length)
         tokens = torch.randint(0, 512, (length,), generator=generator)
         with torch.no_grad():
             expected = hf(tokens[None]).logits[0]
         torch.testing.assert_close(model.dense_logits(tokens), expected, atol=1e-4, rtol=1e-4)
-    ours = model.layers[1].attn.qkv_proj.weight  # (bench/chat.hf_model's way back to transformers' rows)
-    back = to_rotary_layout(model.config, "layers.1.attn.qkv_proj.weight", ours, inverse=True)
-    assert torch.equal(back, hf.model.layers[1].self_attn.qkv_proj.weight)
+    if name in PARTIAL:
+        ours = model.layers[1].attn.qkv_proj.weight  # (bench/chat.hf_model's way back to transformers' rows)
+        back = to_rotary_layout(model.config, "layers.1.attn.qkv_proj.weight", ours, inverse=True)
+        assert torch.equal(back, hf.model.layers[1].self_attn.qkv_proj.weight)
 
 
 @pytest.mark.parametrize("name, tp", [("partial-0.5", 1), ("partial-0.5", 2), ("partial-longrope", 1),
-                                      ("partial-longrope", 2), ("longrope", 1)])
+                                      ("partial-longrope", 2), ("longrope", 1), ("qwen2-yarn", 2)])
 def test_served_tokens_equal_transformers(name, tp, tmp_path):
     """All requests at once, mixed lengths; longrope's prompts within its original positions and their
     generations past them (each new token from there on rotated by the long factors)."""
@@ -91,6 +102,13 @@ def test_served_tokens_equal_transformers(name, tp, tmp_path):
     reference = hf_cached_greedy if "longrope" in name else hf_greedy
     for tokens, (_, inputs) in zip(got, requests):
         assert tokens == reference(hf, inputs["tokens"], inputs["max_new_tokens"])
+
+
+def test_su_is_longrope():
+    from batchmaker.cells.decoder_config import from_hf
+    hf = {**TINY, **PARTIAL["longrope"], "model_type": "phi3"}
+    su = dict(hf, rope_scaling=dict(hf["rope_scaling"], type="su"))
+    assert from_hf(su) == from_hf(hf) and dict(from_hf(su).rope_scaling)["rope_type"] == "longrope"
 
 
 def test_configs_the_engine_cannot_run_are_refused_when_built(tmp_path):
