@@ -31,8 +31,8 @@ def test_each_shape_names_its_tiles_and_the_best_against_the_tiled_kernel():
 
 def test_the_step_lists_forms_fastest_first():
     record = {"device": "GPU", "preset": "llama-2-7b", "floor_ms": 4.4,
-              "forms": {"configs@row-off": {"graph_step_ms_median": 4.8, "vs_floor": 4.8 / 4.4, "rounds_ms": [4.8, 4.81],
-                                            "row_tile": "None"},
+              "forms": {"configs@row-off": {"graph_step_ms_median": 4.8, "vs_floor": 4.8 / 4.4,
+                                            "rounds_ms": [4.8, 4.81], "row_tile": "None"},
                         "configs@row-32:4": {"graph_step_ms_median": 4.7, "vs_floor": 4.7 / 4.4,
                                              "rounds_ms": [4.69, 4.7], "row_tile": repr(RowTile(32, 4))}}}
     lines = step(record)

@@ -115,7 +115,8 @@ def test_configs_the_engine_cannot_run_are_refused_when_built(tmp_path):
     save("partial-0.5", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     rope = config.get("rope_parameters") or {}
-    for change, message in [({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "supported for model_type phi3"),
+    qwen2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    for change, message in [(qwen2, "supported for model_type phi3"),
                             ({"rope_parameters": dict(rope, rope_type="longrope", short_factor=[1.0] * 5,
                                                       long_factor=[2.0] * 6, original_max_position_embeddings=32)},
                              "short_factor: 6 factors"),
