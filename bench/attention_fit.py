@@ -94,9 +94,7 @@ def compile_row(head_dim: int, dtype: str, tile, split: bool, merge_pad: int):
     (decode_row.RowTile; its positions a step as launch_rows fits them to the head), split or not,
     merging `merge_pad` (padded) slices in the kernel (0: the combine launch merges them)."""
     from batchmaker.kernels import decode_row, triton_decode_row
-    row_bytes = head_pad(head_dim) * (4 if dtype == "fp32" else 2)
-    block_n = max(1, tile.block_n * decode_row.ROW_BYTES // row_bytes) if row_bytes > decode_row.ROW_BYTES \
-        else tile.block_n
+    block_n = decode_row.step_positions(tile, head_dim, 4 if dtype == "fp32" else 2)
     consts = {"D": head_dim, "D_PAD": head_pad(head_dim), "BLOCK_N": block_n, "BLOCK_SIZE": 16, "IS_SPLIT": split,
               "COMBINE": merge_pad > 0, "SPLITS_PAD": max(merge_pad, 1), "BF16": dtype == "bf16", "PDL": True}
     return _compile(triton_decode_row.decode_row_kernel, dtype, consts, {}, tile.num_warps, 1)

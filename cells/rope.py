@@ -55,8 +55,7 @@ def attention_factor(config: DecoderConfig) -> float:
         return 1.0
     if scaling.get("attention_factor"):
         return scaling["attention_factor"]
-    original = scaling.get("original_max_position_embeddings") or config.max_positions
-    factor = scaling.get("factor") or config.max_positions / original
+    original, factor = _context_scale(scaling, config.max_positions)
     if kind == "longrope":
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -91,8 +90,7 @@ def _llama3_scaled(inv_freq: Tensor, scaling: dict, max_positions: int) -> Tenso
 def _yarn_scaled(inv_freq: Tensor, scaling: dict, dim: int, base: float, max_positions: int) -> Tensor:
     # YaRN: dims that rotate fewer than beta_slow times over the original context are divided by
     # `factor` (interpolated), those rotating more than beta_fast times kept, a linear ramp between
-    original = scaling.get("original_max_position_embeddings") or max_positions
-    factor = scaling.get("factor") or max_positions / original
+    original, factor = _context_scale(scaling, max_positions)
     fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
@@ -104,6 +102,12 @@ def _yarn_scaled(inv_freq: Tensor, scaling: dict, dim: int, base: float, max_pos
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low or 0.001)).clamp(0, 1)
     kept = 1 - ramp  # (the share of each pair's unscaled frequency)
     return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
+def _context_scale(scaling: dict, max_positions: int) -> tuple[int, float]:
+    # (the original context, the factor it is scaled by): the config's, else max_positions / original
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    return original, scaling.get("factor") or max_positions / original
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -59,6 +59,12 @@ def runs_rows(group: int, max_query_len: int, items, config, window, softcap, un
             and rows.shape[-1] % 2 == 0)
 
 
+def step_positions(tile: RowTile, head_dim: int, element_size: int) -> int:
+    """Positions a step of `tile` reads for this head: fewer, in proportion, for rows past ROW_BYTES."""
+    row_bytes = head_pad(head_dim) * element_size
+    return max(1, tile.block_n * ROW_BYTES // row_bytes) if row_bytes > ROW_BYTES else tile.block_n
+
+
 def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, counters, block_tables, query_start,
                 context_lens, scale_log2: float, num_splits: int, pdl: dict) -> None:
     """decode_row_kernel over every (head, slice, sequence) + the padding tokens' program; split,
@@ -66,8 +72,7 @@ def launch_rows(q: torch.Tensor, k_cache, v_cache, out, part_out, part_lse, coun
     tile = ROW_DECODE
     num_tokens, num_heads, head_dim = q.shape
     assert k_cache.shape[2] == num_heads and q.element_size() == 2 and head_dim % 2 == 0, (q.shape, k_cache.shape)
-    row_bytes = head_pad(head_dim) * q.element_size()
-    block_n = max(1, tile.block_n * ROW_BYTES // row_bytes) if row_bytes > ROW_BYTES else tile.block_n
+    block_n = step_positions(tile, head_dim, q.element_size())
     num_seqs = block_tables.shape[0]
     kernels = load_kernels("triton_decode_row", "the row decode kernel", "reference_paged_attention")
     kernels.decode_row_kernel[(num_heads * num_splits, num_seqs + 1)](
