@@ -46,7 +46,7 @@
 #              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
 #     row-tests, row-ab, row-long, row-step  issue 33's one-row decode loop (kernels/triton_decode_row.py, for G = 1):
-#              its GPU tests with paged attention's and the variants' (~3 min, estimated);
+#              its GPU tests with paged attention's and the variants' (over 4 min on a fresh H100: 240 s cut it at 57);
 #              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (BLOCK_N:WARPS[:MERGE_MAX],
 #              default off 32:4 16:4 32:8 32:4:32) in turn (~5 min); the long shapes that missed 0.95 at 8-64 slices (wave fill: the row loop holds
 #              3 programs an SM at 4 warps of 144 registers), short ones at 1-8 (~4 min); generation
@@ -339,7 +339,7 @@ for suite in "$@"; do
             step gemv-sweep timeout 400 python3 bench/gemv.py --out \
                 "bench/results/gemv-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
         row-tests)  # issue 33: the one-row decode loop (kernels/triton_decode_row.py) and the launches beside it
-            step row-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
+            step row-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
                 tests/test_paged_attention.py tests/test_attention_variants.py ;;
         row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
             step row-ab timeout 340 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
@@ -356,6 +356,19 @@ for suite in "$@"; do
                 --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:32:4:8 row:16:4:8 row:16:2:8} \
                 --out "bench/results/attention-row-short-$name.json"
             python3 bench/row_report.py "bench/results/attention-row-long-$name.json" "bench/results/attention-row-short-$name.json" ;;
+        row-verify)  # the row loop on by its rule (decode_row.row_splits): its GPU tests and the variants', bf16
+            # generation against HF and serving's compiles, the A/B at batches 1-8 x 360-2K, the graphed batch-1 step
+            # (ROW_VERIFY_GENERATION=0 skips generation: it passed with the rule's first form, H200 2026-11-27)
+            name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
+            step row-verify-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
+                tests/test_attention_variants.py
+            [[ ${ROW_VERIFY_GENERATION:-1} == 1 ]] && step row-verify-generation timeout 250 python3 -m pytest -q -m gpu \
+                -p no:cacheprovider -rf -s tests/test_generation_gpu.py -k "not fp32"
+            step row-verify-ab timeout 60 python3 bench/attention.py --batches 1 2 4 8 --contexts 360 512 1024 2048 \
+                --row-tiles off 32:4 --out "bench/results/attention-row-rule-$name.json"
+            step row-verify-step timeout 60 python3 bench/one_token_ab.py --forms configs --row-tiles off 32:4 --rounds 10 \
+                --out "bench/results/one-token-row-rule-$name.json"
+            python3 bench/row_report.py "bench/results/attention-row-rule-$name.json" "bench/results/one-token-row-rule-$name.json" ;;
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
             step row-generation timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_generation_gpu.py \

@@ -1,7 +1,8 @@
 """The one-row decode loop's A/B in a few lines a shape (kernels/decode_row.py; issue 33): reads what
 `bench/gpu.sh row-ab row-long row-step` wrote and prints, per decode shape, each tile's time and
 fraction of the read bandwidth beside the tiled kernel's, and the batch-1 step per tile against
-its floor. What a merge of `ROW_DECODE` is decided on.
+its floor. What a merge of `ROW_DECODE` is decided on. `--plot OUT.png`: per file of --row-tiles A/Bs,
+each decode shape's time with the row loop over the time without it (batch x context; below 1: faster).
 
     python bench/row_report.py bench/results/attention-row-ab-*.json bench/results/attention-row-long-*.json \
         bench/results/attention-row-short-*.json bench/results/one-token-row-*.json
@@ -27,11 +28,17 @@ def tile_name(row: dict) -> str:
             "tiled:" + ":".join(map(str, config[1:]))) + f"/{row['num_splits']}"
 
 
-def attention(record: dict) -> list[str]:
-    lines = [f"{record['device']}: read {record['read_GBps']:.0f} GB/s"]
+def shapes_of(record: dict) -> dict:
+    """{(batch, context): {tile_name: decode row}} of an attention record."""
     shapes = defaultdict(dict)
     for row in record["decode"] + record.get("sweep", []):
         shapes[(row["batch"], row["context"])][tile_name(row)] = row
+    return shapes
+
+
+def attention(record: dict) -> list[str]:
+    lines = [f"{record['device']}: read {record['read_GBps']:.0f} GB/s"]
+    shapes = shapes_of(record)
     for (batch, context), rows in sorted(shapes.items()):
         base = rows.get("off") or rows.get("auto")
         best = min(rows.items(), key=lambda kv: kv[1]["us"])
@@ -51,13 +58,43 @@ def step(record: dict) -> list[str]:
     return lines
 
 
+def plot(records: dict, out: str) -> None:
+    """One panel a file: each row tile's time over 'off' per shape, bars grouped by batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(records), 1, figsize=(11, 3.2 * len(records)), squeeze=False)
+    for ax, (path, record) in zip(axes[:, 0], records.items()):
+        shapes = sorted((shape, rows) for shape, rows in shapes_of(record).items() if "off" in rows)
+        tiles = sorted({name for _, rows in shapes for name in rows if name != "off"})
+        width = 0.8 / max(1, len(tiles))
+        for i, name in enumerate(tiles):
+            ax.bar([x + i * width for x in range(len(shapes))],
+                   [rows[name]["us"] / rows["off"]["us"] if name in rows else 0 for _, rows in shapes], width,
+                   label=f"row {name}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
+                      [f"{b}x{c}" for (b, c), _ in shapes], rotation=60, fontsize=7)
+        ax.set_ylabel("time / tiled kernel's")
+        ax.set_title(f"{record['device']}: {Path(path).name}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
-    for path in parser.parse_args().files:
-        record = json.loads(Path(path).read_text())
+    parser.add_argument("--plot", default=None, help="a PNG of the --row-tiles A/Bs among the files")
+    args = parser.parse_args()
+    records = {path: json.loads(Path(path).read_text()) for path in args.files}
+    for path, record in records.items():
         print(f"== {path}")
         print("\n".join(step(record) if "forms" in record else attention(record)))
+    ab = {path: record for path, record in records.items()
+          if "forms" not in record and any("row_tile" in row for row in record["decode"])}
+    if args.plot and ab:
+        plot(ab, args.plot)
 
 
 if __name__ == "__main__":

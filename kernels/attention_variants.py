@@ -114,10 +114,9 @@ def _row_variants(max_positions: int, group: int, softcap: float | None, unified
     """A split count for each variant of the row loop (kernels/decode_row.py) that some decode launch
     of up to max_positions positions reaches, where a model's unwindowed layers take it: unsplit, and
     each power-of-two class of slice counts (the merge's width, in the kernel or the combine launch's),
-    up to the most slices the planner cuts that bound into; with a unified maximum, unsplit only."""
-    if not decode_row.runs_rows(group, 1, None, None, None, softcap, False, k_cache):
+    up to the most slices decode_row.row_splits cuts a bound into; none with a unified maximum."""
+    if not decode_row.runs_rows(group, 1, None, None, None, softcap, unified_max, k_cache):
         return []
-    cap = MAX_SPLITS if max_positions >= LONG_SPLIT_CONTEXT else SHORT_MAX_SPLITS
-    most = 1 if unified_max is not None else min(cap, max(1, max_positions // FEW_PROGRAMS_SPLIT_LEN))
+    most = decode_row.row_splits(1, min(max_positions, decode_row.ROW_MAX_BOUND), None)
     classes = [1 << i for i in range(MAX_SPLITS.bit_length())]  # (1, 2, 4, ... MAX_SPLITS)
     return [min(c, most) for c in classes if (c // 2 + 1 if c > 2 else c) <= most]

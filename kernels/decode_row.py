@@ -2,28 +2,34 @@
 instead of its tiled kernel: decode launches (one new token a sequence, every sequence's programs,
 no work list) of models with one query head per kv head (G = 1), without a sliding window, a soft
 cap or the unified maximum, and without a caller's tile config (tests and sweeps that name a tile
-get the tiled kernel). The split count is the planner's (attention_launch.plan_launch), as for the
-tiled kernel; up to the tile's `merge_max` slices merge in the kernel, more in paged_attention's
-combine launch.
+get the tiled kernel), at the shapes `row_splits` takes, in the slices it cuts (a caller's count
+kept); up to the tile's `merge_max` slices merge in the kernel, more in paged_attention's combine
+launch.
 
 It takes 16-bit caches of even head sizes (bf16, fp16), which it loads as 32-bit words; fp32 caches
 keep the tiled kernel.
 
-`ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere:
-None until a GPU has measured the loop faster (written in the twenty-fifth session, a session
-without device time: equal to the twin in Triton's interpreter, compiled for sm_90a on the CPU).
-`ROW_TILE` is the tile to measure first; benchmarks set either (bench/attention.py --row-tiles).
-A program holds two steps' K and V rows in registers: heads whose rows are wider than ROW_BYTES
-(a 16-bit head of 128) step fewer positions, in proportion (32 positions of heads of 256 took 254
-registers a thread unfitted). Fitted, the tile 32:4 compiles to 72-144 registers at heads of
-64-256, 16:4 to 40-77, none spilled (sm_90a on the CPU, bench/attention_fit.py --rows,
-bench/results/attention-fit-sm90-row.json).
+`ROW_DECODE` is the loop's tile (positions a step, warps), or None for the tiled kernel everywhere.
+It runs where an H100 and an H200 measured it faster (bench/attention.py, 2026-11-27, Llama-2-7B heads,
+bf16; bench/results/attention-row-*-2026-11-27.json), as `row_splits` decides: a decode of at most
+ROW_FEW_PAIRS (sequence, head) pairs under a bound of at most ROW_MAX_BOUND positions, or of at most
+ROW_MAX_PAIRS under a short graph's bound (SHORT_CONTEXT_LEN), in up to SHORT_MAX_SPLITS slices of at
+least ROW_MIN_SPLIT_LEN positions. Against the tiled kernel as planned (H200; H100): batch 1 at 360
+positions 6.2 us against 8.9 (6.5 against 9.4), at 1,024 9.5 against 10.2, at 2,048 15.1 against 15.6
+(16.9 against 17.6); batch 2 at 360 8.7 against 11.7 (8.7 against 12.4), at 512 10.7 against 11.8.
+It lost at batch 2 and 4 from 1,024 positions on (H200: batch 2 at 2,048 26.9 us against 21.9) and
+at batch 4 at 512 (16.9 against 14.9, though 13.5 against 14.1 at 360), where its 8 slices' programs
+outnumber the 3 an SM its 136 registers leave room for; at batch 8 and 16 (H100, 360 positions: 23.1
+against 22.6 and 45.3 against 39.9); and at every context from 8K on, by 2-10% on an H100 (batch 1 at
+16K: 101.2 us against 96.2). `ROW_TILE` is the tile measured best (32:4; 16:4 and 32:8 ran slower at
+every short shape); benchmarks set either (bench/attention.py --row-tiles).
 """
 from dataclasses import dataclass
 
 import torch
 
-from batchmaker.kernels.attention_launch import COMBINE_MAX_SPLITS, _pow2, head_pad
+from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, SHORT_CONTEXT_LEN, SHORT_MAX_SPLITS, _pow2,
+                                                head_pad)
 from batchmaker.kernels.cell_launch import load_kernels
 
 
@@ -36,8 +42,12 @@ class RowTile:
 
 
 ROW_TILE = RowTile(32, 4)
-ROW_DECODE: RowTile | None = None
+ROW_DECODE: RowTile | None = ROW_TILE
 ROW_BYTES = 256
+ROW_FEW_PAIRS = 32  # (sequence, kv head) pairs under any bound up to ROW_MAX_BOUND: batch 1 of 32 heads
+ROW_MAX_PAIRS = 64  # under a bound of up to SHORT_CONTEXT_LEN: batch 2 of 32 heads (batch 4 at 512 lost)
+ROW_MAX_BOUND = 2048  # positions a launch may read (its bound): 4K even (H200), from 8K on slower (H100)
+ROW_MIN_SPLIT_LEN = 32  # positions a slice: batch 1 at 360 positions 6.5 us in 8 slices, 8.1 in 4, 10.2 in 2
 
 
 def parse_tile(spec: str) -> RowTile | None:
@@ -50,13 +60,24 @@ def merges_in_kernel(num_splits: int, have_counters: bool) -> bool:
     return have_counters and 1 < num_splits <= ROW_DECODE.merge_max
 
 
-def runs_rows(group: int, max_query_len: int, items, config, window, softcap, unified: bool, rows: torch.Tensor
-              ) -> bool:
+def runs_rows(group: int, max_query_len: int, items, config, window, softcap, unified_max: float | None,
+              rows: torch.Tensor) -> bool:
     """Whether a launch with these arguments (paged_attention._launch's; `rows`: q or a cache, [..., D] of
-    their dtype) takes the row loop: 16-bit heads of an even size (it loads them as 32-bit words)."""
+    their dtype) may take the row loop: 16-bit heads of an even size (it loads them as 32-bit words), exact
+    (no unified maximum); `row_splits` says whether its shape does."""
     return (ROW_DECODE is not None and group == 1 and max_query_len == 1 and items is None and config is None
-            and window is None and softcap is None and not unified and rows.element_size() == 2
+            and window is None and softcap is None and unified_max is None and rows.element_size() == 2
             and rows.shape[-1] % 2 == 0)
+
+
+def row_splits(num_pairs: int, bound: int, num_splits: int | None) -> int | None:
+    """The slices of a row launch over `num_pairs` (sequence, kv head) pairs under `bound`, or None where
+    the tiled kernel measured faster (module docstring); a caller's `num_splits` (tests, sweeps) is kept."""
+    if num_splits is not None:
+        return num_splits
+    if bound > ROW_MAX_BOUND or num_pairs > (ROW_MAX_PAIRS if bound <= SHORT_CONTEXT_LEN else ROW_FEW_PAIRS):
+        return None
+    return max(1, min(SHORT_MAX_SPLITS, bound // ROW_MIN_SPLIT_LEN))
 
 
 def step_positions(tile: RowTile, head_dim: int, element_size: int) -> int:

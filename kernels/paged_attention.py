@@ -245,13 +245,14 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start, context_lens, m
     group = num_q_heads // num_kv_heads
     available = _counters(q.device) if num_kv_heads * num_tokens <= COMBINE_COUNTERS else None
     bound = window_bound(bound, window, max_query_len)
+    rows = decode_row.row_splits(num_seqs * num_kv_heads, bound, num_splits) if decode_row.runs_rows(
+        group, max_query_len, items, config, window, softcap, unified_max, q) else None
     cfg, num_splits, combine = plan_launch(num_seqs, num_kv_heads, group, max_query_len, bound, _num_sms(q.device),
-                                           available is not None, config, num_splits,
+                                           available is not None, config, rows or num_splits,
                                            None if items is None else len(items),
                                            wide_prompt(q.device, head_pad(head_dim) * q.element_size()),
                                            (head_pad(head_dim), q.element_size()))
     unified = runs_unified(unified_max, max_query_len, num_splits, items)
-    rows = decode_row.runs_rows(group, max_query_len, items, config, window, softcap, unified, q)
     combine = decode_row.merges_in_kernel(num_splits, available is not None) if rows else combine
     counters = available if combine else None
     grid = (num_seqs + 1, max(1, -(-max_query_len // cfg.block_m))) if items is None else (len(items), 1)

@@ -118,13 +118,13 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
             (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, 8, 16, 64, 128, 512, 2048), sorted({*range(16, width + 1, 37), width}),
             (None, 1, 4, 16, 100, 1000)):
         for window in {*windows} or {0}:
-            rows = decode_row.runs_rows(group, query, items, None, window or None, softcap, False, k)
-            flags = (items is not None, window > 0, softcap is not None, rows)
+            eligible = decode_row.runs_rows(group, query, items, None, window or None, softcap, None, k)
             capped = window_bound(bound, window or None, query)
-            served |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, capped, 132, True, num_items=items,
-                                                    wide=wide), *flags)
-            wanted |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, bound, 132, True, num_items=items,
-                                                    wide=wide), *flags)
+            for launched, cut in ((served, capped), (wanted, bound)):
+                splits = decode_row.row_splits(seqs * kv_heads, cut, None) if eligible else None
+                flags = (items is not None, window > 0, softcap is not None, splits is not None)
+                launched |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, cut, 132, True,
+                                                          num_splits=splits, num_items=items, wide=wide), *flags)
     # (a window compiles the launches of every bound: those a window as long as the context reaches)
     assert recorder.launched == wanted and served <= wanted
     unwindowed = not windows or 0 in windows

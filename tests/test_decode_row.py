@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchmaker.kernels import decode_row, paged_attention as paged
+from batchmaker.kernels.attention_launch import pick_launch
 from batchmaker.kernels.attention_variants import compile_variants
 from batchmaker.kernels.paged_attention import AttentionConfig, reference_paged_attention, triton_write_kv
 from helpers import interpreter, needs_gpu, run_interpreted
@@ -31,16 +32,27 @@ def row_launches(monkeypatch):
 
 def test_only_plain_decode_of_16_bit_heads_of_one_query_head_per_kv_head_takes_the_row_loop(monkeypatch):
     monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.ROW_TILE)
-    plain = dict(group=1, max_query_len=1, items=None, config=None, window=None, softcap=None, unified=False,
+    plain = dict(group=1, max_query_len=1, items=None, config=None, window=None, softcap=None, unified_max=None,
                  rows=torch.zeros(1, 2, 128, dtype=torch.bfloat16))
     assert decode_row.runs_rows(**plain)
     assert decode_row.runs_rows(**{**plain, "rows": torch.zeros(3, 24, dtype=torch.float16)})
     for change in ({"group": 2}, {"max_query_len": 2}, {"items": object()}, {"config": AttentionConfig(16, 64, 4, 2)},
-                   {"window": 64}, {"softcap": 30.0}, {"unified": True}, {"rows": torch.zeros(1, 2, 128)},
+                   {"window": 64}, {"softcap": 30.0}, {"unified_max": 20.0}, {"rows": torch.zeros(1, 2, 128)},
                    {"rows": torch.zeros(1, 2, 25, dtype=torch.bfloat16)}):
         assert not decode_row.runs_rows(**{**plain, **change}), change
     monkeypatch.setattr(decode_row, "ROW_DECODE", None)
     assert not decode_row.runs_rows(**plain)
+
+
+def test_the_row_loop_takes_the_shapes_it_measured_faster_at():
+    """decode_row.row_splits: batch 1 of 32 heads up to 2,048 positions, batch 2 under a short graph's
+    bound, in slices of at least 32 positions, up to 8; the tiled kernel beyond; a caller's count kept."""
+    splits = decode_row.row_splits
+    assert [splits(32, bound, None) for bound in (20, 64, 100, 360, 2048)] == [1, 2, 3, 8, 8]
+    assert splits(64, 512, None) == 8 and splits(64, 300, None) == 8
+    assert splits(33, 1024, None) is None and splits(64, 2048, None) is None  # (batch 2 from 1,024 on)
+    assert splits(32, 4096, None) is None and splits(65, 360, None) is None and splits(128, 512, None) is None
+    assert splits(512, 32768, 3) == 3
 
 
 def test_tiles_parse_and_wide_rows_step_fewer_positions(monkeypatch):
@@ -68,7 +80,7 @@ def decode_cases(device="cpu", dtype=torch.float16, head_dims=(32, 24, 48)):
         for splits in (2, 3, 5, 9):  # (in the kernel up to the tile's merge_max, then the combine launch)
             yield case, {"num_splits": splits}
     padded = make_case([0, 1, 0, 1, 0], [7, 200, 3, 64, 1], 2, 1, head_dims[0], 16, dtype, device, seed=20)
-    for splits in (None, 2, 3, 5):  # (sequences with no new token among split and merged ones)
+    for splits in (None, 1, 2, 3, 5):  # (sequences with no new token among split and merged ones; None: row_splits)
         yield padded, {"num_splits": splits}
 
 
@@ -128,13 +140,20 @@ def test_the_row_loop_equals_the_twin_on_the_gpu(dtype, tile, monkeypatch, row_l
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("max_context_len", [512, 4096, 32768])
+@pytest.mark.parametrize("max_context_len", [512, 2048, 4096, 32768])
 def test_llama_heads_at_long_contexts_as_the_planner_splits_them(max_context_len, row_launches):
-    """Llama-2-7B's 32 heads of 128 in bf16, the launch as planned for the bound (1 to 32 slices)."""
+    """Llama-2-7B's 32 heads of 128 in bf16: one sequence as planned (the row loop up to ROW_MAX_BOUND,
+    the tiled kernel past it), then three in the slices the tiled kernel's planner cuts the bound into
+    (1 to 32), the row loop named by that count."""
+    one = make_case([1], [max_context_len], 32, 1, 128, 16, torch.bfloat16, "cuda", seed=4)
+    check_kernel(one, max_context_len=max_context_len)
+    rows = int(max_context_len <= decode_row.ROW_MAX_BOUND)
+    assert len(row_launches) == rows
     lens = [max_context_len, 3, max_context_len // 3]
     case = make_case([1, 1, 1], lens, 32, 1, 128, 16, torch.bfloat16, "cuda", seed=5)
-    check_kernel(case, max_context_len=max_context_len)
-    assert len(row_launches) == 1
+    _, splits = pick_launch(3, 32, 1, 1, max_context_len, torch.cuda.get_device_properties(0).multi_processor_count)
+    check_kernel(case, max_context_len=max_context_len, num_splits=splits)
+    assert row_launches[rows:] == [splits]
 
 
 @pytest.mark.gpu
@@ -153,7 +172,7 @@ def test_the_row_loop_after_the_cache_write_in_a_cuda_graph(row_launches):
     def step():
         triton_write_kv(k_new, v_new, k_cache, v_cache, slots)
         paged.paged_attention(q, k_cache, v_cache, tables, starts, lens, max_query_len, scale, out,
-                              max_context_len=8192)
+                              max_context_len=8192, num_splits=16)  # (the tiled planner's: row_splits takes none)
     step()  # (compiles outside the capture)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
