@@ -51,7 +51,8 @@
 #              default off 32:4 16:4 32:8 32:4:32) in turn (~5 min); the long shapes that missed 0.95 at 8-64 slices (wave fill: the row loop holds
 #              3 programs an SM at 4 warps of 144 registers), short ones at 1-8 (~4 min); generation
 #              against HF (with partial rotary and longrope's bf16 test) and the graphed batch-1 step with each
-#              tile (~4 min)
+#              tile (~4 min); row-verify: the rule's GPU tests, generation, the A/B at its edges and the step (~6 min on
+#              a fresh H200); row-splits: the loop in 4-24 slices at batch 1-2's short bounds (not run yet, ~1 min)
 #     gemv-table  issue 33: a preset's GEMV tiles (TABLE_PRESET, default qwen2.5-7b, whose shapes are in no table):
 #              bench/gemv.py --sweep prefetch --head, then bench/one_token_ab.py with the sweep's bests as a form (not
 #              run yet; the Llama-2-7B sweeps took ~3-4 min each)
@@ -369,6 +370,13 @@ for suite in "$@"; do
             step row-verify-step timeout 60 python3 bench/one_token_ab.py --forms configs --row-tiles off 32:4 --rounds 10 \
                 --out "bench/results/one-token-row-rule-$name.json"
             python3 bench/row_report.py "bench/results/attention-row-rule-$name.json" "bench/results/one-token-row-rule-$name.json" ;;
+        row-splits)  # (not run yet, ~1 min) the row loop past its 8 slices at batch 1-2's short bounds: row_splits caps
+            # them at SHORT_MAX_SPLITS (the tiled kernel's measure) and slices at 32 positions; more slices may pay here
+            name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
+            step row-splits timeout 150 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 1:1024 1:2048 \
+                2:360 2:512 --long-splits 4 8 12 16 24 --long-tiles 64:4:2 row:32:4 row:16:4 --out \
+                "bench/results/attention-row-splits-$name.json"
+            python3 bench/row_report.py "bench/results/attention-row-splits-$name.json" ;;
         row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
             # loop's tiles and without it, interleaved rounds
             step row-generation timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_generation_gpu.py \
