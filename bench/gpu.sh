@@ -209,7 +209,7 @@ for suite in "$@"; do
         replicas-treebank) step replicas-treebank timeout 590 python3 bench/treebank.py --dtype fp16 --trees "$TREES" "${proto[@]}" "${replicas[@]}" --rates $RATES_REPLICAS_TREE ;;
         baselines) step baseline-tests timeout 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_baselines.py -k cuda ;;
         decoders) step decoder-tests timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -s tests/test_generation_gpu.py tests/test_paged_attention.py tests/test_generation.py tests/test_decoder_models.py
-                  step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+                  step attention timeout 200 python3 bench/attention.py --out "bench/results/attention-$(device_name)-$(date +%F).json"
                   step chat-tiny timeout 200 python3 bench/chat.py --preset tiny-llama --requests 32 --rates 16,inf --hf-requests 8 --hf-rates inf --steps 1,4 ;;
         http) step http-checkpoint timeout 240 python3 bench/tiny_checkpoint.py /tmp/chat-llama-2-7b llama-2-7b
               client=(--client aiohttp)  # the openai client where its wheels came along (.whl/openai: bench/README.md)
@@ -304,7 +304,7 @@ for suite in "$@"; do
             [ "$suite" = fdpp-ab ] || step fdpp-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                 tests/test_unified_max.py
             [ "$suite" = fdpp-tests ] || step fdpp-ab timeout 320 python3 bench/attention.py --unified-max --out \
-                "bench/results/attention-fdpp-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                "bench/results/attention-fdpp-$(device_name)-$(date +%F).json" ;;
         skinny-route) step skinny-route-tests timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                           tests/test_skinny.py tests/test_flat_gemm.py tests/test_skinny_routes.py
                       step skinny-route timeout 420 python3 bench/skinny.py --route \
@@ -314,7 +314,7 @@ for suite in "$@"; do
                        --systems batchmaker --rates inf --requests 192 --warm-up 16 --steps "" \
                        --tensor-parallel 2 --pipeline-parallel 2 ;;
         attention-long) step attention-long timeout 560 python3 bench/attention.py --long-sweep --out \
-                            "bench/results/attention-long-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                            "bench/results/attention-long-$(device_name)-$(date +%F).json" ;;
         verify19-tests) step verify19-tests timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
                             tests/test_gemv.py tests/test_sampling.py tests/test_skinny_routes.py tests/test_iteration_graphs.py ;;
         batch1)  # the graphed batch-1 (and 64) step against the weight floor at the bandwidth measured here
@@ -322,7 +322,7 @@ for suite in "$@"; do
             for preset in ${BATCH1_PRESETS:-llama-2-7b qwen2.5-7b mistral-7b}; do
                 step "batch1-$preset" timeout 150 python3 bench/decode_profile.py --preset "$preset" --batch 1 64 \
                     --context 360 --attend engine --bandwidth "$bw" \
-                    --out "bench/results/decode-profile-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+                    --out "bench/results/decode-profile-$preset-$(device_name)-$(date +%F).json"
             done ;;
         ncu-step)  # issue 33: where the step's kernels wait (caches flushed before each kernel, clocks as they run)
             ncu_args=(--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
@@ -335,21 +335,21 @@ for suite in "$@"; do
                 --eager-only ;;
         read-bound)  # issue 33: the least any kernel takes to read a decode step's weights and attention's KV sizes
             step read-bound timeout 300 python3 bench/read_bound.py --out \
-                "bench/results/read-bound-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                "bench/results/read-bound-$(device_name)-$(date +%F).json" ;;
         gemv-sweep)  # issue 33: the one-token GEMV's tiles on the device at hand (kernels/gemv.py CONFIGS came from an H200)
             step gemv-sweep timeout 400 python3 bench/gemv.py --out \
-                "bench/results/gemv-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json" ;;
+                "bench/results/gemv-$(device_name)-$(date +%F).json" ;;
         row-tests)  # issue 33: the one-row decode loop (kernels/triton_decode_row.py) and the launches beside it
             step row-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
                 tests/test_paged_attention.py tests/test_attention_variants.py ;;
         row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
             step row-ab timeout 340 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
                 --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 32:4:32} --out \
-                "bench/results/attention-row-ab-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+                "bench/results/attention-row-ab-$(device_name)-$(date +%F).json"
             python3 bench/row_report.py bench/results/attention-row-ab-*-$(date +%F).json ;;
         row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles;
             # then batch-1/4 short contexts (the batch-1 step's), where up to 4 slices merge in the kernel
-            name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
+            name=$(device_name)-$(date +%F)
             step row-long timeout 300 python3 bench/attention.py --long-sweep --long-shapes 1:16384 1:32768 2:16384 \
                 4:8192 --long-splits 8 12 16 24 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8 row:32:4:64} --out \
                 "bench/results/attention-row-long-$name.json"
@@ -360,7 +360,7 @@ for suite in "$@"; do
         row-verify)  # the row loop on by its rule (decode_row.row_splits): its GPU tests and the variants', bf16
             # generation against HF and serving's compiles, the A/B at batches 1-8 x 360-2K, the graphed batch-1 step
             # (ROW_VERIFY_GENERATION=0 skips generation: it passed with the rule's first form, H200 2026-11-27)
-            name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
+            name=$(device_name)-$(date +%F)
             step row-verify-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
                 tests/test_attention_variants.py
             [[ ${ROW_VERIFY_GENERATION:-1} == 1 ]] && step row-verify-generation timeout 250 python3 -m pytest -q -m gpu \
@@ -372,7 +372,7 @@ for suite in "$@"; do
             python3 bench/row_report.py "bench/results/attention-row-rule-$name.json" "bench/results/one-token-row-rule-$name.json" ;;
         row-splits)  # (not run yet, ~1 min) the row loop past its 8 slices at batch 1-2's short bounds: row_splits caps
             # them at SHORT_MAX_SPLITS (the tiled kernel's measure) and slices at 32 positions; more slices may pay here
-            name=$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F)
+            name=$(device_name)-$(date +%F)
             step row-splits timeout 150 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 1:1024 1:2048 \
                 2:360 2:512 --long-splits 4 8 12 16 24 --long-tiles 64:4:2 row:32:4 row:16:4 --out \
                 "bench/results/attention-row-splits-$name.json"
@@ -383,12 +383,12 @@ for suite in "$@"; do
                 tests/test_rope_scaling.py  # (and Phi-3.5's RoPE: partial rotary, longrope, bf16 against transformers)
             step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_STEP_TILES:-off 32:4 32:4:8 16:4:8} \
                 --rounds 10 --out \
-                "bench/results/one-token-row-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+                "bench/results/one-token-row-$(device_name)-$(date +%F).json"
             python3 bench/row_report.py bench/results/one-token-row-*-$(date +%F).json ;;
         gemv-table)  # a preset's one-token tiles on this device (TABLE_PRESET, default qwen2.5-7b: in no table yet): the
             # prefetch sweep of its projections and head, then its graphed step with the sweep's bests against CONFIGS
             preset=${TABLE_PRESET:-qwen2.5-7b}
-            sweep="bench/results/gemv-prefetch-$preset-$(python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))')-$(date +%F).json"
+            sweep="bench/results/gemv-prefetch-$preset-$(device_name)-$(date +%F).json"
             step "gemv-table-sweep-$preset" timeout 400 python3 bench/gemv.py --preset "$preset" --sweep prefetch --head \
                 --out "$sweep"
             step "gemv-table-step-$preset" timeout 150 python3 bench/one_token_ab.py --preset "$preset" --forms configs \

@@ -11,6 +11,10 @@ step() {  # step NAME COMMAND...: run, time, and remember failures without stopp
     [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
+device_name() {  # the GPU's name as bench/common.device_name spells it (results files' names)
+    python3 -c 'import sys; sys.path.insert(0, "."); from bench.common import device_name; print(device_name("cuda:0"))'
+}
+
 install() {  # offline: the GPU machine has torch, numpy, msgpack, networkx but no network
     if compgen -G ".whl/*.whl" > /dev/null; then  # wheels carried along (pyzmq, ...: bench/README.md)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
