@@ -112,10 +112,11 @@ def registers(ptx: str) -> tuple[int, int]:
 
 
 def variants(head_dim: int, element_size: int) -> list[tuple]:
-    """The distinct (tile, split, combine) launches of a model with this head (group 1, 32K positions)."""
+    """The distinct (tile, split, combine) launches of a model with this head (32 heads of group 1, 32K
+    positions, 132 SMs)."""
     wide = head_pad(head_dim) * element_size <= 256  # (attention_launch.wide_prompt on Hopper)
     seen = {(fit_head(cfg, head_pad(head_dim), element_size), splits > 1, 1 < splits <= COMBINE_MAX_SPLITS)
-            for cfg, splits, _ in launch_variants(1, 32768, wide)}
+            for cfg, splits, _ in launch_variants(1, 32, 32768, 132, wide)}
     return sorted(seen, key=lambda v: (v[0].block_m, v[0].block_n, v[0].num_warps, v[0].num_stages, v[1], v[2]))
 
 

@@ -20,10 +20,20 @@ MAX_SPLITS = 32
 SHORT_MAX_SPLITS = 8  # below LONG_SPLIT_CONTEXT positions: more slices cost more in the merge than they
 LONG_SPLIT_CONTEXT = 4096  # gain (batch 1, H200: 2,048 positions 18.9 us in 8 slices, 20.2 in 16;
 # 360 positions 9.1 us in 6 slices of 64, 11.0 in 2 of 180; bench/attention.py --short-sweep)
-POW2_SPLIT_CONTEXT = 8192  # from here on a split count rounds up to a power of two: programs in whole waves read
-# faster than a count that spills a few into another (H100, Llama-2-7B heads, bench/attention.py --long-sweep,
+POW2_SPLIT_CONTEXT = 8192  # from here on a split count is a power of two: programs in whole waves read faster
+# than a count that spills a few into another (H100, Llama-2-7B heads, bench/attention.py --long-sweep,
 # 2026-11-27, of the read bandwidth: batch 2 at 32K 17 slices 0.912, 32 0.952; batch 4 at 32K 9 0.916, 16 0.973;
-# at 8K 9 0.903, 16 0.935; batch 8 at 16K 5 0.945, 8 0.972)
+# at 8K 9 0.903, 16 0.935; batch 8 at 16K 5 0.945, 8 0.972). Decode tiles from LONG_SPLIT_CONTEXT on: a power of
+# two aiming at LONG_PROGRAMS_PER_SM, not PROGRAMS_PER_SM, and at least LONG_MIN_SPLITS slices (prompt tiles keep
+# the rule above): half the programs of the first rule read faster on an H200 (twenty-seventh
+# session, 64-position steps on 2 stages, of the read bandwidth: batch 1 at 8K in 16 slices 0.809 against 0.748
+# in 32, at 16K 0.900 against 0.862, at 32K 0.940 against 0.929; batch 2 at 16K in 8 0.946 against 0.908 in 32;
+# batch 4 at 8K in 8 0.944 against 0.909 in 16) and no slower on an H100 (batch 1 at 16K in 16 0.906 against
+# 0.896 in 32; batch 2 at 16K in 8 0.940 against 0.933; batch 4 at 8K in 8 0.940 against 0.935 in 16); so at 4K
+# (H200: batch 1 in 16 slices 22.5 us against 25.2 in the first rule's 32; batch 2 in 8 37.2 against 41.0 in 17)
+LONG_PROGRAMS_PER_SM = 4
+LONG_MIN_SPLITS = 8  # (H200: batch 4 at 8K in 2, 4, 8, 16 slices 0.719, 0.941, 0.945, 0.909; batch 8 at 8K 0.974,
+# 0.971, 0.979, 0.955)
 SHORT_CONTEXT_LEN = 512  # decode graphs are captured for contexts up to it and for longer ones
 COMBINE_MAX_SPLITS = 4  # beyond, the combine kernel is faster than the last program's serial merge (batch 1
 # at 4K positions in 32 slices: 40 us merged in the kernel against 31 us with the combine launch; H200)
@@ -124,7 +134,7 @@ def pick_launch(num_seqs: int, num_kv_heads: int, group: int, max_query_len: int
     elif num_splits is None:
         min_len = MIN_PREFILL_SPLIT_LEN if not is_decode_tile else \
             FEW_PROGRAMS_SPLIT_LEN if 4 * num_programs <= num_sms else MIN_SPLIT_LEN
-        num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len)
+        num_splits = pick_num_splits(num_programs, max_context_len, num_sms, min_len, is_decode_tile)
     if num_splits > 1 and config is None:
         cfg = pick_config(max_query_len, _pow2(group), split_len=-(-max_context_len // num_splits), wide=wide)
     elif is_decode_tile and config is None:
@@ -164,16 +174,23 @@ def pick_config(max_query_len: int, group_pad: int, split_len: int | None = None
     return AttentionConfig(max(1, 128 // group_pad), 128 if wide else 64, 8, 3)
 
 
-def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_len: int = MIN_SPLIT_LEN) -> int:
+def pick_num_splits(num_programs: int, max_context_len: int, num_sms: int, min_len: int = MIN_SPLIT_LEN,
+                    decode: bool = True) -> int:
     """1 when the programs fill the GPU twice over; else enough slices of the context to reach
     PROGRAMS_PER_SM programs per SM, none shorter than `min_len` positions (of the bound), from
-    POW2_SPLIT_CONTEXT positions on rounded up to a power of two."""
+    POW2_SPLIT_CONTEXT positions on rounded up to a power of two; a `decode` tile's from
+    LONG_SPLIT_CONTEXT on: the power of two at or below the count that reaches LONG_PROGRAMS_PER_SM,
+    at least LONG_MIN_SPLITS."""
     if num_programs >= 2 * num_sms:
         return 1
+    longest = max_context_len // min_len
+    if decode and max_context_len >= LONG_SPLIT_CONTEXT:  # (LONG_SPLIT_CONTEXT / MIN_SPLIT_LEN >= MAX_SPLITS)
+        aim = -(-LONG_PROGRAMS_PER_SM * num_sms // num_programs)
+        return max(1, min(MAX_SPLITS, longest, max(LONG_MIN_SPLITS, _pow2(aim + 1) // 2)))
     cap = MAX_SPLITS if max_context_len >= LONG_SPLIT_CONTEXT else SHORT_MAX_SPLITS
-    count = max(1, min(cap, -(-PROGRAMS_PER_SM * num_sms // num_programs), max_context_len // min_len))
+    count = max(1, min(cap, -(-PROGRAMS_PER_SM * num_sms // num_programs), longest))
     if count > 1 and max_context_len >= POW2_SPLIT_CONTEXT:  # (MAX_SPLITS is one, and 8K / MIN_SPLIT_LEN >= it)
-        count = min(_pow2(count), cap, max_context_len // min_len)
+        count = min(_pow2(count), cap, longest)
     return count
 
 

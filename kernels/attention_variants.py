@@ -26,20 +26,22 @@ import torch
 
 from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
-                                                MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, SHORT_MAX_SPLITS,
-                                                AttentionConfig, _pow2, decode_whole_config, head_pad, pick_config,
+                                                MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, AttentionConfig,
+                                                _pow2, decode_whole_config, head_pad, pick_config, pick_num_splits,
                                                 wide_prompt)
-from batchmaker.kernels.paged_attention import _launch
+from batchmaker.kernels.paged_attention import _launch, _num_sms
 
 SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
 # decode tiles must split into short slices (where pick_config's split tile depends on the slice length)
 
 
-def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[tuple[AttentionConfig, int, bool]]:
+def launch_variants(group: int, num_kv_heads: int, max_positions: int, num_sms: int, wide: bool = False
+                    ) -> list[tuple[AttentionConfig, int, bool]]:
     """(tile config, slices, work list) of each variant a model of this group (query heads per kv
-    head) and context limit can launch: one slice count per way of merging (none; in the kernel;
-    the combine launch of 8, 16 or 32 slices), each where some context up to max_positions
-    reaches it (pick_launch, pick_num_splits); `wide`: the device's prompt tiles (wide_prompt)."""
+    head) and kv head count and context limit can launch on `num_sms` SMs: one slice count per way of
+    merging (none; in the kernel; the combine launch of 8, 16 or 32 slices), each where some context up
+    to max_positions reaches it (pick_launch, pick_num_splits); `wide`: the device's prompt tiles
+    (wide_prompt)."""
     gpad = _pow2(group)
     # split tiles for short and for long slices (today the same: 64 positions, 2 stages deep)
     short, long = (pick_config(1, gpad, split_len=n) for n in (FEW_PROGRAMS_SPLIT_LEN, MIN_SPLIT_LEN + 1))
@@ -48,16 +50,23 @@ def launch_variants(group: int, max_positions: int, wide: bool = False) -> list[
     need = [(cfg, 1, work, 0) for cfg in sorted(whole, key=lambda c: c.block_n) for work in (False, True)]
     need += [(short, 2, False, 2 * few), (short, 2, True, 2 * few),
             (short, COMBINE_MAX_SPLITS + 1, False, (COMBINE_MAX_SPLITS + 1) * few)]
-    if MAX_SPLITS * MIN_SPLIT_LEN >= LONG_SPLIT_CONTEXT:  # (32 slices of 128 at 4,096 positions: short ones)
-        need.append((short, 17, False, LONG_SPLIT_CONTEXT))
-    need += [(long, n, work, max(n * MIN_SPLIT_LEN + 1, 0 if n <= SHORT_MAX_SPLITS else LONG_SPLIT_CONTEXT))
-             for n, work in ((2, False), (2, True), (COMBINE_MAX_SPLITS + 1, False), (9, False), (17, False))]
+    need += [(long, n, work, n * MIN_SPLIT_LEN + 1) for n, work in ((2, False), (2, True),
+                                                                     (COMBINE_MAX_SPLITS + 1, False))]
+    # decode tiles under a long bound: the counts pick_num_splits gives 1, 2, ... sequences' programs
+    programs = range(num_kv_heads, 2 * num_sms, num_kv_heads)
+    need += [(pick_config(1, gpad, split_len=-(-LONG_SPLIT_CONTEXT // n)), n, False, LONG_SPLIT_CONTEXT)
+             for n in sorted({pick_num_splits(count, LONG_SPLIT_CONTEXT, num_sms) for count in programs} - {1})]
     prompt_queries = (max(1, 64 // gpad), MAX_SPLITS * MIN_PREFILL_SPLIT_LEN)
     for cfg in sorted({pick_config(q, gpad, wide=wide) for q in prompt_queries},
                       key=lambda c: c.block_m):  # prompt tiles: slices of MIN_PREFILL_SPLIT_LEN at least
         need += [(cfg, 1, False, 0), (cfg, 1, True, 0), (cfg, 2, True, 2 * MIN_PREFILL_SPLIT_LEN)]
         need += [(cfg, n, False, n * MIN_PREFILL_SPLIT_LEN) for n in (2, COMBINE_MAX_SPLITS + 1, 9, 17)]
-    return list(dict.fromkeys((cfg, n, work) for cfg, n, work, positions in need if positions <= max_positions))
+    ways = {}  # (one launch per tile and way of merging: the combine launch's padded slice count)
+    for cfg, n, work, positions in need:
+        if positions <= max_positions:
+            merge = "none" if n == 1 else "in kernel" if n <= COMBINE_MAX_SPLITS else _pow2(n)
+            ways.setdefault((cfg, merge, work), (cfg, n, work))
+    return list(ways.values())
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, max_blocks: int,
@@ -73,7 +82,8 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
     device, group = k_cache.device, num_q_heads // num_kv_heads
     tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     items = torch.zeros(1, dtype=torch.int32, device=device)  # sequence 0, tile 0
-    variants = launch_variants(group, max_positions, wide_prompt(device, head_pad(head_dim) * k_cache.element_size()))
+    variants = launch_variants(group, num_kv_heads, max_positions, _num_sms(device),
+                               wide_prompt(device, head_pad(head_dim) * k_cache.element_size()))
     windowed = sorted({bool(w) for w in windows} or {False})
     for (cfg, splits, work), is_windowed in itertools.product(variants, windowed):
         # (a work list's launch picks its own tiles, from its query length; a window as long as the

@@ -26,10 +26,10 @@ def test_the_variants_are_the_launches_the_planner_makes(group, max_positions, w
     """Every launch `plan_launch` makes over a sweep of batches, query lengths, contexts and work
     lists is one of `launch_variants`, and every variant is made by some launch (with the
     narrower prompt tiles and with the wide ones of GPUs with the shared memory)."""
-    compiled = {mode(cfg, n, 1 < n <= COMBINE_MAX_SPLITS, work)
-                for cfg, n, work in launch_variants(group, max_positions, wide)}
-    reached = set()
     kv_heads = 32 // group
+    compiled = {mode(cfg, n, 1 < n <= COMBINE_MAX_SPLITS, work)
+                for cfg, n, work in launch_variants(group, kv_heads, max_positions, 132, wide)}
+    reached = set()
     for seqs, query, bound, items in itertools.product(
             (1, 2, 3, 8, 16, 64, 256), (1, 2, 4, small_tokens(group), 8, 16, 64, 128, 512, 2048),
             (16, 100, 200, 256, 300, 360, 512, 700, 1024, 2048, 3000, 4096, 6000, 8192, 10240, 16384, 20000, 40000),
@@ -100,8 +100,9 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
     monkeypatch.setattr(decode_row, "ROW_DECODE", row)
     monkeypatch.setattr(paged_attention, "_load_kernels", lambda: recorder)
     monkeypatch.setattr(decode_row, "load_kernels", lambda *names: recorder)
-    for module in (attention_variants, paged_attention):  # (the device's answer, on this CPU)
+    for module in (attention_variants, paged_attention):  # (the device's answers, on this CPU)
         monkeypatch.setattr(module, "wide_prompt", lambda device, row_bytes: wide)
+    monkeypatch.setattr(attention_variants, "_num_sms", lambda device: 132)
     kv_heads, max_blocks = 32 // group, -(-max_positions // block)
     k = torch.zeros(2, block, kv_heads, 16, dtype=torch.bfloat16)  # (16-bit: the row loop's too)
     windows, softcap = FEATURES[features]

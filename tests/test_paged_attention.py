@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT, MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
+from batchmaker.kernels.paged_attention import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT, MAX_SPLITS,
+                                                MIN_SPLIT_LEN, SHORT_CONTEXT_LEN,
                                                 SHORT_MAX_SPLITS, AttentionConfig, PagedAttend,
                                                 paged_attention, pick_launch, pick_num_splits, reference_paged_attention,
                                                 reference_write_kv, small_tokens, triton_write_kv, wide_prompt, write_kv)
+from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_work import capacity, is_mixed, work_lists
 from helpers import interpreter, needs_gpu, run_interpreted
 
@@ -198,11 +200,16 @@ def test_split_count_depends_on_programs_and_the_context_bound():
 
 
 def test_long_contexts_split_in_powers_of_two():
-    # (the H100 sweep: batch 2, 4, 8 of 32 heads at 8K-32K read fastest in 32, 16, 8 slices, not 17, 9, 5)
+    # (the H100 sweep: batch 2, 4, 8 of 32 heads at 8K-32K read faster in powers of two than in 17, 9, 5 slices;
+    # the H200's: fastest in 16, 8, 8 slices, about 4 programs an SM, where the first rule took 32, 32, 16)
     sms = 132
-    assert [pick_num_splits(b * 32, 32768, sms) for b in (1, 2, 4, 8)] == [32, 32, 16, 8]
-    assert pick_num_splits(4 * 32, 8192, sms) == 16
-    assert pick_num_splits(2 * 32, 4096, sms) == 17  # (below POW2_SPLIT_CONTEXT: as before, not measured)
+    for context in (8192, 16384, 32768):
+        assert [pick_num_splits(b * 32, context, sms) for b in (1, 2, 4, 8)] == [16, 8, 8, 8]
+    assert pick_num_splits(16 * 32, 32768, sms) == 1  # (programs fill the GPU twice over)
+    assert [pick_num_splits(b * 8, 32768, sms) for b in (1, 2, 4, 16)] == [32, 32, 16, 8]  # 8 kv heads (GQA)
+    assert pick_num_splits(1, 1 << 20, sms) == MAX_SPLITS
+    assert [pick_num_splits(b * 32, 4096, sms) for b in (1, 2, 4, 8)] == [16, 8, 8, 8]  # (from LONG_SPLIT_CONTEXT)
+    assert pick_num_splits(2 * 32, 4095, sms) == SHORT_MAX_SPLITS
 
 
 def test_short_decode_contexts_split_in_slices_of_the_minimum():
@@ -455,16 +462,23 @@ def test_write_kv_kernel(dtype, num_tokens, heads, block_size):
 @needs_gpu
 @pytest.mark.parametrize("max_context_len", [127, SHORT_CONTEXT_LEN, 4096, 32768])
 def test_decode_launches(max_context_len):
-    """A few slices merge inside the launch (the tile's last program), more in a combine launch."""
+    """A few slices merge inside the launch (the tile's last program), more in a combine launch; batch 2 of
+    32 heads under a short bound takes the one-row loop (decode_row.row_splits), which merges up to its tile's
+    merge_max slices."""
     case = make_case([1] * 2, [SHORT_CONTEXT_LEN, 3], 32, 1, 128, 16, torch.bfloat16, "cuda", seed=7)
-    num_splits = pick_launch(2, 32, 1, 1, max_context_len, torch.cuda.get_device_properties(0).multi_processor_count)[1]
-    num_launches = 1 if num_splits <= COMBINE_MAX_SPLITS else 2
+    rows = decode_row.row_splits(2 * 32, max_context_len, None) if decode_row.ROW_DECODE else None
+    num_splits = rows or pick_launch(2, 32, 1, 1, max_context_len,
+                                     torch.cuda.get_device_properties(0).multi_processor_count)[1]
+    merged = decode_row.merges_in_kernel(num_splits, True) if rows else num_splits <= COMBINE_MAX_SPLITS
+    num_launches = 1 if num_splits == 1 or merged else 2
     check_kernel(case, max_context_len=max_context_len)  # (compiles outside the profile)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         paged_attention(*case.args, max_context_len=max_context_len)
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert sum(e.count for e in kernels if "attention" in e.key or "combine" in e.key) == num_launches, kernels
+    ours = ("paged_attention_kernel", "decode_row_kernel", "combine_splits_kernel")
+    assert sum(e.count for e in kernels if any(name in e.key for name in ours)) == num_launches, kernels
+    assert any("decode_row_kernel" in e.key for e in kernels) == (rows is not None), kernels
     assert max_context_len < 4096 or num_splits > 1
 
 
