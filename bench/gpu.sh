@@ -45,6 +45,8 @@
 #     verify18: the eighteenth session's GPU code not yet run (one GPU, ~7 min expected): the offloading GPU
 #              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
+#     long-splits  issue 33: split-KV decode at 4K-32K in 2-32 slices, and the automatic plan (~1 min)
+#     chat-ab  "nothing slower": bench/chat_ab.sh, the chat workload over .whl/chat-base.tar's tree and this one (~5 min)
 #     row-tests, row-ab, row-long, row-step  issue 33's one-row decode loop (kernels/triton_decode_row.py, for G = 1):
 #              its GPU tests with paged attention's and the variants' (over 4 min on a fresh H100: 240 s cut it at 57);
 #              bench/attention.py over batches 1-16 x 360-32K positions with ROW_TILES (BLOCK_N:WARPS[:MERGE_MAX],
@@ -149,6 +151,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1
 exec > >(tee "$OUT/log.txt") 2>&1
 . bench/gpu_lib.sh
+. bench/gpu_attention.sh
 
 TREES=${TREES:-../shared/data/sst/train.txt}  # SST's train split: not the sample the project ships
 [ -f "$TREES" ] || TREES=.gpu_data/train.txt  # on the GPU machine: carried there (../shared does not travel)
@@ -339,52 +342,7 @@ for suite in "$@"; do
         gemv-sweep)  # issue 33: the one-token GEMV's tiles on the device at hand (kernels/gemv.py CONFIGS came from an H200)
             step gemv-sweep timeout 400 python3 bench/gemv.py --out \
                 "bench/results/gemv-$(device_name)-$(date +%F).json" ;;
-        row-tests)  # issue 33: the one-row decode loop (kernels/triton_decode_row.py) and the launches beside it
-            step row-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
-                tests/test_paged_attention.py tests/test_attention_variants.py ;;
-        row-ab)  # the row loop's tiles against the tiled kernel ('off'), each shape's in turn, as the planner splits
-            step row-ab timeout 340 python3 bench/attention.py --batches 1 2 4 16 --contexts 360 2048 8192 16384 32768 \
-                --prefill 1:512 --row-tiles ${ROW_TILES:-off 32:4 16:4 32:8 32:4:32} --out \
-                "bench/results/attention-row-ab-$(device_name)-$(date +%F).json"
-            python3 bench/row_report.py bench/results/attention-row-ab-*-$(date +%F).json ;;
-        row-long)  # the shapes under 0.95 of the read bandwidth: split counts x the tiled kernel's best and row tiles;
-            # then batch-1/4 short contexts (the batch-1 step's), where up to 4 slices merge in the kernel
-            name=$(device_name)-$(date +%F)
-            step row-long timeout 300 python3 bench/attention.py --long-sweep --long-shapes 1:16384 1:32768 2:16384 \
-                4:8192 --long-splits 8 12 16 24 32 64 --long-tiles 64:4:2 ${ROW_LONG_TILES:-row:32:4 row:16:4 row:32:8 row:32:4:64} --out \
-                "bench/results/attention-row-long-$name.json"
-            step row-short timeout 200 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 4:360 1:2048 \
-                --long-splits 1 2 4 8 --long-tiles 64:4:2 64:2:3 ${ROW_SHORT_TILES:-row:32:4 row:32:4:8 row:16:4:8 row:16:2:8} \
-                --out "bench/results/attention-row-short-$name.json"
-            python3 bench/row_report.py "bench/results/attention-row-long-$name.json" "bench/results/attention-row-short-$name.json" ;;
-        row-verify)  # the row loop on by its rule (decode_row.row_splits): its GPU tests and the variants', bf16
-            # generation against HF and serving's compiles, the A/B at batches 1-8 x 360-2K, the graphed batch-1 step
-            # (ROW_VERIFY_GENERATION=0 skips generation: it passed with the rule's first form, H200 2026-11-27)
-            name=$(device_name)-$(date +%F)
-            step row-verify-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_decode_row.py \
-                tests/test_attention_variants.py
-            [[ ${ROW_VERIFY_GENERATION:-1} == 1 ]] && step row-verify-generation timeout 250 python3 -m pytest -q -m gpu \
-                -p no:cacheprovider -rf -s tests/test_generation_gpu.py -k "not fp32"
-            step row-verify-ab timeout 60 python3 bench/attention.py --batches 1 2 4 8 --contexts 360 512 1024 2048 \
-                --row-tiles off 32:4 --out "bench/results/attention-row-rule-$name.json"
-            step row-verify-step timeout 60 python3 bench/one_token_ab.py --forms configs --row-tiles off 32:4 --rounds 10 \
-                --out "bench/results/one-token-row-rule-$name.json"
-            python3 bench/row_report.py "bench/results/attention-row-rule-$name.json" "bench/results/one-token-row-rule-$name.json" ;;
-        row-splits)  # (not run yet, ~1 min) the row loop past its 8 slices at batch 1-2's short bounds: row_splits caps
-            # them at SHORT_MAX_SPLITS (the tiled kernel's measure) and slices at 32 positions; more slices may pay here
-            name=$(device_name)-$(date +%F)
-            step row-splits timeout 150 python3 bench/attention.py --long-sweep --long-shapes 1:360 1:512 1:1024 1:2048 \
-                2:360 2:512 --long-splits 4 8 12 16 24 --long-tiles 64:4:2 row:32:4 row:16:4 --out \
-                "bench/results/attention-row-splits-$name.json"
-            python3 bench/row_report.py "bench/results/attention-row-splits-$name.json" ;;
-        row-step)  # generation against HF (bf16, the engine's graphs), then the graphed batch-1 step with the row
-            # loop's tiles and without it, interleaved rounds
-            step row-generation timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -rf -s tests/test_generation_gpu.py \
-                tests/test_rope_scaling.py  # (and Phi-3.5's RoPE: partial rotary, longrope, bf16 against transformers)
-            step row-step timeout 240 python3 bench/one_token_ab.py --forms configs --row-tiles ${ROW_STEP_TILES:-off 32:4 32:4:8 16:4:8} \
-                --rounds 10 --out \
-                "bench/results/one-token-row-$(device_name)-$(date +%F).json"
-            python3 bench/row_report.py bench/results/one-token-row-*-$(date +%F).json ;;
+        row-tests|row-ab|row-long|row-verify|row-splits|row-step|long-splits) attention_suite "$suite" ;;  # (gpu_attention.sh)
         gemv-table)  # a preset's one-token tiles on this device (TABLE_PRESET, default qwen2.5-7b: in no table yet): the
             # prefetch sweep of its projections and head, then its graphed step with the sweep's bests against CONFIGS
             preset=${TABLE_PRESET:-qwen2.5-7b}
@@ -393,6 +351,7 @@ for suite in "$@"; do
                 --out "$sweep"
             step "gemv-table-step-$preset" timeout 150 python3 bench/one_token_ab.py --preset "$preset" --forms configs \
                 --gemv-configs "$sweep" --rounds 10 --out "${sweep/gemv-prefetch-/one-token-ab-}" ;;
+        chat-ab) step chat-ab timeout 590 bash bench/chat_ab.sh ;;  # (.whl/chat-base.tar: bench/chat_ab.sh; ~3 rounds)
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \
                 tests/test_attention_head_sizes.py tests/test_attention_window_kernel.py tests/test_gemma_gpu.py \

@@ -3,6 +3,7 @@
 fraction of the read bandwidth beside the tiled kernel's, and the batch-1 step per tile against
 its floor. What a merge of `ROW_DECODE` is decided on. `--plot OUT.png`: per file of --row-tiles A/Bs,
 each decode shape's time with the row loop over the time without it (batch x context; below 1: faster).
+`--splits-plot OUT.png`: the --long-sweep files' fraction of the read bandwidth against the split count.
 
     python bench/row_report.py bench/results/attention-row-ab-*.json bench/results/attention-row-long-*.json \
         bench/results/attention-row-short-*.json bench/results/one-token-row-*.json
@@ -82,10 +83,42 @@ def plot(records: dict, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def splits_plot(records: dict, tile: str, out: str) -> None:
+    """Each decode shape's fraction of the read bandwidth against its split count, for one tiled kernel's
+    tile ("BLOCK_N:WARPS:STAGES") over every --long-sweep file given (a shape in several: the last file's),
+    the automatic plan's point marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points, auto = defaultdict(dict), {}
+    for record in records.values():
+        for shape, rows in shapes_of(record).items():
+            for name, row in rows.items():
+                if name.startswith(f"tiled:{tile}/"):
+                    points[shape][row["num_splits"]] = row["of_read"]
+                elif name == "auto":
+                    auto[shape] = row
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (shape, curve) in enumerate(sorted(points.items())):
+        splits = sorted(curve)
+        ax.plot(splits, [curve[n] for n in splits], marker="o", color=plt.cm.tab20(i % 20), label=f"batch {shape[0]} x {shape[1]}")
+        if shape in auto:
+            ax.plot(auto[shape]["num_splits"], auto[shape]["of_read"], marker="x", markersize=10, color=plt.cm.tab20(i % 20))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("slices a sequence's context is split into (x: the automatic plan's, as the file was run)")
+    ax.set_ylabel("of the read bandwidth")
+    ax.set_title(f"{next(iter(records.values()))['device']}: split-KV decode, tile {tile}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--plot", default=None, help="a PNG of the --row-tiles A/Bs among the files")
+    parser.add_argument("--splits-plot", default=None, help="a PNG of the --long-sweep files' split counts")
+    parser.add_argument("--tile", default="64:4:2", help="--splits-plot's tiled kernel tile")
     args = parser.parse_args()
     records = {path: json.loads(Path(path).read_text()) for path in args.files}
     for path, record in records.items():
@@ -95,6 +128,9 @@ def main() -> None:
           if "forms" not in record and any("row_tile" in row for row in record["decode"])}
     if args.plot and ab:
         plot(ab, args.plot)
+    sweeps = {path: record for path, record in records.items() if record.get("sweep")}
+    if args.splits_plot and sweeps:
+        splits_plot(sweeps, args.tile, args.splits_plot)
 
 
 if __name__ == "__main__":
