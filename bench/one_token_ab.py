@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", choices=tuple(FORMS), default=list(FORMS))
     ap.add_argument("--gemv-configs", default=None,
                     help="a bench/gemv.py JSON: its best configs as one more form, `file` (over H200_TABLE)")
+    ap.add_argument("--override", nargs="+", default=[], metavar="PROJ=BLOCK_N:BLOCK_K:WARPS:PREFETCH",
+                    help="one more form each: this device's configs with one projection's replaced (CUDA cores, 1 stage)")
     ap.add_argument("--row-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS",
                     help="each form again with each of these row-loop tiles ('off': the tiled kernel; "
                          "kernels/decode_row.py); default: ROW_DECODE as it is")
@@ -73,6 +75,10 @@ def main() -> None:
         names = {key: name for name, key in keys.items()}
         forms["file"] = {**H200_TABLE, **{names[key]: cfg for key, cfg in best_configs(args.gemv_configs).items()
                                           if key in names}}
+    for spec in args.override:  # (over this device's configs, not H200_TABLE)
+        projection, shape = spec.split("=")
+        block_n, block_k, warps, prefetch = map(int, shape.split(":"))
+        forms[spec] = {**configs, projection: gemv.GemvConfig(block_n, block_k, warps, 1, prefetch=prefetch)}
     rows = {"": decode_row.ROW_DECODE} if not args.row_tiles else {f"@row-{t}": decode_row.parse_tile(t)
                                                                     for t in args.row_tiles}
     forms = {name + suffix: (table, tile) for name, table in forms.items() for suffix, tile in rows.items()}
