@@ -83,13 +83,9 @@ def plot(records: dict, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
-def splits_plot(records: dict, tile: str, out: str) -> None:
-    """Each decode shape's fraction of the read bandwidth against its split count, for one tiled kernel's
-    tile ("BLOCK_N:WARPS:STAGES") over every --long-sweep file given (a shape in several: the last file's),
-    the automatic plan's point marked."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def split_curves(records: dict, tile: str) -> tuple[dict, dict]:
+    """({(batch, context): {splits: of_read}} of the tiled kernel's `tile`, {(batch, context): the automatic
+    plan's row}) over --long-sweep records (a shape in several: the last record's)."""
     points, auto = defaultdict(dict), {}
     for record in records.values():
         for shape, rows in shapes_of(record).items():
@@ -98,6 +94,17 @@ def splits_plot(records: dict, tile: str, out: str) -> None:
                     points[shape][row["num_splits"]] = row["of_read"]
                 elif name == "auto":
                     auto[shape] = row
+    return points, auto
+
+
+def splits_plot(records: dict, tile: str, out: str) -> None:
+    """Each decode shape's fraction of the read bandwidth against its split count, for one tiled kernel's
+    tile ("BLOCK_N:WARPS:STAGES") over every --long-sweep file given (a shape in several: the last file's),
+    the automatic plan's point marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points, auto = split_curves(records, tile)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (shape, curve) in enumerate(sorted(points.items())):
         splits = sorted(curve)

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.row_report import attention, step, tile_name  # noqa: E402
+from bench.row_report import attention, split_curves, step, tile_name  # noqa: E402
 
 from batchmaker.kernels.decode_row import RowTile  # noqa: E402
 
@@ -37,3 +37,15 @@ def test_the_step_lists_forms_fastest_first():
                                              "rounds_ms": [4.69, 4.7], "row_tile": repr(RowTile(32, 4))}}}
     lines = step(record)
     assert "configs@row-32:4" in lines[1] and "configs@row-off" in lines[2] and "1.0682x" in lines[1]
+
+
+def test_split_curves_gather_each_shapes_slices_of_one_tile_and_the_automatic_plan():
+    def sweep_row(splits, of_read, config=(16, 64, 4, 2), **extra):
+        return {"batch": 1, "context": 8192, "us": 1.0, "of_read": of_read, "config": list(config),
+                "num_splits": splits, **extra}
+    first = {"decode": [], "sweep": [sweep_row(16, 0.80), sweep_row(32, 0.75), sweep_row(16, 0.70, (16, 128, 4, 2)),
+                                     sweep_row(32, 0.74, auto=True)]}
+    second = {"decode": [], "sweep": [sweep_row(16, 0.81)]}
+    points, auto = split_curves({"a": first, "b": second}, "64:4:2")
+    assert points == {(1, 8192): {16: 0.81, 32: 0.75}}  # (128-position steps left out; the later file's 16)
+    assert auto[(1, 8192)]["num_splits"] == 32
