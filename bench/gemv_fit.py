@@ -34,7 +34,10 @@ def fit(n_out: int, k_in: int, silu: bool, cfg, norm: bool, residual: bool) -> d
     names = kernel.arg_names
     types = {n: "constexpr" if n in consts else "*bf16" if n in POINTERS else "fp32" if n == "eps" else "i32"
              for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types[n].startswith("*")}
+    # (as the runtime specializes them: pointers 16-byte aligned, and the int arguments, multiples of 16 at these
+    # shapes (sizes, strides; the unused RoPE ones 0), divisible by 16, which lets the weight loads vectorize)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types[n] != "fp32"
+               and types[n] != "constexpr"}
     compiled = triton.compile(ASTSource(kernel, types, consts, aligned), target=TARGET,
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     ptx = compiled.asm["ptx"]
