@@ -2,13 +2,16 @@
 `layers` distinct weights (so that none is served from L2), as one CUDA graph, for a sweep of
 block shapes; then a layer's four projections in a chain of `layers` layers, with and without
 programmatic dependent launch, against the cuBLAS path with the fused norm and SiLU kernels
-between its GEMVs (what a Llama layer ran before). Bandwidth = weight bytes / time.
+between its GEMVs (what a Llama layer ran before), and with o and down writing their partial sums of
+squares for the next norms (`squares_pdl_ms@CAP`, q | k | v's and gate | up's registers capped at CAP).
+Bandwidth = weight bytes / time. `--sweep none`: the chains only, with this device's configs.
 
     python bench/gemv.py --out bench/results/gemv-NVIDIA-H200-DATE.json
 """
 import argparse
 import itertools
 import json
+from dataclasses import replace
 import sys
 import time
 from pathlib import Path
@@ -52,17 +55,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--sweep", choices=("all", "dot", "plain", "prefetch"), default="all",
+    ap.add_argument("--sweep", choices=("all", "dot", "plain", "prefetch", "none"), default="all",
                     help="dot: only the tensor-core kernel's block shapes (and the current CONFIGS); plain: only the "
                          "CUDA-core kernel's; prefetch: the CUDA-core kernel's with the next tile loaded ahead (and "
-                         "the current CONFIGS)")
+                         "the current CONFIGS); none: only the chains, with this device's configs")
+    ap.add_argument("--squares-maxnreg", type=int, nargs="+", default=[128],
+                    help="the chain with partial sums of squares again with q | k | v's and gate | up's registers "
+                         "capped at each (0: uncapped)")
     ap.add_argument("--head", action="store_true", help="also sweep the LM head's product (not in the chain)")
     ap.add_argument("--only", nargs="+", choices=("qkv", "o", "gate_up", "down", "head"), default=None,
                     help="sweep these projections only (the chain uses CONFIGS for the others)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
-    gemv.DEVICE_CONFIGS.clear()  # (the sweep sets CONFIGS: no device's table stands before them)
+    if args.sweep != "none":
+        gemv.DEVICE_CONFIGS.clear()  # (the sweep sets CONFIGS: no device's table stands before them)
     c, dev, dt = PRESETS[args.preset], torch.device("cuda"), torch.bfloat16
     h = c.hidden_size
     g = torch.Generator(device=dev).manual_seed(0)
@@ -118,10 +125,10 @@ def main() -> None:
                  ((1, 1024, 4, 2), (1, 2048, 4, 2), (1, 2048, 8, 2), (1, 4096, 8, 1), (2, 4096, 8, 1),  # program: down)
                   (2, 2048, 4, 2), (2, 2048, 8, 1), (2, 1024, 8, 2), (4, 2048, 8, 2), (8, 1024, 8, 2), (4, 1024, 4, 2))]
     candidates = {"all": candidates + dot + prefetch, "dot": current + dot, "plain": current + plain,
-                  "prefetch": current + prefetch}[args.sweep]
+                  "prefetch": current + prefetch, "none": []}[args.sweep]
     best = {}
     for name, (n, k, silu) in shapes.items():
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or not candidates:
             continue
         nbytes = w[name][0].numel() * 2
         row = {"n": n, "k": k, "silu": silu, "cublas_ms": graph_ms(cublas(name)) / len(w[name]), "sweep": []}
@@ -160,6 +167,18 @@ def main() -> None:
             residual, act = gemv.norm_gate_up(out, residual, nw, 1e-5, w["gate_up"][layer], pdl=pdl)
             hidden = gemv.linear(act, w["down"][layer], pdl=pdl)
 
+    def chain_squares(pdl: bool):  # o and down add the residual and write their partial sums of squares, which
+        hidden, residual = x["qkv"], res["qkv"]  # the next norms take instead of a pass over their input
+        squares = None
+        for layer in range(args.layers):
+            if squares is None:
+                residual, qkv = gemv.norm_linear(hidden, residual, nw, 1e-5, w["qkv"][layer], pdl=pdl)
+            else:
+                residual, qkv = gemv.norm_linear(hidden, None, nw, 1e-5, w["qkv"][layer], pdl=pdl, squares=squares)
+            residual, squares = gemv.linear_residual(qkv[:, :h].contiguous(), w["o"][layer], residual, pdl=pdl)
+            act = gemv.norm_gate_up(residual, None, nw, 1e-5, w["gate_up"][layer], pdl=pdl, squares=squares)[1]
+            hidden, squares = gemv.linear_residual(act, w["down"][layer], residual, pdl=pdl)
+
     def chain_cublas():
         hidden, residual = x["qkv"], res["qkv"]
         lin = torch.nn.functional.linear
@@ -176,6 +195,17 @@ def main() -> None:
             chain["pdl_ms" if pdl else "ours_ms"] = graph_ms(lambda: chain_ours(pdl))
         except Exception as e:
             chain["pdl_error" if pdl else "ours_error"] = f"{type(e).__name__}: {e}"[:300]
+    picked = {key: gemv.pick_config(*key, device=dev) for key in shapes.values()}  # (as the chains above ran)
+    gemv.DEVICE_CONFIGS.clear()
+    gemv.CONFIGS.update(picked)
+    for cap in args.squares_maxnreg:  # (q | k | v's and gate | up's tiles capped; o's and down's as configured)
+        for key in (shapes["qkv"], shapes["gate_up"]):
+            gemv.CONFIGS[key] = replace(picked[key], maxnreg=cap or None)
+        try:
+            chain[f"squares_pdl_ms@{cap}"] = graph_ms(lambda: chain_squares(True))
+        except Exception as e:
+            chain[f"squares_error@{cap}"] = f"{type(e).__name__}: {e}"[:300]
+        gemv.CONFIGS.update(picked)
     chain["bytes"] = layer_bytes * args.layers
     chain["floor_ms"] = chain["bytes"] / 4.23e12 * 1e3
     report["chain"] = chain

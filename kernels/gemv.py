@@ -5,6 +5,8 @@ batch-1 decode step of a Llama layer in four of them, each reading its weight on
     total, act = norm_gate_up(x, residual, norm_weight, eps, weight)    # act = silu(gate) * up of W rms_norm(...)
     out = linear(x, weight)                                             # W x
     total, q = norm_qkv_rope(x, residual, norm_weight, eps, weight, target)  # + RoPE, k and v to the KV cache
+    total, squares = linear_residual(x, weight, residual)               # W x + residual, its partial squares
+    total, qkv = norm_linear(total, None, norm_weight, eps, weight, squares=squares)  # the norm from them
 
 x, residual [1, K] (residual may be None: then total is x), weight [N, K] (an nn.Linear's; gate_up's
 is [2I, K], gate | up); `norm_linear` and `norm_qkv_rope` also take the projection's bias [N]
@@ -46,6 +48,8 @@ class GemvConfig:
     num_stages: int
     dot: bool = False  # tensor cores (weight tiles pipelined num_stages deep through shared memory) or CUDA cores
     prefetch: int = 0  # CUDA cores: weight tiles loaded this many (0-2) ahead of their products (registers hold 1 more)
+    maxnreg: int | None = None  # a thread's registers capped (Triton's maxnreg): ptxas schedules the loads otherwise
+    # (q | k | v without the norm, H200: 24.0 us capped at 128 against 25.8; bench/norm_cost.py --maxnreg)
 
 
 # (n_out, k_in, silu) -> config: the Llama-2-7B shapes, chosen on an H100 by the graphed batch-1 step
@@ -120,6 +124,13 @@ def reference_norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tenso
     return total, F.linear(normed, weight, bias)
 
 
+def reference_linear_residual(x: Tensor, weight: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+    """(W x + residual as HF's residual add rounds it, the squares of that total by element, fp32): the norm after
+    it needs only their sum."""
+    total = residual + F.linear(x, weight)
+    return total, total.float().square().flatten()
+
+
 def reference_norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
                            weight: Tensor) -> tuple[Tensor, Tensor]:
     total, gate_up = reference_norm_linear(x, residual, norm_weight, eps, weight)
@@ -168,26 +179,35 @@ def linear(x: Tensor, weight: Tensor, *, pdl: bool = True) -> Tensor:
     return _launch(x, None, None, 0.0, weight, silu=False, pdl=pdl)[1]
 
 
+def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
+    """The kernel twin of `reference_linear_residual`: (W x + residual, the sums of its squares by program, fp32),
+    what the next projection's norm takes as `squares` instead of a pass over its input."""
+    return _launch(x, None, None, 0.0, weight, silu=False, pdl=pdl, add_residual=residual)
+
+
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                bias: Tensor | None = None, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
-    """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual) (+ bias)) in one launch."""
-    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, bias=bias)
+                bias: Tensor | None = None, *, pdl: bool = True, squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual) (+ bias)) in one launch;
+    `squares` (residual None): x's partial sums of squares (`linear_residual`'s), summed for the norm."""
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, bias=bias, squares=squares)
 
 
 def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
-                 pdl: bool = True) -> tuple[Tensor, Tensor]:
+                 pdl: bool = True, squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_gate_up`: the norm, the gate/up projection and SiLU x up in one launch."""
-    return _launch(x, residual, norm_weight, eps, weight, silu=True, pdl=pdl)
+    return _launch(x, residual, norm_weight, eps, weight, silu=True, pdl=pdl, squares=squares)
 
 
 def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                  target: RopeTarget, bias: Tensor | None = None, *, pdl: bool = True) -> tuple[Tensor, Tensor]:
+                  target: RopeTarget, bias: Tensor | None = None, *, pdl: bool = True,
+                  squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_qkv_rope`: (x + residual, q [1, Hq D] rotated) in one launch
     that also writes k rotated and v to the caches (`qkv_takes_rope` says where it applies)."""
     assert target.cos.shape == target.sin.shape == (1, target.head_dim // 2) and target.slots.shape == (1,)
     assert target.k_cache.stride(3) == target.v_cache.stride(3) == 1 and target.k_cache.dtype == x.dtype
     target = replace(target, cos=target.cos.contiguous(), sin=target.sin.contiguous())
-    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, rope=target, bias=bias)
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, rope=target, bias=bias,
+                   squares=squares)
 
 
 def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
@@ -197,7 +217,10 @@ def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
-            silu: bool, pdl: bool, rope: RopeTarget | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            silu: bool, pdl: bool, rope: RopeTarget | None = None, bias: Tensor | None = None,
+            squares: Tensor | None = None, add_residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    # squares: the input's partial sums of squares, for the norm (no residual); add_residual: a plain projection's
+    # output plus it, returned with its partial sums of squares as (total, squares)
     if not (x.is_cuda or is_interpreting()):
         raise KernelUnavailableError(f"the gemv kernels run on CUDA tensors, got {x.device}; use the reference_* twins")
     k_in = x.shape[-1]
@@ -223,16 +246,31 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         rope_args = (rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slots, *rope.k_cache.stride()[:3],
                      *rope.v_cache.stride()[:3], rope.num_q_heads, rope.num_kv_heads)
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
-    _load_kernels().gemv_kernel[(rows // config.block_n,)](
-        x, residual.contiguous() if has_residual else x, norm_weight if norm else x, weight, out, total,
+    assert squares is None or (norm and not has_residual and squares.dtype == torch.float32), (norm, has_residual)
+    assert add_residual is None or not (norm or has_residual or silu or rope or bias is not None)
+    assert add_residual is None or (add_residual.shape == (1, n_out) and add_residual.dtype == x.dtype)
+    programs = rows // config.block_n
+    partials = None if add_residual is None else torch.empty(programs, dtype=torch.float32, device=x.device)
+    squares_args = {} if squares is None and partials is None else {
+        "sq_ptr": partials if squares is None else squares.contiguous(),
+        "num_squares": 0 if squares is None else squares.numel(),
+        "SQUARES_IN": 0 if squares is None else _pow2(squares.numel()), "SQUARES_OUT": partials is not None}
+    _load_kernels().gemv_kernel[(programs,)](
+        x, add_residual.contiguous() if add_residual is not None else residual.contiguous() if has_residual else x,
+        norm_weight if norm else x, weight, out, total,
         n_out, k_in, weight.stride(0), eps, *rope_args, x if bias is None else bias.contiguous(),
         NORM=norm, RESIDUAL=has_residual, SILU=silu, BIAS=bias is not None,
         ROPE=rope is not None, DOT=config.dot, PREFETCH=0 if config.dot else config.prefetch,
         EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
+        **squares_args, **({} if config.maxnreg is None or is_interpreting() else {"maxnreg": config.maxnreg}),
         **pdl_options(x, pdl))
-    return total, out
+    return (out, partials) if partials is not None else (total, out)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _load_kernels():

@@ -28,6 +28,11 @@ With SILU a program's rows are pairs (gate row i, up row n_out + i), interleaved
 one accumulator holds both and the epilogue multiplies them: gate | up streams like a plain
 projection (8 rows a program: 4.14 TB/s against 3.75 with a gate and an up accumulator each, H200).
 
+With SQUARES_OUT a plain projection adds the residual to its rows (rounded as HF's residual add) and
+writes its program's sum of their squares; with SQUARES_IN the next norm sums those partials for its
+1 / rms instead of a pass over its input (issue 33: that pass costs q | k | v ~1.5 us and gate | up ~2 us
+on an H200 against the plain kernel under a register cap). Not yet used by a layer: bench/gemv.py's chain.
+
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
 in triton_decoder.py computes it) and stores q, or k and v into the paged KV cache at the token's slot.
@@ -78,12 +83,17 @@ def _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, RESIDUAL: tl.constexpr
 
 
 @triton.jit
-def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                   PDL: tl.constexpr, NORM_K: tl.constexpr):
-    # after the loads that need not wait: let the next kernel launch, wait for the input, and the norm's 1 / rms
+def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, sq_ptr, num_squares, NORM: tl.constexpr,
+                   RESIDUAL: tl.constexpr, PDL: tl.constexpr, NORM_K: tl.constexpr, SQUARES_IN: tl.constexpr):
+    # after the loads that need not wait: let the next kernel launch, wait for the input, and the norm's 1 / rms:
+    # a pass over the input, or (SQUARES_IN, the input's partial sums of squares padded to it) one load of those
     wait_for_input(PDL)  # the input is the previous kernel's output
     inv_rms = 0.0
-    if NORM:
+    if SQUARES_IN > 0:
+        parts = tl.arange(0, SQUARES_IN)
+        squares = tl.load(sq_ptr + parts, mask=parts < num_squares, other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / k_in + eps)
+    elif NORM:
         inv_rms = _inv_rms(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, RESIDUAL, NORM_K)
     return inv_rms
 
@@ -104,9 +114,10 @@ def _rows(pid, n_out, ROPE: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
-                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, PREFETCH: tl.constexpr):
+def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum, sq_ptr,
+                        num_squares, NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+                        PREFETCH: tl.constexpr, SQUARES_IN: tl.constexpr):
     # w[rows] . in: a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once. PREFETCH (1 or 2): each tile's loads
     # are issued that many tiles before its products (registers hold PREFETCH + 1 tiles; with 2, the first two
     # tiles are loaded before the wait)
@@ -116,7 +127,8 @@ def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride
     w = _load(w_rows + cols[None, :], first[None, :], EVEN_K)  # before the wait: weights are constant
     if PREFETCH == 2:
         w_next = tl.load(w_rows + (BLOCK_K + cols)[None, :], mask=(BLOCK_K + cols < k_in)[None, :], other=0.0)
-    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
+    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, sq_ptr, num_squares, NORM, RESIDUAL,
+                             PDL, NORM_K, SQUARES_IN)
     x = _input_tile(x_ptr, r_ptr, nw_ptr, cols, first, inv_rms, NORM, RESIDUAL, EVEN_K)
     if PREFETCH == 2:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -149,16 +161,18 @@ def _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride
 
 
 @triton.jit
-def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum,
-                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr):
+def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, write_sum, sq_ptr,
+                          num_squares, NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                          EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+                          SQUARES_IN: tl.constexpr):
     # the same on tensor cores: a 16-row input tile whose row 0 is the input (the rest zero) times the weight tile
     # transposed, accumulated in [16, BLOCK_N] fp32; the weight tiles are loads that feed a dot, so Triton
     # pipelines them through shared memory num_stages deep (registers no longer bound the bytes in flight)
     cols = tl.arange(0, BLOCK_K)
     is_x = tl.arange(0, 16)[:, None] == 0  # [16, 1]: the input's row of the tile
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, NORM, RESIDUAL, PDL, NORM_K)
+    inv_rms = _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, sq_ptr, num_squares, NORM, RESIDUAL,
+                             PDL, NORM_K, SQUARES_IN)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         c = k0 + cols
@@ -181,6 +195,17 @@ def _store(out_ptr, pid, rows, out, SILU: tl.constexpr, BLOCK_N: tl.constexpr):
         tl.store(out_ptr + pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), (act * up).to(out_ptr.dtype.element_ty))
     else:
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_total(out_ptr, r_ptr, sq_ptr, pid, rows, out):
+    # out[rows] = the projection (rounded once) + the residual r[rows], rounded as HF's residual add rounds; and the
+    # sum of this program's totals' squares (fp32) at sq_ptr[pid], the next norm's partial (SQUARES_IN)
+    dtype = out_ptr.dtype.element_ty
+    total = (out.to(dtype).to(tl.float32) + tl.load(r_ptr + rows).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + rows, total)
+    square = total.to(tl.float32)
+    tl.store(sq_ptr + pid, tl.sum(square * square, axis=0))
 
 
 @triton.jit
@@ -219,23 +244,32 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
                 PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False,
-                PREFETCH: tl.constexpr = 0):
+                PREFETCH: tl.constexpr = 0, sq_ptr=None, num_squares=0, SQUARES_IN: tl.constexpr = 0,
+                SQUARES_OUT: tl.constexpr = False):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
     # outputs a program;
     # ROPE: the rows are q | k | v of one token (heads of HEAD_DIM), stored rotated, k and v to the caches;
-    # BIAS: b[n] added to each row's sum in fp32 before its one rounding (cuBLAS's bias epilogue; Qwen2's q | k | v)
+    # BIAS: b[n] added to each row's sum in fp32 before its one rounding (cuBLAS's bias epilogue; Qwen2's q | k | v);
+    # SQUARES_OUT (no NORM, RESIDUAL, SILU, ROPE): out[n] = the projection + r[n] (the residual stream's next total),
+    # and each program's sum of squares of its totals at sq_ptr[pid] (fp32); SQUARES_IN (NORM without RESIDUAL: the
+    # input is such a total): the norm's 1 / rms from those num_squares partials (padded to SQUARES_IN, a power of
+    # two) instead of a pass over the input
     pid = tl.program_id(0)
     rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
     if DOT:
         out = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
-                                    NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K)
+                                    sq_ptr, num_squares, NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K,
+                                    SQUARES_IN)
     else:
         out = _cuda_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
-                                  NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K, PREFETCH)
+                                  sq_ptr, num_squares, NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K,
+                                  PREFETCH, SQUARES_IN)
     if BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
-    if ROPE:
+    if SQUARES_OUT:
+        _store_total(out_ptr, r_ptr, sq_ptr, pid, rows, out)
+    elif ROPE:
         _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
     else:

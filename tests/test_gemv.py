@@ -47,6 +47,35 @@ def check(n_out, k_in, dtype, device, seed=0, pdl=True):
         torch.testing.assert_close(act, want, rtol=rtol, atol=atol)
 
 
+def check_squares(hidden, inner, dtype, device, seed=0, pdl=True):
+    """A plain projection that adds the residual and writes its partial sums of squares (linear_residual), then
+    norms that take those partials instead of a pass over their input: each against its twin and the pass form."""
+    rtol, atol = TOLERANCE[dtype]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(1, inner, generator=g).to(device, dtype)
+    weight = (torch.randn(hidden, inner, generator=g) * inner ** -0.5).to(device, dtype)
+    residual = (torch.randn(1, hidden, generator=g) * 2).to(device, dtype)
+    total, squares = gemv.linear_residual(x, weight, residual, pdl=pdl)
+    want_total, want_squares = gemv.reference_linear_residual(x, weight, residual)
+    torch.testing.assert_close(total, want_total, rtol=rtol, atol=atol)
+    assert squares.dtype == torch.float32 and squares.numel() < hidden  # (one partial a program)
+    torch.testing.assert_close(squares.sum(), total.float().square().sum(), rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(squares.sum(), want_squares.sum(), rtol=10 * rtol, atol=0.0)
+    _, _, norm_weight, w_next = case(2 * hidden, hidden, False, dtype, device, seed + 1)
+    got = gemv.norm_linear(total, None, norm_weight, 1e-5, w_next, pdl=pdl, squares=squares)
+    assert got[0] is total
+    torch.testing.assert_close(got[1], gemv.reference_norm_linear(total, None, norm_weight, 1e-5, w_next)[1],
+                               rtol=rtol, atol=atol)
+    torch.testing.assert_close(got[1], gemv.norm_linear(total, None, norm_weight, 1e-5, w_next, pdl=pdl)[1],
+                               rtol=rtol, atol=atol)  # (the pass form: only the sum's order differs)
+    _, _, norm_weight, w_gate_up = case(hidden, hidden, True, dtype, device, seed + 2)
+    act = gemv.norm_gate_up(total, None, norm_weight, 1e-5, w_gate_up, pdl=pdl, squares=squares)[1]
+    torch.testing.assert_close(act, gemv.reference_norm_gate_up(total, None, norm_weight, 1e-5, w_gate_up)[1],
+                               rtol=rtol, atol=atol)
+    with pytest.raises(AssertionError):  # (the partials replace the pass over x + residual, not x alone)
+        gemv.norm_linear(total, residual, norm_weight, 1e-5, w_next, squares=squares)
+
+
 def check_rope(num_q_heads, num_kv_heads, head_dim, k_in, dtype, device, seed=0, pdl=True):
     """norm_qkv_rope against its twin: q returned, k and v in their caches at the slot, nothing else written."""
     rtol, atol = TOLERANCE[dtype]
@@ -132,6 +161,10 @@ def test_kernels_in_the_interpreter(monkeypatch):
             for silu in (False, True):
                 monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), gemv.GemvConfig(16, 64, 4, 3, **kernel))
             check(n_out, k_in, torch.float32, "cpu")
+    for kernel in kernels:  # partial sums of squares out of a plain projection, into the next norms
+        for key in ((48, 96, False), (96, 48, False), (48, 48, True)):
+            monkeypatch.setitem(gemv.CONFIGS, key, gemv.GemvConfig(16, 64, 4, 3, **kernel))
+        check_squares(48, 96, torch.float32, "cpu")
     for kernel in kernels:  # RoPE in the epilogue: 2 programs a head, GQA (4 q heads a kv head), a masked tile
         monkeypatch.setitem(gemv.CONFIGS, ((8 + 2 * 2) * 32, 96, False), gemv.GemvConfig(16, 64, 4, 3, **kernel))
         check_rope(8, 2, 32, 96, torch.float32, "cpu")
@@ -143,6 +176,31 @@ def test_kernels_in_the_interpreter(monkeypatch):
     compare_paged_forwards(biased, "cpu", 1e-4)
     weight = torch.empty(12288, 4096, device="meta")  # Llama-2-7B's q | k | v: 8 rows (4 pairs) a program
     assert gemv.qkv_takes_rope(weight, 128) and not gemv.qkv_takes_rope(weight, 4)  # (a head narrower than 8 rows)
+
+
+@interpreter
+def test_a_chain_with_partial_squares_equals_the_chain():
+    """Three layers' projections (no attention) as a layer runs them, and with o and down adding the residual and
+    writing the partial sums of squares the next norms take (bench/gemv.py's chains): the same stream (fp32)."""
+    g = torch.Generator().manual_seed(3)
+    h, inner, layers = 64, 128, 3
+    weights = [[torch.randn(n, k, generator=g) * k ** -0.5 for n, k in ((3 * h, h), (h, h), (2 * inner, h), (h, inner))]
+               for _ in range(layers)]
+    norm_weight, x, residual = 1 + 0.1 * torch.randn(h, generator=g), torch.randn(1, h, generator=g), torch.randn(1, h,
+                                                                                                          generator=g)
+    hidden, total = x, residual
+    for qkv_w, o_w, gate_up_w, down_w in weights:
+        total, qkv = gemv.norm_linear(hidden, total, norm_weight, 1e-5, qkv_w)
+        total, act = gemv.norm_gate_up(gemv.linear(qkv[:, :h].contiguous(), o_w), total, norm_weight, 1e-5, gate_up_w)
+        hidden = gemv.linear(act, down_w)
+    hidden2, squares = x, None
+    for qkv_w, o_w, gate_up_w, down_w in weights:
+        total2, qkv = gemv.norm_linear(hidden2, residual if squares is None else None, norm_weight, 1e-5, qkv_w,
+                                       squares=squares)
+        total2, squares = gemv.linear_residual(qkv[:, :h].contiguous(), o_w, total2)
+        act = gemv.norm_gate_up(total2, None, norm_weight, 1e-5, gate_up_w, squares=squares)[1]
+        hidden2, squares = gemv.linear_residual(act, down_w, total2)
+    torch.testing.assert_close(hidden2, hidden + total, rtol=1e-5, atol=1e-5)
 
 
 def test_the_interpreter_in_a_subprocess():
@@ -170,6 +228,15 @@ def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
         if kernel in configs:
             monkeypatch.setitem(gemv.CONFIGS, (n_out, k_in, silu), configs[kernel])
     check(n_out, k_in, dtype, "cuda", seed=n_out + k_in, pdl=pdl)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("pdl", (False, True))
+@pytest.mark.parametrize("hidden, inner", ((4096, 4096), (4096, 11008)))  # o, down: Llama-2-7B's
+def test_squares_equal_the_twins(dtype, pdl, hidden, inner):
+    check_squares(hidden, inner, dtype, "cuda", seed=hidden + inner, pdl=pdl)
 
 
 @pytest.mark.gpu
