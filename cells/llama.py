@@ -67,6 +67,9 @@ class OneTokenConfig:
     pdl: bool = True  # programmatic dependent launch between the projections
     rope_in_qkv: bool = True  # RoPE and the K/V cache write in the q | k | v projection (with a paged attend):
     # one launch fewer per layer, batch-1 step 3.87 against 3.90 ms (H200, bench/decode_profile.py)
+    norm_squares: bool = False  # o and down add the residual and write the partial sums of squares the next norms
+    # take instead of a pass over their input (kernels/gemv.linear_residual; LlamaLM.run_layers threads them; not
+    # with tensor parallelism): off until a step measures it faster (bench/gemv.py's chain, issue 33)
 
 
 class LlamaLayer(DecoderLayer):
@@ -81,26 +84,44 @@ class LlamaLayer(DecoderLayer):
         self.one_token: OneTokenConfig | None = None if self.has_bias else OneTokenConfig()
 
     def forward(self, x: Tensor, residual: Tensor | None, rotate, attend) -> tuple[Tensor, Tensor]:
-        how = self.one_token
-        if how is None or not gemv.can_gemv(x, self.attn.qkv_proj.weight):
+        if self.one_token is None or not gemv.can_gemv(x, self.attn.qkv_proj.weight):
             return super().forward(x, residual, rotate, attend)
-        qkv_weight = self.attn.qkv_proj.weight
+        return self.one_token_forward(x, residual, None, rotate, attend)[:2]
+
+    def takes_squares(self) -> bool:
+        """Whether one_token_forward passes partial sums of squares on (OneTokenConfig.norm_squares; the
+        residual is added before a tensor-parallel all-reduce could be, so not with one)."""
+        how = self.one_token
+        return how is not None and how.norm_squares and self.attn.reduce is None and self.mlp.reduce is None
+
+    def one_token_forward(self, x: Tensor, residual: Tensor | None, squares: Tensor | None, rotate, attend
+                          ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """forward's one-token path (how.one_token's kernels): (the MLP's output, the residual before it, None),
+        or with `takes_squares` (the block's output, None, its partial sums of squares for the next norm);
+        `squares`: x's (then residual is None)."""
+        how, qkv_weight = self.one_token, self.attn.qkv_proj.weight
         eps, pdl, attn = self.attn_norm.eps, how.pdl, self.attn
         if how.rope_in_qkv and isinstance(rotate, Rotary) and hasattr(attend, "attend_cached") and \
                 gemv.qkv_takes_rope(qkv_weight, attn.head_dim):  # RoPE and the K/V write inside the projection
             target = gemv.RopeTarget(rotate.cos, rotate.sin, *attend.kv_cache(attn.layer_index), attn.num_heads,
                                      attn.num_kv_heads)
             residual, q = gemv.norm_qkv_rope(x, residual, self.attn_norm.weight, eps, qkv_weight, target,
-                                             attn.qkv_proj.bias, pdl=pdl)
+                                             attn.qkv_proj.bias, pdl=pdl, squares=squares)
             mixed = attend.attend_cached(attn.layer_index, q.view(1, attn.num_heads, attn.head_dim)).view(1, -1)
         else:
             residual, qkv = gemv.norm_linear(x, residual, self.attn_norm.weight, eps, qkv_weight, attn.qkv_proj.bias,
-                                             pdl=pdl)
+                                             pdl=pdl, squares=squares)
             mixed = attn.mix(qkv, rotate, attend)
+        if self.takes_squares():  # (the residual added in o's and down's epilogues)
+            total, squares = gemv.linear_residual(mixed, attn.o_proj.weight, residual, pdl=pdl)
+            act = gemv.norm_gate_up(total, None, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight, pdl=pdl,
+                                    squares=squares)[1]
+            hidden, squares = gemv.linear_residual(act, self.mlp.down_proj.weight, total, pdl=pdl)
+            return hidden, None, squares
         out = reduced(attn, gemv.linear(mixed, attn.o_proj.weight, pdl=pdl))
         residual, act = gemv.norm_gate_up(out, residual, self.mlp_norm.weight, eps, self.mlp.gate_up_proj.weight,
                                           pdl=pdl)
-        return reduced(self.mlp, gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl)), residual
+        return reduced(self.mlp, gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl)), residual, None
 
 
 class Rotary:
@@ -143,6 +164,21 @@ class LlamaLM(DecoderLM):
         biases keep the general path."""
         for layer in self.layers:
             layer.one_token = None if layer.has_bias else how
+
+    def run_layers(self, hidden: Tensor, residual: Tensor | None, positions: Tensor,
+                   attend) -> tuple[Tensor, Tensor | None]:
+        """DecoderLM.run_layers; with OneTokenConfig.norm_squares, one token's layers pass each other the
+        partial sums of squares of the residual stream (LlamaLayer.one_token_forward)."""
+        first = self.layers[0] if len(self.layers) else None
+        if first is None or not first.takes_squares() or not gemv.can_gemv(hidden, first.attn.qkv_proj.weight):
+            return super().run_layers(hidden, residual, positions, attend)
+        rotate, squares = self.rotary(positions), None
+        for layer in self.layers:
+            if layer.takes_squares():
+                hidden, residual, squares = layer.one_token_forward(hidden, residual, squares, rotate, attend)
+            else:  # (a total with its squares is a stream whose residual is None)
+                hidden, residual, squares = *layer(hidden, residual, rotate, attend), None
+        return hidden, residual
 
     def head(self, hidden: Tensor) -> Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

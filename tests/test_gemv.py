@@ -316,7 +316,8 @@ def test_one_token_forward_equals_the_unfused_path(dtype):
 
 def compare_paged_forwards(model, device, tolerance) -> None:
     """A one-token forward over a paged cache with RoPE and the K/V write inside the q | k | v
-    projection against the general path: the same logits and the same caches after."""
+    projection against the general path: the same logits and the same caches after; so with the
+    norms' partial sums of squares passed from layer to layer (OneTokenConfig.norm_squares)."""
     c, dtype = model.config, model.embed_tokens.weight.dtype
     assert gemv.qkv_takes_rope(model.layers[0].attn.qkv_proj.weight, c.head_dim)
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -336,8 +337,11 @@ def compare_paged_forwards(model, device, tolerance) -> None:
         with torch.no_grad():
             logits = model.head(model(token, position, PagedAttend(k_cache, v_cache, **metadata)))
         return logits, k_cache, v_cache
-    for got, want in zip(run(OneTokenConfig(rope_in_qkv=True)), run(None)):
-        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    want = run(None)
+    for how in (OneTokenConfig(rope_in_qkv=True), OneTokenConfig(rope_in_qkv=True, norm_squares=True),
+                OneTokenConfig(rope_in_qkv=False, norm_squares=True)):  # (norm_squares: partial squares passed on)
+        for got, wanted in zip(run(how), want):
+            torch.testing.assert_close(got, wanted, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.gpu
