@@ -46,8 +46,9 @@
 #              tests (now with the CPU attention's), then the families Qwen2.5-7B, Gemma-2-9B (both ran every
 #              iteration eagerly on 2026-11-26 before the capture retry and the sampling headroom) and Mistral-7B
 #     long-splits  issue 33: split-KV decode at 4K-32K in 2-32 slices, and the automatic plan (~1 min)
-#     gemv-squares  issue 33: the norm from the producing projection's partial sums of squares, tested and in the
-#              32-layer chain against today's (bench/gemv.py --sweep none; not run yet, ~2 min)
+#     gemv-squares  issue 33: the norm from the producing projection's partial sums of squares: its GPU tests, the
+#              32-layer chain against today's (bench/gemv.py --sweep none), the graphed batch-1 step with it
+#              (OneTokenConfig.norm_squares) and q | k | v's and gate | up's registers capped (not run yet, ~5 min)
 #     chat-ab  "nothing slower": bench/chat_ab.sh, the chat workload over .whl/chat-base.tar's tree and this one (~5 min)
 #     row-tests, row-ab, row-long, row-step  issue 33's one-row decode loop (kernels/triton_decode_row.py, for G = 1):
 #              its GPU tests with paged attention's and the variants' (over 4 min on a fresh H100: 240 s cut it at 57);
@@ -354,9 +355,12 @@ for suite in "$@"; do
             step "gemv-table-step-$preset" timeout 150 python3 bench/one_token_ab.py --preset "$preset" --forms configs \
                 --gemv-configs "$sweep" --rounds 10 --out "${sweep/gemv-prefetch-/one-token-ab-}" ;;
         gemv-squares)  # issue 33: the producer-written norm (gemv.linear_residual + squares=): GPU tests, then the chains
-            step gemv-squares-tests timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gemv.py -k squares
-            step gemv-squares timeout 200 python3 bench/gemv.py --sweep none --squares-maxnreg 0 128 144 --out \
-                "bench/results/gemv-squares-$(device_name)-$(date +%F).json" ;;
+            step gemv-squares-tests timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gemv.py \
+                -k "squares or one_token_forward"
+            step gemv-squares timeout 120 python3 bench/gemv.py --sweep none --squares-maxnreg 0 128 144 --out \
+                "bench/results/gemv-squares-$(device_name)-$(date +%F).json"
+            step gemv-squares-step timeout 150 python3 bench/one_token_ab.py --forms configs --squares --rounds 10 \
+                --override qkv,gate_up=8:1024:4:0:128 --out "bench/results/one-token-squares-$(device_name)-$(date +%F).json" ;;
         chat-ab) step chat-ab timeout 590 bash bench/chat_ab.sh ;;  # (.whl/chat-base.tar: bench/chat_ab.sh; ~3 rounds)
         verify16)  # the sixteenth session's code that no GPU has run yet (one lease of 2+ GPUs)
             step verify16-kernels timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_compress4.py \

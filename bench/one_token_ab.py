@@ -57,8 +57,11 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", choices=tuple(FORMS), default=list(FORMS))
     ap.add_argument("--gemv-configs", default=None,
                     help="a bench/gemv.py JSON: its best configs as one more form, `file` (over H200_TABLE)")
-    ap.add_argument("--override", nargs="+", default=[], metavar="PROJ=BLOCK_N:BLOCK_K:WARPS:PREFETCH",
-                    help="one more form each: this device's configs with one projection's replaced (CUDA cores, 1 stage)")
+    ap.add_argument("--override", nargs="+", default=[], metavar="PROJ=BLOCK_N:BLOCK_K:WARPS:PREFETCH[:MAXNREG]",
+                    help="one more form each: this device's configs with one projection's replaced (CUDA cores, 1 "
+                         "stage; PROJ may be a comma-separated list)")
+    ap.add_argument("--squares", action="store_true",
+                    help="each form again with the norms' partial sums of squares passed on (OneTokenConfig.norm_squares)")
     ap.add_argument("--row-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS",
                     help="each form again with each of these row-loop tiles ('off': the tiled kernel; "
                          "kernels/decode_row.py); default: ROW_DECODE as it is")
@@ -76,12 +79,15 @@ def main() -> None:
         forms["file"] = {**H200_TABLE, **{names[key]: cfg for key, cfg in best_configs(args.gemv_configs).items()
                                           if key in names}}
     for spec in args.override:  # (over this device's configs, not H200_TABLE)
-        projection, shape = spec.split("=")
-        block_n, block_k, warps, prefetch = map(int, shape.split(":"))
-        forms[spec] = {**configs, projection: gemv.GemvConfig(block_n, block_k, warps, 1, prefetch=prefetch)}
+        names, shape = spec.split("=")
+        block_n, block_k, warps, prefetch, *cap = map(int, shape.split(":"))
+        cfg = gemv.GemvConfig(block_n, block_k, warps, 1, prefetch=prefetch, maxnreg=cap[0] if cap else None)
+        forms[spec] = {**configs, **{name: cfg for name in names.split(",")}}
     rows = {"": decode_row.ROW_DECODE} if not args.row_tiles else {f"@row-{t}": decode_row.parse_tile(t)
                                                                     for t in args.row_tiles}
-    forms = {name + suffix: (table, tile) for name, table in forms.items() for suffix, tile in rows.items()}
+    forms = {name + suffix + tail: (table, tile, squares) for name, table in forms.items()
+             for suffix, tile in rows.items() for tail, squares in ((("", False), ("+squares", True))
+                                                                     if args.squares else (("", False),))}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = engine_bound(config, args.context)
@@ -89,8 +95,8 @@ def main() -> None:
                          max_context_len=bound)
     graphs, outputs = {}, {}
     with torch.inference_mode():
-        lm.set_one_token(OneTokenConfig())
-        for name, (table, tile) in forms.items():
+        for name, (table, tile, squares) in forms.items():
+            lm.set_one_token(OneTokenConfig(norm_squares=squares))
             decode_row.ROW_DECODE = tile  # (what the graph captures)
             for projection, cfg in table.items():
                 gemv.CONFIGS[keys[projection]] = cfg
@@ -121,7 +127,7 @@ def main() -> None:
     for name, ms in times.items():
         median = statistics.median(ms)
         report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name][0].items()},
-                                 "row_tile": repr(forms[name][1]),
+                                 "row_tile": repr(forms[name][1]), "norm_squares": forms[name][2],
                                  "graph_step_ms_median": median, "vs_floor": median / floor_ms, "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)
