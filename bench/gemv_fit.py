@@ -7,18 +7,18 @@ wait, and block-wide barriers. What bench/norm_cost.py's times are read against 
 import argparse
 import json
 import re
-import subprocess
-import tempfile
+import sys
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from batchmaker.kernels import triton_gemv
-from batchmaker.kernels.gemv import DEVICE_CONFIGS
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TARGET = GPUTarget("cuda", 90, 32)
+from batchmaker.kernels import triton_gemv  # noqa: E402
+from batchmaker.kernels.gemv import DEVICE_CONFIGS, NORM_K  # noqa: E402
+from bench.attention_fit import TARGET, registers  # noqa: E402 (sm_90a; ptxas's registers and spills)
+
 POINTERS = {"x_ptr", "r_ptr", "nw_ptr", "w_ptr", "out_ptr", "sum_ptr", "cos_ptr", "sin_ptr", "k_cache", "v_cache",
             "slots", "b_ptr"}
 FORMS = {"norm+residual": (True, True), "norm": (True, False), "plain": (False, False)}  # (NORM, RESIDUAL)
@@ -29,8 +29,8 @@ def fit(n_out: int, k_in: int, silu: bool, cfg, norm: bool, residual: bool) -> d
     kernel = triton_gemv.gemv_kernel
     consts = dict(NORM=norm, RESIDUAL=residual, SILU=silu, ROPE=False, DOT=cfg.dot, PDL=True,
                   EVEN_K=k_in % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  NORM_K=min(4096, 1 << (k_in - 1).bit_length()), HEAD_DIM=2, CACHE_BLOCK=1, BIAS=False,
-                  PREFETCH=0 if cfg.dot else cfg.prefetch)
+                  NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()), HEAD_DIM=2, CACHE_BLOCK=1, BIAS=False,
+                  PREFETCH=0 if cfg.dot else cfg.prefetch, sq_ptr=None, SQUARES_IN=0, SQUARES_OUT=False)
     names = kernel.arg_names
     types = {n: "constexpr" if n in consts else "*bf16" if n in POINTERS else "fp32" if n == "eps" else "i32"
              for n in names}
@@ -41,16 +41,11 @@ def fit(n_out: int, k_in: int, silu: bool, cfg, norm: bool, residual: bool) -> d
     compiled = triton.compile(ASTSource(kernel, types, consts, aligned), target=TARGET,
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     ptx = compiled.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        done = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
-                              capture_output=True, text=True, check=True)
-    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    used = registers(ptx)[0]
     wait = ptx.find("griddepcontrol.wait")
     loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
-    return {"registers": registers,
-            "programs_per_sm_by_registers": REGISTER_FILE // (registers * 32 * cfg.num_warps),
+    return {"registers": used,
+            "programs_per_sm_by_registers": REGISTER_FILE // (used * 32 * cfg.num_warps),
             "global_loads": len(loads), "loads_before_wait": sum(1 for at in loads if 0 <= at < wait),
             "barriers": len(re.findall(r"bar\.sync", ptx))}
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchmaker.kernels.cell_launch import KernelUnavailableError, is_interpreting, load_kernels, pdl_options
-from batchmaker.kernels.fused_decoder import (HAS_TRITON, reference_add_rms_norm, reference_rms_norm,
+from batchmaker.kernels.fused_decoder import (HAS_TRITON, _next_power_of_2, reference_add_rms_norm, reference_rms_norm,
                                               reference_rope_write_kv, reference_silu_mul)
 
 
@@ -186,7 +186,8 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, *, pdl: bool = 
 
 
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                bias: Tensor | None = None, *, pdl: bool = True, squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                bias: Tensor | None = None, *, pdl: bool = True,
+                squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual) (+ bias)) in one launch;
     `squares` (residual None): x's partial sums of squares (`linear_residual`'s), summed for the norm."""
     return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, bias=bias, squares=squares)
@@ -254,7 +255,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     squares_args = {} if squares is None and partials is None else {
         "sq_ptr": partials if squares is None else squares.contiguous(),
         "num_squares": 0 if squares is None else squares.numel(),
-        "SQUARES_IN": 0 if squares is None else _pow2(squares.numel()), "SQUARES_OUT": partials is not None}
+        "SQUARES_IN": 0 if squares is None else _next_power_of_2(squares.numel()), "SQUARES_OUT": partials is not None}
     _load_kernels().gemv_kernel[(programs,)](
         x, add_residual.contiguous() if add_residual is not None else residual.contiguous() if has_residual else x,
         norm_weight if norm else x, weight, out, total,
@@ -262,15 +263,12 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         NORM=norm, RESIDUAL=has_residual, SILU=silu, BIAS=bias is not None,
         ROPE=rope is not None, DOT=config.dot, PREFETCH=0 if config.dot else config.prefetch,
         EVEN_K=k_in % config.block_k == 0,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, 1 << (k_in - 1).bit_length()),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, _next_power_of_2(k_in)),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
         **squares_args, **({} if config.maxnreg is None or is_interpreting() else {"maxnreg": config.maxnreg}),
         **pdl_options(x, pdl))
     return (out, partials) if partials is not None else (total, out)
 
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _load_kernels():
