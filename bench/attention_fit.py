@@ -96,7 +96,8 @@ def compile_row(head_dim: int, dtype: str, tile, split: bool, merge_pad: int):
     from batchmaker.kernels import decode_row, triton_decode_row
     block_n = decode_row.step_positions(tile, head_dim, 4 if dtype == "fp32" else 2)
     consts = {"D": head_dim, "D_PAD": head_pad(head_dim), "BLOCK_N": block_n, "BLOCK_SIZE": 16, "IS_SPLIT": split,
-              "COMBINE": merge_pad > 0, "SPLITS_PAD": max(merge_pad, 1), "BF16": dtype == "bf16", "PDL": True}
+              "COMBINE": merge_pad > 0, "SPLITS_PAD": max(merge_pad, 1), "BF16": dtype == "bf16", "PDL": True,
+              "PRELOAD": tile.preload}
     return _compile(triton_decode_row.decode_row_kernel, dtype, consts, {}, tile.num_warps, 1)
 
 

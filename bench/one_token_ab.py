@@ -25,6 +25,7 @@ from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E40
 from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
 from batchmaker.kernels import decode_row, gemv  # noqa: E402
 from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
+from bench import graph_trace  # noqa: E402
 from bench.chat_roofline import head_parameters  # noqa: E402
 from bench.decode_profile import decode_inputs, engine_bound  # noqa: E402
 from bench.device_limits import measure  # noqa: E402
@@ -59,12 +60,19 @@ def main() -> None:
                     help="a bench/gemv.py JSON: its best configs as one more form, `file` (over H200_TABLE)")
     ap.add_argument("--override", nargs="+", default=[], metavar="PROJ=BLOCK_N:BLOCK_K:WARPS:PREFETCH[:MAXNREG]",
                     help="one more form each: this device's configs with one projection's replaced (CUDA cores, 1 "
-                         "stage; PROJ may be a comma-separated list)")
-    ap.add_argument("--squares", action="store_true",
-                    help="each form again with the norms' partial sums of squares passed on (OneTokenConfig.norm_squares)")
+                         "stage; PROJ may be a comma-separated list; several such parts joined by '/' in one form)")
+    ap.add_argument("--squares", nargs="?", const="both", choices=("both", "only"), default=None,
+                    help="each form again with the norms' partial sums of squares passed on (OneTokenConfig.norm_squares); "
+                         "'only': each form with them only")
     ap.add_argument("--row-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS",
                     help="each form again with each of these row-loop tiles ('off': the tiled kernel; "
                          "kernels/decode_row.py); default: ROW_DECODE as it is")
+    ap.add_argument("--row-max-splits", type=int, nargs="+", default=None,
+                    help="each form again with the row loop's slices capped at each of these (decode_row's "
+                         "SHORT_MAX_SPLITS) instead of as it is")
+    ap.add_argument("--trace", action="store_true",
+                    help="each form's graph replayed under torch.profiler: its kernels' start-to-start shares by name "
+                         "(bench/graph_trace.py)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=50, help="graph replays per form per round")
     ap.add_argument("--out", default=None)
@@ -79,15 +87,18 @@ def main() -> None:
         forms["file"] = {**H200_TABLE, **{names[key]: cfg for key, cfg in best_configs(args.gemv_configs).items()
                                           if key in names}}
     for spec in args.override:  # (over this device's configs, not H200_TABLE)
-        names, shape = spec.split("=")
-        block_n, block_k, warps, prefetch, *cap = map(int, shape.split(":"))
-        cfg = gemv.GemvConfig(block_n, block_k, warps, 1, prefetch=prefetch, maxnreg=cap[0] if cap else None)
-        forms[spec] = {**configs, **{name: cfg for name in names.split(",")}}
+        forms[spec] = dict(configs)
+        for part in spec.split("/"):
+            names, shape = part.split("=")
+            block_n, block_k, warps, prefetch, *cap = map(int, shape.split(":"))
+            cfg = gemv.GemvConfig(block_n, block_k, warps, 1, prefetch=prefetch, maxnreg=cap[0] if cap else None)
+            forms[spec].update({name: cfg for name in names.split(",")})
     rows = {"": decode_row.ROW_DECODE} if not args.row_tiles else {f"@row-{t}": decode_row.parse_tile(t)
                                                                     for t in args.row_tiles}
-    forms = {name + suffix + tail: (table, tile, squares) for name, table in forms.items()
-             for suffix, tile in rows.items() for tail, squares in ((("", False), ("+squares", True))
-                                                                     if args.squares else (("", False),))}
+    caps = {"": decode_row.SHORT_MAX_SPLITS} if not args.row_max_splits else {f"/{n}": n for n in args.row_max_splits}
+    tails = {None: (("", False),), "both": (("", False), ("+squares", True)), "only": (("+squares", True),)}
+    forms = {name + suffix + cap_name + tail: (table, tile, cap, squares) for name, table in forms.items()
+             for suffix, tile in rows.items() for cap_name, cap in caps.items() for tail, squares in tails[args.squares]}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = engine_bound(config, args.context)
@@ -95,9 +106,9 @@ def main() -> None:
                          max_context_len=bound)
     graphs, outputs = {}, {}
     with torch.inference_mode():
-        for name, (table, tile, squares) in forms.items():
+        for name, (table, tile, cap, squares) in forms.items():
             lm.set_one_token(OneTokenConfig(norm_squares=squares))
-            decode_row.ROW_DECODE = tile  # (what the graph captures)
+            decode_row.ROW_DECODE, decode_row.SHORT_MAX_SPLITS = tile, cap  # (what the graph captures)
             for projection, cfg in table.items():
                 gemv.CONFIGS[keys[projection]] = cfg
             for _ in range(3):
@@ -117,6 +128,7 @@ def main() -> None:
                 end.record()
                 end.synchronize()
                 times[name].append(start.elapsed_time(end) / args.replays)
+        traces = {name: graph_trace.trace(graph.replay) for name, graph in graphs.items()} if args.trace else {}
     bandwidth = args.bandwidth or measure("cuda:0").copy_bytes_per_s
     read = num_parameters(config) - head_parameters(config)[1]  # (as decode_profile.py: an untied embedding's rows)
     floor_ms = read * 2 / bandwidth * 1e3
@@ -127,10 +139,20 @@ def main() -> None:
     for name, ms in times.items():
         median = statistics.median(ms)
         report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name][0].items()},
-                                 "row_tile": repr(forms[name][1]), "norm_squares": forms[name][2],
+                                 "row_tile": repr(forms[name][1]), "row_max_splits": forms[name][2],
+                                 "norm_squares": forms[name][3],
                                  "graph_step_ms_median": median, "vs_floor": median / floor_ms, "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)
+        if name in traces:
+            labelled = graph_trace.layer_positions(traces[name], config.num_layers)
+            rows = graph_trace.shares(labelled)
+            middle = graph_trace.timeline(labelled, "gemv_kernel#0", config.num_layers // 2)
+            report["forms"][name]["trace"] = {"step_us": graph_trace.step_us(traces[name]), "kernels": rows,
+                                              "middle_layer": middle}
+            print(f"  traced {graph_trace.step_us(traces[name]):.1f} us:", "; ".join(
+                f"{r['kernel']} x{r['count']} {r['share_us']:.1f} (mean {r['mean_us']:.2f})" for r in rows[:14]))
+            print("  middle layer:", "; ".join(f"{k} {a:.2f}-{b:.2f}" for k, a, b in middle))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

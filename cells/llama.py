@@ -67,9 +67,10 @@ class OneTokenConfig:
     pdl: bool = True  # programmatic dependent launch between the projections
     rope_in_qkv: bool = True  # RoPE and the K/V cache write in the q | k | v projection (with a paged attend):
     # one launch fewer per layer, batch-1 step 3.87 against 3.90 ms (H200, bench/decode_profile.py)
-    norm_squares: bool = False  # o and down add the residual and write the partial sums of squares the next norms
+    norm_squares: bool = True  # o and down add the residual and write the partial sums of squares the next norms
     # take instead of a pass over their input (kernels/gemv.linear_residual; LlamaLM.run_layers threads them; not
-    # with tensor parallelism): off until a step measures it faster (bench/gemv.py's chain, issue 33)
+    # with tensor parallelism): batch-1 step 3.500 ms against 3.532 (H200), 4.706 against 4.777 (H100), with
+    # q | k | v and gate | up under a register cap (bench/one_token_ab.py --squares, twenty-eighth session)
 
 
 class LlamaLayer(DecoderLayer):

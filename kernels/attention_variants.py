@@ -28,7 +28,7 @@ from batchmaker.kernels import decode_row
 from batchmaker.kernels.attention_launch import (COMBINE_MAX_SPLITS, FEW_PROGRAMS_SPLIT_LEN, LONG_SPLIT_CONTEXT,
                                                 MAX_SPLITS, MIN_PREFILL_SPLIT_LEN, MIN_SPLIT_LEN, AttentionConfig,
                                                 _pow2, decode_whole_config, head_pad, pick_config, pick_num_splits,
-                                                wide_prompt)
+                                                SHORT_CONTEXT_LEN, wide_prompt)
 from batchmaker.kernels.paged_attention import _launch, _num_sms
 
 SCRATCH_CONTEXT = 1024  # positions a scratch launch reads (all in block 0); 256 where a work list's
@@ -102,21 +102,28 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: 
     context = min(SCRATCH_CONTEXT, max_blocks * block_size)
     for cfg, splits in unified:
         _decode(k_cache, v_cache, num_q_heads, tables, context, cfg, splits, unified_max)
-    rows = _row_variants(max_positions, group, softcap, unified_max, k_cache) if False in windowed else []
-    for splits in rows:  # (no tile named: kernels/decode_row.py's loop)
-        _decode(k_cache, v_cache, num_q_heads, tables, context, None, splits)
+    rows = [(splits, 1) for splits in _row_variants(max_positions, group, softcap, unified_max, k_cache)
+            if False in windowed]
+    more = decode_row.ROW_PRELOAD_PAIRS // num_kv_heads + 1  # (the fewest sequences a launch does not preload for)
+    short = min(max_positions, SHORT_CONTEXT_LEN)  # (more pairs than the preload's take the loop under this bound)
+    if rows and decode_row.preloads(num_kv_heads) and decode_row.row_splits(more * num_kv_heads, short, None):
+        rows += [(splits, more) for splits in _row_variants(short, group, softcap, unified_max, k_cache)]
+    for splits, seqs in rows:  # (no tile named: kernels/decode_row.py's loop)
+        _decode(k_cache, v_cache, num_q_heads, tables, context, None, splits, num_seqs=seqs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants) * len(windowed) + len(unified) + len(rows)
 
 
-def _decode(k_cache, v_cache, num_q_heads: int, tables, context: int, cfg, splits: int, unified_max=None) -> None:
-    # a decode launch (one new token) of a sequence of `context` positions in block 0
+def _decode(k_cache, v_cache, num_q_heads: int, tables, context: int, cfg, splits: int, unified_max=None,
+            num_seqs: int = 1) -> None:
+    # a decode launch (one new token a sequence) of num_seqs sequences of `context` positions in block 0
     device, head_dim = k_cache.device, k_cache.shape[3]
-    q = torch.zeros(1, num_q_heads, head_dim, dtype=k_cache.dtype, device=device)
-    _launch(q, k_cache, v_cache, torch.empty_like(q), tables, torch.tensor([0, 1], dtype=torch.int32, device=device),
-            torch.tensor([context], dtype=torch.int32, device=device), 1, head_dim ** -0.5, context, cfg, splits, None,
-            None, None, unified_max)
+    q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=k_cache.dtype, device=device)
+    _launch(q, k_cache, v_cache, torch.empty_like(q), tables.expand(num_seqs, -1),
+            torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+            torch.full((num_seqs,), context, dtype=torch.int32, device=device), 1, head_dim ** -0.5, context, cfg,
+            splits, None, None, None, unified_max)
 
 
 def _row_variants(max_positions: int, group: int, softcap: float | None, unified_max: float | None,

@@ -57,27 +57,33 @@ class GemvConfig:
 # projection 8 rows without prefetch) among each projection's best of `bench/gemv.py --sweep prefetch --head`.
 # A projection's fastest tile alone is not the step's: two sweeps' per-projection bests (1-2 rows a program for
 # o, gate | up and down) made the step slower (4.921 ms) than these. An H200 has its own (below).
+# q | k | v and gate | up under a register cap of 144 (twenty-eighth session, H100, the step with the norms'
+# partial squares and the preloading row loop: 4.706 ms against 4.758 uncapped with gate | up prefetching 1).
 CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {
-    (12288, 4096, False): GemvConfig(8, 1024, 4, 1),  # q | k | v
+    (12288, 4096, False): GemvConfig(8, 1024, 4, 1, maxnreg=144),  # q | k | v
     (4096, 4096, False): GemvConfig(8, 512, 8, 1, prefetch=2),  # o
-    (11008, 4096, True): GemvConfig(8, 1024, 4, 1, prefetch=1),  # gate | up: 4 (gate, up) row pairs a program
+    (11008, 4096, True): GemvConfig(8, 1024, 4, 1, maxnreg=144),  # gate | up: 4 (gate, up) row pairs a program
     (4096, 11008, False): GemvConfig(2, 2048, 8, 1, prefetch=2),  # down: 2 rows of 11008 a program
     (32000, 4096, False): GemvConfig(4, 1024, 4, 1, prefetch=1),  # the LM head (its final norm inside)
 }
 # Tables that replace CONFIGS' entries on a device whose name holds the key. An H200's: its own prefetch sweep's
 # best per projection (`bench/gemv.py --sweep prefetch --head` on an H200), its step 3.630 ms against 3.688 with
 # the table before the twenty-fourth session (every projection 8 x 1,024) and 3.721 with the H100's (CONFIGS),
-# bench/one_token_ab.py --gemv-configs.
+# bench/one_token_ab.py --gemv-configs; q | k | v and gate | up capped at 144 registers since the twenty-eighth
+# session (with the norms' partial squares: 3.506 ms against 3.709 uncapped).
 DEVICE_CONFIGS: dict[str, dict[tuple[int, int, bool], GemvConfig]] = {
     "H200": {
-        (12288, 4096, False): GemvConfig(8, 1024, 4, 1),
+        (12288, 4096, False): GemvConfig(8, 1024, 4, 1, maxnreg=144),
         (4096, 4096, False): GemvConfig(8, 512, 8, 1, prefetch=2),
-        (11008, 4096, True): GemvConfig(8, 1024, 4, 1),
+        (11008, 4096, True): GemvConfig(8, 1024, 4, 1, maxnreg=144),
         (4096, 11008, False): GemvConfig(8, 512, 8, 1, prefetch=2),
         (32000, 4096, False): GemvConfig(8, 1024, 4, 1, prefetch=1),
     },
 }
 NORM_K = 4096  # input values per pass of the norm's sum of squares (each pass: a round trip to L2)
+SQUARES_MAXNREG = 144  # the register cap of a norm from partial squares whose config sets none: uncapped, that
+# form ran slower than the pass it replaces (H200 batch-1 step 3.709-3.745 ms against 3.538-3.575; capped at 128
+# or 144, 3.506-3.545; bench/one_token_ab.py --squares, twenty-eighth session)
 
 
 def default_config(n_out: int, k_in: int, silu: bool) -> GemvConfig:
@@ -265,10 +271,15 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, _next_power_of_2(k_in)),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
-        **squares_args, **({} if config.maxnreg is None or is_interpreting() else {"maxnreg": config.maxnreg}),
+        **squares_args, **_register_cap(config, squares is not None),
         **pdl_options(x, pdl))
     return (out, partials) if partials is not None else (total, out)
 
+
+def _register_cap(config: GemvConfig, squares_in: bool) -> dict:
+    """The launch's maxnreg keyword: the config's cap, else SQUARES_MAXNREG for a norm from partial squares."""
+    cap = config.maxnreg if config.maxnreg is not None else SQUARES_MAXNREG if squares_in else None
+    return {} if cap is None or is_interpreting() else {"maxnreg": cap}
 
 
 def _load_kernels():

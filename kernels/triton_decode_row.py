@@ -9,7 +9,9 @@ step: a program never overlaps its loads with its own work (1 x 16K positions re
 read bandwidth, H100). Here a program streams its slice's K/V rows into registers ahead of the
 step it reduces, two steps an iteration (a, b): b's rows are issued before a is reduced and the
 next a's before b is, so two steps' loads are in flight at once, and their block ids are loaded a
-whole iteration ahead (the ids feed the rows' addresses). The rows are 16-bit and loaded as 32-bit
+whole iteration ahead (the ids feed the rows' addresses). With PRELOAD (RowTile.preload) the first
+two steps' rows are loaded before the PDL wait, while the previous kernel (q | k | v) still runs, all
+but the new position's, which no earlier step wrote. The rows are 16-bit and loaded as 32-bit
 words, two columns a word (the even one low), unpacked to fp32 where used, so that the registers
 the loads write are the ones the loop carries: carried as 16-bit values, the loop's edge repacked
 every prefetched row and so waited there for the loads it had just issued (ptxas's PRMTs, in the
@@ -18,8 +20,8 @@ sum and output of the positions it saw: no reduction across lanes in the loop, s
 lanes merge once, at the end. A score is a dot of q and a K row, reduced within the threads that
 hold the row (warp shuffles).
 
-One program per (kv head, slice, sequence); grid (Hkv * num_splits, S + 1), the extra sequence
-zeroing the padding tokens, as triton_attention.py's. Split, a program writes its slice's
+One program per (kv head, slice, sequence) and one per head for the padding tokens (zeroing their
+outputs, as triton_attention.py's extra sequence does); a 1-D grid of Hkv * (num_splits * S + 1). Split, a program writes its slice's
 normalized output and log-sum-exp, merged by the last program of the row (COMBINE: it loads every
 slice at once, where the tiled kernel's merge loops over them) or by combine_splits_kernel
 (triton_split_merge.py), both by its `slice_weights`.
@@ -42,15 +44,19 @@ def _ids(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _words(cache, block, start, hi, head, stride_b, stride_o, stride_h, offs_w, D: tl.constexpr, D_PAD: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, first=None):
     # [BLOCK_N, D_PAD // 2] 32-bit words of the 16-bit rows of positions start .. (two columns a word, the
-    # even one low; 0 from hi on and past D): a step's registers are the loads' own, never repacked
+    # even one low; 0 from hi on, before `first` where given, and past D): a step's registers are the loads'
+    # own, never repacked
     offs_n = start + tl.arange(0, BLOCK_N)
     rows = (block.to(tl.int64) * stride_b + (offs_n % BLOCK_SIZE) * stride_o + head * stride_h) // 2
     ptrs = cache.to(tl.pointer_type(tl.int32)) + rows[:, None] + offs_w[None, :]
+    keep = offs_n < hi
+    if first is not None:
+        keep = keep & (offs_n >= first)
     if D == D_PAD:
-        return tl.load(ptrs, mask=(offs_n < hi)[:, None], other=0)
-    return tl.load(ptrs, mask=(offs_n < hi)[:, None] & (offs_w[None, :] < D // 2), other=0)
+        return tl.load(ptrs, mask=keep[:, None], other=0)
+    return tl.load(ptrs, mask=keep[:, None] & (offs_w[None, :] < D // 2), other=0)
 
 
 @triton.jit
@@ -85,12 +91,16 @@ def decode_row_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,  # (the caches' in elements, all even)
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
+    COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     # 16-bit caches (bf16, else fp16), D even. A sequence has 0 or 1 new token (decode; padded sequences 0),
-    # at position ctx - 1. Before the PDL wait: the sequence's metadata, the slice, and its first three
-    # steps' block ids (no kernel writes them)
-    head, split, seq = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits, tl.program_id(1)
+    # at position ctx - 1. Before the PDL wait: the sequence's metadata, the slice, its first three steps' block
+    # ids (no kernel writes them) and, with PRELOAD, its first two steps' rows but the new one (a decode launch's
+    # previous kernels write no other row; the new one is loaded after the wait)
+    pid, programs = tl.program_id(0), num_q_heads * num_splits
+    seq = tl.minimum(pid // programs, num_seqs)  # (the last num_q_heads programs: the padding tokens', one a head)
+    head = tl.where(seq < num_seqs, (pid % programs) // num_splits, pid - num_seqs * programs)
+    split = tl.where(seq < num_seqs, pid % num_splits, 0)
     offs_w = tl.arange(0, D_PAD // 2)  # word columns; a head's even columns 2w, odd 2w + 1
     is_seq = seq < num_seqs
     t = tl.load(query_start + seq)
@@ -105,11 +115,21 @@ def decode_row_kernel(
     table_row = block_tables + seq * stride_bt
     ids_a = _ids(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
     ids_b = _ids(table_row, lo + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+    if PRELOAD:
+        old = tl.minimum(hi, ctx - 1)
+        k_a = _words(k_cache, ids_a, lo, old, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N,
+                     BLOCK_SIZE)
+        v_a = _words(v_cache, ids_a, lo, old, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N,
+                     BLOCK_SIZE)
+        k_b = _words(k_cache, ids_b, lo + BLOCK_N, old, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
+                     BLOCK_N, BLOCK_SIZE)
+        v_b = _words(v_cache, ids_b, lo + BLOCK_N, old, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
+                     BLOCK_N, BLOCK_SIZE)
     ids_a2 = _ids(table_row, lo + 2 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
     wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
     even = 2 * offs_w
     if seq == num_seqs:
-        if split == 0 and (not IS_SPLIT or COMBINE):  # (else the combine kernel zeroes them)
+        if not IS_SPLIT or COMBINE:  # (else the combine kernel zeroes them)
             zeros = tl.zeros([D_PAD // 2], out.dtype.element_ty)
             for pad in range(t, num_tokens):
                 tl.store(out + pad * stride_ot + head * stride_oh + even, zeros, mask=even < D)
@@ -124,16 +144,36 @@ def decode_row_kernel(
     l_i = tl.zeros([BLOCK_N], tl.float32)
     acc_e = tl.zeros([BLOCK_N, D_PAD // 2], tl.float32)
     acc_o = tl.zeros([BLOCK_N, D_PAD // 2], tl.float32)
-    k_a = _words(k_cache, ids_a, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N, BLOCK_SIZE)
-    v_a = _words(v_cache, ids_a, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N, BLOCK_SIZE)
+    if PRELOAD:  # the new row into the preloaded step that holds it (0 there so far: the loads' `other`)
+        if ctx - 1 < lo + 2 * BLOCK_N:
+            k_a = k_a | _words(k_cache, ids_a, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
+                               BLOCK_N, BLOCK_SIZE, ctx - 1)
+            v_a = v_a | _words(v_cache, ids_a, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
+                               BLOCK_N, BLOCK_SIZE, ctx - 1)
+            k_b = k_b | _words(k_cache, ids_b, lo + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,
+                               D_PAD, BLOCK_N, BLOCK_SIZE, ctx - 1)
+            v_b = v_b | _words(v_cache, ids_b, lo + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D,
+                               D_PAD, BLOCK_N, BLOCK_SIZE, ctx - 1)
+    else:
+        k_a = _words(k_cache, ids_a, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N,
+                     BLOCK_SIZE)
+        v_a = _words(v_cache, ids_a, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N,
+                     BLOCK_SIZE)
     # two steps an iteration, a and b: b's rows are issued before a is reduced, the next a's before b is, so
     # two steps' loads are in flight at once and no register the loads write is copied across the loop's edge
     # (one step an iteration copied the prefetched rows at its end: it waited there for the loads it had issued)
     for step in range(lo, hi, 2 * BLOCK_N):
-        k_b = _words(k_cache, ids_b, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
-                     BLOCK_N, BLOCK_SIZE)
-        v_b = _words(v_cache, ids_b, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
-                     BLOCK_N, BLOCK_SIZE)
+        if PRELOAD:  # (the first b is the preloaded one)
+            if step != lo:
+                k_b = _words(k_cache, ids_b, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,
+                             D_PAD, BLOCK_N, BLOCK_SIZE)
+                v_b = _words(v_cache, ids_b, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D,
+                             D_PAD, BLOCK_N, BLOCK_SIZE)
+        else:
+            k_b = _words(k_cache, ids_b, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
+                         BLOCK_N, BLOCK_SIZE)
+            v_b = _words(v_cache, ids_b, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
+                         BLOCK_N, BLOCK_SIZE)
         ids_b = _ids(table_row, step + 3 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
         acc_e, acc_o, m_i, l_i = _step(acc_e, acc_o, m_i, l_i, k_a, v_a, q_e, q_o, step, hi, BLOCK_N, BF16)
         k_a = _words(k_cache, ids_a2, step + 2 * BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,

@@ -59,17 +59,19 @@ class _Recorder:
 
 
 _VARIANT = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "IS_SPLIT", "COMBINE", "WORK", "SPLITS_PAD", "WINDOWED",
-            "CAPPED")
+            "CAPPED", "PRELOAD")
 
 
 def _kernel_launches(cfg, n: int, combine: bool, work: bool, windowed: bool = False, capped: bool = False,
-                     rows: bool = False) -> set:
-    """`rows`: the launch is the row loop's (kernels/decode_row.py), its tile ROW_DECODE's."""
+                     rows: bool = False, pairs: int = 0) -> set:
+    """`rows`: the launch is the row loop's (kernels/decode_row.py), its tile ROW_DECODE's, over `pairs`
+    (sequence, kv head) pairs."""
     if rows:  # (its own merge: up to the tile's merge_max slices in the kernel, a variant per padded count)
         tile, combine = decode_row.ROW_DECODE, decode_row.merges_in_kernel(n, True)
         attention = ("decode_row_kernel", tuple(sorted({"BLOCK_N": tile.block_n, "num_warps": tile.num_warps,
                                                         "IS_SPLIT": n > 1, "COMBINE": combine,
-                                                        "SPLITS_PAD": _pow2(n) if combine else 1}.items())))
+                                                        "SPLITS_PAD": _pow2(n) if combine else 1,
+                                                        "PRELOAD": decode_row.preloads(pairs)}.items())))
     else:
         attention = ("paged_attention_kernel", tuple(sorted({
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
@@ -125,7 +127,8 @@ def test_compile_variants_launches_what_serving_launches(group, max_positions, b
                 splits = decode_row.row_splits(seqs * kv_heads, cut, None) if eligible else None
                 flags = (items is not None, window > 0, softcap is not None, splits is not None)
                 launched |= _kernel_launches(*plan_launch(seqs, kv_heads, group, query, cut, 132, True,
-                                                          num_splits=splits, num_items=items, wide=wide), *flags)
+                                                          num_splits=splits, num_items=items, wide=wide), *flags,
+                                             seqs * kv_heads)
     # (a window compiles the launches of every bound: those a window as long as the context reaches)
     assert recorder.launched == wanted and served <= wanted
     unwindowed = not windows or 0 in windows

@@ -57,7 +57,8 @@ def test_the_row_loop_takes_the_shapes_it_measured_faster_at():
 
 def test_tiles_parse_and_wide_rows_step_fewer_positions(monkeypatch):
     assert decode_row.parse_tile("off") is None and decode_row.parse_tile("16:2") == decode_row.RowTile(16, 2, 4)
-    assert decode_row.parse_tile("16:2:8").merge_max == 8
+    assert decode_row.parse_tile("16:2:8").merge_max == 8 and not decode_row.parse_tile("16:2:8").preload
+    assert decode_row.parse_tile("32:4:4:1") == decode_row.RowTile(32, 4, 4, preload=True)
     monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.RowTile(32, 4))
     steps = []
     monkeypatch.setattr(decode_row, "load_kernels", lambda *names: type("K", (), {"decode_row_kernel": type(
@@ -85,7 +86,9 @@ def decode_cases(device="cpu", dtype=torch.float16, head_dims=(32, 24, 48)):
 
 
 @interpreter
-@pytest.mark.parametrize("tile", ["32:4", "16:2:32"])  # (the second merges every split count in the kernel)
+@pytest.mark.parametrize("tile", ["32:4", "16:2:32", "8:2:4:1"])  # (the second merges every split count in the
+# kernel; the third loads its first two steps before the PDL wait but the new row, loaded after it: contexts
+# of 1-16 positions and the last slices of split ones put the new row in those steps, longer ones past them)
 def test_the_row_loop_equals_the_twin_in_the_interpreter(tile, monkeypatch, row_launches):
     monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.parse_tile(tile))
     cases = list(decode_cases())
@@ -109,12 +112,13 @@ def test_the_tiled_kernel_keeps_grouped_heads_fp32_and_named_tiles_in_the_interp
 
 def test_the_interpreter_in_a_subprocess():
     """The two tests above under TRITON_INTERPRET=1 (machines with triton but no GPU)."""
-    assert "3 passed" in run_interpreted(__file__, "interpreter", timeout=300)
+    assert "4 passed" in run_interpreted(__file__, "interpreter", timeout=400)
 
 
 @pytest.mark.parametrize("head_dim,dtype,tile,split,merge_pad", [
     (128, "bf16", "32:4", False, 0), (128, "bf16", "32:4", True, 0), (128, "bf16", "32:4", True, 4),
-    (80, "fp16", "16:4:8", True, 8), (256, "bf16", "32:4:32", True, 32), (48, "fp16", "32:4", True, 2)])
+    (80, "fp16", "16:4:8", True, 8), (256, "bf16", "32:4:32", True, 32), (48, "fp16", "32:4", True, 2),
+    (128, "bf16", "32:4:4:1", True, 0), (80, "fp16", "32:4:4:1", True, 4)])
 def test_the_row_loop_compiles_for_hopper_on_the_cpu(head_dim, dtype, tile, split, merge_pad):
     """Triton's compile for sm_90a (no GPU): what the interpreter does not check (a variable whose
     shape a branch changes failed here, not there), with no spills (bench/attention_fit.py --rows)."""
@@ -127,7 +131,7 @@ def test_the_row_loop_compiles_for_hopper_on_the_cpu(head_dim, dtype, tile, spli
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("tile", ["32:4", "16:4:32"])
+@pytest.mark.parametrize("tile", ["32:4", "16:4:32", "32:4:4:1"])
 def test_the_row_loop_equals_the_twin_on_the_gpu(dtype, tile, monkeypatch, row_launches):
     monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.parse_tile(tile))
     cases = list(decode_cases("cuda", dtype, head_dims=(128, 64, 80, 96, 256, 24)))
@@ -188,3 +192,17 @@ def test_the_row_loop_after_the_cache_write_in_a_cuda_graph(row_launches):
         torch.testing.assert_close(out[:3].float(), want[:3].float(), rtol=1.5e-2, atol=1.5e-2)
         assert not out[3:].any()
     assert len(row_launches) == 2  # (the eager call and the captured one: replays launch nothing new)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tile", ["32:4", "32:4:4:1"])
+def test_the_row_loop_in_the_one_token_chain(tile, monkeypatch, row_launches):
+    """In the one-token forward the loop's programs start (PDL) while q | k | v still writes the new
+    K/V row: a preloading tile must leave that row out of what it loads before the wait (a stale row
+    would change the logits). tiny-llama with a kv head per query head, so that the loop runs."""
+    from test_gemv import LOGIT_TOLERANCE, compare_paged_forwards, tiny_llama
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.parse_tile(tile))
+    for _ in range(3):  # (a race need not show at once)
+        compare_paged_forwards(tiny_llama(torch.bfloat16, num_kv_heads=4), "cuda", LOGIT_TOLERANCE[torch.bfloat16])
+    assert row_launches

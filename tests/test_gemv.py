@@ -286,8 +286,9 @@ def test_kernels_replay_in_a_cuda_graph(pdl, dot, monkeypatch):
             assert torch.equal(got, expected)
 
 
-def tiny_llama(dtype, qkv_bias=False):
-    model = build_decoder(replace(PRESETS["tiny-llama"], qkv_bias=qkv_bias), seed=0, dtype=dtype, device="cuda")
+def tiny_llama(dtype, qkv_bias=False, **changes):
+    model = build_decoder(replace(PRESETS["tiny-llama"], qkv_bias=qkv_bias, **changes), seed=0, dtype=dtype,
+                          device="cuda")
     g = torch.Generator(device="cpu").manual_seed(1)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):  # weights other than 1, so that the norms' weights count
