@@ -4,6 +4,7 @@ fraction of the read bandwidth beside the tiled kernel's, and the batch-1 step p
 its floor. What a merge of `ROW_DECODE` is decided on. `--plot OUT.png`: per file of --row-tiles A/Bs,
 each decode shape's time with the row loop over the time without it (batch x context; below 1: faster).
 `--splits-plot OUT.png`: the --long-sweep files' fraction of the read bandwidth against the split count.
+`--step-plot OUT.png`: the bench/one_token_ab.py files' forms against the floor, and a traced middle layer.
 
     python bench/row_report.py bench/results/attention-row-ab-*.json bench/results/attention-row-long-*.json \
         bench/results/attention-row-short-*.json bench/results/one-token-row-*.json
@@ -21,7 +22,8 @@ def tile_name(row: dict) -> str:
         if tile == "None":
             return "off"
         fields = dict(part.split("=") for part in tile[tile.index("(") + 1:-1].split(", "))
-        return f"{fields['block_n']}:{fields['num_warps']}:{fields['merge_max']}"
+        preload = ":1" if fields.get("preload") == "True" else ""  # (RowTile.preload)
+        return f"{fields['block_n']}:{fields['num_warps']}:{fields['merge_max']}{preload}"
     if row.get("auto"):
         return "auto"
     config = row["config"]
@@ -83,6 +85,36 @@ def plot(records: dict, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def step_plot(records: dict, out: str) -> None:
+    """Per bench/one_token_ab.py file: each form's step over the weight floor (left), and where traced (--trace),
+    the middle layer's kernels in time for the slowest and the fastest form (right: start to end, µs from the
+    layer's first kernel; under PDL a kernel starts before its predecessor ends)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(records), 2, figsize=(13, 0.35 * max(len(r["forms"]) for r in records.values()) + 3),
+                             squeeze=False)
+    for (left, right), (path, record) in zip(axes, records.items()):
+        forms = sorted(record["forms"].items(), key=lambda kv: -kv[1]["graph_step_ms_median"])
+        left.barh(range(len(forms)), [form["vs_floor"] for _, form in forms], color="tab:blue")
+        left.set_yticks(range(len(forms)), [name for name, _ in forms], fontsize=7)
+        left.axvline(1.1, color="red", linewidth=0.8, label="1.1x the floor")
+        left.set_xlim(1.0, max(1.15, max(form["vs_floor"] for _, form in forms) + 0.01))
+        left.set_xlabel(f"graphed step / weight floor ({record['floor_ms']:.3f} ms)")
+        left.set_title(f"{record['device']}: {Path(path).name}", fontsize=8)
+        left.legend(fontsize=7)
+        traced = [(name, form) for name, form in forms if "trace" in form]
+        for row, (name, form) in enumerate(traced[:1] + traced[-1:] if len(traced) > 1 else traced):
+            for i, (kernel, start, end) in enumerate(form["trace"]["middle_layer"]):
+                right.barh(row + 0.4 * (i % 2) - 0.2, end - start, left=start, height=0.35, color=plt.cm.tab10(i % 10))
+                right.text(start, row + 0.4 * (i % 2) - 0.2, kernel.replace("_kernel", ""), fontsize=6, va="center")
+        right.set_yticks(range(min(2, len(traced))), [name for name, _ in (traced[:1] + traced[-1:])][:len(traced)],
+                         fontsize=7)
+        right.set_xlabel("µs from the middle layer's first kernel (q | k | v's GEMV)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def split_curves(records: dict, tile: str) -> tuple[dict, dict]:
     """({(batch, context): {splits: of_read}} of the tiled kernel's `tile`, {(batch, context): the automatic
     plan's row}) over --long-sweep records (a shape in several: the last record's)."""
@@ -126,6 +158,7 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="a PNG of the --row-tiles A/Bs among the files")
     parser.add_argument("--splits-plot", default=None, help="a PNG of the --long-sweep files' split counts")
     parser.add_argument("--tile", default="64:4:2", help="--splits-plot's tiled kernel tile")
+    parser.add_argument("--step-plot", default=None, help="a PNG of the bench/one_token_ab.py files' forms")
     args = parser.parse_args()
     records = {path: json.loads(Path(path).read_text()) for path in args.files}
     for path, record in records.items():
@@ -135,6 +168,9 @@ def main() -> None:
           if "forms" not in record and any("row_tile" in row for row in record["decode"])}
     if args.plot and ab:
         plot(ab, args.plot)
+    steps = {path: record for path, record in records.items() if "forms" in record}
+    if args.step_plot and steps:
+        step_plot(steps, args.step_plot)
     sweeps = {path: record for path, record in records.items() if record.get("sweep")}
     if args.splits_plot and sweeps:
         splits_plot(sweeps, args.tile, args.splits_plot)

@@ -31,8 +31,9 @@ projection (8 rows a program: 4.14 TB/s against 3.75 with a gate and an up accum
 With SQUARES_OUT a plain projection adds the residual to its rows (rounded as HF's residual add) and
 writes its program's sum of their squares; with SQUARES_IN the next norm sums those partials for its
 1 / rms instead of a pass over its input (issue 33: that pass costs q | k | v ~1.5 us and gate | up ~2 us
-on an H200 against the plain kernel under a register cap). Off in a layer until measured faster in a step
-(cells/llama.OneTokenConfig.norm_squares).
+on an H200 against the plain kernel under a register cap). On in a layer by default since the twenty-eighth
+session's step A/B, and only under a register cap (gemv.SQUARES_MAXNREG): uncapped it ran slower than the
+pass (cells/llama.OneTokenConfig.norm_squares).
 
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel

@@ -27,6 +27,8 @@ def test_each_shape_names_its_tiles_and_the_best_against_the_tiled_kernel():
     assert "row:16:4/32 50.0us" in lines[2] and "tiled:64:4:2/16 55.0us" in lines[2]
     assert lines[2].endswith(f"best/base {50 / 56:.3f}")  # (the automatic plan where no 'off' row)
     assert tile_name({"row_tile": "None"}) == "off"
+    assert tile_name({"row_tile": "RowTile(block_n=32, num_warps=4, merge_max=4, preload=True)"}) == "32:4:4:1"
+    assert tile_name({"row_tile": "RowTile(block_n=32, num_warps=4, merge_max=4, preload=False)"}) == "32:4:4"
 
 
 def test_the_step_lists_forms_fastest_first():
