@@ -55,6 +55,16 @@ def test_the_row_loop_takes_the_shapes_it_measured_faster_at():
     assert splits(512, 32768, 3) == 3
 
 
+def test_a_preloading_tile_preloads_at_batch_1_only(monkeypatch):
+    """decode_row.preloads: up to ROW_PRELOAD_PAIRS (sequence, kv head) pairs (batch 1 of 32 heads measured
+    faster, batch 2 slower), and never with a tile that does not preload."""
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.RowTile(32, 4, preload=True))
+    assert decode_row.preloads(32) and decode_row.preloads(8) and not decode_row.preloads(33)
+    assert not decode_row.preloads(64)
+    monkeypatch.setattr(decode_row, "ROW_DECODE", decode_row.RowTile(32, 4))
+    assert not decode_row.preloads(1)
+
+
 def test_tiles_parse_and_wide_rows_step_fewer_positions(monkeypatch):
     assert decode_row.parse_tile("off") is None and decode_row.parse_tile("16:2") == decode_row.RowTile(16, 2, 4)
     assert decode_row.parse_tile("16:2:8").merge_max == 8 and not decode_row.parse_tile("16:2:8").preload
