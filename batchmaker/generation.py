@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 
 from batchmaker.core.admission import check_keys, check_tokens, is_int
-from batchmaker.core.blocks import BlockTables
+from batchmaker.core.blocks import BlockTables, check_fits
 from batchmaker.core.conversation_cache import ConversationCache
 from batchmaker.core.conversations import Conversation, Conversations
 from batchmaker.core.decoder_facts import DecoderFacts
@@ -161,10 +161,7 @@ class GenerativeModel(Finisher):
             if conversation is None:
                 conversation = self.turns.anonymous()
             prompt, history = prompt[len(conversation.tokens):], len(conversation.tokens)
-        total = min(history + len(prompt) + max_new, self.max_len)
-        blocks = -(-total // self.cell.block_size)
-        if blocks > self.num_blocks - 1:
-            raise BadRequestError(f"{total} tokens need {blocks} KV blocks; a worker's cache has {self.num_blocks - 1}")
+        check_fits(min(history + len(prompt) + max_new, self.max_len), self.cell.block_size, self.num_blocks)
         sampling = self._sampling(inputs)
         stops = check_stops(inputs, self.eos, self.vocab)
         row = {"prompt_len": len(prompt), "max_new": int(max_new), **sampling,

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from batchmaker.core.blocks import BlockTables
+from batchmaker.core.blocks import BlockTables, check_fits
 from batchmaker.core.conversation_cache import ConversationCache
 from batchmaker.core.conversations import Conversation
 from batchmaker.core.sequences import MAX_STOPS
 from batchmaker.core.waiting import Chunk
+from batchmaker.errors import BadRequestError
 from sequence_harness import VOCAB, FakeDevice, FakeFuture, Harness, reference
 
 
@@ -73,8 +74,11 @@ class ConversationHarness(Harness):
 
     def turn(self, conversation: Conversation | None, prompt: list[int], max_new: int) -> FakeFuture:
         """One request: a turn of `conversation` (None: a stateless request)."""
-        f = FakeFuture(len(self.expected))
         history = list(conversation.tokens) if conversation is not None else []
+        for q in self.seqs.values():  # (as the engine's admission refuses it: generation.py)
+            check_fits(min(len(history) + len(prompt) + max_new, self.max_len), q.blocks.block_size,
+                       q.blocks.num_blocks)
+        f = FakeFuture(len(self.expected))
         self.expected[f] = reference(history + prompt, max_new, (), self.max_len)
         self.full[f], self.stops[f] = history + prompt + self.expected[f], []
         if conversation is not None:
@@ -117,7 +121,12 @@ def drive(h: ConversationHarness, scripts: list[list[tuple[list[int], int, int]]
                 continue
             prompt, max_new, delay = scripts[i][t]
             wait[i] = delay
-            pending[i] = [h.turn(conversations[i], prompt, max_new), t + 1]
+            try:
+                pending[i] = [h.turn(conversations[i], prompt, max_new), t + 1]
+            except BadRequestError:  # (a turn the cache could never hold: refused, the conversation ends there)
+                blocks = next(iter(h.seqs.values())).blocks
+                assert len(conversations[i].tokens) + len(prompt) + max_new > (blocks.num_blocks - 1) * blocks.block_size
+                del pending[i]
         if not pending:
             break
         if not any([h.step(w) for w in h.seqs]):
@@ -125,6 +134,18 @@ def drive(h: ConversationHarness, scripts: list[list[tuple[list[int], int, int]]
     assert not pending, "conversations left unfinished"
     h.run()
     return conversations
+
+
+def test_a_turn_the_cache_could_never_hold_is_refused_at_admission():
+    """core/blocks.check_fits, as generation.py's admission calls it: 7 blocks of 4 hold 28 positions (block 0
+    is scratch), so a turn of 31 is refused before it queues, and one of 28 runs."""
+    h = ConversationHarness(num_blocks=8, block_size=4, max_batch=16, num_slots=4, max_len=64)
+    with pytest.raises(BadRequestError, match="31 tokens need 8 KV blocks; a worker's cache has 7"):
+        h.turn(Conversation("c"), list(range(25)), 6)
+    assert not h.queue.waiting and not h.expected
+    f = h.turn(Conversation("d"), list(range(24)), 4)
+    h.run()
+    assert f.result == h.expected[f]
 
 
 def scripts_of(rng: random.Random, n: int, max_turns: int = 4) -> list:

@@ -13,7 +13,17 @@ and a sequence writes only past the blocks it shares, so a shared block is read 
 """
 import numpy as np
 
+from batchmaker.errors import BadRequestError
+
 from batchmaker.core.block_index import BlockIndex
+
+
+def check_fits(num_tokens: int, block_size: int, num_blocks: int) -> None:
+    """Refuse a sequence of `num_tokens` positions that needs more blocks than a cache of `num_blocks` hands out
+    (block 0 is scratch): it could never run, and would wait for blocks forever."""
+    blocks = -(-num_tokens // block_size)
+    if blocks > num_blocks - 1:
+        raise BadRequestError(f"{num_tokens} tokens need {blocks} KV blocks; a worker's cache has {num_blocks - 1}")
 
 
 class BlockTables:
