@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-from batchmaker.core.admission import check_keys, check_tokens, is_int
+from batchmaker.core.admission import check_context, check_keys, check_tokens, is_int
 from batchmaker.core.blocks import BlockTables, check_fits
 from batchmaker.core.conversation_cache import ConversationCache
 from batchmaker.core.conversations import Conversation, Conversations
@@ -151,10 +151,7 @@ class GenerativeModel(Finisher):
             self._texts[f] = IncrementalDetokenizer(self.tokenizer)
         conversation = self.turns.of_request(inputs.get("conversation"))
         history = len(conversation.tokens) if conversation is not None else 0
-        if history + len(prompt) >= self.max_len:
-            what = f"{key}: {len(prompt)} tokens" + (f" after the conversation's {history}" if history else "")
-            raise BadRequestError(f"{what}; the model's maximum is {self.max_len} "
-                                  "(the prompt and at least one generated token)")
+        check_context(len(prompt), history, self.max_len, key)
         max_new = check_max_new(inputs, self.form.max_new_tokens)
         if conversation is None and self.cell.kv.prefix_caching and max_new > 0 and "conversation" not in inputs:
             conversation = self.turns.match(prompt)  # (a stateless request continuing a cached context)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from batchmaker.core.admission import check_context
 from batchmaker.core.blocks import BlockTables, check_fits
 from batchmaker.core.conversation_cache import ConversationCache
 from batchmaker.core.conversations import Conversation
@@ -75,7 +76,8 @@ class ConversationHarness(Harness):
     def turn(self, conversation: Conversation | None, prompt: list[int], max_new: int) -> FakeFuture:
         """One request: a turn of `conversation` (None: a stateless request)."""
         history = list(conversation.tokens) if conversation is not None else []
-        for q in self.seqs.values():  # (as the engine's admission refuses it: generation.py)
+        check_context(len(prompt), len(history), self.max_len)  # (as the engine's admission refuses: generation.py)
+        for q in self.seqs.values():
             check_fits(min(len(history) + len(prompt) + max_new, self.max_len), q.blocks.block_size,
                        q.blocks.num_blocks)
         f = FakeFuture(len(self.expected))
@@ -123,9 +125,10 @@ def drive(h: ConversationHarness, scripts: list[list[tuple[list[int], int, int]]
             wait[i] = delay
             try:
                 pending[i] = [h.turn(conversations[i], prompt, max_new), t + 1]
-            except BadRequestError:  # (a turn the cache could never hold: refused, the conversation ends there)
-                blocks = next(iter(h.seqs.values())).blocks
-                assert len(conversations[i].tokens) + len(prompt) + max_new > (blocks.num_blocks - 1) * blocks.block_size
+            except BadRequestError:  # (past the model's length or what the cache could ever hold: refused, the
+                blocks = next(iter(h.seqs.values())).blocks  # conversation ends there)
+                context = len(conversations[i].tokens) + len(prompt)
+                assert context >= h.max_len or context + max_new > (blocks.num_blocks - 1) * blocks.block_size
                 del pending[i]
         if not pending:
             break

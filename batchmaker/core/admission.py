@@ -80,6 +80,14 @@ def check_token_lists(values: list, high: int | None, what: str) -> tuple[np.nda
     return flat, lengths, errors
 
 
+def check_context(prompt_len: int, history: int, max_len: int, what: str = "prompt") -> None:
+    """Refuse a prompt that leaves no position for a generated token under the model's `max_len`, after the
+    `history` tokens of its conversation."""
+    if history + prompt_len >= max_len:
+        text = f"{what}: {prompt_len} tokens" + (f" after the conversation's {history}" if history else "")
+        raise BadRequestError(f"{text}; the model's maximum is {max_len} (the prompt and at least one generated token)")
+
+
 def check_keys(inputs, required, optional=()) -> None:
     """The request's inputs are a dict with every required key and nothing else but optional ones."""
     if not isinstance(inputs, dict):
