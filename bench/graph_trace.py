@@ -31,8 +31,7 @@ def trace(replay: Callable[[], None], replays: int = 3) -> list[Span]:
             torch.cuda.synchronize()
     events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA
               and not e.name().startswith(("Memcpy", "Memset"))]
-    spans = sorted((e.name(), e.start_ns(), e.start_ns() + e.duration_ns()) for e in events)
-    spans.sort(key=lambda s: s[1])
+    spans = sorted(((e.name(), e.start_ns(), e.start_ns() + e.duration_ns()) for e in events), key=lambda s: s[1])
     return last_run(spans, replays)
 
 

@@ -62,8 +62,8 @@ def main() -> None:
                     help="one more form each: this device's configs with one projection's replaced (CUDA cores, 1 "
                          "stage; PROJ may be a comma-separated list; several such parts joined by '/' in one form)")
     ap.add_argument("--squares", nargs="?", const="both", choices=("both", "only"), default=None,
-                    help="each form again with the norms' partial sums of squares passed on (OneTokenConfig.norm_squares); "
-                         "'only': each form with them only")
+                    help="each form again with the norms' partial sums of squares passed on "
+                         "(OneTokenConfig.norm_squares); 'only': each form with them only")
     ap.add_argument("--row-tiles", nargs="+", default=None, metavar="BLOCK_N:WARPS",
                     help="each form again with each of these row-loop tiles ('off': the tiled kernel; "
                          "kernels/decode_row.py); default: ROW_DECODE as it is")
@@ -98,7 +98,8 @@ def main() -> None:
     caps = {"": decode_row.SHORT_MAX_SPLITS} if not args.row_max_splits else {f"/{n}": n for n in args.row_max_splits}
     tails = {None: (("", False),), "both": (("", False), ("+squares", True)), "only": (("+squares", True),)}
     forms = {name + suffix + cap_name + tail: (table, tile, cap, squares) for name, table in forms.items()
-             for suffix, tile in rows.items() for cap_name, cap in caps.items() for tail, squares in tails[args.squares]}
+             for suffix, tile in rows.items() for cap_name, cap in caps.items()
+             for tail, squares in tails[args.squares]}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = engine_bound(config, args.context)

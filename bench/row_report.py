@@ -104,12 +104,13 @@ def step_plot(records: dict, out: str) -> None:
         left.set_title(f"{record['device']}: {Path(path).name}", fontsize=8)
         left.legend(fontsize=7)
         traced = [(name, form) for name, form in forms if "trace" in form]
-        for row, (name, form) in enumerate(traced[:1] + traced[-1:] if len(traced) > 1 else traced):
+        shown = traced[:1] + traced[-1:] if len(traced) > 1 else traced  # (the slowest and the fastest)
+        for row, (name, form) in enumerate(shown):
             for i, (kernel, start, end) in enumerate(form["trace"]["middle_layer"]):
-                right.barh(row + 0.4 * (i % 2) - 0.2, end - start, left=start, height=0.35, color=plt.cm.tab10(i % 10))
-                right.text(start, row + 0.4 * (i % 2) - 0.2, kernel.replace("_kernel", ""), fontsize=6, va="center")
-        right.set_yticks(range(min(2, len(traced))), [name for name, _ in (traced[:1] + traced[-1:])][:len(traced)],
-                         fontsize=7)
+                y = row + 0.4 * (i % 2) - 0.2  # (neighbours on alternate lanes: under PDL they overlap)
+                right.barh(y, end - start, left=start, height=0.35, color=plt.cm.tab10(i % 10))
+                right.text(start, y, kernel.replace("_kernel", ""), fontsize=6, va="center")
+        right.set_yticks(range(len(shown)), [name for name, _ in shown], fontsize=7)
         right.set_xlabel("µs from the middle layer's first kernel (q | k | v's GEMV)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -21,10 +21,10 @@ lanes merge once, at the end. A score is a dot of q and a K row, reduced within 
 hold the row (warp shuffles).
 
 One program per (kv head, slice, sequence) and one per head for the padding tokens (zeroing their
-outputs, as triton_attention.py's extra sequence does); a 1-D grid of Hkv * (num_splits * S + 1). Split, a program writes its slice's
-normalized output and log-sum-exp, merged by the last program of the row (COMBINE: it loads every
-slice at once, where the tiled kernel's merge loops over them) or by combine_splits_kernel
-(triton_split_merge.py), both by its `slice_weights`.
+outputs, as triton_attention.py's extra sequence does); a 1-D grid of Hkv * (num_splits * S + 1).
+Split, a program writes its slice's normalized output and log-sum-exp, merged by the last program of
+the row (COMBINE: it loads every slice at once, where the tiled kernel's merge loops over them) or by
+combine_splits_kernel (triton_split_merge.py), both by its `slice_weights`.
 """
 import triton
 import triton.language as tl
@@ -57,6 +57,18 @@ def _words(cache, block, start, hi, head, stride_b, stride_o, stride_h, offs_w, 
     if D == D_PAD:
         return tl.load(ptrs, mask=keep[:, None], other=0)
     return tl.load(ptrs, mask=keep[:, None] & (offs_w[None, :] < D // 2), other=0)
+
+
+@triton.jit
+def _kv_words(k_cache, v_cache, block, start, hi, head, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+              stride_vh, offs_w, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, first=None):
+    # a step's K and V words (_words of each cache)
+    k = _words(k_cache, block, start, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N,
+               BLOCK_SIZE, first)
+    v = _words(v_cache, block, start, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N,
+               BLOCK_SIZE, first)
+    return k, v
 
 
 @triton.jit
@@ -115,16 +127,12 @@ def decode_row_kernel(
     table_row = block_tables + seq * stride_bt
     ids_a = _ids(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
     ids_b = _ids(table_row, lo + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+    strides = (stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh)
     if PRELOAD:
         old = tl.minimum(hi, ctx - 1)
-        k_a = _words(k_cache, ids_a, lo, old, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N,
-                     BLOCK_SIZE)
-        v_a = _words(v_cache, ids_a, lo, old, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N,
-                     BLOCK_SIZE)
-        k_b = _words(k_cache, ids_b, lo + BLOCK_N, old, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
-                     BLOCK_N, BLOCK_SIZE)
-        v_b = _words(v_cache, ids_b, lo + BLOCK_N, old, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
-                     BLOCK_N, BLOCK_SIZE)
+        k_a, v_a = _kv_words(k_cache, v_cache, ids_a, lo, old, head, *strides, offs_w, D, D_PAD, BLOCK_N, BLOCK_SIZE)
+        k_b, v_b = _kv_words(k_cache, v_cache, ids_b, lo + BLOCK_N, old, head, *strides, offs_w, D, D_PAD, BLOCK_N,
+                             BLOCK_SIZE)
     ids_a2 = _ids(table_row, lo + 2 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
     wait_for_input(PDL)  # (q and the cache's new rows are the previous kernels' outputs)
     even = 2 * offs_w
@@ -146,40 +154,29 @@ def decode_row_kernel(
     acc_o = tl.zeros([BLOCK_N, D_PAD // 2], tl.float32)
     if PRELOAD:  # the new row into the preloaded step that holds it (0 there so far: the loads' `other`)
         if ctx - 1 < lo + 2 * BLOCK_N:
-            k_a = k_a | _words(k_cache, ids_a, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
-                               BLOCK_N, BLOCK_SIZE, ctx - 1)
-            v_a = v_a | _words(v_cache, ids_a, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
-                               BLOCK_N, BLOCK_SIZE, ctx - 1)
-            k_b = k_b | _words(k_cache, ids_b, lo + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,
-                               D_PAD, BLOCK_N, BLOCK_SIZE, ctx - 1)
-            v_b = v_b | _words(v_cache, ids_b, lo + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D,
-                               D_PAD, BLOCK_N, BLOCK_SIZE, ctx - 1)
+            new_k, new_v = _kv_words(k_cache, v_cache, ids_a, lo, hi, head, *strides, offs_w, D, D_PAD, BLOCK_N,
+                                     BLOCK_SIZE, ctx - 1)
+            k_a, v_a = k_a | new_k, v_a | new_v
+            new_k, new_v = _kv_words(k_cache, v_cache, ids_b, lo + BLOCK_N, hi, head, *strides, offs_w, D, D_PAD,
+                                     BLOCK_N, BLOCK_SIZE, ctx - 1)
+            k_b, v_b = k_b | new_k, v_b | new_v
     else:
-        k_a = _words(k_cache, ids_a, lo, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD, BLOCK_N,
-                     BLOCK_SIZE)
-        v_a = _words(v_cache, ids_a, lo, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD, BLOCK_N,
-                     BLOCK_SIZE)
+        k_a, v_a = _kv_words(k_cache, v_cache, ids_a, lo, hi, head, *strides, offs_w, D, D_PAD, BLOCK_N, BLOCK_SIZE)
     # two steps an iteration, a and b: b's rows are issued before a is reduced, the next a's before b is, so
     # two steps' loads are in flight at once and no register the loads write is copied across the loop's edge
     # (one step an iteration copied the prefetched rows at its end: it waited there for the loads it had issued)
     for step in range(lo, hi, 2 * BLOCK_N):
         if PRELOAD:  # (the first b is the preloaded one)
             if step != lo:
-                k_b = _words(k_cache, ids_b, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,
-                             D_PAD, BLOCK_N, BLOCK_SIZE)
-                v_b = _words(v_cache, ids_b, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D,
-                             D_PAD, BLOCK_N, BLOCK_SIZE)
+                k_b, v_b = _kv_words(k_cache, v_cache, ids_b, step + BLOCK_N, hi, head, *strides, offs_w, D, D_PAD,
+                                     BLOCK_N, BLOCK_SIZE)
         else:
-            k_b = _words(k_cache, ids_b, step + BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D, D_PAD,
-                         BLOCK_N, BLOCK_SIZE)
-            v_b = _words(v_cache, ids_b, step + BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D, D_PAD,
-                         BLOCK_N, BLOCK_SIZE)
+            k_b, v_b = _kv_words(k_cache, v_cache, ids_b, step + BLOCK_N, hi, head, *strides, offs_w, D, D_PAD,
+                                 BLOCK_N, BLOCK_SIZE)
         ids_b = _ids(table_row, step + 3 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
         acc_e, acc_o, m_i, l_i = _step(acc_e, acc_o, m_i, l_i, k_a, v_a, q_e, q_o, step, hi, BLOCK_N, BF16)
-        k_a = _words(k_cache, ids_a2, step + 2 * BLOCK_N, hi, head, stride_kb, stride_ko, stride_kh, offs_w, D,
-                     D_PAD, BLOCK_N, BLOCK_SIZE)
-        v_a = _words(v_cache, ids_a2, step + 2 * BLOCK_N, hi, head, stride_vb, stride_vo, stride_vh, offs_w, D,
-                     D_PAD, BLOCK_N, BLOCK_SIZE)
+        k_a, v_a = _kv_words(k_cache, v_cache, ids_a2, step + 2 * BLOCK_N, hi, head, *strides, offs_w, D, D_PAD,
+                             BLOCK_N, BLOCK_SIZE)
         ids_a2 = _ids(table_row, step + 4 * BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
         acc_e, acc_o, m_i, l_i = _step(acc_e, acc_o, m_i, l_i, k_b, v_b, q_e, q_o, step + BLOCK_N, hi, BLOCK_N, BF16)
     top = tl.max(m_i, 0)  # the lanes merged: each lane's share rescaled to the largest maximum
