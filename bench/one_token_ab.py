@@ -1,4 +1,4 @@
-"""The batch-1 decode step (forward + head + argmax over a paged cache, one CUDA graph) in several
+"""The batch-1 decode step (forward + head + greedy argmax over a paged cache, one CUDA graph) in several
 forms of the one-token projections, captured in one process and replayed in interleaved rounds, so
 that the comparison does not ride on which machine or minute each form ran (the graph step's median
 moved 3.86-4.18 ms between leases of one H200 kind for the same code).
@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.cells.decoder import build_decoder  # noqa: E402
 from batchmaker.cells.decoder_config import PRESETS, num_parameters  # noqa: E402
 from batchmaker.cells.llama import OneTokenConfig  # noqa: E402
+from batchmaker.cells.rotary import Rotary  # noqa: E402
 from batchmaker.kernels import decode_row, gemv  # noqa: E402
+from batchmaker.kernels.greedy import greedy  # noqa: E402
 from batchmaker.kernels.paged_attention import PagedAttend  # noqa: E402
 from bench import graph_trace  # noqa: E402
 from bench.chat_roofline import head_parameters  # noqa: E402
@@ -50,6 +52,19 @@ FORMS = {
 }
 
 
+def outside(lm, before: bool) -> tuple:
+    """(head, pick) of a step, and its rotation installed: the engine's (cos | sin tables, float32 logits out of
+    the head's kernel, kernels/greedy.py), or `before` the twenty-ninth session's launches outside the layers."""
+    vars(lm).pop("rotary", None)
+    if not before:
+        return lm.head, greedy
+    dtype = lm.embed_tokens.weight.dtype
+    lm.rotary = lambda positions: Rotary(*(t.to(dtype) for t in lm.rope_angles(positions)))  # (6 launches a step)
+    weight = lm.embed_tokens.weight if lm.lm_head is None else lm.lm_head.weight
+    return (lambda hidden: gemv.norm_linear(hidden, None, lm.norm.weight, lm.norm.eps, weight)[1].float(),
+            lambda logits: logits.argmax(-1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
@@ -70,6 +85,9 @@ def main() -> None:
     ap.add_argument("--row-max-splits", type=int, nargs="+", default=None,
                     help="each form again with the row loop's slices capped at each of these (decode_row's "
                          "SHORT_MAX_SPLITS) instead of as it is")
+    ap.add_argument("--outside-before", action="store_true",
+                    help="each form again with the launches outside the layers as before the twenty-ninth session: "
+                         "cos and sin computed each step (6 launches), the head's bf16 logits cast, torch.argmax")
     ap.add_argument("--trace", action="store_true",
                     help="each form's graph replayed under torch.profiler: its kernels' start-to-start shares by name "
                          "(bench/graph_trace.py)")
@@ -97,9 +115,10 @@ def main() -> None:
                                                                     for t in args.row_tiles}
     caps = {"": decode_row.SHORT_MAX_SPLITS} if not args.row_max_splits else {f"/{n}": n for n in args.row_max_splits}
     tails = {None: (("", False),), "both": (("", False), ("+squares", True)), "only": (("+squares", True),)}
-    forms = {name + suffix + cap_name + tail: (table, tile, cap, squares) for name, table in forms.items()
-             for suffix, tile in rows.items() for cap_name, cap in caps.items()
-             for tail, squares in tails[args.squares]}
+    outsides = (("", False), ("+outside-before", True)) if args.outside_before else (("", False),)
+    forms = {name + suffix + cap_name + tail + out_name: (table, tile, cap, squares, before)
+             for name, table in forms.items() for suffix, tile in rows.items() for cap_name, cap in caps.items()
+             for tail, squares in tails[args.squares] for out_name, before in outsides}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = engine_bound(config, args.context)
@@ -107,17 +126,18 @@ def main() -> None:
                          max_context_len=bound)
     graphs, outputs = {}, {}
     with torch.inference_mode():
-        for name, (table, tile, cap, squares) in forms.items():
+        for name, (table, tile, cap, squares, before) in forms.items():
             lm.set_one_token(OneTokenConfig(norm_squares=squares))
+            head, pick = outside(lm, before)
             decode_row.ROW_DECODE, decode_row.SHORT_MAX_SPLITS = tile, cap  # (what the graph captures)
             for projection, cfg in table.items():
                 gemv.CONFIGS[keys[projection]] = cfg
             for _ in range(3):
-                lm.head(lm(tokens, positions, attend))
+                pick(head(lm(tokens, positions, attend)))
             torch.cuda.synchronize()
             graphs[name] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[name]):
-                outputs[name] = lm.head(lm(tokens, positions, attend)).argmax(-1)
+                outputs[name] = pick(head(lm(tokens, positions, attend)))
         times = {name: [] for name in forms}
         for _ in range(args.rounds):
             for name, graph in graphs.items():
@@ -141,7 +161,7 @@ def main() -> None:
         median = statistics.median(ms)
         report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name][0].items()},
                                  "row_tile": repr(forms[name][1]), "row_max_splits": forms[name][2],
-                                 "norm_squares": forms[name][3],
+                                 "norm_squares": forms[name][3], "outside_before": forms[name][4],
                                  "graph_step_ms_median": median, "vs_floor": median / floor_ms, "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)

@@ -22,8 +22,9 @@ from torch import Tensor, nn
 
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, rms_normalized
 from batchmaker.cells.decoder_config import DecoderConfig
-from batchmaker.cells.llama import GatedMLP, Rotary
+from batchmaker.cells.llama import GatedMLP
 from batchmaker.cells.rope import rope_inv_freq
+from batchmaker.cells.rotary import RopeTables, Rotary
 from batchmaker.kernels.fused_decoder import add_rms_norm, can_fuse, rms_norm, silu_mul
 from batchmaker.kernels.skinny import project
 
@@ -103,6 +104,7 @@ class GemmaLM(DecoderLM):
         if any(self.is_local):
             local = replace(c, rope_theta=c.local_rope_theta, rope_scaling=None)
             self.register_buffer("local_inv_freq", rope_inv_freq(local), persistent=False)
+        self.rope_tables = {False: RopeTables(c.max_positions), True: RopeTables(c.max_positions)}  # by is_local
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         # sqrt(hidden) rounded to the weights' dtype first, as HF does (bf16: sqrt(3072) = 55.5)
@@ -111,21 +113,24 @@ class GemmaLM(DecoderLM):
 
     def run_layers(self, hidden: Tensor, residual: Tensor | None, positions: Tensor,
                    attend) -> tuple[Tensor, Tensor | None]:
-        rotations = {False: self._rotary(self.inv_freq, positions)}  # computed once, shared by the layers
+        rotations = {False: self._rotary(False, positions)}  # computed once, shared by the layers
         if any(self.is_local):
-            rotations[True] = self._rotary(self.local_inv_freq, positions)
+            rotations[True] = self._rotary(True, positions)
         for layer, is_local in zip(self.layers, self.is_local):
             hidden, residual = layer(hidden, residual, rotations[is_local], attend)
         return hidden, residual
 
     def rotary(self, positions: Tensor) -> Rotary:
         """The global layers' rotation (the local layers' is `run_layers`')."""
-        return self._rotary(self.inv_freq, positions)
+        return self._rotary(False, positions)
 
-    def _rotary(self, inv_freq: Tensor, positions: Tensor) -> Rotary:
-        freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2], float32
-        dtype = self.embed_tokens.weight.dtype
-        return Rotary(freqs.cos().to(dtype), freqs.sin().to(dtype))
+    def _rotary(self, local: bool, positions: Tensor) -> Rotary:
+        inv_freq = self.local_inv_freq if local else self.inv_freq
+
+        def angles(at: Tensor) -> tuple[Tensor, Tensor]:
+            freqs = at[:, None].float() * inv_freq[None, :]  # [T, D/2], float32
+            return freqs.cos(), freqs.sin()
+        return self.rope_tables[local].at(positions, self.embed_tokens.weight.dtype, angles)
 
     def head(self, hidden: Tensor) -> Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -18,11 +18,11 @@ from torch import Tensor, nn
 from batchmaker.cells.decoder import Attention, DecoderLayer, DecoderLM, reduced
 from batchmaker.cells.decoder_config import DecoderConfig
 from batchmaker.cells.rope import long_factors_from, rope_inv_freq, rope_scale
+from batchmaker.cells.rotary import RopeTables, Rotary
 from batchmaker.kernels import gemv
 from batchmaker.kernels.skinny import project
 from batchmaker.kernels.fused_decoder import (add_rms_norm, can_fuse, reference_add_rms_norm, reference_rms_norm,
-                                              reference_rope, reference_rope_write_kv, reference_silu_mul,
-                                              rms_norm, rope, rope_write_kv, silu_mul)
+                                              reference_silu_mul, rms_norm, silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -104,8 +104,9 @@ class LlamaLayer(DecoderLayer):
         eps, pdl, attn = self.attn_norm.eps, how.pdl, self.attn
         if how.rope_in_qkv and isinstance(rotate, Rotary) and hasattr(attend, "attend_cached") and \
                 gemv.qkv_takes_rope(qkv_weight, attn.head_dim):  # RoPE and the K/V write inside the projection
-            target = gemv.RopeTarget(rotate.cos, rotate.sin, *attend.kv_cache(attn.layer_index), attn.num_heads,
-                                     attn.num_kv_heads)
+            cos, sin, rows = rotate.table_rows() or (rotate.cos, rotate.sin, None)  # (a table: no gather launch)
+            target = gemv.RopeTarget(cos, sin, *attend.kv_cache(attn.layer_index), attn.num_heads, attn.num_kv_heads,
+                                     rows)
             residual, q = gemv.norm_qkv_rope(x, residual, self.attn_norm.weight, eps, qkv_weight, target,
                                              attn.qkv_proj.bias, pdl=pdl, squares=squares)
             mixed = attend.attend_cached(attn.layer_index, q.view(1, attn.num_heads, attn.head_dim)).view(1, -1)
@@ -125,22 +126,6 @@ class LlamaLayer(DecoderLayer):
         return reduced(self.mlp, gemv.linear(act, self.mlp.down_proj.weight, pdl=pdl)), residual, None
 
 
-class Rotary:
-    """Rotate-half RoPE at one forward's positions (cos, sin [T, D/2] in the activations' dtype)."""
-    __slots__ = ("cos", "sin")
-
-    def __init__(self, cos: Tensor, sin: Tensor):
-        self.cos, self.sin = cos, sin
-
-    def __call__(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return (rope if can_fuse(q) else reference_rope)(q, k, self.cos, self.sin)
-
-    def write_kv(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> Tensor:
-        """q rotated; k rotated and v written into the caches at slots (one kernel on CUDA)."""
-        fn = rope_write_kv if can_fuse(q) else reference_rope_write_kv
-        return fn(q, k, v, self.cos, self.sin, k_cache, v_cache, slots)
-
-
 class LlamaLM(DecoderLM):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -156,6 +141,7 @@ class LlamaLM(DecoderLM):
         if self.long_from is not None:
             self.register_buffer("long_inv_freq", rope_inv_freq(c, long=True), persistent=False)
         self.register_buffer("rope_scale", rope_scale(c), persistent=False)  # (None, or cos and sin's scale)
+        self.rope_tables = RopeTables(c.max_positions)
 
     def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.tokens(tokens)
@@ -185,11 +171,16 @@ class LlamaLM(DecoderLM):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         how = self.layers[0].one_token
         if how is not None and gemv.can_gemv(hidden, weight):
-            logits = gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight, pdl=how.pdl)[1]
-            return self.gathered(logits.float())
+            logits = gemv.norm_linear(hidden, None, self.norm.weight, self.norm.eps, weight, pdl=how.pdl,
+                                      out_dtype=torch.float32)[1]  # (float32 out: no cast launch)
+            return self.gathered(logits)
         return super().head(hidden)
 
     def rotary(self, positions: Tensor) -> Rotary:
+        return self.rope_tables.at(positions, self.embed_tokens.weight.dtype, self.rope_angles)
+
+    def rope_angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 cos, sin [T, D/2] at `positions` [T] (what `rotary` rounds to the activations' dtype)."""
         inv_freq = self.inv_freq[None, :]
         if self.long_from is not None:  # (per token, on the device: graphs replay it)
             inv_freq = torch.where((positions >= self.long_from)[:, None], self.long_inv_freq, inv_freq)
@@ -197,5 +188,4 @@ class LlamaLM(DecoderLM):
         cos, sin = freqs.cos(), freqs.sin()
         if self.rope_scale is not None:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        dtype = self.embed_tokens.weight.dtype
-        return Rotary(cos.to(dtype), sin.to(dtype))
+        return cos, sin

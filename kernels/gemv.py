@@ -147,13 +147,21 @@ def reference_norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tens
 class RopeTarget:
     """Where `norm_qkv_rope` puts one token's q | k | v: q rotated by cos, sin (returned), k rotated
     and v written to the caches at the token's slot."""
-    cos: Tensor  # [1, D/2], the activations' dtype (as Rotary holds them)
-    sin: Tensor
+    cos: Tensor  # [1, D/2], the activations' dtype (as Rotary holds them); with `rows`, a table [P, D/2] (unit
+    sin: Tensor  # last stride, any row stride: cells/rotary.py's views) of which the kernel reads row rows[0]
     k_cache: Tensor  # [blocks, block_size, Hkv, D], unit last stride
     v_cache: Tensor
     slots: Tensor  # int64 [1]: block * block_size + offset
     num_q_heads: int
     num_kv_heads: int
+    rows: Tensor | None = None  # int64 [1]: the token's position (past the table: its last row)
+
+    def angles(self) -> tuple[Tensor, Tensor]:
+        """cos, sin [1, D/2] of the token (the twin's; a gather from the tables with `rows`)."""
+        if self.rows is None:
+            return self.cos, self.sin
+        row = self.rows.clamp(max=self.cos.shape[0] - 1)
+        return self.cos.index_select(0, row), self.sin.index_select(0, row)
 
     @property
     def head_dim(self) -> int:
@@ -174,7 +182,7 @@ def reference_norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Ten
     total, qkv = reference_norm_linear(x, residual, norm_weight, eps, weight, bias)
     d, hq, hkv = target.head_dim, target.num_q_heads, target.num_kv_heads
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    q = reference_rope_write_kv(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), target.cos, target.sin,
+    q = reference_rope_write_kv(q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), *target.angles(),
                                 target.k_cache, target.v_cache, target.slots)
     return total, q.reshape(1, hq * d)
 
@@ -192,11 +200,13 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, *, pdl: bool = 
 
 
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                bias: Tensor | None = None, *, pdl: bool = True,
-                squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                bias: Tensor | None = None, *, pdl: bool = True, squares: Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_linear`: (x + residual, W rms_norm(x + residual) (+ bias)) in one launch;
-    `squares` (residual None): x's partial sums of squares (`linear_residual`'s), summed for the norm."""
-    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, bias=bias, squares=squares)
+    `squares` (residual None): x's partial sums of squares (`linear_residual`'s), summed for the norm; `out_dtype`
+    (float32: an LM head's logits) holds the output rounded to x's dtype, as the twin's `.to(out_dtype)` would."""
+    return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, bias=bias, squares=squares,
+                   out_dtype=out_dtype)
 
 
 def norm_gate_up(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
@@ -210,9 +220,13 @@ def norm_qkv_rope(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: 
                   squares: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The kernel twin of `reference_norm_qkv_rope`: (x + residual, q [1, Hq D] rotated) in one launch
     that also writes k rotated and v to the caches (`qkv_takes_rope` says where it applies)."""
-    assert target.cos.shape == target.sin.shape == (1, target.head_dim // 2) and target.slots.shape == (1,)
+    half, rows = target.head_dim // 2, target.rows
+    assert target.cos.shape == target.sin.shape == (1 if rows is None else target.cos.shape[0], half), (
+        target.cos.shape, target.sin.shape, half)
+    assert target.slots.shape == (1,) and (rows is None or (rows.shape == (1,) and rows.dtype == torch.int64))
     assert target.k_cache.stride(3) == target.v_cache.stride(3) == 1 and target.k_cache.dtype == x.dtype
-    target = replace(target, cos=target.cos.contiguous(), sin=target.sin.contiguous())
+    if target.cos.stride(1) != 1 or target.sin.stride(1) != 1 or target.cos.stride(0) != target.sin.stride(0):
+        target = replace(target, cos=target.cos.contiguous(), sin=target.sin.contiguous())
     return _launch(x, residual, norm_weight, eps, weight, silu=False, pdl=pdl, rope=target, bias=bias,
                    squares=squares)
 
@@ -225,7 +239,8 @@ def qkv_takes_rope(weight: Tensor, head_dim: int) -> bool:
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float, weight: Tensor,
             silu: bool, pdl: bool, rope: RopeTarget | None = None, bias: Tensor | None = None,
-            squares: Tensor | None = None, add_residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            squares: Tensor | None = None, add_residual: Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     # squares: the input's partial sums of squares, for the norm (no residual); add_residual: a plain projection's
     # output plus it, returned with its partial sums of squares as (total, squares)
     if not (x.is_cuda or is_interpreting()):
@@ -245,14 +260,20 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     norm = norm_weight is not None
     has_residual = residual is not None
     total = torch.empty_like(x) if has_residual else x
-    out = torch.empty((1, rope.num_q_heads * rope.head_dim if rope else n_out), dtype=x.dtype, device=x.device)
+    assert out_dtype is None or not (silu or rope or add_residual is not None), out_dtype
+    out = torch.empty((1, rope.num_q_heads * rope.head_dim if rope else n_out), dtype=out_dtype or x.dtype,
+                      device=x.device)
     if rope is None:
         rope_args, head_dim, cache_block = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), 2, 1  # (unread)
+        table_args = {}
     else:
         assert rope.takes(n_out, config.block_n), (rope.head_dim, n_out, config)
         rope_args = (rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slots, *rope.k_cache.stride()[:3],
                      *rope.v_cache.stride()[:3], rope.num_q_heads, rope.num_kv_heads)
         head_dim, cache_block = rope.head_dim, rope.k_cache.shape[1]
+        # (without rows, any int64 >= 0 picks row 0 of a one-row cos: the slot)
+        table_args = {"rows_ptr": rope.slots if rope.rows is None else rope.rows, "stride_cs": rope.cos.stride(0),
+                      "last_row": rope.cos.shape[0] - 1}
     assert squares is None or (norm and not has_residual and squares.dtype == torch.float32), (norm, has_residual)
     assert add_residual is None or not (norm or has_residual or silu or rope or bias is not None)
     assert add_residual is None or (add_residual.shape == (1, n_out) and add_residual.dtype == x.dtype)
@@ -271,7 +292,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, _next_power_of_2(k_in)),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
-        **squares_args, **_register_cap(config, squares is not None),
+        **squares_args, **table_args, **_register_cap(config, squares is not None),
         **pdl_options(x, pdl))
     return (out, partials) if partials is not None else (total, out)
 

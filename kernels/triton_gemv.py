@@ -38,6 +38,8 @@ pass (cells/llama.OneTokenConfig.norm_squares).
 With ROPE the rows are one token's q | k | v and a program takes BLOCK_N / 2 rotation pairs (column
 c and c + D/2) of one head, interleaved, so its epilogue applies rotate-half RoPE (as rope_kernel
 in triton_decoder.py computes it) and stores q, or k and v into the paged KV cache at the token's slot.
+Its cos and sin are a row of the model's tables (cells/rotary.py), read with the slot before the PDL
+wait: no launch computes or gathers them.
 """
 import triton
 import triton.language as tl
@@ -188,15 +190,16 @@ def _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stri
 
 
 @triton.jit
-def _store(out_ptr, pid, rows, out, SILU: tl.constexpr, BLOCK_N: tl.constexpr):
-    # out[rows] = the projection (rounded once), or with SILU (rows in gate, up pairs) silu(gate) * up at this
-    # program's BLOCK_N / 2 outputs, each rounded where HF's MLP rounds (the projection, the SiLU, the product)
+def _store(out_ptr, x_ptr, pid, rows, out, SILU: tl.constexpr, BLOCK_N: tl.constexpr):
+    # out[rows] = the projection (rounded once, to x's dtype: a float32 out holds what a cast of it would), or with
+    # SILU (rows in gate, up pairs) silu(gate) * up at this program's BLOCK_N / 2 outputs, each rounded where HF's
+    # MLP rounds (the projection, the SiLU, the product)
     if SILU:
         gate, up = tl.split(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), (act * up).to(out_ptr.dtype.element_ty))
     else:
-        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + rows, out.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -211,24 +214,33 @@ def _store_total(out_ptr, r_ptr, sq_ptr, pid, rows, out):
 
 
 @triton.jit
-def _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
+def _rope_inputs(pid, cos_ptr, sin_ptr, rows_ptr, stride_cs, last_row, slots, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # what this program's epilogue rotates by and stores at, none of it a previous kernel's output (loaded before
+    # the PDL wait): cos, sin (fp32) of its first-half columns d from row rows[0] of the tables (at most last_row),
+    # the token's slot, and d
+    d = (pid % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    row = tl.minimum(tl.load(rows_ptr).to(tl.int64), last_row)
+    cos = tl.load(cos_ptr + row * stride_cs + d).to(tl.float32)
+    sin = tl.load(sin_ptr + row * stride_cs + d).to(tl.float32)
+    return cos, sin, tl.load(slots).to(tl.int64), d
+
+
+@triton.jit
+def _store_rope(out_ptr, pid, out, cos, sin, slot, d, k_cache, v_cache, stride_kb, stride_ko, stride_kh,
                 stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM: tl.constexpr,
                 BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr):
-    # this program's pairs of one head of q | k | v (rows from _rows with ROPE), each rounded as the projection
-    # rounds: q and k rotated by cos, sin (fp32, rounded once, as rope_kernel does); q to out_ptr [Hq * D],
-    # k and v to their caches at the token's slot
+    # this program's pairs of one head of q | k | v (rows from _rows with ROPE; d: their first-half columns), each
+    # rounded as the projection rounds: q and k rotated by cos, sin (fp32, rounded once, as rope_kernel does); q
+    # to out_ptr [Hq * D], k and v to their caches at the token's slot
     dtype = out_ptr.dtype.element_ty
     head = pid // (HEAD_DIM // BLOCK_N)
-    d = (pid % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # first-half columns
     x1, x2 = tl.split(tl.reshape(out.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
     if head < num_q_heads + num_kv_heads:
-        cos = tl.load(cos_ptr + d).to(tl.float32)
-        sin = tl.load(sin_ptr + d).to(tl.float32)
         x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     if head < num_q_heads:
         dst = out_ptr + head * HEAD_DIM
     else:
-        slot = tl.load(slots).to(tl.int64)
         block, offset = slot // CACHE_BLOCK, slot % CACHE_BLOCK
         kv_head = head - num_q_heads
         if kv_head < num_kv_heads:
@@ -247,7 +259,7 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
                 PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False,
                 PREFETCH: tl.constexpr = 0, sq_ptr=None, num_squares=0, SQUARES_IN: tl.constexpr = 0,
-                SQUARES_OUT: tl.constexpr = False):
+                SQUARES_OUT: tl.constexpr = False, rows_ptr=None, stride_cs=0, last_row=0):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
     # outputs a program;
@@ -256,9 +268,13 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     # SQUARES_OUT (no NORM, RESIDUAL, SILU, ROPE): out[n] = the projection + r[n] (the residual stream's next total),
     # and each program's sum of squares of its totals at sq_ptr[pid] (fp32); SQUARES_IN (NORM without RESIDUAL: the
     # input is such a total): the norm's 1 / rms from those num_squares partials (padded to SQUARES_IN, a power of
-    # two) instead of a pass over the input
+    # two) instead of a pass over the input; ROPE: cos, sin rows rows_ptr[0] of tables [*, HEAD_DIM / 2] (row stride
+    # stride_cs, at most last_row)
     pid = tl.program_id(0)
     rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
+    if ROPE:
+        cos, sin, slot, d = _rope_inputs(pid, cos_ptr, sin_ptr, rows_ptr, stride_cs, last_row, slots, HEAD_DIM,
+                                         BLOCK_N)
     if DOT:
         out = _tensor_core_products(x_ptr, r_ptr, nw_ptr, w_ptr, sum_ptr, rows, k_in, stride_w, eps, pid == 0,
                                     sq_ptr, num_squares, NORM, RESIDUAL, PDL, EVEN_K, BLOCK_N, BLOCK_K, NORM_K,
@@ -272,7 +288,7 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     if SQUARES_OUT:
         _store_total(out_ptr, r_ptr, sq_ptr, pid, rows, out)
     elif ROPE:
-        _store_rope(out_ptr, pid, out, cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_kb, stride_ko, stride_kh,
+        _store_rope(out_ptr, pid, out, cos, sin, slot, d, k_cache, v_cache, stride_kb, stride_ko, stride_kh,
                     stride_vb, stride_vo, stride_vh, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_N, CACHE_BLOCK)
     else:
-        _store(out_ptr, pid, rows, out, SILU, BLOCK_N)
+        _store(out_ptr, x_ptr, pid, rows, out, SILU, BLOCK_N)

@@ -13,6 +13,7 @@ import torch
 
 from batchmaker.cells.decoder import build_decoder
 from batchmaker.cells.decoder_config import PRESETS
+from batchmaker.cells import rotary
 from batchmaker.cells.llama import OneTokenConfig
 from batchmaker.kernels import gemv
 from batchmaker.kernels.paged_attention import PagedAttend
@@ -76,8 +77,10 @@ def check_squares(hidden, inner, dtype, device, seed=0, pdl=True):
         gemv.norm_linear(total, residual, norm_weight, 1e-5, w_next, squares=squares)
 
 
-def check_rope(num_q_heads, num_kv_heads, head_dim, k_in, dtype, device, seed=0, pdl=True):
-    """norm_qkv_rope against its twin: q returned, k and v in their caches at the slot, nothing else written."""
+def check_rope(num_q_heads, num_kv_heads, head_dim, k_in, dtype, device, seed=0, pdl=True, row=None):
+    """norm_qkv_rope against its twin: q returned, k and v in their caches at the slot, nothing else written;
+    `row`: cos and sin read by the kernel from row `row` of 5-row tables (cells/rotary.py's views of one cos | sin
+    table; past them: their last row), the twin given that row."""
     rtol, atol = TOLERANCE[dtype]
     n_out = (num_q_heads + 2 * num_kv_heads) * head_dim
     x, residual, norm_weight, weight = case(n_out, k_in, False, dtype, device, seed)
@@ -86,15 +89,22 @@ def check_rope(num_q_heads, num_kv_heads, head_dim, k_in, dtype, device, seed=0,
     caches = [torch.randn(3, 4, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2)]
     slot = torch.tensor([6], device=device)  # block 1, offset 2
 
-    def target(k_cache, v_cache):
-        return gemv.RopeTarget(angles.cos().to(device, dtype), angles.sin().to(device, dtype), k_cache, v_cache, slot,
-                               num_q_heads, num_kv_heads)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    if row is not None:  # (the other rows random: a wrong row rotates otherwise)
+        table = torch.randn(5, head_dim, generator=g).to(device, dtype)
+        table[min(row, 4)] = torch.cat((cos, sin), dim=1)[0]
+        tables = (table[:, :head_dim // 2], table[:, head_dim // 2:], torch.tensor([row], device=device))
+
+    def target(k_cache, v_cache, twin=False):
+        if row is None or twin:
+            return gemv.RopeTarget(cos, sin, k_cache, v_cache, slot, num_q_heads, num_kv_heads)
+        return gemv.RopeTarget(*tables[:2], k_cache, v_cache, slot, num_q_heads, num_kv_heads, tables[2])
     bias = torch.randn(n_out, generator=g).to(device, dtype)
     for res, b in ((None, None), (residual, None), (residual, bias)):
         k_cache, v_cache, want_k, want_v = (c.clone() for c in caches * 2)
         total, q = gemv.norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(k_cache, v_cache), b, pdl=pdl)
-        want_total, want_q = gemv.reference_norm_qkv_rope(x, res, norm_weight, 1e-5, weight, target(want_k, want_v),
-                                                          b)
+        want_total, want_q = gemv.reference_norm_qkv_rope(x, res, norm_weight, 1e-5, weight,
+                                                          target(want_k, want_v, twin=True), b)
         assert torch.equal(total, want_total) and q.shape == (1, num_q_heads * head_dim)
         torch.testing.assert_close(q, want_q, rtol=rtol, atol=atol)
         for got, want, before in ((k_cache, want_k, caches[0]), (v_cache, want_v, caches[1])):
@@ -168,12 +178,16 @@ def test_kernels_in_the_interpreter(monkeypatch):
     for kernel in kernels:  # RoPE in the epilogue: 2 programs a head, GQA (4 q heads a kv head), a masked tile
         monkeypatch.setitem(gemv.CONFIGS, ((8 + 2 * 2) * 32, 96, False), gemv.GemvConfig(16, 64, 4, 3, **kernel))
         check_rope(8, 2, 32, 96, torch.float32, "cpu")
+    check_rope(8, 2, 32, 96, torch.float32, "cpu", row=3)  # (cos and sin from tables: a row of them, and past them)
+    check_rope(8, 2, 32, 96, torch.float32, "cpu", row=7)
     # the whole one-token forward (fp32; can_gemv takes CPU tensors here), RoPE inside q | k | v
     monkeypatch.setattr(gemv, "can_gemv", lambda x, weight: x.shape[0] == 1)
     compare_paged_forwards(build_decoder(PRESETS["tiny-llama"], seed=0), "cpu", 1e-4)
     biased = build_decoder(replace(PRESETS["tiny-llama"], qkv_bias=True), seed=0)  # (Qwen2: q | k | v biases)
     assert all(layer.one_token is not None and layer.attn.qkv_proj.bias.abs().min() > 0 for layer in biased.layers)
     compare_paged_forwards(biased, "cpu", 1e-4)
+    monkeypatch.setattr(rotary, "builds_table", lambda positions: True)  # (q | k | v reading its row of the table)
+    compare_paged_forwards(build_decoder(PRESETS["tiny-llama"], seed=0), "cpu", 1e-4)
     weight = torch.empty(12288, 4096, device="meta")  # Llama-2-7B's q | k | v: 8 rows (4 pairs) a program
     assert gemv.qkv_takes_rope(weight, 128) and not gemv.qkv_takes_rope(weight, 4)  # (a head narrower than 8 rows)
 
@@ -254,6 +268,7 @@ def test_rope_epilogue_equals_the_twin(dtype, pdl, heads, kernel, monkeypatch):
     if kernel in configs:
         monkeypatch.setitem(gemv.CONFIGS, (n_out, 4096, False), configs[kernel])
     check_rope(num_q_heads, num_kv_heads, head_dim, 4096, dtype, "cuda", seed=n_out, pdl=pdl)
+    check_rope(num_q_heads, num_kv_heads, head_dim, 4096, dtype, "cuda", seed=n_out, pdl=pdl, row=3)  # (tables)
 
 
 @pytest.mark.gpu

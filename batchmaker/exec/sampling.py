@@ -1,6 +1,6 @@
 """Choosing the next token of each sampled sequence, on the device, for a whole iteration at once.
 
-Greedy (temperature 0) takes the argmax. Otherwise the logits are divided by the temperature,
+Greedy (temperature 0) takes the argmax (kernels/greedy.py). Otherwise the logits are divided by the temperature,
 cut to the top-k and to the smallest nucleus of probability top-p, and a token is drawn by the
 Gumbel-max trick with noise that is a hash of (seed, token index, vocabulary id): a request's
 draw depends on its own seed and position only, never on what it was batched with, so sampled
@@ -8,6 +8,8 @@ outputs are reproducible, batched equals unbatched, and a suspended request reco
 continues exactly as it would have. No host sync and fixed shapes: it runs inside CUDA graphs.
 """
 import torch
+
+from batchmaker.kernels.greedy import greedy as greedy_tokens
 
 _MASK = 0xFFFFFFFF
 SAMPLING_BYTES_PER_LOGIT = 48  # `sample`'s temporaries a row and vocabulary entry at once: fp32 logits,
@@ -53,7 +55,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, counters: torch.Tensor, greedy_only: bool = False) -> torch.Tensor:
     """Tokens [N] (int64) from float32 logits [N, V]; per row temperature (0: greedy), top_k (0:
     all), top_p (1: all), seed and counter (the token's index in its sequence)."""
-    greedy = logits.argmax(-1)
+    greedy = greedy_tokens(logits)  # (one launch on CUDA; torch.argmax elsewhere)
     if greedy_only:
         return greedy
     vocab = logits.shape[-1]
