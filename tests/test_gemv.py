@@ -40,6 +40,8 @@ def check(n_out, k_in, dtype, device, seed=0, pdl=True):
         want_total, want = gemv.reference_norm_linear(x, res, norm_weight, 1e-5, weight, b)
         assert torch.equal(total, want_total)  # the residual sum is exact (one rounding, as x + residual)
         torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
+        wide = gemv.norm_linear(x, res, norm_weight, 1e-5, weight, b, pdl=pdl, out_dtype=torch.float32)[1]
+        assert wide.dtype == torch.float32 and torch.equal(wide, out.float())  # (an LM head's logits: no cast)
     x, residual, norm_weight, weight = case(n_out, k_in, True, dtype, device, seed + 1)
     for res in (None, residual):
         total, act = gemv.norm_gate_up(x, res, norm_weight, 1e-5, weight, pdl=pdl)
@@ -227,9 +229,13 @@ def test_the_interpreter_in_a_subprocess():
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
-@pytest.mark.parametrize("kernel", ("configured", "plain", "prefetch", "prefetch2", "dot", "dot-masked", "plain-pairs"))
+@pytest.mark.parametrize("kernel", ("configured", "plain", "prefetch", "prefetch2", "dot", "dot-masked", "plain-pairs",
+                                    "prefetch2-l2", "dot-l2"))
 def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
+    """(-l2: the rows fetched into L2 first, GemvConfig.l2; a hint, so any fault or stray write would show)"""
     configs = {"plain": gemv.GemvConfig(8, min(k_in, 1024), 4, 1),
+               "prefetch2-l2": gemv.GemvConfig(8, min(k_in, 512), 8, 1, prefetch=2, l2=True),
+               "dot-l2": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True, l2=True),
                "prefetch": gemv.GemvConfig(8, min(k_in, 512), 4, 1, prefetch=1),
                "prefetch2": gemv.GemvConfig(8, min(k_in, 512), 8, 1, prefetch=2),
                "dot": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True),
@@ -258,11 +264,12 @@ def test_squares_equal_the_twins(dtype, pdl, hidden, inner):
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("heads", ((32, 32, 128), (32, 8, 128), (8, 2, 64)))  # Llama-2-7B, GQA (Llama-3-8B), small
-@pytest.mark.parametrize("kernel", ("configured", "plain16", "prefetch", "prefetch2", "dot"))
+@pytest.mark.parametrize("kernel", ("configured", "plain16", "prefetch", "prefetch2", "dot", "l2"))
 def test_rope_epilogue_equals_the_twin(dtype, pdl, heads, kernel, monkeypatch):
     num_q_heads, num_kv_heads, head_dim = heads
     n_out = (num_q_heads + 2 * num_kv_heads) * head_dim
     configs = {"plain16": gemv.GemvConfig(16, 512, 4, 1), "prefetch": gemv.GemvConfig(8, 512, 4, 1, prefetch=1),
+               "l2": gemv.GemvConfig(8, 512, 8, 1, prefetch=2, maxnreg=144, l2=True),
                "prefetch2": gemv.GemvConfig(8, 512, 8, 1, prefetch=2),
                "dot": gemv.GemvConfig(32, 128, 4, 3, dot=True)}
     if kernel in configs:
