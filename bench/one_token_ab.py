@@ -11,7 +11,6 @@ untied embedding's one row a token left out, as bench/decode_profile.py) / the c
 """
 import argparse
 import json
-from dataclasses import replace
 import statistics
 import sys
 import time
@@ -86,10 +85,6 @@ def main() -> None:
     ap.add_argument("--row-max-splits", type=int, nargs="+", default=None,
                     help="each form again with the row loop's slices capped at each of these (decode_row's "
                          "SHORT_MAX_SPLITS) instead of as it is")
-    ap.add_argument("--l2", nargs="+", default=[], metavar="PROJ[,PROJ]",
-                    help="each form again with these projections' programs fetching their weight rows into L2 before "
-                         "the PDL wait (GemvConfig.l2; 'all': every projection)")
-    ap.add_argument("--l2-chunk", type=int, default=None, help="bytes a lane's L2 prefetch covers (gemv.L2_CHUNK_BYTES)")
     ap.add_argument("--outside-before", action="store_true",
                     help="each form again with the launches outside the layers as before the twenty-ninth session: "
                          "cos and sin computed each step (6 launches), the head's bf16 logits cast, torch.argmax")
@@ -101,7 +96,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     config, dev = PRESETS[args.preset], torch.device("cuda")
-    gemv.L2_CHUNK_BYTES = args.l2_chunk
     keys = projections(config)
     configs = {name: gemv.pick_config(*key, device=dev) for name, key in keys.items()}  # (this device's)
     gemv.DEVICE_CONFIGS.clear()  # (each form sets CONFIGS)
@@ -117,12 +111,6 @@ def main() -> None:
             block_n, block_k, warps, prefetch, *cap = map(int, shape.split(":"))
             cfg = gemv.GemvConfig(block_n, block_k, warps, 1, prefetch=prefetch, maxnreg=cap[0] if cap else None)
             forms[spec].update({name: cfg for name in names.split(",")})
-    for spec in args.l2:
-        names = list(keys) if spec == "all" else spec.split(",")
-        for name, table in list(forms.items()):
-            if "+l2" not in name:
-                forms[f"{name}+l2-{spec}"] = {**table, **{n: replace(table.get(n, configs[n]), l2=True)
-                                                          for n in names}}
     rows = {"": decode_row.ROW_DECODE} if not args.row_tiles else {f"@row-{t}": decode_row.parse_tile(t)
                                                                     for t in args.row_tiles}
     caps = {"": decode_row.SHORT_MAX_SPLITS} if not args.row_max_splits else {f"/{n}": n for n in args.row_max_splits}

@@ -50,8 +50,6 @@ class GemvConfig:
     prefetch: int = 0  # CUDA cores: weight tiles loaded this many (0-2) ahead of their products (registers hold 1 more)
     maxnreg: int | None = None  # a thread's registers capped (Triton's maxnreg): ptxas schedules the loads otherwise
     # (q | k | v without the norm, H200: 24.0 us capped at 128 against 25.8; bench/norm_cost.py --maxnreg)
-    l2: bool = False  # Hopper: each program first fetches all its weight rows into L2 (a bulk prefetch, no registers
-    # held), before the PDL wait: the idle memory at a kernel's boundary streams them (triton_gemv._rows_to_l2)
 
 
 # (n_out, k_in, silu) -> config: the Llama-2-7B shapes, chosen on an H100 by the graphed batch-1 step
@@ -294,23 +292,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         EVEN_K=k_in % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM_K=min(NORM_K, _next_power_of_2(k_in)),
         HEAD_DIM=head_dim, CACHE_BLOCK=cache_block, num_warps=config.num_warps, num_stages=config.num_stages,
-        **squares_args, **table_args, **_register_cap(config, squares is not None), **_l2_args(config, weight),
+        **squares_args, **table_args, **_register_cap(config, squares is not None),
         **pdl_options(x, pdl))
     return (out, partials) if partials is not None else (total, out)
-
-
-L2_CHUNK_BYTES: int | None = None  # bytes a lane's bulk prefetch covers (None: the program's rows over all its lanes)
-
-
-def _l2_args(config: GemvConfig, weight: Tensor) -> dict:
-    """The launch's L2 prefetch arguments where `config.l2` applies: Hopper (the bulk prefetch; not the interpreter)
-    and 16-byte aligned rows (the prefetch's unit): a lane a thread, each a chunk of the program's rows."""
-    row_bytes = weight.stride(0) * weight.element_size()
-    if not config.l2 or not pdl_options(weight, True)["PDL"] or row_bytes % 16 or weight.data_ptr() % 16:
-        return {}
-    lanes = config.num_warps * 32
-    chunk = L2_CHUNK_BYTES or -(-config.block_n * row_bytes // lanes)
-    return {"l2_row_bytes": row_bytes, "L2_LANES": lanes, "L2_CHUNK": -(-chunk // 16) * 16}
 
 
 def _register_cap(config: GemvConfig, squares_in: bool) -> dict:

@@ -103,31 +103,6 @@ def _wait_and_norm(x_ptr, r_ptr, sum_ptr, k_in, eps, write_sum, sq_ptr, num_squa
 
 
 @triton.jit
-def _rows_to_l2(w_ptr, rows, row_bytes, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
-                CHUNK: tl.constexpr):
-    # this program's weight rows fetched into L2 (Hopper's cp.async.bulk.prefetch.L2, no register held) before
-    # the PDL wait: its rows are one run of BLOCK_N (or PAIRS: two runs of BLOCK_N / 2, the even r's and the odd
-    # r's of _rows), each lane of LANES (the program's threads, one element a thread) CHUNK bytes of them
-    row_bytes = row_bytes.to(tl.int64)
-    r = tl.arange(0, BLOCK_N)
-    first = tl.min(rows, axis=0).to(tl.int64) * row_bytes
-    if PAIRS:
-        run = (BLOCK_N // 2) * row_bytes
-        second = tl.min(tl.where(r % 2 == 1, rows, 2147483647), axis=0).to(tl.int64) * row_bytes
-    else:
-        run = BLOCK_N * row_bytes
-        second = first
-    lane = tl.arange(0, LANES).to(tl.int64) * CHUNK
-    in_first = lane < run
-    offset = tl.where(in_first, first + lane, second + lane - run)
-    size = tl.minimum(tl.where(in_first, run, 2 * run if PAIRS else run) - lane, CHUNK)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [w_ptr.to(tl.pointer_type(tl.int8)) + offset, size.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)
-
-
-@triton.jit
 def _rows(pid, n_out, ROPE: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     # this program's BLOCK_N weight rows: consecutive, or pairs interleaved (row 2c, 2c + 1): with ROPE (i, i + D/2)
     # of one head, so the program can rotate them; with SILU (gate row i, up row n_out + i), so it can
@@ -284,8 +259,7 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
                 PDL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 NORM_K: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, BIAS: tl.constexpr = False,
                 PREFETCH: tl.constexpr = 0, sq_ptr=None, num_squares=0, SQUARES_IN: tl.constexpr = 0,
-                SQUARES_OUT: tl.constexpr = False, rows_ptr=None, stride_cs=0, last_row=0, l2_row_bytes=0,
-                L2_LANES: tl.constexpr = 0, L2_CHUNK: tl.constexpr = 0):
+                SQUARES_OUT: tl.constexpr = False, rows_ptr=None, stride_cs=0, last_row=0):
     # out[n] = sum_k w[n, k] * in[k] for this program's BLOCK_N rows (the weight's rows are a multiple of BLOCK_N);
     # SILU: out[n] = silu(gate[n]) * up[n], gate = row n and up = row n_out + n of w [2 n_out, k_in], BLOCK_N / 2
     # outputs a program;
@@ -294,13 +268,10 @@ def gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, n_out, k_in, stri
     # SQUARES_OUT (no NORM, RESIDUAL, SILU, ROPE): out[n] = the projection + r[n] (the residual stream's next total),
     # and each program's sum of squares of its totals at sq_ptr[pid] (fp32); SQUARES_IN (NORM without RESIDUAL: the
     # input is such a total): the norm's 1 / rms from those num_squares partials (padded to SQUARES_IN, a power of
-    # two) instead of a pass over the input; L2_LANES (Hopper, not the interpreter): the program's weight rows
-    # (l2_row_bytes apart) fetched into L2 before anything else, L2_CHUNK bytes a lane (_rows_to_l2); ROPE: cos,
-    # sin rows rows_ptr[0] of tables [*, HEAD_DIM / 2] (row stride stride_cs, at most last_row)
+    # two) instead of a pass over the input; ROPE: cos, sin rows rows_ptr[0] of tables [*, HEAD_DIM / 2] (row stride
+    # stride_cs, at most last_row)
     pid = tl.program_id(0)
     rows = _rows(pid, n_out, ROPE, SILU, BLOCK_N, HEAD_DIM)
-    if L2_LANES:
-        _rows_to_l2(w_ptr, rows, l2_row_bytes, ROPE or SILU, BLOCK_N, L2_LANES, L2_CHUNK)
     if ROPE:
         cos, sin, slot, d = _rope_inputs(pid, cos_ptr, sin_ptr, rows_ptr, stride_cs, last_row, slots, HEAD_DIM,
                                          BLOCK_N)

@@ -229,13 +229,9 @@ def test_the_interpreter_in_a_subprocess():
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("n_out, k_in", ((64, 64), (4096, 4096), (12288, 4096), (4096, 11008), (11008, 4096)))
-@pytest.mark.parametrize("kernel", ("configured", "plain", "prefetch", "prefetch2", "dot", "dot-masked", "plain-pairs",
-                                    "prefetch2-l2", "dot-l2"))
+@pytest.mark.parametrize("kernel", ("configured", "plain", "prefetch", "prefetch2", "dot", "dot-masked", "plain-pairs"))
 def test_kernels_equal_the_twins(dtype, pdl, n_out, k_in, kernel, monkeypatch):
-    """(-l2: the rows fetched into L2 first, GemvConfig.l2; a hint, so any fault or stray write would show)"""
     configs = {"plain": gemv.GemvConfig(8, min(k_in, 1024), 4, 1),
-               "prefetch2-l2": gemv.GemvConfig(8, min(k_in, 512), 8, 1, prefetch=2, l2=True),
-               "dot-l2": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True, l2=True),
                "prefetch": gemv.GemvConfig(8, min(k_in, 512), 4, 1, prefetch=1),
                "prefetch2": gemv.GemvConfig(8, min(k_in, 512), 8, 1, prefetch=2),
                "dot": gemv.GemvConfig(32, min(k_in, 128), 4, 3, dot=True),
@@ -264,12 +260,11 @@ def test_squares_equal_the_twins(dtype, pdl, hidden, inner):
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 @pytest.mark.parametrize("pdl", (False, True))
 @pytest.mark.parametrize("heads", ((32, 32, 128), (32, 8, 128), (8, 2, 64)))  # Llama-2-7B, GQA (Llama-3-8B), small
-@pytest.mark.parametrize("kernel", ("configured", "plain16", "prefetch", "prefetch2", "dot", "l2"))
+@pytest.mark.parametrize("kernel", ("configured", "plain16", "prefetch", "prefetch2", "dot"))
 def test_rope_epilogue_equals_the_twin(dtype, pdl, heads, kernel, monkeypatch):
     num_q_heads, num_kv_heads, head_dim = heads
     n_out = (num_q_heads + 2 * num_kv_heads) * head_dim
     configs = {"plain16": gemv.GemvConfig(16, 512, 4, 1), "prefetch": gemv.GemvConfig(8, 512, 4, 1, prefetch=1),
-               "l2": gemv.GemvConfig(8, 512, 8, 1, prefetch=2, maxnreg=144, l2=True),
                "prefetch2": gemv.GemvConfig(8, 512, 8, 1, prefetch=2),
                "dot": gemv.GemvConfig(32, 128, 4, 3, dot=True)}
     if kernel in configs:
