@@ -52,6 +52,16 @@ FORMS = {
 }
 
 
+class NoAttention:
+    """A paged attend without attention: the q | k | v kernel writes the cache as before; its q is the output."""
+
+    def __init__(self, paged: PagedAttend):
+        self.kv_cache = paged.kv_cache
+
+    def attend_cached(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+
 def outside(lm, before: bool) -> tuple:
     """(head, pick) of a step, and its rotation installed: the engine's (cos | sin tables, float32 logits out of
     the head's kernel, kernels/greedy.py), or `before` the twenty-ninth session's launches outside the layers."""
@@ -85,6 +95,9 @@ def main() -> None:
     ap.add_argument("--row-max-splits", type=int, nargs="+", default=None,
                     help="each form again with the row loop's slices capped at each of these (decode_row's "
                          "SHORT_MAX_SPLITS) instead of as it is")
+    ap.add_argument("--no-attention", action="store_true",
+                    help="each form again without attention: q | k | v still writes the cache, o reads q (a bound: what "
+                         "the projections' chain costs alone)")
     ap.add_argument("--outside-before", action="store_true",
                     help="each form again with the launches outside the layers as before the twenty-ninth session: "
                          "cos and sin computed each step (6 launches), the head's bf16 logits cast, torch.argmax")
@@ -116,17 +129,20 @@ def main() -> None:
     caps = {"": decode_row.SHORT_MAX_SPLITS} if not args.row_max_splits else {f"/{n}": n for n in args.row_max_splits}
     tails = {None: (("", False),), "both": (("", False), ("+squares", True)), "only": (("+squares", True),)}
     outsides = (("", False), ("+outside-before", True)) if args.outside_before else (("", False),)
-    forms = {name + suffix + cap_name + tail + out_name: (table, tile, cap, squares, before)
+    attentions = (("", True), ("+no-attention", False)) if args.no_attention else (("", True),)
+    forms = {name + suffix + cap_name + tail + out_name + at_name: (table, tile, cap, squares, before, attends)
              for name, table in forms.items() for suffix, tile in rows.items() for cap_name, cap in caps.items()
-             for tail, squares in tails[args.squares] for out_name, before in outsides}
+             for tail, squares in tails[args.squares] for out_name, before in outsides
+             for at_name, attends in attentions}
     lm = build_decoder(config, dtype=torch.bfloat16, device=dev)
     kc, vc, tables, query_start, context, positions, slots, tokens = decode_inputs(config, 1, args.context, dev)
     bound = engine_bound(config, args.context)
-    attend = PagedAttend(kc, vc, slots, tables, query_start, context, 1, config.head_dim ** -0.5,
-                         max_context_len=bound)
+    paged = PagedAttend(kc, vc, slots, tables, query_start, context, 1, config.head_dim ** -0.5,
+                        max_context_len=bound)
     graphs, outputs = {}, {}
     with torch.inference_mode():
-        for name, (table, tile, cap, squares, before) in forms.items():
+        for name, (table, tile, cap, squares, before, attends) in forms.items():
+            attend = paged if attends else NoAttention(paged)
             lm.set_one_token(OneTokenConfig(norm_squares=squares))
             head, pick = outside(lm, before)
             decode_row.ROW_DECODE, decode_row.SHORT_MAX_SPLITS = tile, cap  # (what the graph captures)
@@ -156,12 +172,13 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "preset": args.preset, "context": args.context,
               "attention_bound": bound, "bandwidth": bandwidth, "floor_ms": floor_ms,
               "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-              "same_token": len({int(t) for t in outputs.values()}) == 1, "forms": {}}
+              "same_token": len({int(t) for n, t in outputs.items() if forms[n][5]}) == 1, "forms": {}}  # (attending)
     for name, ms in times.items():
         median = statistics.median(ms)
         report["forms"][name] = {"configs": {k: repr(v) for k, v in forms[name][0].items()},
                                  "row_tile": repr(forms[name][1]), "row_max_splits": forms[name][2],
                                  "norm_squares": forms[name][3], "outside_before": forms[name][4],
+                                 "attention": forms[name][5],
                                  "graph_step_ms_median": median, "vs_floor": median / floor_ms, "rounds_ms": ms}
         print(f"{name:18s} {median:.4f} ms  {median / floor_ms:.4f}x floor  (rounds {min(ms):.4f}-{max(ms):.4f})",
               flush=True)
