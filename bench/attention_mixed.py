@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchmaker.kernels.attention_work import capacity, work_lists  # noqa: E402
 from batchmaker.kernels.paged_attention import paged_attention  # noqa: E402
-from bench.common import write_results  # noqa: E402
+from bench.common import captured, write_results  # noqa: E402
 
 CASES = [  # decodes, their context, chunks, chunk tokens, the chunks' context
     (128, 1024, 1, 300, 800), (128, 1024, 1, 1500, 1500), (200, 1000, 1, 440, 600), (64, 1500, 2, 512, 1024),
@@ -26,12 +26,7 @@ CASES = [  # decodes, their context, chunks, chunk tokens, the chunks' context
 
 
 def graph_us(call, calls: int = 10) -> float:
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
+    graph = captured(call, calls)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

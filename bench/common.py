@@ -19,6 +19,17 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def captured(call, calls: int) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `calls` back-to-back calls of `call` (run once first: compiles, allocations)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return graph
+
+
 def replay_windows(graph: "torch.cuda.CUDAGraph", calls_per_graph: int, replays: int, warm: int = 5) -> list[float]:
     """µs per call (graph time / calls_per_graph) in five timed windows of `replays` back-to-back
     replays, after `warm` untimed ones; callers take the median."""

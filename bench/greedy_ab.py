@@ -16,23 +16,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchmaker.kernels import greedy as greedy_module  # noqa: E402
-
-
-def timed(fn, launches: int) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    return graph
+from bench.common import captured  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256, 152064, 256000])
-    ap.add_argument("--tiles", nargs="+", default=["4096:4", "2048:4", "8192:8", "4096:8", "16384:16"], metavar="BLOCK:WARPS")
+    ap.add_argument("--tiles", nargs="+", default=["4096:4", "2048:4", "8192:8", "4096:8", "16384:16"],
+                    metavar="BLOCK:WARPS")
     ap.add_argument("--launches", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default=None)
@@ -55,7 +47,7 @@ def main() -> None:
                 forms[f"greedy-{tile}"] = run
             graphs = {}
             for name, fn in forms.items():
-                graphs[name] = timed(fn, args.launches)  # (each captures its own block shape)
+                graphs[name] = captured(fn, args.launches)  # (each captures its own block shape)
             times = {name: [] for name in forms}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

@@ -23,7 +23,8 @@ PHI3 = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_la
 CONFIGS = {
     "llama": PRESETS["tiny-llama"],
     "longrope": from_hf(dict(PHI3, original_max_position_embeddings=32, rope_scaling={
-        "type": "longrope", "short_factor": [1.0 + i / 4 for i in range(12)], "long_factor": [3.0 + i for i in range(12)]})),
+        "type": "longrope", "short_factor": [1.0 + i / 4 for i in range(12)],
+        "long_factor": [3.0 + i for i in range(12)]})),
     "yarn": from_hf(dict(PHI3, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 8.0,
                                                                  "original_max_position_embeddings": 32})),
     "gemma3": from_hf(dict(PHI3, model_type="gemma3_text", head_dim=24, sliding_window=8, num_hidden_layers=3,
