@@ -8,7 +8,6 @@ where the code computes per forward (the CPU, a capture before the table exists)
     python -m pytest -q tests/test_rotary.py          # CPU
     python -m pytest -q -m gpu tests/test_rotary.py   # bit for bit on a CUDA device
 """
-from dataclasses import replace
 
 import pytest
 import torch
