@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from batchmaker.cell import Cell
+from batchmaker.cells.rotary import tables_bytes
 from batchmaker.exec.sampling import sampling_bytes
 from batchmaker.signature import Signature, TensorSpec
 
@@ -122,7 +123,7 @@ class DecoderCell(Cell):
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             headroom = self.kv.gpu_headroom + (self.kv.gpu_headroom_ranks if self.ranks > 1 else 0)
-            headroom += sampling_bytes(self.max_seqs, self.lm.config.vocab_size)
+            headroom += sampling_bytes(self.max_seqs, self.lm.config.vocab_size) + tables_bytes(self.lm, dtype)
             budget = min(int(free * self.kv.gpu_fraction), free - headroom)
             if budget < 2 * per_block:
                 raise MemoryError(f"{free / 2**30:.2f} GiB free on {device} once the weights are placed: no room "

@@ -8,7 +8,8 @@ per forward before, from the same kernels on the same inputs. A forward then gat
 launches instead of six elementwise ones, and a one-token forward gathers nothing: its q | k | v
 projection reads its row of the table itself (kernels/gemv.RopeTarget). Positions past the table
 (a graph's padding tokens: batchmaker/core/iteration_shapes.py) read its last row; they write only
-scratch.
+scratch. A table holds max_positions x head_dim values (Llama-3.1-8B's: 33.5 MB in bf16; Gemma 3
+has two); a KV cache sized by the free memory leaves room for them (`tables_bytes`).
 
     tables = RopeTables(max_positions)
     rotate = tables.at(positions, dtype, self.rope_angles)   # Rotary; rope_angles(positions) -> fp32 cos, sin
@@ -70,6 +71,16 @@ class Rotary:
         """q rotated; k rotated and v written into the caches at slots (one kernel on CUDA)."""
         fn = rope_write_kv if can_fuse(q) else reference_rope_write_kv
         return fn(q, k, v, self.cos, self.sin, k_cache, v_cache, slots)
+
+
+def tables_bytes(model, dtype: torch.dtype) -> int:
+    """What `model`'s tables hold on one device once built (its `rope_tables`: one RopeTables, or a dict of
+    them), 0 for a model without."""
+    tables = getattr(model, "rope_tables", None)
+    if tables is None:
+        return 0
+    count = len(tables) if isinstance(tables, dict) else 1
+    return count * model.config.max_positions * model.config.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def builds_table(positions: Tensor) -> bool:

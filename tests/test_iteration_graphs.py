@@ -117,8 +117,9 @@ def test_prefill_graph_tokens_must_be_a_count(value):
 
 def test_the_kv_cache_leaves_headroom_on_a_nearly_full_gpu(monkeypatch):
     """KV blocks on a CUDA device: the fraction of the free memory, but never closer to full than
-    the headroom (more for a decoder split over processes); no room at all is a MemoryError that
-    says what to set. (torch.cuda.mem_get_info stubbed: no GPU here.)"""
+    the headroom (more for a decoder split over processes, and room for sampling and RoPE's cos | sin
+    table); no room at all is a MemoryError that says what to set. (torch.cuda.mem_get_info stubbed: no
+    GPU here.)"""
     from batchmaker.cells.decoder_cell import DecoderCell, KVSettings, kv_bytes_per_block, sampling_bytes
     from batchmaker.cells.decoder_config import PRESETS
     from batchmaker.cells.decoder_source import DecoderSource
@@ -135,9 +136,10 @@ def test_the_kv_cache_leaves_headroom_on_a_nearly_full_gpu(monkeypatch):
         return cell.num_blocks_on(torch.device("cuda", 0))
     sampling = 256 * config.vocab_size * 48  # (KVSettings.max_seqs rows of the vocabulary's logits)
     assert sampling_bytes(256, config.vocab_size) == sampling
+    reserved = sampling + config.max_positions * config.head_dim * 4  # (and the fp32 model's cos | sin table)
     assert blocks(60) == int(60 * gib * 0.9) // per_block  # plenty free: the fraction binds
-    assert blocks(10) == (8 * gib - sampling) // per_block  # 10 GiB free: 2 GiB and sampling's left, not 1
-    assert blocks(10, tensor_parallel=2) == (6 * gib - sampling) // per_block  # the communicators' share too
+    assert blocks(10) == (8 * gib - reserved) // per_block  # 10 GiB free: 2 GiB and those left, not 1
+    assert blocks(10, tensor_parallel=2) == (6 * gib - reserved) // per_block  # the communicators' share too
     assert blocks(10, gpu_headroom=0, gpu_headroom_ranks=0) == int(10 * gib * 0.9) // per_block
     assert 0.4 * gib < sampling_bytes(256, 256_000) < 0.6 * gib  # (Gemma 2's vocabulary: one chunk of rows)
     with pytest.raises(MemoryError, match="gpu_headroom"):

@@ -69,6 +69,15 @@ def test_table_rows_are_the_per_position_values(name, monkeypatch):
     check(name, "cpu", exact=False)
 
 
+def test_the_kv_sizing_knows_what_the_tables_hold(monkeypatch):
+    monkeypatch.setattr(rotary, "builds_table", lambda positions: True)
+    for name in ("llama", "gemma3"):
+        model = build_decoder(CONFIGS[name], dtype=torch.bfloat16)
+        held = {id(r.table): r.table.nbytes for r, _ in rotations(model, torch.tensor([3]))}
+        assert rotary.tables_bytes(model, torch.bfloat16) == sum(held.values()) > 0, name
+    assert rotary.tables_bytes(build_decoder(PRESETS["tiny-opt"]), torch.float32) == 0  # (no rotary embeddings)
+
+
 def test_the_cpu_computes_per_forward():
     model = build_decoder(PRESETS["tiny-llama"])
     positions = torch.tensor([3, 9])
