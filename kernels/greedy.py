@@ -8,8 +8,10 @@ longest kernel outside its layers (bench/one_token_ab.py --trace, twenty-eighth 
 kernel takes 3.5 µs there, and 3.7 against torch's 8.3 for a row of 256,000 (bench/greedy_ab.py,
 H200, twenty-ninth session; faster at every size measured, 1-256 rows). It
 spreads each row over programs of GREEDY_BLOCK logits, which meet in a per-row slot of a scratch
-buffer kept per device (`_scratch`: the kernel leaves it as it found it), and launches with PDL
-behind the LM head. One stream at a time uses a device's scratch (the engine's one decode stream).
+buffer kept per device and stream (`_scratch`: the kernel leaves it as it found it), and launches
+with PDL behind the LM head. Launches on one stream run one after another (each waits for the kernel
+before it, which under PDL waited for the one before that), so only launches on other streams,
+another engine's, could meet in a slot: they get their own.
 """
 import torch
 from torch import Tensor
@@ -19,7 +21,7 @@ from batchmaker.kernels.fused_decoder import HAS_TRITON, _next_power_of_2
 
 GREEDY_BLOCK = 4096  # logits a program reads (a 32,000 vocabulary in 8 programs)
 GREEDY_WARPS = 4
-_scratch: dict[torch.device, tuple[Tensor, Tensor]] = {}  # device -> (best int64, count int32), a slot per row
+_scratch: dict[tuple, tuple[Tensor, Tensor]] = {}  # (device, stream) -> (best int64, count int32), a slot a row
 _outgrown: list[tuple[Tensor, Tensor]] = []  # smaller ones, kept: CUDA graphs captured with them still use them
 
 
@@ -48,14 +50,16 @@ def greedy(logits: Tensor) -> Tensor:
 
 
 def scratch(device: torch.device, rows: int) -> tuple[Tensor, Tensor]:
-    """The device's per-row slots for at least `rows` rows (grown to the next power of two, at least 256: new
-    ones are set to what the kernel leaves, so a capture that grows them replays that setting too)."""
-    best, count = _scratch.get(device, (None, None))
+    """The current stream's per-row slots on `device` for at least `rows` rows (grown to the next power of two,
+    at least 256: new ones are set to what the kernel leaves, so a capture that grows them replays that setting
+    too)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    best, count = _scratch.get(key, (None, None))
     if best is None or best.shape[0] < rows:
         if best is not None:
             _outgrown.append((best, count))
         size = max(256, _next_power_of_2(rows))
         best = torch.full((size,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device)
         count = torch.zeros(size, dtype=torch.int32, device=device)
-        _scratch[device] = best, count
+        _scratch[key] = best, count
     return best, count

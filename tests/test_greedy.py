@@ -44,8 +44,8 @@ def check(device, vocabs):
         for _ in range(2):
             got, want = greedy(logits), reference_greedy(logits)
             assert got.dtype == torch.int64 and torch.equal(got, want), (name, got, want)
-    best, count = greedy_module._scratch[logits.device]
-    assert (best == torch.iinfo(torch.int64).min).all() and (count == 0).all()
+    for best, count in greedy_module._scratch.values():
+        assert (best == torch.iinfo(torch.int64).min).all() and (count == 0).all()
 
 
 def test_the_twin_off_triton_is_torch_argmax():
@@ -77,3 +77,7 @@ def test_the_kernel_on_the_gpu():
     logits.copy_(torch.randn(8, 32000, device="cuda"))
     graph.replay()
     assert torch.equal(out, logits.argmax(-1))
+    other = torch.cuda.Stream()  # (another engine's stream: its own slots, so launches there may overlap)
+    with torch.cuda.stream(other):
+        assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert (logits.device, other.cuda_stream) in greedy_module._scratch
