@@ -28,11 +28,12 @@ Angles = Callable[[Tensor], tuple[Tensor, Tensor]]  # positions [T] -> float32 c
 class Rotary:
     """Rotate-half RoPE at one forward's positions: `cos`, `sin` [T, D/2] (gathered from the table on first
     use, with a table); `table_rows()`: (cos table, sin table, positions) for a kernel that reads its rows."""
-    __slots__ = ("_cos", "_sin", "table", "positions")
+    __slots__ = ("_cos", "_sin", "table", "positions", "_rows")
 
     def __init__(self, cos: Tensor | None, sin: Tensor | None, table: Tensor | None = None,
                  positions: Tensor | None = None):
         self._cos, self._sin, self.table, self.positions = cos, sin, table, positions
+        self._rows = None
 
     @classmethod
     def rows(cls, table: Tensor, positions: Tensor) -> "Rotary":
@@ -53,11 +54,11 @@ class Rotary:
 
     def table_rows(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """(cos [P, D/2], sin [P, D/2], positions [T]): views of the table (row stride D) and the rows to read;
-        None without a table."""
-        if self.table is None:
-            return None
-        half = self.table.shape[1] // 2
-        return self.table[:, :half], self.table[:, half:], self.positions
+        None without a table. Made once a forward (each layer's q | k | v asks)."""
+        if self.table is not None and self._rows is None:
+            half = self.table.shape[1] // 2
+            self._rows = self.table[:, :half], self.table[:, half:], self.positions
+        return self._rows
 
     def _gather(self) -> None:
         rows = self.table.index_select(0, self.positions.clamp(max=self.table.shape[0] - 1))

@@ -2,8 +2,8 @@
 
 Greedy (temperature 0) takes the argmax (one launch on CUDA: kernels/greedy.py). Otherwise the
 logits are divided by the temperature, cut to the top-k and to the smallest nucleus of probability
-top-p, and a token is drawn by the
-Gumbel-max trick with noise that is a hash of (seed, token index, vocabulary id): a request's
+top-p, and a token is drawn by the Gumbel-max trick with noise that is a hash of (seed, token
+index, vocabulary id): a request's
 draw depends on its own seed and position only, never on what it was batched with, so sampled
 outputs are reproducible, batched equals unbatched, and a suspended request recomputed later
 continues exactly as it would have. No host sync and fixed shapes: it runs inside CUDA graphs.
